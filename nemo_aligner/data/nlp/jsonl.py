@@ -1,0 +1,61 @@
+"""Read jsonl files with errors that name the file, the line and the field."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Iterable, List, Sequence
+
+from nemo_aligner.utils.errors import DataError
+
+
+def read_jsonl(path: str) -> List[Dict[str, Any]]:
+    """All records of a jsonl file; blank lines are skipped.
+
+    Each record gets ``__line__`` (1-based) so later checks can point at it.
+    """
+    if not path:
+        raise DataError("no data file given (empty path)")
+    if not os.path.exists(path):
+        raise DataError(f"{path}: file does not exist")
+    if os.path.isdir(path):
+        raise DataError(f"{path}: is a directory, expected a .jsonl file")
+    records = []
+    with open(path, "r", encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{line_no}: malformed JSON ({err.msg} at column {err.colno})") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
+            record["__line__"] = line_no
+            records.append(record)
+    if not records:
+        raise DataError(f"{path}: file is empty (no JSON records)")
+    return records
+
+
+def require_fields(record: Dict[str, Any], fields: Sequence[str], path: str, types=(str,)) -> None:
+    """Raise if a required field is missing or has the wrong type."""
+    for field in fields:
+        if field not in record:
+            present = sorted(k for k in record if k != "__line__")
+            raise DataError(f"{path}:{record.get('__line__', '?')}: missing field {field!r} (found {present})")
+        if types and not isinstance(record[field], types):
+            raise DataError(
+                f"{path}:{record.get('__line__', '?')}: field {field!r} must be "
+                f"{' or '.join(t.__name__ for t in types)}, got {type(record[field]).__name__}"
+            )
+
+
+def write_jsonl(path: str, records: Iterable[Dict[str, Any]]) -> None:
+    """Write records atomically (temp file, then rename)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)

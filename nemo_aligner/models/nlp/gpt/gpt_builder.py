@@ -1,0 +1,170 @@
+"""Build a megatron-core ``GPTModel`` from NeMo's model config keys."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from nemo_aligner.utils.errors import ConfigError
+
+_POSITION_EMBEDDINGS = {"rope", "learned_absolute"}
+_NORMALIZATIONS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
+_ACTIVATIONS = {
+    "gelu": (F.gelu, False),
+    "swiglu": (F.silu, True),
+    "geglu": (F.gelu, True),
+    "relu": (F.relu, False),
+}
+
+
+def precision_dtype(precision) -> torch.dtype:
+    """NeMo/Lightning precision values (32, 16, bf16, bf16-mixed, ...) to a dtype."""
+    p = str(precision).lower()
+    if p in ("32", "32-true", "fp32", "float32"):
+        return torch.float32
+    if p in ("bf16", "bf16-mixed", "bf16-true", "bfloat16"):
+        return torch.bfloat16
+    if p in ("16", "16-mixed", "fp16", "float16"):
+        return torch.float16
+    raise ConfigError(f"trainer.precision={precision!r} is not one of 32, bf16, 16")
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """NeMo/Megatron vocab padding: a multiple of ``make_vocab_size_divisible_by * TP``."""
+    multiple = max(int(divisible_by or 1), 1) * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def te_available() -> bool:
+    """Transformer Engine is used only when it imports and a GPU is present."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _get(cfg, key, default=None):
+    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+    return default if value is None else value
+
+
+def transformer_config_from_cfg(cfg, precision="32"):
+    """A ``TransformerConfig`` from a NeMo model config (``cfg.model``)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    pos = str(_get(cfg, "position_embedding_type", "learned_absolute"))
+    if pos not in _POSITION_EMBEDDINGS:
+        raise ConfigError(f"model.position_embedding_type={pos!r} must be one of {sorted(_POSITION_EMBEDDINGS)}")
+    norm = str(_get(cfg, "normalization", "layernorm")).lower()
+    if norm not in _NORMALIZATIONS:
+        raise ConfigError(f"model.normalization={norm!r} must be one of {sorted(_NORMALIZATIONS)}")
+    act = str(_get(cfg, "activation", "gelu")).lower()
+    if act not in _ACTIVATIONS:
+        raise ConfigError(f"model.activation={act!r} must be one of {sorted(_ACTIVATIONS)}")
+    activation_func, gated = _ACTIVATIONS[act]
+
+    hidden = int(_get(cfg, "hidden_size"))
+    heads = int(_get(cfg, "num_attention_heads"))
+    if hidden % heads != 0 and _get(cfg, "kv_channels") is None:
+        raise ConfigError(f"model.hidden_size={hidden} is not divisible by model.num_attention_heads={heads}")
+    tp = int(_get(cfg, "tensor_model_parallel_size", 1))
+    pp = int(_get(cfg, "pipeline_model_parallel_size", 1))
+    sequence_parallel = bool(_get(cfg, "sequence_parallel", False))
+    if sequence_parallel and not torch.cuda.is_available():
+        raise ConfigError(
+            "model.sequence_parallel=True needs Transformer Engine on a GPU; set model.sequence_parallel=False on CPU"
+        )
+    if sequence_parallel and tp == 1:
+        sequence_parallel = False
+    dtype = precision_dtype(precision)
+    bias = bool(_get(cfg, "bias", True))
+    granularity = _get(cfg, "activations_checkpoint_granularity")
+    kwargs = dict(
+        num_layers=int(_get(cfg, "num_layers")),
+        hidden_size=hidden,
+        ffn_hidden_size=int(_get(cfg, "ffn_hidden_size", 4 * hidden)),
+        num_attention_heads=heads,
+        num_query_groups=_get(cfg, "num_query_groups"),
+        kv_channels=_get(cfg, "kv_channels"),
+        hidden_dropout=float(_get(cfg, "hidden_dropout", 0.0)),
+        attention_dropout=float(_get(cfg, "attention_dropout", 0.0)),
+        layernorm_epsilon=float(_get(cfg, "layernorm_epsilon", 1e-5)),
+        normalization=_NORMALIZATIONS[norm],
+        activation_func=activation_func,
+        gated_linear_unit=gated,
+        add_bias_linear=bias,
+        add_qkv_bias=bool(_get(cfg, "qkv_bias", bias)),
+        init_method_std=float(_get(cfg, "init_method_std", 0.02)),
+        apply_query_key_layer_scaling=bool(_get(cfg, "apply_query_key_layer_scaling", False)),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=sequence_parallel,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        autocast_dtype=dtype,
+        use_cpu_initialization=not torch.cuda.is_available() or bool(_get(cfg, "use_cpu_initialization", False)),
+        perform_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        deallocate_pipeline_outputs=pp > 1,
+        recompute_granularity=granularity,
+        recompute_method=_get(cfg, "activations_checkpoint_method") if granularity == "full" else None,
+        recompute_num_layers=_get(cfg, "activations_checkpoint_num_layers") if granularity == "full" else None,
+    )
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(cfg, config):
+    """Transformer Engine spec on a GPU with TE installed, megatron-core's local spec otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    normalization = config.normalization
+    if te_available() and not bool(_get(cfg, "force_local_spec", False)):
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=bool(_get(cfg, "qk_layernorm", False))
+        )
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        normalization=normalization, qk_layernorm=bool(_get(cfg, "qk_layernorm", False))
+    )
+
+
+def build_gpt_model(cfg, vocab_size: int, precision="32", pre_process: Optional[bool] = None,
+                    post_process: Optional[bool] = None, config=None):
+    """One pipeline stage of a megatron-core ``GPTModel`` for the current rank."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    config = config or transformer_config_from_cfg(cfg, precision)
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage()
+    max_pos = int(_get(cfg, "max_position_embeddings", _get(cfg, "encoder_seq_length")))
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(cfg, config),
+        vocab_size=padded_vocab_size(vocab_size, _get(cfg, "make_vocab_size_divisible_by", 128),
+                                     config.tensor_model_parallel_size),
+        max_sequence_length=max_pos,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=bool(_get(cfg, "share_embeddings_and_output_weights", True)),
+        position_embedding_type=str(_get(cfg, "position_embedding_type", "learned_absolute")),
+        rotary_percent=float(_get(cfg, "rotary_percentage", 1.0)),
+        rotary_base=int(_get(cfg, "rotary_base", 10000)),
+        seq_len_interpolation_factor=_get(cfg, "seq_len_interpolation_factor"),
+    )
+    return model

@@ -1,0 +1,220 @@
+"""The engine every GPT role builds on: one pipeline stage of a megatron-core GPT, its DDP
+wrapper, optimizer and LR schedule, and the micro-batched forward/backward."""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Callable, Dict, List, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from nemo_aligner.models.nlp.gpt.gpt_builder import (
+    build_gpt_model,
+    padded_vocab_size,
+    precision_dtype,
+    transformer_config_from_cfg,
+)
+from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.utils.optim import build_optimizer, build_scheduler, uses_distributed_optimizer
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[Dict[str, torch.Tensor], torch.Tensor], tuple]
+
+
+def split_micro_batches(batch: Dict[str, torch.Tensor], micro_batch_size: int) -> List[Dict[str, torch.Tensor]]:
+    """Split every tensor of ``batch`` along dim 0 into micro-batches of ``micro_batch_size``."""
+    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    size = next(iter(tensors.values())).shape[0]
+    if size % micro_batch_size != 0:
+        raise ConfigError(
+            f"batch of {size} samples on this data-parallel rank is not a multiple of "
+            f"model.micro_batch_size={micro_batch_size}"
+        )
+    return [
+        {k: v[i : i + micro_batch_size] for k, v in tensors.items()} for i in range(0, size, micro_batch_size)
+    ]
+
+
+class MegatronGPTModel:
+    """A megatron-core ``GPTModel`` stage with DDP, optimizer and scheduler, built from ``cfg`` (``model.*``)."""
+
+    def __init__(self, cfg: DictConfig, tokenizer, precision="32", trainable: bool = True):
+        from megatron.core import parallel_state
+
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.precision = precision
+        self.dtype = precision_dtype(precision)
+        self.trainable = trainable
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        with open_dict(cfg):
+            cfg.tensor_model_parallel_size = tp
+            cfg.pipeline_model_parallel_size = pp
+            if cfg.get("padded_vocab_size") is None:
+                cfg.padded_vocab_size = padded_vocab_size(
+                    tokenizer.vocab_size, cfg.get("make_vocab_size_divisible_by", 128), tp
+                )
+        if cfg.padded_vocab_size % tp != 0:
+            raise ConfigError(
+                f"model.padded_vocab_size={cfg.padded_vocab_size} (from the checkpoint) is not divisible by "
+                f"model.tensor_model_parallel_size={tp}"
+            )
+        if cfg.padded_vocab_size < tokenizer.vocab_size:
+            raise ConfigError(
+                f"model.padded_vocab_size={cfg.padded_vocab_size} is smaller than the tokenizer's "
+                f"vocabulary ({tokenizer.vocab_size})"
+            )
+        self.transformer_config = transformer_config_from_cfg(cfg, precision)
+        module = self.build_module()
+        if self.dtype != torch.float32:
+            from megatron.core.transformer.module import Float16Module
+
+            module = Float16Module(self.transformer_config, module)
+        self.model = [self._wrap_ddp(module) if trainable else module]
+        self.optimizer = None
+        self.scheduler = None
+
+    # ----------------------------------------------------------------- building
+    def build_module(self) -> torch.nn.Module:
+        """This rank's pipeline stage; subclasses add heads."""
+        return build_gpt_model(
+            self.cfg, vocab_size=self.cfg.padded_vocab_size, precision=self.precision,
+            config=self.transformer_config,
+        )
+
+    def _wrap_ddp(self, module):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=self.dtype != torch.float32,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=uses_distributed_optimizer(self.cfg.get("optim", {}) or {}),
+            check_for_nan_in_grad=False,
+            bucket_size=None,
+        )
+        ddp = DistributedDataParallel(self.transformer_config, ddp_config, module)
+        # Without this the pipeline schedules never all-reduce DP gradients.
+        self.transformer_config.finalize_model_grads_func = finalize_model_grads
+        self.transformer_config.no_sync_func = ddp.no_sync
+        return ddp
+
+    def setup_optimization(self, max_steps: int, clip_grad: float = 1.0):
+        """Build the optimizer and LR scheduler (``model.optim``); returns both."""
+        if not self.trainable:
+            raise RuntimeError("setup_optimization on a model built with trainable=False")
+        optim_cfg = self.cfg.get("optim")
+        if optim_cfg is None:
+            raise ConfigError("model.optim is required for training")
+        self.optimizer = build_optimizer(optim_cfg, self.model, self.dtype, clip_grad)
+        self.scheduler = build_scheduler(self.optimizer, optim_cfg, max_steps)
+        # fp16 loss scaling is applied inside the schedules through this hook.
+        self.transformer_config.grad_scale_func = self.optimizer.scale_loss
+        return self.optimizer, self.scheduler
+
+    # ----------------------------------------------------------------- access
+    @property
+    def module(self) -> torch.nn.Module:
+        """The bare megatron-core module of this stage (no DDP / Float16 wrappers)."""
+        from megatron.core.utils import unwrap_model
+
+        return unwrap_model(self.model[0])
+
+    @property
+    def vocab_size(self) -> int:
+        """Real vocabulary size (padding rows excluded)."""
+        return self.tokenizer.vocab_size
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def num_parameters(self) -> int:
+        """Parameters of the whole model (summed over TP and PP ranks)."""
+        from megatron.core import parallel_state
+
+        local = sum(p.numel() for p in self.module.parameters())
+        total = torch.tensor([local], dtype=torch.long)
+        torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
+        return int(total.item())
+
+    def train(self):
+        for m in self.model:
+            m.train()
+
+    def eval(self):
+        for m in self.model:
+            m.eval()
+
+    def zero_grad(self):
+        for m in self.model:
+            if hasattr(m, "zero_grad_buffer"):
+                m.zero_grad_buffer()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+
+    # ----------------------------------------------------------------- compute
+    def gpt_forward(self, model, micro_batch: Dict[str, torch.Tensor], labels: Optional[torch.Tensor] = None):
+        """One stage's forward: per-token loss when ``labels`` is given (last stage), else logits."""
+        return model(
+            micro_batch["tokens"],
+            micro_batch["position_ids"],
+            micro_batch.get("attention_mask"),
+            labels=labels,
+        )
+
+    def forward_backward(
+        self,
+        batch: Dict[str, torch.Tensor],
+        loss_fn: Optional[LossFn],
+        forward_only: bool,
+        micro_batch_size: int,
+        forward_fn: Optional[Callable] = None,
+    ) -> List:
+        """Run megatron-core's pipeline schedule over ``batch`` split into micro-batches.
+
+        ``forward_fn(model, micro_batch)`` returns this stage's output (default: per-token
+        loss against ``labels``). ``loss_fn(micro_batch, output)`` returns ``(loss,
+        metrics)`` on the last stage; the schedule divides ``loss`` by the number of
+        micro-batches. Returns the per-micro-batch metrics (last stage only) or, with
+        ``loss_fn=None``, the outputs themselves.
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        micro_batches = split_micro_batches(batch, micro_batch_size)
+        forward_fn = forward_fn or (lambda model, mb: self.gpt_forward(model, mb, labels=mb.get("labels")))
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            output = forward_fn(model, mb)
+            if loss_fn is None:
+                return output, lambda out, non_loss_data=False: out
+            return output, partial(loss_fn, mb)
+
+        seq_length = micro_batches[0]["tokens"].shape[1]
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=self.model,
+            num_microbatches=len(micro_batches),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+            collect_non_loss_data=loss_fn is None,
+        )
+
+    # ----------------------------------------------------------------- checkpoints
+    def sharded_state_dict(self, prefix: str = "model.") -> dict:
+        """megatron-core sharded state dict with NeMo's key names (``model.decoder.layers...``)."""
+        return self.module.sharded_state_dict(prefix=prefix)
+
+    def model_config_dict(self) -> dict:
+        """The model config saved into checkpoints."""
+        cfg = OmegaConf.to_container(self.cfg, resolve=True)
+        cfg["mcore_gpt"] = True
+        cfg["precision"] = self.precision
+        cfg["tokenizer"] = self.tokenizer.config()
+        return cfg

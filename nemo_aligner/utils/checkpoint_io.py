@@ -1,0 +1,149 @@
+"""Atomic save and checked load of megatron-core torch_dist sharded checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from typing import Dict, Iterable, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from nemo_aligner.utils.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _flatten(sharded_state_dict: dict, prefix: str = "") -> Iterable[Tuple[str, object]]:
+    for key, value in sharded_state_dict.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def replace_dir_atomically(tmp_dir: str, final_dir: str) -> None:
+    """Move a finished ``tmp_dir`` to ``final_dir``; an existing ``final_dir`` is kept until the swap."""
+    old = None
+    if os.path.exists(final_dir):
+        old = f"{final_dir}.old.{os.getpid()}"
+        os.replace(final_dir, old)
+    os.replace(tmp_dir, final_dir)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save_sharded(sharded_state_dict: dict, directory: str, content_metadata: Optional[dict] = None) -> None:
+    """Save a sharded state dict to ``directory`` as torch_dist; a crash mid-save leaves any old copy intact.
+
+    Every rank writes into ``<directory>.tmp`` first; rank 0 renames it when all are done.
+    """
+    from megatron.core import dist_checkpointing
+
+    directory = os.path.abspath(directory)
+    tmp_dir = f"{directory}.tmp"
+    if _rank() == 0:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        os.makedirs(tmp_dir)
+    _barrier()
+    dist_checkpointing.save(sharded_state_dict, tmp_dir, content_metadata=content_metadata)
+    _barrier()
+    if _rank() == 0:
+        replace_dir_atomically(tmp_dir, directory)
+    _barrier()
+
+
+def checkpoint_shapes(directory: str) -> Dict[str, Tuple[int, ...]]:
+    """Global shape of every tensor stored in a torch_dist checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    metadata = dist_checkpointing.load_tensors_metadata(directory)
+    return {key: tuple(t.global_shape) for key, t in _flatten(metadata) if hasattr(t, "global_shape")}
+
+
+def is_sharded_checkpoint(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, "metadata.json"))
+
+
+def load_sharded(
+    sharded_state_dict: dict,
+    directory: str,
+    allow_missing: Iterable[str] = (),
+    what: str = "checkpoint",
+) -> Tuple[dict, list]:
+    """Load ``sharded_state_dict`` from ``directory`` after checking keys and shapes.
+
+    Tensors whose key contains one of ``allow_missing`` may be absent from the
+    checkpoint (a new reward head, say): they keep their current values and are
+    returned in the second element. Any other absent key or shape mismatch is a
+    ``CheckpointError`` that names the tensor.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    if not is_sharded_checkpoint(directory):
+        raise CheckpointError(f"{what} {directory}: not a torch_dist checkpoint (no metadata.json)")
+    stored = checkpoint_shapes(directory)
+    missing, mismatched = [], []
+
+    def prune(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                out[key] = prune(value, f"{prefix}{key}.")
+                continue
+            if isinstance(value, ShardedBase) and hasattr(value, "global_shape"):
+                if value.key not in stored:
+                    if any(tag in value.key for tag in allow_missing):
+                        missing.append(value.key)
+                        continue
+                    missing.append(value.key)
+                elif tuple(value.global_shape) != stored[value.key]:
+                    mismatched.append((value.key, stored[value.key], tuple(value.global_shape)))
+            out[key] = value
+        return out
+
+    to_load = prune(sharded_state_dict)
+    not_allowed = [k for k in missing if not any(tag in k for tag in allow_missing)]
+    if mismatched:
+        key, have, want = mismatched[0]
+        raise CheckpointError(
+            f"{what} {directory}: tensor {key!r} has shape {list(have)} in the checkpoint but "
+            f"{list(want)} in the model built from the config ({len(mismatched)} tensor(s) differ); "
+            "the model.* architecture keys do not match this checkpoint"
+        )
+    if not_allowed:
+        raise CheckpointError(
+            f"{what} {directory}: tensor {not_allowed[0]!r} is missing from the checkpoint "
+            f"({len(not_allowed)} missing); it was saved from a different model"
+        )
+    try:
+        loaded = dist_checkpointing.load(to_load, directory)
+    except Exception as err:  # torch DCP errors are long; keep the cause, name the file
+        raise CheckpointError(f"{what} {directory}: could not be loaded: {err}") from err
+    return loaded, [k for k in missing if k not in not_allowed]
+
+
+def load_common(directory: str) -> dict:
+    """The non-sharded part (``common.pt``) of a torch_dist checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load_common_state_dict(directory)
+
+
+def copy_into_model(module: torch.nn.Module, loaded: dict, prefix: str = "model.") -> None:
+    """Load a state dict returned by ``load_sharded`` into ``module`` (keys from its sharded_state_dict)."""
+    # megatron-core's sharded load returns plain tensors under the same nested keys as the
+    # request; GPTModel.load_state_dict understands them after stripping the prefix.
+    state = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in loaded.items()}
+    module.load_state_dict(state, strict=False)

@@ -1,0 +1,230 @@
+"""Process-group start-up (torchrun or Slurm), megatron-core parallel state, and small collectives."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from nemo_aligner.utils.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LaunchInfo:
+    """Where this process sits in the job, read from the launcher's environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun", "slurm" or "single"
+
+
+def first_host_of_nodelist(nodelist: str) -> str:
+    """First host of a Slurm node list such as ``node[003-005,007],gpu12``.
+
+    Does the part of ``scontrol show hostnames`` we need without calling it.
+    """
+    nodelist = nodelist.strip()
+    match = re.match(r"^([^,\[]+)(\[([^\]]+)\])?", nodelist)
+    if not match:
+        raise ConfigError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}")
+    prefix, _, ranges = match.groups()
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def read_launch_info(environ=None) -> LaunchInfo:
+    """Read rank and rendezvous from torchrun (``RANK``...) or Slurm (``SLURM_PROCID``...) variables."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchInfo(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+            launcher="torchrun",
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and int(env["SLURM_NTASKS"]) > 1:
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
+        # Each het-job component has its own job id, so a port derived from it keeps the
+        # critic and actor rendezvous apart when they share a node.
+        job_id = int(env.get("SLURM_JOB_ID", "0") or 0)
+        return LaunchInfo(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            master_addr=env.get("MASTER_ADDR") or first_host_of_nodelist(nodelist),
+            master_port=int(env.get("MASTER_PORT") or 20000 + job_id % 20000),
+            launcher="slurm",
+        )
+    return LaunchInfo(0, 1, 0, "127.0.0.1", 0, "single")
+
+
+def check_world_size(world_size: int, devices: int, num_nodes: int) -> None:
+    """``trainer.devices`` x ``trainer.num_nodes`` must equal the number of launched processes."""
+    if devices is None or devices in (-1, "auto"):
+        return
+    expected = int(devices) * int(num_nodes or 1)
+    if expected != world_size:
+        raise ConfigError(
+            f"trainer.devices={devices} x trainer.num_nodes={num_nodes} = {expected} processes, "
+            f"but {world_size} were launched; launch with "
+            f"`torchrun --nproc_per_node {devices}` or set trainer.devices={world_size // max(int(num_nodes or 1), 1)}"
+        )
+
+
+def check_parallel_sizes(world_size: int, tp: int, pp: int, num_attention_heads: int,
+                         num_query_groups: Optional[int], num_layers: int) -> int:
+    """Validate TP/PP against the world size and the model; returns the data-parallel size."""
+    if tp < 1 or pp < 1:
+        raise ConfigError("model.tensor_model_parallel_size and model.pipeline_model_parallel_size must be >= 1")
+    if world_size % (tp * pp) != 0:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by model.tensor_model_parallel_size={tp} x "
+            f"model.pipeline_model_parallel_size={pp}"
+        )
+    if num_attention_heads % tp != 0:
+        raise ConfigError(
+            f"model.tensor_model_parallel_size={tp} does not divide model.num_attention_heads={num_attention_heads}"
+        )
+    groups = num_query_groups or num_attention_heads
+    if groups % tp != 0:
+        raise ConfigError(f"model.tensor_model_parallel_size={tp} does not divide model.num_query_groups={groups}")
+    if num_layers % pp != 0:
+        raise ConfigError(
+            f"model.pipeline_model_parallel_size={pp} does not divide model.num_layers={num_layers}"
+        )
+    return world_size // (tp * pp)
+
+
+def init_distributed(devices=None, num_nodes=1, timeout_minutes: int = 30) -> LaunchInfo:
+    """Start ``torch.distributed`` (gloo on CPU, nccl on GPU) once per process."""
+    info = read_launch_info()
+    check_world_size(info.world_size, devices, num_nodes)
+    if dist.is_initialized():
+        return info
+    if info.launcher == "single":
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(free_port())
+        info.master_port = int(os.environ["MASTER_PORT"])
+    else:
+        os.environ.setdefault("MASTER_ADDR", info.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(info.master_port))
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+    from datetime import timedelta
+
+    dist.init_process_group(
+        backend="nccl" if use_cuda else "gloo",
+        init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=timedelta(minutes=timeout_minutes),
+    )
+    return info
+
+
+def initialize_model_parallel(tp: int, pp: int, seed: int = 1234) -> None:
+    """megatron-core parallel state plus seeded RNG trackers (CPU patches applied first)."""
+    from megatron.core import parallel_state
+
+    from nemo_aligner.utils.cpu_compat import apply_cpu_patches
+
+    apply_cpu_patches()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    )
+    seed_everything(seed)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (the same on every TP rank, offset per PP stage) and the trackers."""
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    np.random.seed(stage_seed % (2**32))
+    torch.manual_seed(stage_seed)
+    model_parallel_cuda_manual_seed(stage_seed, force_reset_rng=True)
+
+
+def destroy() -> None:
+    """Tear down megatron-core parallel state and the process group (tests, API)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_global_rank_zero() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def get_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj, src: int = 0):
+    """Broadcast one picklable object from global rank ``src``."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def all_reduce_mean_dp(values: torch.Tensor) -> torch.Tensor:
+    """Mean over the data-parallel group (metrics)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    values = values.clone()
+    dist.all_reduce(values, group=group)
+    return values / dist.get_world_size(group)
+
+
+def broadcast_from_last_stage(values: torch.Tensor) -> torch.Tensor:
+    """Send a tensor computed on the last pipeline stage to every stage (metrics, logits)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return values
+    src = parallel_state.get_pipeline_model_parallel_last_rank()
+    group = parallel_state.get_pipeline_model_parallel_group()
+    values = values.contiguous()
+    dist.broadcast(values, src=src, group=group)
+    return values

@@ -1,0 +1,141 @@
+"""Optimizer and LR schedule from NeMo's ``model.optim`` config, on megatron-core."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from nemo_aligner.utils.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_ADAM_NAMES = {"adam", "adamw", "fused_adam", "distributed_fused_adam", "mcore_distributed_optim"}
+_DISTRIBUTED_NAMES = {"distributed_fused_adam", "mcore_distributed_optim"}
+_DECAY_STYLES = {
+    "cosineannealing": "cosine",
+    "cosine": "cosine",
+    "constantlr": "constant",
+    "constant": "constant",
+    "linear": "linear",
+    "linearannealing": "linear",
+    "inversesquarerootannealing": "inverse-square-root",
+}
+
+
+def uses_distributed_optimizer(optim_cfg) -> bool:
+    """``model.optim.name=distributed_fused_adam`` selects megatron-core's DistributedOptimizer."""
+    return str(optim_cfg.get("name", "fused_adam")).lower() in _DISTRIBUTED_NAMES
+
+
+def optimizer_config(optim_cfg, dtype: torch.dtype, clip_grad: float):
+    """megatron-core ``OptimizerConfig`` from ``model.optim`` (name, lr, weight_decay, betas, eps)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    name = str(optim_cfg.get("name", "fused_adam")).lower()
+    if name not in _ADAM_NAMES and name != "sgd":
+        raise ConfigError(f"model.optim.name={name!r} is not supported; use one of {sorted(_ADAM_NAMES | {'sgd'})}")
+    betas = list(optim_cfg.get("betas", [0.9, 0.98]) or [0.9, 0.98])
+    if len(betas) != 2:
+        raise ConfigError(f"model.optim.betas must have two values, got {betas}")
+    if optim_cfg.get("lr") is None:
+        raise ConfigError("model.optim.lr is required")
+    return OptimizerConfig(
+        optimizer="sgd" if name == "sgd" else "adam",
+        lr=float(optim_cfg.lr),
+        min_lr=float((optim_cfg.get("sched") or {}).get("min_lr", 0.0) or 0.0),
+        weight_decay=float(optim_cfg.get("weight_decay", 0.0) or 0.0),
+        adam_beta1=float(betas[0]),
+        adam_beta2=float(betas[1]),
+        adam_eps=float(optim_cfg.get("eps", 1e-8)),
+        sgd_momentum=float(optim_cfg.get("momentum", 0.9)),
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        loss_scale=None,
+        initial_loss_scale=float(optim_cfg.get("initial_loss_scale", 2**16)),
+        use_distributed_optimizer=name in _DISTRIBUTED_NAMES,
+        clip_grad=float(clip_grad or 0.0),
+    )
+
+
+def _use_fused_adamw(optimizer) -> bool:
+    """Switch megatron-core's torch AdamW to the fused kernel where the device supports it.
+
+    Without Transformer Engine or apex, megatron-core builds ``torch.optim.AdamW``
+    with its default (foreach) kernel. The fused kernel gives the same maths.
+    """
+    switched = False
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_opt = getattr(inner, "optimizer", None)
+        if not isinstance(torch_opt, torch.optim.AdamW):
+            continue
+        params = [p for g in torch_opt.param_groups for p in g["params"]]
+        if not params or not all(p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in params):
+            continue
+        for group in torch_opt.param_groups:
+            group["fused"] = True
+            group["foreach"] = False
+        torch_opt.defaults["fused"] = True
+        torch_opt.defaults["foreach"] = False
+        switched = True
+    return switched
+
+
+def build_optimizer(optim_cfg, model_chunks, dtype: torch.dtype, clip_grad: float):
+    """The megatron-core optimizer for ``model_chunks`` (DDP-wrapped)."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    config = optimizer_config(optim_cfg, dtype, clip_grad)
+    optimizer = get_megatron_optimizer(config, model_chunks)
+    if config.optimizer == "adam" and optim_cfg.get("fused", True):
+        _use_fused_adamw(optimizer)
+    return optimizer
+
+
+def build_scheduler(optimizer, optim_cfg, max_steps: int):
+    """NeMo's schedules on megatron-core's ``OptimizerParamScheduler``.
+
+    ``CosineAnnealing``: linear warm-up over ``warmup_steps``, cosine decay to
+    ``min_lr`` until ``max_steps - constant_steps``, then ``min_lr``.
+    ``Constant``/``ConstantLR`` (or no ``sched``): warm-up, then ``lr``.
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    sched = optim_cfg.get("sched") or {}
+    name = str(sched.get("name", "constant") or "constant").lower()
+    if name not in _DECAY_STYLES:
+        raise ConfigError(f"model.optim.sched.name={sched.get('name')!r} is not supported; use CosineAnnealing or Constant")
+    style = _DECAY_STYLES[name]
+    lr = float(optim_cfg.lr)
+    min_lr = float(sched.get("min_lr", 0.0) or 0.0) if style != "constant" else lr
+    warmup = int(sched.get("warmup_steps", 0) or 0)
+    if sched.get("warmup_ratio") and not warmup:
+        warmup = int(float(sched.warmup_ratio) * max_steps)
+    constant = int(sched.get("constant_steps", 0) or 0)
+    decay_steps = max(int(sched.get("max_steps", 0) or max_steps) - constant, 1)
+    if style != "constant" and decay_steps <= warmup:
+        logger.warning("model.optim.sched: no steps left to decay after warm-up; using a constant LR")
+        style, min_lr = "constant", lr
+    weight_decay = float(optim_cfg.get("weight_decay", 0.0) or 0.0)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup else lr,
+        max_lr=lr,
+        min_lr=min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=style,
+        start_wd=weight_decay,
+        end_wd=weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=True,
+        override_opt_param_scheduler=False,
+    )
+
+
+def current_lr(optimizer) -> float:
+    for group in optimizer.param_groups:
+        return float(group["lr"])
+    return 0.0
