@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -43,10 +43,12 @@ def replace_dir_atomically(tmp_dir: str, final_dir: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def save_sharded(sharded_state_dict: dict, directory: str, content_metadata: Optional[dict] = None) -> None:
+def save_sharded(sharded_state_dict: dict, directory: str, content_metadata: Optional[dict] = None,
+                 before_commit: Optional[Callable[[str], None]] = None) -> None:
     """Save a sharded state dict to ``directory`` as torch_dist; a crash mid-save leaves any old copy intact.
 
-    Every rank writes into ``<directory>.tmp`` first; rank 0 renames it when all are done.
+    Every rank writes into ``<directory>.tmp`` first (``before_commit(tmp_dir)`` lets each
+    rank add its own files there); rank 0 renames it when all are done.
     """
     from megatron.core import dist_checkpointing
 
@@ -57,6 +59,8 @@ def save_sharded(sharded_state_dict: dict, directory: str, content_metadata: Opt
         os.makedirs(tmp_dir)
     _barrier()
     dist_checkpointing.save(sharded_state_dict, tmp_dir, content_metadata=content_metadata)
+    if before_commit is not None:
+        before_commit(tmp_dir)
     _barrier()
     if _rank() == 0:
         replace_dir_atomically(tmp_dir, directory)
@@ -89,7 +93,7 @@ def load_sharded(
     ``CheckpointError`` that names the tensor.
     """
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedBase
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     if not is_sharded_checkpoint(directory):
         raise CheckpointError(f"{what} {directory}: not a torch_dist checkpoint (no metadata.json)")
@@ -102,7 +106,7 @@ def load_sharded(
             if isinstance(value, dict):
                 out[key] = prune(value, f"{prefix}{key}.")
                 continue
-            if isinstance(value, ShardedBase) and hasattr(value, "global_shape"):
+            if isinstance(value, ShardedTensor):
                 if value.key not in stored:
                     if any(tag in value.key for tag in allow_missing):
                         missing.append(value.key)

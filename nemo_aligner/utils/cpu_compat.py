@@ -35,6 +35,9 @@ _CUDA_HARDCODED_MODULES = (
     "megatron.core.parallel_state",  # torch.cuda.synchronize() in barriers
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",  # verify-reuse flag on "cuda"
     "megatron.core.dist_checkpointing.exchange_utils",  # exchange buffers on "cuda"
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",  # synchronize() before writing
+    "megatron.core.dist_checkpointing.strategies.async_utils",  # liveness flags on current_device()
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",  # synchronize() around exchanges
     "megatron.core.inference.text_generation_controllers.text_generation_controller",
     "megatron.core.inference.engines.static_engine",
     "megatron.core.inference.model_inference_wrappers.abstract_model_inference_wrapper",

@@ -40,9 +40,10 @@ def read_jsonl(path: str) -> List[Dict[str, Any]]:
 
 def require_fields(record: Dict[str, Any], fields: Sequence[str], path: str, types=(str,)) -> None:
     """Raise if a required field is missing or has the wrong type."""
+    path = record.get("__file__", path)
     for field in fields:
         if field not in record:
-            present = sorted(k for k in record if k != "__line__")
+            present = sorted(k for k in record if not k.startswith("__"))
             raise DataError(f"{path}:{record.get('__line__', '?')}: missing field {field!r} (found {present})")
         if types and not isinstance(record[field], types):
             raise DataError(

@@ -218,3 +218,19 @@ class MegatronGPTModel:
         cfg["precision"] = self.precision
         cfg["tokenizer"] = self.tokenizer.config()
         return cfg
+
+    def load_weights(self, directory: str, what: str = "checkpoint", allow_missing=()) -> list:
+        """Load this stage's weights from a torch_dist directory (any TP/PP layout); returns keys left new."""
+        from nemo_aligner.utils.checkpoint_io import load_sharded
+
+        loaded, missing = load_sharded(self.sharded_state_dict(), directory, allow_missing=allow_missing, what=what)
+        state = {k[len("model."):]: v for k, v in loaded.items() if k.startswith("model.")}
+        result = self.module.load_state_dict(state, strict=False)
+        # Only tensors the checkpoint was allowed to lack, and TE's per-layer extra state, may stay unset.
+        unexpected = [k for k in result.missing_keys if not k.endswith("_extra_state")
+                      and not any(tag in k for tag in allow_missing)]
+        if unexpected:
+            from nemo_aligner.utils.errors import CheckpointError
+
+            raise CheckpointError(f"{what} {directory}: no values for {unexpected[:3]} ({len(unexpected)} tensors)")
+        return missing

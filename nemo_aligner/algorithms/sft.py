@@ -1,0 +1,88 @@
+"""SFT end to end from a Hydra config: data, model, optimizer, exp_manager, SupervisedTrainer."""
+
+from __future__ import annotations
+
+import logging
+
+from typing import Dict
+
+from omegaconf import DictConfig, open_dict
+
+from nemo_aligner.algorithms.supervised import SupervisedTrainer, plan_max_steps
+from nemo_aligner.data.nlp.builders import build_dataloader, build_sft_dataset, sft_collate_fn
+from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+from nemo_aligner.models.nlp.gpt.loading import load_model
+from nemo_aligner.utils.distributed import is_global_rank_zero
+from nemo_aligner.utils.exp_manager import exp_manager
+from nemo_aligner.utils.run_control import RunTimer, parse_max_time
+from nemo_aligner.utils.run_setup import init_run
+
+logger = logging.getLogger(__name__)
+
+
+def max_time_of(cfg: DictConfig, algo: str):
+    """``trainer.<algo>.max_time``, else ``trainer.max_time``, else ``exp_manager.max_time_per_run``."""
+    for key, value in ((f"trainer.{algo}.max_time", cfg.trainer.get(algo, {}).get("max_time")),
+                       ("trainer.max_time", cfg.trainer.get("max_time")),
+                       ("exp_manager.max_time_per_run", (cfg.get("exp_manager") or {}).get("max_time_per_run"))):
+        seconds = parse_max_time(value, key)
+        if seconds is not None:
+            return seconds
+    return None
+
+
+def run_sft(cfg: DictConfig) -> Dict[str, float]:
+    """Fine-tune ``model.restore_from_path`` (or a fresh model) on ``model.data.*``; returns a summary."""
+    restore = cfg.model.get("restore_from_path")
+    info = init_run(cfg, restore, "model.restore_from_path")
+    exp = exp_manager(cfg.get("exp_manager"), cfg, default_name=str(cfg.get("name", "megatron_gpt_sft")))
+    data_cfg = cfg.model.data
+    with open_dict(cfg.model):
+        cfg.model.micro_batch_size = data_cfg.train_ds.micro_batch_size
+        cfg.model.global_batch_size = data_cfg.train_ds.global_batch_size
+        cfg.model.val_micro_batch_size = data_cfg.validation_ds.get("micro_batch_size", cfg.model.micro_batch_size)
+
+    model = load_model(GPTSFTModel, cfg.model, cfg.trainer.precision, restore, key="model.restore_from_path")
+    seq_len = int(model.cfg.encoder_seq_length)
+    answer_only = bool(cfg.model.get("answer_only_loss", True))
+    chat = bool(data_cfg.get("chat", False))
+    tokens = data_cfg.get("chat_prompt_tokens")
+    train_ds = build_sft_dataset(data_cfg.train_ds, model.tokenizer, seq_len, chat, answer_only, tokens,
+                                 key="model.data.train_ds")
+    val_ds = build_sft_dataset(data_cfg.validation_ds, model.tokenizer, seq_len, chat, answer_only, tokens,
+                               key="model.data.validation_ds")
+    collate = sft_collate_fn(model.tokenizer, seq_len, data_cfg.get("pad_to_multiple_of", 8))
+    seed = int(cfg.model.get("seed", 1234))
+    workers = int(data_cfg.get("num_workers", 0) or 0)
+    train_dl = build_dataloader(train_ds, data_cfg.train_ds, collate, info.dp_rank, info.dp, seed,
+                                num_workers=workers, train=True, key="model.data.train_ds")
+    val_dl = build_dataloader(val_ds, data_cfg.validation_ds, collate, info.dp_rank, info.dp, seed,
+                              num_workers=workers, train=False, key="model.data.validation_ds")
+
+    sft_cfg = cfg.trainer.sft
+    max_steps, _ = plan_max_steps(sft_cfg, train_dl, "sft")
+    optimizer, scheduler = model.setup_optimization(max_steps, clip_grad=sft_cfg.get("gradient_clip_val", 1.0))
+    logger.info("model: %.2fM parameters; %d training samples, %d validation samples; %d steps",
+                model.num_parameters() / 1e6, len(train_ds), len(val_ds), max_steps)
+    trainer = SupervisedTrainer(sft_cfg, model, optimizer, scheduler, train_dl, val_dl, exp.logger,
+                                exp.checkpoint_callback, RunTimer(max_time_of(cfg, "sft")), name="sft")
+    if exp.resume_from:
+        trainer.load_checkpoint(exp.resume_from)
+    summary = trainer.fit()
+
+    nemo_path = None
+    callback = exp.checkpoint_callback
+    if callback is not None and callback.save_nemo_on_train_end and trainer.step >= trainer.max_steps:
+        nemo_path = callback.save_nemo(model)
+    exp.logger.finalize()
+    summary["nemo_path"] = nemo_path
+    summary["log_dir"] = exp.log_dir
+    if is_global_rank_zero():
+        print(
+            f"SFT finished: {summary['steps']} steps, {summary['epochs']} epochs, "
+            f"train loss {summary['final_train_loss']:.4f}, validation loss {summary['final_val_loss']:.4f} "
+            f"(best {summary['best_val_loss']:.4f}), {summary['seconds']:.0f}s; "
+            + (f".nemo written to {nemo_path}" if nemo_path else f"logs in {exp.log_dir}"),
+            flush=True,
+        )
+    return summary

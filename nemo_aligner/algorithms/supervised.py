@@ -1,0 +1,210 @@
+"""SupervisedTrainer: the fit loop for SFT and reward-model training."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from nemo_aligner.data.nlp.builders import limit_batches, sampler_of
+from nemo_aligner.utils.distributed import is_global_rank_zero
+from nemo_aligner.utils.optim import current_lr
+from nemo_aligner.utils.run_control import RunTimer, compute_max_steps
+from nemo_aligner.utils.train_checkpoint import load_train_checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+def aggregate_validation(per_batch: list) -> Dict[str, float]:
+    """Mean of each metric over batches; ``loss`` is token-weighted when batches report ``loss_sum``/``tokens``."""
+    if not per_batch:
+        return {}
+    out = {}
+    for key in per_batch[0]:
+        out[key] = sum(m[key] for m in per_batch) / len(per_batch)
+    if all("loss_sum" in m and "tokens" in m for m in per_batch):
+        tokens = sum(m["tokens"] for m in per_batch)
+        out["loss"] = sum(m["loss_sum"] for m in per_batch) / max(tokens, 1.0)
+        out["tokens"] = tokens
+        out.pop("token_loss", None)
+        out.pop("loss_sum", None)
+    return out
+
+
+def plan_max_steps(cfg, train_dataloader, name: str = "sft") -> Tuple[int, int]:
+    """``(max_steps, steps_per_epoch)`` from ``max_steps``, ``max_epochs`` and ``limit_train_batches``."""
+    sampler = sampler_of(train_dataloader)
+    steps_per_epoch = limit_batches(cfg.get("limit_train_batches"), sampler.batches_per_epoch)
+    max_steps = compute_max_steps(cfg.get("max_steps"), cfg.get("max_epochs"), steps_per_epoch, key=f"trainer.{name}")
+    return max_steps, steps_per_epoch
+
+
+class SupervisedTrainer:
+    """Train a ``SupervisedInterface`` model on fixed batches: step, validate, save, repeat.
+
+    ``cfg`` is the algorithm's trainer section (``trainer.sft`` or ``trainer.rm``):
+    ``max_steps``, ``max_epochs``, ``val_check_interval``, ``save_interval``,
+    ``limit_val_batches``, ``limit_train_batches``, ``max_time``.
+    """
+
+    def __init__(self, cfg, model, optimizer, scheduler, train_dataloader, val_dataloader, logger_,
+                 ckpt_callback, run_timer: Optional[RunTimer] = None, name: str = "sft"):
+        self.cfg = cfg
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.train_dataloader = train_dataloader
+        self.val_dataloader = val_dataloader
+        self.logger = logger_
+        self.ckpt_callback = ckpt_callback
+        self.timer = run_timer or RunTimer(None)
+        self.name = name
+        self.step = 0
+        self.consumed_samples = 0
+        self.best_val: Optional[float] = None
+        self.last_val_metrics: Dict[str, float] = {}
+        self.last_train_metrics: Dict[str, float] = {}
+        self.sampler = sampler_of(train_dataloader)
+        self.max_steps, self.steps_per_epoch = plan_max_steps(cfg, train_dataloader, name)
+        self.sampler.max_batches_per_epoch = self.steps_per_epoch
+        self.global_batch_size = self.sampler.global_batch_size
+        self.val_check_interval = int(cfg.get("val_check_interval") or 0)
+        self.save_interval = int(cfg.get("save_interval") or 0)
+
+    # ----------------------------------------------------------------- state
+    @property
+    def epoch(self) -> int:
+        return self.consumed_samples // (self.steps_per_epoch * self.global_batch_size)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "consumed_samples": self.consumed_samples, "epoch": self.epoch,
+                "best_val": self.best_val}
+
+    def load_checkpoint(self, path: str) -> None:
+        state = load_train_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        self.step = int(state["step"])
+        self.consumed_samples = int(state["consumed_samples"])
+        self.best_val = state.get("best_val")
+        logger.info("resumed at step %d (%d samples consumed)", self.step, self.consumed_samples)
+
+    # ----------------------------------------------------------------- steps
+    def train_single_step(self, batch) -> Tuple[float, Dict[str, float]]:
+        self.model.prepare_for_training_step()
+        loss, metrics = self.model.get_loss_and_metrics(batch=batch, forward_only=False)
+        self.model.finish_training_step()
+        success, grad_norm, _ = self.optimizer.step()
+        if success:
+            self.scheduler.step(increment=1)
+        metrics = dict(metrics)
+        metrics["lr"] = current_lr(self.optimizer)
+        if grad_norm is not None:
+            metrics["grad_norm"] = float(grad_norm)
+        if not success:
+            metrics["skipped_step"] = 1.0
+        return loss, metrics
+
+    @torch.no_grad()
+    def run_validation(self) -> Dict[str, float]:
+        if self.val_dataloader is None:
+            return {}
+        val_sampler = sampler_of(self.val_dataloader)
+        total = val_sampler.batches_per_epoch if val_sampler else len(self.val_dataloader)
+        num_batches = limit_batches(self.cfg.get("limit_val_batches"), total)
+        per_batch = []
+        for i, batch in enumerate(self.val_dataloader):
+            if i >= num_batches:
+                break
+            self.model.prepare_for_validation_step()
+            _, metrics = self.model.get_loss_and_metrics(batch=batch, forward_only=True)
+            self.model.finish_validation_step()
+            per_batch.append(metrics)
+        return aggregate_validation(per_batch)
+
+    def _tokens_in(self, batch) -> float:
+        """Real (unpadded) tokens in the global batch, summed over data-parallel ranks."""
+        from megatron.core import parallel_state
+
+        local = batch["lengths"].sum() if "lengths" in batch else batch["tokens"].numel()
+        count = torch.tensor([float(local)])
+        if dist.is_initialized():
+            dist.all_reduce(count, group=parallel_state.get_data_parallel_group())
+        return float(count.item())
+
+    def validate_and_log(self) -> Dict[str, float]:
+        metrics = self.run_validation()
+        if metrics:
+            val = metrics["loss"]
+            metrics["val_loss"] = metrics["validation_loss"] = val
+            self.best_val = val if self.best_val is None else min(self.best_val, val)
+            self.logger.log_metrics({k: v for k, v in metrics.items() if k not in ("val_loss", "validation_loss")},
+                                    step=self.step, prefix="val/")
+            self.last_val_metrics = metrics
+        return metrics
+
+    def save(self) -> Optional[str]:
+        if self.ckpt_callback is None:
+            return None
+        metrics = dict(self.last_val_metrics) or {}
+        metrics.update({f"train_{k}": v for k, v in self.last_train_metrics.items()})
+        return self.ckpt_callback.save(self.model, self.optimizer, self.scheduler, self.state_dict(), metrics)
+
+    # ----------------------------------------------------------------- loop
+    def fit(self) -> Dict[str, float]:
+        """Train until ``max_steps``/``max_epochs``/``max_time``; validate and save on the intervals."""
+        if self.step >= self.max_steps:
+            logger.info("already trained %d of %d steps; nothing to do", self.step, self.max_steps)
+            return self.summary(0.0)
+        start = time.monotonic()
+        bar = tqdm(total=self.max_steps, initial=self.step, desc=f"{self.name}", unit="step",
+                   disable=not is_global_rank_zero(), dynamic_ncols=True, leave=True)
+        stop = False
+        try:
+            while self.step < self.max_steps and not stop:
+                self.sampler.consumed_samples = self.consumed_samples
+                steps_left_in_epoch = self.steps_per_epoch - (self.consumed_samples // self.global_batch_size) % self.steps_per_epoch
+                for i, batch in enumerate(self.train_dataloader):
+                    if i >= steps_left_in_epoch or self.step >= self.max_steps:
+                        break
+                    t0 = time.monotonic()
+                    loss, metrics = self.train_single_step(batch)
+                    self.step += 1
+                    self.consumed_samples += self.global_batch_size
+                    tokens = self._tokens_in(batch)
+                    elapsed = time.monotonic() - t0
+                    metrics.update(loss=loss, tokens_per_sec=tokens / max(elapsed, 1e-9), step_time=elapsed,
+                                   consumed_samples=self.consumed_samples, epoch=self.epoch)
+                    self.last_train_metrics = {"loss": loss}
+                    self.logger.log_metrics(metrics, step=self.step, prefix="train/")
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss:.4f}", lr=f"{metrics['lr']:.2e}",
+                                    tok_s=f"{metrics['tokens_per_sec']:.0f}", refresh=False)
+
+                    is_train_end = self.step >= self.max_steps
+                    run_val = (self.val_check_interval > 0 and self.step % self.val_check_interval == 0) or is_train_end
+                    if run_val:
+                        val = self.validate_and_log()
+                        if val:
+                            bar.write(f"step {self.step}: train loss {loss:.4f}, validation loss {val['loss']:.4f}"
+                                      if is_global_rank_zero() else "")
+                    out_of_time = self.timer.is_finished()
+                    run_save = (self.save_interval > 0 and self.step % self.save_interval == 0) or is_train_end or out_of_time
+                    if run_save:
+                        self.save()
+                    if out_of_time:
+                        logger.info("max_time reached after %d steps; checkpoint saved, stopping", self.step)
+                        stop = True
+                        break
+        finally:
+            bar.close()
+        return self.summary(time.monotonic() - start)
+
+    def summary(self, seconds: float) -> Dict[str, float]:
+        return {"steps": self.step, "epochs": self.epoch, "consumed_samples": self.consumed_samples,
+                "final_train_loss": self.last_train_metrics.get("loss", float("nan")),
+                "final_val_loss": self.last_val_metrics.get("loss", float("nan")),
+                "best_val_loss": self.best_val if self.best_val is not None else float("nan"),
+                "seconds": seconds}

@@ -1,0 +1,90 @@
+"""Datasets and data loaders from ``model.data.*`` config."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+
+from nemo_aligner.data.nlp.jsonl import read_jsonl
+from nemo_aligner.data.nlp.samplers import GlobalBatchSampler
+from nemo_aligner.data.nlp.sft_dataset import GPTSFTChatDataset, GPTSFTDataset, collate_sft
+from nemo_aligner.utils.errors import ConfigError
+
+
+def _records(paths, key: str):
+    if paths is None or paths == "???":
+        raise ConfigError(f"{key}.file_path is required")
+    if isinstance(paths, str):
+        paths = [paths]
+    records = []
+    for path in paths:
+        for record in read_jsonl(str(path)):
+            record["__file__"] = str(path)
+            records.append(record)
+    return records, str(paths[0]) if len(paths) == 1 else ",".join(map(str, paths))
+
+
+def build_sft_dataset(ds_cfg, tokenizer, max_seq_length: int, chat: bool, answer_only_loss: bool,
+                      chat_prompt_tokens=None, key: str = "model.data.train_ds"):
+    """A prompt/answer or chat SFT dataset from one ``model.data.*_ds`` section."""
+    records, name = _records(ds_cfg.get("file_path") or ds_cfg.get("file_names"), key)
+    seq = min(int(ds_cfg.get("max_seq_length") or max_seq_length), int(max_seq_length))
+    if chat:
+        return GPTSFTChatDataset(name, tokenizer, seq, chat_prompt_tokens=chat_prompt_tokens,
+                                 add_eos=bool(ds_cfg.get("add_eos", True)), answer_only_loss=answer_only_loss,
+                                 records=records)
+    return GPTSFTDataset(
+        name, tokenizer, seq,
+        prompt_template=ds_cfg.get("prompt_template", "{input} {output}"),
+        label_key=ds_cfg.get("label_key", "output"),
+        add_bos=bool(ds_cfg.get("add_bos", False)),
+        add_eos=bool(ds_cfg.get("add_eos", True)),
+        add_sep=bool(ds_cfg.get("add_sep", False)),
+        truncation_method=ds_cfg.get("truncation_method", "right"),
+        answer_only_loss=answer_only_loss,
+        records=records,
+    )
+
+
+def build_dataloader(dataset, ds_cfg, collate_fn: Callable, dp_rank: int, dp_size: int, seed: int,
+                     consumed_samples: int = 0, num_workers: int = 0, train: bool = True,
+                     key: str = "model.data.train_ds") -> torch.utils.data.DataLoader:
+    """A DataLoader yielding this DP rank's part of each global batch (``global_batch_size``)."""
+    gbs = int(ds_cfg.global_batch_size)
+    mbs = int(ds_cfg.micro_batch_size)
+    if (gbs // dp_size) % mbs != 0:
+        raise ConfigError(
+            f"{key}.global_batch_size={gbs} / data-parallel size {dp_size} is not a multiple of "
+            f"{key}.micro_batch_size={mbs}"
+        )
+    sampler = GlobalBatchSampler(
+        total_samples=len(dataset), global_batch_size=gbs, dp_rank=dp_rank, dp_size=dp_size,
+        shuffle=bool(ds_cfg.get("shuffle", train)), seed=seed,
+        drop_last=bool(ds_cfg.get("drop_last", train)),
+        consumed_samples=consumed_samples, key=key,
+    )
+    return torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, collate_fn=collate_fn, num_workers=num_workers,
+        persistent_workers=False, pin_memory=False,
+    )
+
+
+def sft_collate_fn(tokenizer, max_seq_length: int, pad_to_multiple_of: int = 8):
+    return partial(collate_sft, pad_id=tokenizer.eos_id, max_seq_length=max_seq_length,
+                   pad_to_multiple_of=pad_to_multiple_of)
+
+
+def limit_batches(limit, total: int) -> int:
+    """Lightning's ``limit_*_batches``: a float fraction of ``total`` or an int count (``-1``/None: all)."""
+    if limit is None:
+        return total
+    if isinstance(limit, float) and limit <= 1.0:
+        return max(int(total * limit), 1 if total else 0)
+    limit = int(limit)
+    return total if limit < 0 else min(limit, total)
+
+
+def sampler_of(loader) -> Optional[GlobalBatchSampler]:
+    return loader.batch_sampler if isinstance(loader.batch_sampler, GlobalBatchSampler) else None

@@ -1,0 +1,170 @@
+"""Built-in data: a deterministic, verifiable string task a tiny model learns in minutes on CPU.
+
+Each prompt asks to reverse or sort a short word of letters, e.g. ``"reverse cabd ="``
+with answer ``"dbac"``. The same generator writes every format the toolkit reads
+(SFT, reward-model comparisons, regression labels, DPO pairs, KTO, PPO prompts) and
+``score`` is the rule-based reward: the fraction of answer characters that are right.
+
+Command line::
+
+    python -m nemo_aligner.data.nlp.builtin_task --out-dir data/builtin
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+from nemo_aligner.data.nlp.jsonl import write_jsonl
+
+OPERATIONS = {
+    "reverse": lambda word: word[::-1],
+    "sort": lambda word: "".join(sorted(word)),
+}
+PROMPT_END = " ="
+
+
+@dataclass
+class BuiltinTask:
+    """Generator and scorer of the built-in task."""
+
+    seed: int = 0
+    min_len: int = 3
+    max_len: int = 6
+    alphabet: str = "abcdefgh"
+    operations: Tuple[str, ...] = ("reverse", "sort")
+
+    def _rng(self, split: str) -> random.Random:
+        return random.Random(f"{self.seed}:{split}")
+
+    def example(self, rng: random.Random) -> Tuple[str, str]:
+        """One ``(input, output)`` pair; the SFT template ``"{input} {output}"`` joins them."""
+        op = rng.choice(self.operations)
+        word = "".join(rng.choice(self.alphabet) for _ in range(rng.randint(self.min_len, self.max_len)))
+        return f"{op} {word}{PROMPT_END}", OPERATIONS[op](word)
+
+    def examples(self, n: int, split: str = "train") -> List[Tuple[str, str]]:
+        rng = self._rng(split)
+        return [self.example(rng) for _ in range(n)]
+
+    @staticmethod
+    def prompt_text(task_input: str) -> str:
+        """The prompt a policy is given (the SFT context, ending with the separator space)."""
+        return f"{task_input} "
+
+    @staticmethod
+    def target(prompt: str) -> str:
+        """The correct answer for a prompt (with or without the trailing space)."""
+        op, word = prompt.strip().removesuffix(PROMPT_END.strip()).split()[:2]
+        return OPERATIONS[op](word)
+
+    @classmethod
+    def score(cls, prompt: str, response: str) -> float:
+        """Reward in [0, 1]: matching characters over the longer of answer and response."""
+        target = cls.target(prompt)
+        answer = response.strip().split("\n")[0].split(" ")[0] if response.strip() else ""
+        if not answer:
+            return 0.0
+        hits = sum(a == b for a, b in zip(answer, target))
+        return hits / max(len(target), len(answer))
+
+    def corrupt(self, answer: str, rng: random.Random) -> str:
+        """A plausible wrong answer: swapped, replaced, dropped or extra characters."""
+        chars = list(answer)
+        kind = rng.choice(["swap", "replace", "drop", "add"])
+        if kind == "swap" and len(set(chars)) > 1:
+            i, j = rng.sample(range(len(chars)), 2)
+            while chars[i] == chars[j]:
+                i, j = rng.sample(range(len(chars)), 2)
+            chars[i], chars[j] = chars[j], chars[i]
+        elif kind == "drop" and len(chars) > 1:
+            chars.pop(rng.randrange(len(chars)))
+        elif kind == "add":
+            chars.insert(rng.randrange(len(chars) + 1), rng.choice(self.alphabet))
+        else:
+            i = rng.randrange(len(chars))
+            chars[i] = rng.choice([c for c in self.alphabet if c != chars[i]])
+        wrong = "".join(chars)
+        return wrong if wrong != answer else wrong + rng.choice(self.alphabet)
+
+    # ----------------------------------------------------------------- file formats
+    def sft_records(self, n: int, split: str) -> List[Dict]:
+        return [{"input": i, "output": o} for i, o in self.examples(n, split)]
+
+    def rm_comparison_records(self, n: int, split: str) -> List[Dict]:
+        """Chosen then rejected on consecutive lines, as NeMo-Aligner's RM data."""
+        rng = self._rng(f"{split}:rm")
+        out = []
+        for i, o in self.examples(n, split):
+            prompt = self.prompt_text(i)
+            out.append({"text": prompt + o})
+            out.append({"text": prompt + self.corrupt(o, rng)})
+        return out
+
+    def regression_records(self, n: int, split: str) -> List[Dict]:
+        """``{"text", "label"}`` with a SteerLM-style ``quality`` attribute (0-4) from the score."""
+        rng = self._rng(f"{split}:reg")
+        out = []
+        for i, o in self.examples(n, split):
+            prompt = self.prompt_text(i)
+            response = o if rng.random() < 0.4 else self.corrupt(o, rng)
+            quality = round(4 * self.score(prompt, response))
+            out.append({"text": prompt + response, "label": f"quality:{quality}"})
+        return out
+
+    def dpo_records(self, n: int, split: str) -> List[Dict]:
+        rng = self._rng(f"{split}:dpo")
+        return [
+            {"prompt": self.prompt_text(i), "chosen_response": o, "rejected_response": self.corrupt(o, rng)}
+            for i, o in self.examples(n, split)
+        ]
+
+    def kto_records(self, n: int, split: str) -> List[Dict]:
+        rng = self._rng(f"{split}:kto")
+        out = []
+        for i, o in self.examples(n, split):
+            good = rng.random() < 0.5
+            out.append({"prompt": self.prompt_text(i), "response": o if good else self.corrupt(o, rng),
+                        "preference": "chosen" if good else "rejected"})
+        return out
+
+    def prompt_records(self, n: int, split: str) -> List[Dict]:
+        return [{"text": self.prompt_text(i)} for i, _ in self.examples(n, split)]
+
+    def write_all(self, out_dir: str, n_train: int = 2000, n_val: int = 200) -> Dict[str, str]:
+        """Write every format for ``train`` and ``val``; returns ``{name: path}``."""
+        os.makedirs(out_dir, exist_ok=True)
+        writers = {
+            "sft": self.sft_records,
+            "rm": self.rm_comparison_records,
+            "regression": self.regression_records,
+            "dpo": self.dpo_records,
+            "kto": self.kto_records,
+            "prompts": self.prompt_records,
+        }
+        paths = {}
+        for name, make in writers.items():
+            for split, n in (("train", n_train), ("val", n_val)):
+                path = os.path.join(out_dir, f"{name}_{split}.jsonl")
+                write_jsonl(path, make(n, split))
+                paths[f"{name}_{split}"] = path
+        return paths
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out-dir", default="data/builtin")
+    parser.add_argument("--train", type=int, default=2000, help="training examples per format")
+    parser.add_argument("--val", type=int, default=200, help="validation examples per format")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    paths = BuiltinTask(seed=args.seed).write_all(args.out_dir, args.train, args.val)
+    for name, path in paths.items():
+        print(f"{name:>18}: {path}")
+
+
+if __name__ == "__main__":
+    main()

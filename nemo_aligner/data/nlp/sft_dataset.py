@@ -1,0 +1,187 @@
+"""SFT datasets in NeMo's jsonl formats: prompt/answer (``{"input","output"}``) and chat.
+
+Each sample is a dict with ``input_ids`` (the whole sequence) and ``answer_start``
+(index of the first token the loss is computed on) plus, for chat, a per-token
+``target_mask``. ``collate_sft`` turns a list of samples into the model's batch:
+``tokens``, ``labels`` (tokens shifted by one), ``loss_mask`` and ``position_ids``.
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from nemo_aligner.data.nlp.jsonl import read_jsonl, require_fields
+from nemo_aligner.utils.errors import ConfigError, DataError
+
+
+def template_fields(template: str) -> List[str]:
+    """Names used in a ``str.format`` template, in order."""
+    return [name for _, name, _, _ in string.Formatter().parse(template) if name]
+
+
+def truncate(ids: List[int], n_remove: int, method: str) -> List[int]:
+    """Drop ``n_remove`` tokens from the right (keep the start) or the left (keep the end)."""
+    if n_remove <= 0:
+        return ids
+    return ids[: max(len(ids) - n_remove, 0)] if method == "right" else ids[n_remove:]
+
+
+class GPTSFTDataset(torch.utils.data.Dataset):
+    """``{"input": ..., "output": ...}`` records rendered with ``prompt_template``.
+
+    The text before ``{<label_key>}`` in the template is the context; the label value
+    and anything after it is the answer. With ``answer_only_loss`` only answer tokens
+    (and EOS) carry loss. Samples longer than ``max_seq_length`` tokens are truncated
+    on the context first (``truncation_method`` right/left), then on the answer.
+    """
+
+    def __init__(self, file_path: str, tokenizer, max_seq_length: int, prompt_template: str = "{input} {output}",
+                 label_key: str = "output", add_bos: bool = False, add_eos: bool = True, add_sep: bool = False,
+                 truncation_method: str = "right", answer_only_loss: bool = True, records=None):
+        self.file_path = file_path
+        self.tokenizer = tokenizer
+        self.max_seq_length = int(max_seq_length)
+        self.prompt_template = prompt_template
+        self.label_key = label_key
+        self.add_bos, self.add_eos, self.add_sep = add_bos, add_eos, add_sep
+        if truncation_method not in ("right", "left"):
+            raise ConfigError(f"truncation_method={truncation_method!r} must be 'right' or 'left'")
+        self.truncation_method = truncation_method
+        self.answer_only_loss = answer_only_loss
+        marker = "{" + label_key + "}"
+        if marker not in prompt_template:
+            raise ConfigError(f"prompt_template {prompt_template!r} does not contain {marker} (label_key={label_key!r})")
+        self.context_template, self.answer_suffix = prompt_template.split(marker, 1)
+        self.fields = template_fields(prompt_template)
+        self.records = records if records is not None else read_jsonl(file_path)
+        for record in self.records:
+            require_fields(record, self.fields, file_path)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, idx: int) -> Dict:
+        if idx < 0:  # padding sample of a partial validation batch: no loss
+            return {"input_ids": [self.tokenizer.eos_id] * 2, "answer_start": 2, "padding": True}
+        record = self.records[idx]
+        context = self.context_template.format(**record)
+        answer = record[self.label_key] + self.answer_suffix.format(**record)
+        ctx_ids = self.tokenizer.text_to_ids(context)
+        ans_ids = self.tokenizer.text_to_ids(answer)
+        prefix = [self.tokenizer.bos_id] if self.add_bos and self.tokenizer.bos_id is not None else []
+        suffix = [self.tokenizer.eos_id] if self.add_eos else []
+        # +1: the model sees input_ids[:-1], so max_seq_length tokens need max_seq_length + 1 ids.
+        budget = self.max_seq_length + 1 - len(prefix) - len(suffix)
+        overflow = len(ctx_ids) + len(ans_ids) - budget
+        if overflow > 0:
+            cut = min(overflow, max(len(ctx_ids) - 1, 0))
+            ctx_ids = truncate(ctx_ids, cut, self.truncation_method)
+            ans_ids = ans_ids[: max(budget - len(ctx_ids), 0)]
+        input_ids = prefix + ctx_ids + ans_ids + suffix
+        answer_start = len(prefix) + len(ctx_ids) if self.answer_only_loss else 1
+        return {"input_ids": input_ids, "answer_start": answer_start}
+
+
+DEFAULT_CHAT_TOKENS = {
+    "system_turn_start": "\x00",
+    "turn_start": "\x11",
+    "label_start": "\x12",
+    "end_of_turn": "\x0a",
+    "end_of_name": "\x0a",
+}
+
+
+class GPTSFTChatDataset(torch.utils.data.Dataset):
+    """NeMo chat records: ``{"system", "conversations": [{"from", "value", "label"?}], "mask"}``.
+
+    Rendered as ``<system_turn_start>System<eon>{system}<eot>`` followed by one
+    ``<turn_start>{from}<eon>[<label_start>{label}<eon>]{value}<eot>`` per turn. Loss
+    falls on the values (and end-of-turn) of turns whose speaker is not ``mask``.
+    """
+
+    def __init__(self, file_path: str, tokenizer, max_seq_length: int, chat_prompt_tokens: Optional[dict] = None,
+                 add_eos: bool = True, answer_only_loss: bool = True, records=None):
+        self.file_path = file_path
+        self.tokenizer = tokenizer
+        self.max_seq_length = int(max_seq_length)
+        self.tokens = dict(DEFAULT_CHAT_TOKENS, **(chat_prompt_tokens or {}))
+        self.add_eos = add_eos
+        self.answer_only_loss = answer_only_loss
+        self.records = records if records is not None else read_jsonl(file_path)
+        for record in self.records:
+            require_fields(record, ["conversations"], file_path, types=(list,))
+            line = record["__line__"]
+            for turn_no, turn in enumerate(record["conversations"]):
+                if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
+                    raise DataError(
+                        f"{file_path}:{line}: conversations[{turn_no}] must be an object with 'from' and 'value'"
+                    )
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def render(self, record: dict) -> List[tuple]:
+        """``(text, trained)`` segments of one conversation."""
+        t = self.tokens
+        mask_role = record.get("mask", "User")
+        segments = [(f"{t['system_turn_start']}System{t['end_of_name']}{record.get('system', '')}{t['end_of_turn']}", False)]
+        for turn in record["conversations"]:
+            header = f"{t['turn_start']}{turn['from']}{t['end_of_name']}"
+            if turn.get("label") is not None:
+                header += f"{t['label_start']}{turn['label']}{t['end_of_name']}"
+            trained = turn["from"] != mask_role
+            segments.append((header, False))
+            segments.append((f"{turn['value']}{t['end_of_turn']}", trained))
+        return segments
+
+    def __getitem__(self, idx: int) -> Dict:
+        if idx < 0:
+            return {"input_ids": [self.tokenizer.eos_id] * 2, "answer_start": 2, "padding": True}
+        ids: List[int] = []
+        mask: List[int] = []
+        for text, trained in self.render(self.records[idx]):
+            piece = self.tokenizer.text_to_ids(text)
+            ids += piece
+            mask += [int(trained or not self.answer_only_loss)] * len(piece)
+        if self.add_eos:
+            ids.append(self.tokenizer.eos_id)
+            mask.append(1)
+        ids, mask = ids[: self.max_seq_length + 1], mask[: self.max_seq_length + 1]
+        return {"input_ids": ids, "answer_start": 0, "target_mask": mask}
+
+
+def collate_sft(samples: Sequence[Dict], pad_id: int, max_seq_length: int, pad_to_multiple_of: int = 8) -> Dict[str, torch.Tensor]:
+    """Right-pad a list of samples into ``tokens``, ``labels``, ``loss_mask``, ``position_ids``, ``lengths``.
+
+    The padded length is the longest sample rounded up to ``pad_to_multiple_of``,
+    never above ``max_seq_length``. ``loss_mask[b, i]`` is 1 when ``labels[b, i]`` is a
+    trained token (an answer token, or any token without answer-only loss).
+    """
+    longest = max(len(s["input_ids"]) - 1 for s in samples)
+    multiple = max(int(pad_to_multiple_of or 1), 1)
+    length = min(((longest + multiple - 1) // multiple) * multiple, max_seq_length)
+    batch = len(samples)
+    tokens = torch.full((batch, length), pad_id, dtype=torch.long)
+    labels = torch.full((batch, length), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((batch, length), dtype=torch.float32)
+    lengths = torch.zeros((batch,), dtype=torch.long)
+    for b, sample in enumerate(samples):
+        ids = torch.tensor(sample["input_ids"][: length + 1], dtype=torch.long)
+        n = ids.numel() - 1
+        tokens[b, :n] = ids[:-1]
+        labels[b, :n] = ids[1:]
+        if sample.get("padding"):
+            continue
+        lengths[b] = n
+        if "target_mask" in sample:
+            loss_mask[b, :n] = torch.tensor(sample["target_mask"][1 : n + 1], dtype=torch.float32)
+        else:
+            # label position i predicts input_ids[i + 1]; train where i + 1 >= answer_start.
+            start = max(sample["answer_start"] - 1, 0)
+            loss_mask[b, start:n] = 1.0
+    position_ids = torch.arange(length, dtype=torch.long).unsqueeze(0).expand(batch, length).contiguous()
+    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids,
+            "lengths": lengths}

@@ -1,0 +1,150 @@
+"""Where training checkpoints go, what they are called, which are kept, and which one to resume."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import shutil
+from typing import Dict, List, Optional
+
+import torch.distributed as dist
+
+from nemo_aligner.utils.nemo_file import save_nemo
+from nemo_aligner.utils.train_checkpoint import read_trainer_state, save_train_checkpoint
+
+logger = logging.getLogger(__name__)
+
+_FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
+_MONITOR_ALIASES = {"val_loss": "validation_loss", "validation_loss": "val_loss"}
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def format_checkpoint_name(pattern: str, values: Dict[str, float]) -> str:
+    """Lightning's naming: ``{step}`` -> ``step=12``, ``{val_loss:.3f}`` -> ``val_loss=0.123``."""
+
+    def fill(match):
+        name, fmt = match.group(1), (match.group(2) or ":")[1:]
+        value = values.get(name, values.get(_MONITOR_ALIASES.get(name, ""), float("nan")))
+        try:
+            text = format(value, fmt) if fmt else (str(int(value)) if float(value).is_integer() else str(value))
+        except (TypeError, ValueError):
+            text = str(value)
+        return f"{name}={text}"
+
+    return _FIELD.sub(fill, pattern).replace("/", "_")
+
+
+class CheckpointCallback:
+    """Saves training checkpoints under ``dirpath`` and keeps the ``save_top_k`` best by ``monitor``.
+
+    The most recent checkpoint is always kept as well (it is what a resumed run
+    loads). ``save_top_k=-1`` keeps all of them.
+    """
+
+    def __init__(self, dirpath: str, filename: str, monitor: str = "val_loss", mode: str = "min",
+                 save_top_k: int = 1, save_nemo_on_train_end: bool = True, nemo_name: str = "model"):
+        if mode not in ("min", "max"):
+            raise ValueError(f"exp_manager.checkpoint_callback_params.mode={mode!r} must be 'min' or 'max'")
+        self.dirpath = dirpath
+        self.filename = filename
+        self.monitor = monitor
+        self.mode = mode
+        self.save_top_k = int(save_top_k)
+        self.save_nemo_on_train_end = save_nemo_on_train_end
+        self.nemo_path = os.path.join(dirpath, f"{nemo_name}.nemo")
+        self.last_saved: Optional[str] = None
+
+    def monitor_value(self, metrics: Dict[str, float]) -> float:
+        for key in (self.monitor, _MONITOR_ALIASES.get(self.monitor, "")):
+            if key in metrics and metrics[key] is not None:
+                return float(metrics[key])
+        return float("nan")
+
+    def save(self, model, optimizer, scheduler, trainer_state: dict, metrics: Dict[str, float]) -> str:
+        """Collective: save a checkpoint named from ``metrics`` and ``trainer_state``; prune old ones."""
+        values = dict(metrics)
+        values.update({k: v for k, v in trainer_state.items() if isinstance(v, (int, float))})
+        name = format_checkpoint_name(self.filename, values)
+        path = os.path.join(self.dirpath, name)
+        state = dict(trainer_state)
+        state["monitor"] = self.monitor
+        state["monitor_value"] = self.monitor_value(metrics)
+        state["metrics"] = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        if _rank() == 0:
+            os.makedirs(self.dirpath, exist_ok=True)
+        _barrier()
+        save_train_checkpoint(path, model, optimizer, scheduler, state)
+        self.last_saved = path
+        if _rank() == 0:
+            self.prune()
+        _barrier()
+        return path
+
+    def checkpoints(self) -> List[tuple]:
+        """``(path, trainer_state)`` of every complete checkpoint under ``dirpath``."""
+        return list_checkpoints(self.dirpath)
+
+    def prune(self) -> None:
+        if self.save_top_k < 0:
+            return
+        found = self.checkpoints()
+        if not found:
+            return
+        latest = max(found, key=lambda item: (item[1].get("step", 0), os.path.getmtime(item[0])))[0]
+        sign = 1.0 if self.mode == "min" else -1.0
+
+        def rank_key(item):
+            value = item[1].get("monitor_value", float("nan"))
+            value = float("inf") if value is None or math.isnan(value) else sign * value
+            return (value, -item[1].get("step", 0))
+
+        keep = {p for p, _ in sorted(found, key=rank_key)[: self.save_top_k]}
+        keep.add(latest)
+        for path, _ in found:
+            if path not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+                logger.info("removed checkpoint %s (not in the top %d by %s)", path, self.save_top_k, self.monitor)
+
+    def best(self) -> Optional[str]:
+        found = [item for item in self.checkpoints() if not math.isnan(item[1].get("monitor_value", float("nan")))]
+        if not found:
+            return None
+        sign = 1.0 if self.mode == "min" else -1.0
+        return min(found, key=lambda item: sign * item[1]["monitor_value"])[0]
+
+    def save_nemo(self, model, path: Optional[str] = None) -> str:
+        """Collective: write the model as a .nemo (weights only) next to the checkpoints."""
+        return save_nemo(model, path or self.nemo_path)
+
+
+def list_checkpoints(dirpath: str) -> List[tuple]:
+    """Complete training checkpoints in ``dirpath`` (partial ``*.tmp`` writes are ignored)."""
+    if not os.path.isdir(dirpath):
+        return []
+    found = []
+    for name in sorted(os.listdir(dirpath)):
+        path = os.path.join(dirpath, name)
+        if name.endswith(".tmp") or ".old." in name or not os.path.isdir(path):
+            continue
+        state = read_trainer_state(path)
+        if state is not None and os.path.isfile(os.path.join(path, "metadata.json")):
+            found.append((path, state))
+    return found
+
+
+def latest_checkpoint(dirpath: str) -> Optional[str]:
+    """The checkpoint with the highest step (what ``resume_if_exists`` loads)."""
+    found = list_checkpoints(dirpath)
+    if not found:
+        return None
+    return max(found, key=lambda item: (item[1].get("step", 0), os.path.getmtime(item[0])))[0]

@@ -1,0 +1,117 @@
+"""NeMo's ``exp_manager`` section: log directory, loggers, checkpoint callback and resume."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from nemo_aligner.utils.checkpoint_callback import CheckpointCallback, latest_checkpoint
+from nemo_aligner.utils.distributed import barrier, get_rank, is_global_rank_zero
+from nemo_aligner.utils.errors import CheckpointError
+from nemo_aligner.utils.loggers import MetricLogger
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Experiment:
+    """What ``exp_manager`` set up for a run."""
+
+    log_dir: str
+    checkpoint_dir: str
+    logger: MetricLogger
+    checkpoint_callback: Optional[CheckpointCallback]
+    resume_from: Optional[str]
+
+
+def _log_dir(exp_cfg, name: str) -> str:
+    if exp_cfg.get("explicit_log_dir"):
+        return os.path.abspath(str(exp_cfg.explicit_log_dir))
+    base = exp_cfg.get("exp_dir") or os.path.join(os.getcwd(), "nemo_experiments")
+    return os.path.abspath(os.path.join(str(base), str(exp_cfg.get("name") or name)))
+
+
+def setup_console_logging(log_dir: Optional[str] = None) -> None:
+    """INFO to stdout on rank 0 (warnings elsewhere) and a per-rank log file in ``log_dir``."""
+    root = logging.getLogger()
+    level = logging.INFO if is_global_rank_zero() else logging.WARNING
+    fmt = logging.Formatter("[%(asctime)s %(levelname)s %(name)s] %(message)s", "%H:%M:%S")
+    if not any(getattr(h, "_nemo_aligner", False) for h in root.handlers):
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(fmt)
+        handler._nemo_aligner = True
+        root.addHandler(handler)
+    root.setLevel(level)
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+        path = os.path.join(log_dir, f"nemo_log_globalrank-{get_rank()}.txt")
+        if not any(getattr(h, "baseFilename", None) == path for h in root.handlers):
+            file_handler = logging.FileHandler(path)
+            file_handler.setFormatter(fmt)
+            file_handler.setLevel(logging.INFO)
+            root.addHandler(file_handler)
+
+
+def exp_manager(exp_cfg: DictConfig, full_cfg: DictConfig, default_name: str = "megatron_gpt") -> Experiment:
+    """Create the log directory, loggers and checkpoint callback; find the checkpoint to resume.
+
+    ``resume_if_exists`` resumes from the newest complete checkpoint in
+    ``<log_dir>/checkpoints``; with ``resume_ignore_no_checkpoint=False`` a missing
+    checkpoint is an error.
+    """
+    exp_cfg = exp_cfg or OmegaConf.create({})
+    name = str(exp_cfg.get("name") or full_cfg.get("name") or default_name)
+    log_dir = _log_dir(exp_cfg, name)
+    checkpoint_dir = os.path.join(log_dir, "checkpoints")
+    if is_global_rank_zero():
+        os.makedirs(checkpoint_dir, exist_ok=True)
+    barrier()
+    setup_console_logging(log_dir)
+
+    resume_from = None
+    if exp_cfg.get("resume_if_exists", False):
+        resume_from = latest_checkpoint(checkpoint_dir)
+        if resume_from is None and not exp_cfg.get("resume_ignore_no_checkpoint", False):
+            raise CheckpointError(
+                f"exp_manager.resume_if_exists=True but {checkpoint_dir} has no checkpoint; "
+                "set exp_manager.resume_ignore_no_checkpoint=True to start from scratch"
+            )
+    if exp_cfg.get("resume_from_checkpoint"):
+        resume_from = str(exp_cfg.resume_from_checkpoint)
+        if not os.path.isdir(resume_from):
+            raise CheckpointError(f"exp_manager.resume_from_checkpoint={resume_from}: no such checkpoint directory")
+
+    config = OmegaConf.to_container(full_cfg, resolve=True)
+    if is_global_rank_zero():
+        with open(os.path.join(log_dir, "hparams.yaml"), "w", encoding="utf-8") as f:
+            f.write(OmegaConf.to_yaml(full_cfg, resolve=True))
+    wandb_kwargs = OmegaConf.to_container(exp_cfg.get("wandb_logger_kwargs") or OmegaConf.create({}), resolve=True)
+    metric_logger = MetricLogger(
+        log_dir,
+        create_tensorboard=bool(exp_cfg.get("create_tensorboard_logger", True)),
+        create_wandb=bool(exp_cfg.get("create_wandb_logger", False)),
+        wandb_kwargs=wandb_kwargs,
+        config=config,
+    )
+
+    callback = None
+    if exp_cfg.get("create_checkpoint_callback", True):
+        params = exp_cfg.get("checkpoint_callback_params") or OmegaConf.create({})
+        monitor = str(params.get("monitor") or "val_loss")
+        callback = CheckpointCallback(
+            dirpath=checkpoint_dir,
+            filename=str(params.get("filename") or f"{name}--{{{monitor}:.3f}}-{{step}}-{{consumed_samples}}-{{epoch}}"),
+            monitor=monitor,
+            mode=str(params.get("mode") or "min"),
+            save_top_k=int(params.get("save_top_k", 1) if params.get("save_top_k") is not None else 1),
+            save_nemo_on_train_end=bool(params.get("save_nemo_on_train_end", True)),
+            nemo_name=name,
+        )
+    if resume_from:
+        logger.info("resuming from %s", resume_from)
+    return Experiment(log_dir, checkpoint_dir, metric_logger, callback, resume_from)

@@ -1,0 +1,63 @@
+"""``@hydra_runner``: Hydra's entry point the NeMo way, plus one-line reports of user errors."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Callable, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from nemo_aligner.utils.errors import AlignerError
+
+# NeMo's config resolvers, so NeMo yaml files and overrides resolve unchanged.
+OmegaConf.register_new_resolver("multiply", lambda x, y: x * y, replace=True)
+OmegaConf.register_new_resolver("int_div", lambda x, y: x // y, replace=True)
+
+# Run in the current directory and leave no .hydra/ folders or Hydra log files behind.
+_HYDRA_DEFAULTS = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+
+
+def report_user_error(err: Exception) -> None:
+    """Print ``error: ...`` without a traceback and exit 1 (all ranks, so torchrun stops the job)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else None
+    prefix = f"[rank {rank}] " if rank not in (None, 0) else ""
+    print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # Other ranks may be waiting in a collective; leave at once so the launcher tears the job down.
+        sys.stdout.flush()
+        os._exit(1)
+    sys.exit(1)
+
+
+def hydra_runner(config_path: str, config_name: str) -> Callable:
+    """Decorate ``main(cfg)``; call it with no argument to parse the command line with Hydra,
+    or with a ``DictConfig`` to run it directly (tests, Python API)."""
+
+    def decorator(task: Callable[[DictConfig], object]) -> Callable:
+        @functools.wraps(task)
+        def guarded(cfg: DictConfig):
+            try:
+                return task(cfg)
+            except AlignerError as err:
+                report_user_error(err)
+
+        @functools.wraps(task)
+        def wrapper(cfg: Optional[DictConfig] = None):
+            if cfg is not None:
+                return task(cfg)
+            import hydra
+
+            given = sys.argv[1:]
+            extra = [d for d in _HYDRA_DEFAULTS if d.split("=")[0] not in " ".join(given)]
+            sys.argv = [sys.argv[0]] + extra + given
+            caller_dir = os.path.dirname(os.path.abspath(sys.modules[task.__module__].__file__))
+            path = config_path if os.path.isabs(config_path) else os.path.join(caller_dir, config_path)
+            return hydra.main(config_path=path, config_name=config_name, version_base=None)(guarded)()
+
+        return wrapper
+
+    return decorator

@@ -1,0 +1,67 @@
+"""Step budgets and wall-clock limits shared by all trainers."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from nemo_aligner.utils.errors import ConfigError
+
+
+def parse_max_time(value: Union[None, str, int, float, dict], key: str = "max_time") -> Optional[float]:
+    """Seconds from Lightning's ``max_time`` forms: ``"DD:HH:MM:SS"``, a number of seconds, or a dict."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if hasattr(value, "items"):
+        units = {"days": 86400, "hours": 3600, "minutes": 60, "seconds": 1}
+        unknown = set(value) - set(units)
+        if unknown:
+            raise ConfigError(f"{key}: unknown unit(s) {sorted(unknown)}; use days/hours/minutes/seconds")
+        return float(sum(units[k] * float(v) for k, v in value.items()))
+    text = str(value).strip()
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    parts = text.split(":")
+    if len(parts) != 4 or not all(re.fullmatch(r"\d+", p) for p in parts):
+        raise ConfigError(f"{key}={value!r} must look like DD:HH:MM:SS (e.g. 00:03:50:00)")
+    days, hours, minutes, seconds = (int(p) for p in parts)
+    return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+
+
+class RunTimer:
+    """Wall-clock budget for one run; every rank agrees on when it is exhausted."""
+
+    def __init__(self, max_seconds: Optional[float]):
+        self.max_seconds = max_seconds
+        self.start = time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def is_finished(self) -> bool:
+        """Collective when distributed: rank 0's clock decides, so all ranks stop together."""
+        if self.max_seconds is None:
+            return False
+        done = torch.tensor([1 if self.elapsed() >= self.max_seconds else 0], dtype=torch.int32)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(done, src=0)
+        return bool(done.item())
+
+
+def compute_max_steps(max_steps: Optional[int], max_epochs: Optional[int], steps_per_epoch: int,
+                      key: str = "trainer.sft") -> int:
+    """Lightning's rule: the smaller of ``max_steps`` and ``max_epochs * steps_per_epoch`` (-1/None: no limit)."""
+    limits = []
+    if max_steps is not None and int(max_steps) >= 0:
+        limits.append(int(max_steps))
+    if max_epochs is not None and int(max_epochs) >= 0:
+        limits.append(int(max_epochs) * steps_per_epoch)
+    if not limits:
+        raise ConfigError(f"set {key}.max_steps or {key}.max_epochs; both are unlimited")
+    return min(limits)

@@ -1,0 +1,78 @@
+"""What every training script does first: check the config, start the processes' groups, seed."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from nemo_aligner.models.nlp.gpt.loading import merge_checkpoint_config
+from nemo_aligner.utils import nemo_file
+from nemo_aligner.utils.distributed import check_parallel_sizes, init_distributed, initialize_model_parallel
+from nemo_aligner.utils.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ParallelInfo:
+    """This process's place in the job."""
+
+    rank: int
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    dp_rank: int
+
+
+def effective_model_config(model_cfg: DictConfig, restore_path: Optional[str], key: str) -> DictConfig:
+    """The model config a run will build: the checkpoint's architecture (if any) plus the run's keys."""
+    if not restore_path:
+        return model_cfg
+    return merge_checkpoint_config(nemo_file.read_model_config(restore_path, key), model_cfg)
+
+
+def check_accelerator(trainer_cfg: DictConfig) -> None:
+    accelerator = str(trainer_cfg.get("accelerator", "auto") or "auto").lower()
+    if accelerator not in ("auto", "cpu", "gpu", "cuda"):
+        raise ConfigError(f"trainer.accelerator={accelerator!r} must be auto, cpu or gpu")
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ConfigError("trainer.accelerator=gpu but no GPU is visible; use trainer.accelerator=auto or cpu")
+
+
+def init_run(cfg: DictConfig, restore_path: Optional[str] = None,
+             restore_key: str = "model.restore_from_path") -> ParallelInfo:
+    """Start torch.distributed and megatron-core model parallelism from ``trainer.*`` and ``model.*``.
+
+    Validates ``trainer.devices x trainer.num_nodes`` against the launched processes and
+    TP/PP against the world size and the model's heads and layers (taken from the
+    checkpoint when restoring).
+    """
+    check_accelerator(cfg.trainer)
+    arch = effective_model_config(cfg.model, restore_path, restore_key)
+    init_distributed(devices=cfg.trainer.get("devices", 1), num_nodes=cfg.trainer.get("num_nodes", 1))
+    world = dist.get_world_size()
+    tp = int(cfg.model.get("tensor_model_parallel_size", 1) or 1)
+    pp = int(cfg.model.get("pipeline_model_parallel_size", 1) or 1)
+    for key in ("num_attention_heads", "num_layers"):
+        if arch.get(key) is None:
+            raise ConfigError(f"model.{key} is required when model.restore_from_path is empty")
+    dp = check_parallel_sizes(world, tp, pp, int(arch.num_attention_heads), arch.get("num_query_groups"),
+                              int(arch.num_layers))
+    if bool(cfg.model.get("sequence_parallel", False)) and not torch.cuda.is_available():
+        raise ConfigError("model.sequence_parallel=True needs Transformer Engine on a GPU; set it to False on CPU")
+    initialize_model_parallel(tp, pp, seed=int(cfg.model.get("seed", 1234) or 1234))
+    from megatron.core import parallel_state
+
+    info = ParallelInfo(dist.get_rank(), world, tp, pp, dp, parallel_state.get_data_parallel_rank())
+    logger.info("world size %d: tensor parallel %d x pipeline parallel %d x data parallel %d", world, tp, pp, dp)
+    return info
+
+
+def config_to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)

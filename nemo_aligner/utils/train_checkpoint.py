@@ -1,0 +1,153 @@
+"""Training checkpoints: model, optimizer, LR schedule, trainer state and RNG, for exact resume.
+
+A checkpoint is a torch_dist directory laid out like NeMo's (``state_dict`` holds the
+model under ``model.*`` keys, so its weights load like a .nemo's), plus
+``trainer_state.json`` (step, consumed samples, epoch, metrics) and one
+``rng_state_<rank>.pt`` per rank. It is written under a temporary name and renamed
+when every rank is done.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nemo_aligner.utils.checkpoint_io import load_common, load_sharded, save_sharded
+from nemo_aligner.utils.errors import CheckpointError
+from nemo_aligner.utils.optim import uses_distributed_optimizer
+
+logger = logging.getLogger(__name__)
+
+TRAINER_STATE = "trainer_state.json"
+_DIST_OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def rng_state() -> dict:
+    """Every random generator this process uses (Python, NumPy, torch CPU/CUDA, megatron-core tracker)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _optimizer_sharded(model, optimizer, model_sd: dict, is_loading: bool):
+    if optimizer is None:
+        return None
+    if uses_distributed_optimizer(model.cfg.get("optim") or {}):
+        if is_loading:
+            # The DistributedOptimizer needs allocated states to map checkpoint shards onto.
+            for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+                inner._init_optimizer_states_with_dummy_values()
+        return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_DIST_OPT_METADATA)
+    return optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+
+
+def _untie_adam_steps(optimizer) -> None:
+    """Give every parameter its own Adam ``step`` tensor after a load.
+
+    megatron-core stores one shared step; restored as one tensor object, every
+    in-place ``step += 1`` would advance all parameters' counters at once.
+    """
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_opt = getattr(inner, "optimizer", None)
+        if torch_opt is None:
+            continue
+        for st in torch_opt.state.values():
+            if isinstance(st.get("step"), torch.Tensor):
+                st["step"] = st["step"].clone()
+
+
+def save_train_checkpoint(directory: str, model, optimizer, scheduler, trainer_state: dict) -> None:
+    """Collective: write a complete training checkpoint to ``directory`` (atomically)."""
+    model_sd = model.sharded_state_dict()
+    sharded = {"state_dict": model_sd}
+    opt_sd = _optimizer_sharded(model, optimizer, model_sd, is_loading=False)
+    if opt_sd is not None:
+        sharded["optimizer_states"] = [opt_sd]
+    if scheduler is not None:
+        sharded["lr_schedulers"] = [scheduler.state_dict()]
+    sharded["trainer_state"] = dict(trainer_state)
+    rank = _rank()
+    rng = rng_state()
+
+    def add_rank_files(tmp_dir: str) -> None:
+        torch.save(rng, os.path.join(tmp_dir, f"rng_state_{rank}.pt"))
+        if rank == 0:
+            with open(os.path.join(tmp_dir, TRAINER_STATE), "w", encoding="utf-8") as f:
+                json.dump(trainer_state, f, indent=2, default=float)
+
+    save_sharded(sharded, directory, before_commit=add_rank_files)
+
+
+def read_trainer_state(directory: str) -> Optional[dict]:
+    path = os.path.join(directory, TRAINER_STATE)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def load_train_checkpoint(directory: str, model, optimizer, scheduler, load_rng: bool = True) -> dict:
+    """Collective: restore model, optimizer, scheduler and RNG from ``directory``; returns the trainer state."""
+    state = read_trainer_state(directory)
+    if state is None:
+        raise CheckpointError(f"{directory}: not a training checkpoint (no {TRAINER_STATE})")
+    model_sd = model.sharded_state_dict()
+    sharded = {"state_dict": model_sd}
+    with torch.no_grad():
+        opt_sd = _optimizer_sharded(model, optimizer, model_sd, is_loading=True)
+        if opt_sd is not None:
+            sharded["optimizer_states"] = [opt_sd]
+        loaded, _ = load_sharded(sharded, directory, what="checkpoint")
+        weights = {k[len("model."):]: v for k, v in loaded["state_dict"].items() if k.startswith("model.")}
+        result = model.module.load_state_dict(weights, strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        if missing:
+            raise CheckpointError(f"checkpoint {directory}: no values for {missing[:3]}")
+        if optimizer is not None:
+            if "optimizer_states" not in loaded:
+                raise CheckpointError(f"checkpoint {directory}: has no optimizer state")
+            optimizer.load_state_dict(loaded["optimizer_states"][0])
+            _untie_adam_steps(optimizer)
+    if scheduler is not None:
+        common = load_common(directory)
+        schedulers = common.get("lr_schedulers")
+        if schedulers:
+            scheduler.load_state_dict(schedulers[0])
+    rng_path = os.path.join(directory, f"rng_state_{_rank()}.pt")
+    if load_rng:
+        if os.path.isfile(rng_path):
+            set_rng_state(torch.load(rng_path, weights_only=False))
+        else:
+            logger.warning("%s has no RNG state for rank %d (saved with another world size); RNG not restored",
+                           directory, _rank())
+    return state

@@ -1,0 +1,58 @@
+"""nemo-aligner: pip install -e .[test]  (install torch==2.13.0 first on CPU machines)."""
+
+import os
+
+from setuptools import find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def read_version() -> str:
+    with open(os.path.join(HERE, "nemo_aligner", "__init__.py"), encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("__version__"):
+                return line.split("=")[1].strip().strip('"')
+    raise RuntimeError("no __version__")
+
+
+setup(
+    name="nemo-aligner",
+    version=read_version(),
+    description="Align GPT models with SFT, reward models, PPO, DPO and SteerLM on megatron-core",
+    long_description=open(os.path.join(HERE, "README.md"), encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10,<3.12",
+    packages=find_packages(include=["nemo_aligner", "nemo_aligner.*"]),
+    include_package_data=True,
+    install_requires=[
+        "torch==2.13.0",
+        "megatron-core==0.16.1",
+        # megatron-core needs these but does not declare them: without psutil a checkpoint
+        # save hangs (its writer process dies), tqdm is used by its inference engine.
+        "psutil",
+        "tqdm",
+        "nvidia-pytriton==0.7.0",
+        "numpy<2",
+        "hydra-core>=1.3,<1.4",
+        "omegaconf>=2.3,<2.4",
+        "pyyaml",
+        "tensorboard",
+        "wandb",
+        "transformers",
+        "safetensors",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-timeout"],
+        "gpu": ["transformer-engine[pytorch]"],
+    },
+    entry_points={
+        "console_scripts": [
+            "nemo-aligner-builtin-data=nemo_aligner.data.nlp.builtin_task:main",
+        ]
+    },
+    classifiers=[
+        "License :: OSI Approved :: Apache Software License",
+        "Programming Language :: Python :: 3.11",
+    ],
+)
