@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import Dict, Optional, Tuple
 
@@ -33,6 +34,13 @@ def aggregate_validation(per_batch: list) -> Dict[str, float]:
         out.pop("token_loss", None)
         out.pop("loss_sum", None)
     return out
+
+
+def progress_bar(total: int, initial: int, name: str) -> tqdm:
+    """tqdm on global rank 0; redrawn at most every 5 s when the output is not a terminal (logs, CI)."""
+    interactive = sys.stdout.isatty()
+    return tqdm(total=total, initial=initial, desc=name, unit="step", disable=not is_global_rank_zero(),
+                dynamic_ncols=True, leave=True, mininterval=0.1 if interactive else 5.0, file=sys.stdout)
 
 
 def plan_max_steps(cfg, train_dataloader, name: str = "sft") -> Tuple[int, int]:
@@ -159,8 +167,7 @@ class SupervisedTrainer:
             logger.info("already trained %d of %d steps; nothing to do", self.step, self.max_steps)
             return self.summary(0.0)
         start = time.monotonic()
-        bar = tqdm(total=self.max_steps, initial=self.step, desc=f"{self.name}", unit="step",
-                   disable=not is_global_rank_zero(), dynamic_ncols=True, leave=True)
+        bar = progress_bar(self.max_steps, self.step, self.name)
         stop = False
         try:
             while self.step < self.max_steps and not stop:
@@ -187,9 +194,8 @@ class SupervisedTrainer:
                     run_val = (self.val_check_interval > 0 and self.step % self.val_check_interval == 0) or is_train_end
                     if run_val:
                         val = self.validate_and_log()
-                        if val:
-                            bar.write(f"step {self.step}: train loss {loss:.4f}, validation loss {val['loss']:.4f}"
-                                      if is_global_rank_zero() else "")
+                        if val and is_global_rank_zero():
+                            bar.write(f"step {self.step}: train loss {loss:.4f}, validation loss {val['loss']:.4f}")
                     out_of_time = self.timer.is_finished()
                     run_save = (self.save_interval > 0 and self.step % self.save_interval == 0) or is_train_end or out_of_time
                     if run_save:

@@ -143,7 +143,10 @@ def layer_spec(cfg, config):
 
 def build_gpt_model(cfg, vocab_size: int, precision="32", pre_process: Optional[bool] = None,
                     post_process: Optional[bool] = None, config=None):
-    """One pipeline stage of a megatron-core ``GPTModel`` for the current rank."""
+    """One pipeline stage of a megatron-core ``GPTModel`` for the current rank.
+
+    ``vocab_size`` is the padded size (see ``padded_vocab_size``), divisible by TP.
+    """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -156,8 +159,7 @@ def build_gpt_model(cfg, vocab_size: int, precision="32", pre_process: Optional[
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(cfg, config),
-        vocab_size=padded_vocab_size(vocab_size, _get(cfg, "make_vocab_size_divisible_by", 128),
-                                     config.tensor_model_parallel_size),
+        vocab_size=vocab_size,
         max_sequence_length=max_pos,
         pre_process=pre_process,
         post_process=post_process,

@@ -133,10 +133,17 @@ class MegatronGPTModel:
         return self.module.parameters()
 
     def num_parameters(self) -> int:
-        """Parameters of the whole model (summed over TP and PP ranks)."""
+        """Parameters of the whole model, each counted once (collective over the model-parallel group)."""
         from megatron.core import parallel_state
 
-        local = sum(p.numel() for p in self.module.parameters())
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        first_stage = parallel_state.is_pipeline_first_stage()
+        local = 0
+        for p in self.module.parameters():
+            if getattr(p, "shared", False) and not first_stage:
+                continue  # tied output layer on the last stage: a copy of the embedding
+            if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+                local += p.numel()
         total = torch.tensor([local], dtype=torch.long)
         torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
         return int(total.item())

@@ -1,0 +1,98 @@
+"""Shared test helpers: built-in data, running scripts with python or torchrun, tiny model shapes."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(REPO, "examples", "nlp", "gpt")
+WORKERS = os.path.join(REPO, "tests", "workers")
+
+# A 2-layer model small enough for 2 CPU cores; Llama-shaped (RoPE, RMSNorm, SwiGLU, untied).
+TINY_ARCH = {
+    "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
+    "max_position_embeddings": 32, "position_embedding_type": "rope", "normalization": "rmsnorm",
+    "activation": "swiglu", "bias": False, "share_embeddings_and_output_weights": False,
+}
+# GPT-2-shaped: learned positions, LayerNorm, GeLU, biases, tied embeddings.
+TINY_GPT2_ARCH = {
+    "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
+    "max_position_embeddings": 32, "position_embedding_type": "learned_absolute", "normalization": "layernorm",
+    "activation": "gelu", "bias": True, "share_embeddings_and_output_weights": True,
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_env() -> dict:
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["WANDB_MODE"] = "offline"
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS"):
+        env.pop(key, None)
+    return env
+
+
+def run_python(path: str, args, nproc: int = 1, timeout: int = 300, check: bool = True, cwd=None):
+    """Run a script alone or under torchrun with ``nproc`` processes; returns the CompletedProcess."""
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", path]
+    else:
+        cmd = [sys.executable, path]
+    cmd += [str(a) for a in args]
+    proc = subprocess.run(cmd, env=test_env(), cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def run_script(name: str, overrides, nproc: int = 1, **kwargs):
+    return run_python(os.path.join(SCRIPTS, name), overrides, nproc=nproc, **kwargs)
+
+
+def read_metrics(log_dir: str) -> list:
+    with open(os.path.join(log_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def train_losses(log_dir: str) -> dict:
+    return {r["step"]: r["train/loss"] for r in read_metrics(log_dir) if "train/loss" in r}
+
+
+def val_losses(log_dir: str) -> dict:
+    return {r["step"]: r["val/loss"] for r in read_metrics(log_dir) if "val/loss" in r}
+
+
+def arch_overrides(arch: dict, prefix: str = "model.") -> list:
+    return [f"{prefix}{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in arch.items()]
+
+
+@pytest.fixture(scope="session")
+def builtin_data(tmp_path_factory):
+    """Every built-in data format (small), written once per session."""
+    from nemo_aligner.data.nlp.builtin_task import BuiltinTask
+
+    out = tmp_path_factory.mktemp("builtin")
+    return BuiltinTask(seed=0).write_all(str(out), n_train=640, n_val=64)
+
+
+@pytest.fixture(scope="session")
+def base_nemo(tmp_path_factory):
+    """A randomly initialised tiny model saved as a .nemo by one process."""
+    out = tmp_path_factory.mktemp("base")
+    path = os.path.join(out, "base.nemo")
+    run_python(os.path.join(WORKERS, "parallel_loss_worker.py"),
+               ["--random-arch", json.dumps(TINY_ARCH), "--save", path, "--out", os.path.join(out, "ref.json")])
+    with open(os.path.join(out, "ref.json")) as f:
+        return path, json.load(f)
