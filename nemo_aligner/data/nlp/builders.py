@@ -65,9 +65,12 @@ def build_dataloader(dataset, ds_cfg, collate_fn: Callable, dp_rank: int, dp_siz
         drop_last=bool(ds_cfg.get("drop_last", train)),
         consumed_samples=consumed_samples, key=key,
     )
+    # A private generator: creating an iterator would otherwise draw from the global torch RNG
+    # (worker seeds), so dropout after a resume would see a different random stream.
+    generator = torch.Generator().manual_seed(seed)
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, collate_fn=collate_fn, num_workers=num_workers,
-        persistent_workers=False, pin_memory=False,
+        persistent_workers=False, pin_memory=False, generator=generator,
     )
 
 

@@ -1,0 +1,136 @@
+""".nemo files and training checkpoints: layout, resharding on load, atomic writes, shape errors."""
+
+import json
+import os
+import tarfile
+
+import pytest
+import torch
+import yaml
+from omegaconf import OmegaConf
+
+from conftest import TINY_ARCH, WORKERS, run_python
+
+WORKER = os.path.join(WORKERS, "parallel_loss_worker.py")
+
+
+@pytest.fixture(scope="module")
+def mcore_single():
+    """torch.distributed (1 gloo process) and megatron-core parallel state in this process."""
+    from nemo_aligner.utils import distributed as D
+
+    D.init_distributed()
+    D.initialize_model_parallel(1, 1)
+    yield
+    D.destroy()
+
+
+def tiny_model(**overrides):
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    cfg = OmegaConf.create(dict(TINY_ARCH, micro_batch_size=2, encoder_seq_length=32, **overrides))
+    return GPTSFTModel(cfg, ByteTokenizer())
+
+
+def test_nemo_file_layout(base_nemo):
+    nemo, _ = base_nemo
+    assert tarfile.is_tarfile(nemo)
+    with tarfile.open(nemo, "r:") as tar:  # "r:" fails on a compressed archive
+        names = {m.name.lstrip("./") for m in tar.getmembers()}
+        config = yaml.safe_load(tar.extractfile("./model_config.yaml").read())
+        common = tar.extractfile("./model_weights/metadata.json").read()
+    assert "model_config.yaml" in names
+    assert {"model_weights/metadata.json", "model_weights/common.pt", "model_weights/.metadata"} <= names
+    assert any(n.startswith("model_weights/__") and n.endswith(".distcp") for n in names)
+    assert json.loads(common)["sharded_backend"] == "torch_dist"
+    assert config["mcore_gpt"] is True and config["dist_ckpt_format"] == "torch_dist"
+    assert config["num_layers"] == 2 and config["hidden_size"] == 64
+    assert config["tokenizer"]["library"] == "byte"
+
+
+def test_nemo_keys_use_megatron_core_names(base_nemo, mcore_single):
+    from megatron.core import dist_checkpointing
+
+    from nemo_aligner.utils import nemo_file
+
+    nemo, _ = base_nemo
+    with nemo_file.extracted(nemo) as directory:
+        meta = dist_checkpointing.load_tensors_metadata(nemo_file.weights_dir(directory))
+    qkv = meta["model.decoder.layers.self_attention.linear_qkv.weight"]
+    # Stacked over layers: [num_layers, 3 * hidden, hidden]
+    assert tuple(qkv.global_shape) == (2, 3 * 64, 64)
+    assert "model.embedding.word_embeddings.weight" in meta
+    assert "model.output_layer.weight" in meta
+
+
+def test_save_tp2_load_tp1_and_pp2(tmp_path, base_nemo):
+    nemo, reference = base_nemo
+    tp2_nemo = str(tmp_path / "tp2.nemo")
+    run_python(WORKER, ["--nemo", nemo, "--tp", "2", "--save", tp2_nemo, "--out", tmp_path / "a.json"], nproc=2)
+    for tag, args, nproc in (("tp1", [], 1), ("pp2", ["--pp", "2"], 2)):
+        out = tmp_path / f"{tag}.json"
+        run_python(WORKER, ["--nemo", tp2_nemo, "--out", out, *args], nproc=nproc)
+        result = json.loads(out.read_text())
+        assert result["loss0"] == pytest.approx(reference["loss0"], rel=1e-6), tag
+        assert result["loss1"] == pytest.approx(reference["loss1"], rel=2e-5), tag
+
+
+def test_save_load_round_trip_in_process(tmp_path, mcore_single):
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.models.nlp.gpt.loading import load_model
+    from nemo_aligner.utils.nemo_file import save_nemo
+
+    torch.manual_seed(3)
+    model = tiny_model()
+    path = save_nemo(model, str(tmp_path / "m.nemo"))
+    assert not os.path.exists(path + ".tmp") and not os.path.exists(path + ".tmpdir")
+    restored = load_model(GPTSFTModel, OmegaConf.create({"micro_batch_size": 2}), "32", path)
+    for (name, a), (_, b) in zip(model.module.state_dict().items(), restored.module.state_dict().items()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), name
+    # The restored config keeps the architecture and the padded vocabulary.
+    assert restored.cfg.hidden_size == 64 and restored.cfg.padded_vocab_size == model.cfg.padded_vocab_size
+
+
+def test_wrong_shape_checkpoint_is_named(tmp_path, mcore_single):
+    from nemo_aligner.utils.errors import CheckpointError
+    from nemo_aligner.utils.nemo_file import save_nemo
+
+    path = save_nemo(tiny_model(), str(tmp_path / "m.nemo"))
+    other = tiny_model(ffn_hidden_size=96)
+    from nemo_aligner.utils import nemo_file
+
+    with nemo_file.extracted(path) as directory:
+        with pytest.raises(CheckpointError, match=r"linear_fc[12].weight. has shape .* in the checkpoint but .*96"):
+            other.load_weights(nemo_file.weights_dir(directory), what="model.restore_from_path")
+
+
+def test_interrupted_save_keeps_previous_checkpoint(tmp_path, mcore_single):
+    from nemo_aligner.utils.checkpoint_callback import latest_checkpoint
+    from nemo_aligner.utils.train_checkpoint import read_trainer_state, save_train_checkpoint
+
+    model = tiny_model(optim={"name": "fused_adam", "lr": 1e-3})
+    optimizer, scheduler = model.setup_optimization(max_steps=10)
+    good = str(tmp_path / "ckpt-step=1")
+    save_train_checkpoint(good, model, optimizer, scheduler, {"step": 1, "consumed_samples": 8})
+
+    # A second save to the same name dies half-way (after the tensors, before the rename).
+    import nemo_aligner.utils.train_checkpoint as tc
+
+    original = tc.save_sharded
+
+    def dying_save(sharded, directory, before_commit=None):
+        def crash(tmp_dir):
+            raise KeyboardInterrupt("killed while saving")
+        original(sharded, directory, before_commit=crash)
+
+    tc.save_sharded = dying_save
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            save_train_checkpoint(good, model, optimizer, scheduler, {"step": 2, "consumed_samples": 16})
+    finally:
+        tc.save_sharded = original
+    assert os.path.isdir(good + ".tmp")  # the partial write is left under its temporary name
+    assert read_trainer_state(good)["step"] == 1
+    assert latest_checkpoint(str(tmp_path)) == good
