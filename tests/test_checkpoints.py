@@ -134,3 +134,42 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path, mcore_single):
     assert os.path.isdir(good + ".tmp")  # the partial write is left under its temporary name
     assert read_trainer_state(good)["step"] == 1
     assert latest_checkpoint(str(tmp_path)) == good
+
+
+def make_hf_tokenizer(directory):
+    """A tiny word-level Hugging Face tokenizer built locally (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "reverse", "sort", "=", "abc", "cba"])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tok.save_pretrained(directory)
+    return directory
+
+
+def test_hf_tokenizer_travels_inside_the_nemo(tmp_path, mcore_single):
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.models.nlp.gpt.loading import load_model
+    from nemo_aligner.utils.nemo_file import list_members, read_model_config, save_nemo
+
+    tok_dir = make_hf_tokenizer(str(tmp_path / "tok"))
+    cfg = OmegaConf.create(dict(TINY_ARCH, micro_batch_size=2, encoder_seq_length=32,
+                                tokenizer={"library": "huggingface", "type": tok_dir}))
+    model = load_model(GPTSFTModel, cfg, "32")
+    ids = model.tokenizer.text_to_ids("reverse abc = cba")
+    assert ids == [3, 6, 5, 7]
+    path = save_nemo(model, str(tmp_path / "hf.nemo"))
+    import shutil
+
+    shutil.rmtree(tok_dir)  # the .nemo must not depend on the original directory
+    config = read_model_config(path)
+    refs = list(config.tokenizer.files)
+    assert refs and all(r.startswith("nemo:") for r in refs)
+    members = list_members(path)
+    assert all(r[len("nemo:"):] in members for r in refs)
+    assert any(r.endswith("_tokenizer.json") for r in refs)
+    restored = load_model(GPTSFTModel, OmegaConf.create({"micro_batch_size": 2}), "32", path)
+    assert restored.tokenizer.text_to_ids("reverse abc = cba") == ids
+    assert restored.tokenizer.eos_id == 2

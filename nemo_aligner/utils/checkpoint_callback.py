@@ -11,6 +11,7 @@ from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
+from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.nemo_file import save_nemo
 from nemo_aligner.utils.train_checkpoint import read_trainer_state, save_train_checkpoint
 
@@ -54,7 +55,7 @@ class CheckpointCallback:
     def __init__(self, dirpath: str, filename: str, monitor: str = "val_loss", mode: str = "min",
                  save_top_k: int = 1, save_nemo_on_train_end: bool = True, nemo_name: str = "model"):
         if mode not in ("min", "max"):
-            raise ValueError(f"exp_manager.checkpoint_callback_params.mode={mode!r} must be 'min' or 'max'")
+            raise ConfigError(f"exp_manager.checkpoint_callback_params.mode={mode!r} must be 'min' or 'max'")
         self.dirpath = dirpath
         self.filename = filename
         self.monitor = monitor

@@ -118,6 +118,8 @@ def build_scheduler(optimizer, optim_cfg, max_steps: int):
         logger.warning("model.optim.sched: no steps left to decay after warm-up; using a constant LR")
         style, min_lr = "constant", lr
     weight_decay = float(optim_cfg.get("weight_decay", 0.0) or 0.0)
+    # megatron-core requires warm-up to end before decay does, even for a constant schedule.
+    decay_steps = max(decay_steps, warmup + 1)
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if warmup else lr,

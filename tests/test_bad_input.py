@@ -1,0 +1,115 @@
+"""Every bad input stops the SFT script with one clear line naming the file and line or the
+config key, exit status 1, no traceback, and nothing already written is damaged."""
+
+import os
+import shutil
+
+import pytest
+
+from conftest import run_script
+
+BASE = ["model.encoder_seq_length=32", "model.data.train_ds.micro_batch_size=4",
+        "model.data.train_ds.global_batch_size=8", "trainer.sft.max_steps=2", "trainer.sft.val_check_interval=2"]
+
+
+def run_bad(tmp_path, train, val, extra=(), nproc=1):
+    log_dir = tmp_path / "logs"
+    overrides = BASE + [f"model.data.train_ds.file_path={train}", f"model.data.validation_ds.file_path={val}",
+                        f"exp_manager.explicit_log_dir={log_dir}", *extra]
+    proc = run_script("train_gpt_sft.py", overrides, nproc=nproc, check=False)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    return proc
+
+
+def write(path, text):
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        ('{"input": "a =", "output": "b"}\n{"input": "c =", "output": \n', r"bad\.jsonl:2: malformed JSON"),
+        ('{"input": "a =", "output": "b"}\n\n{"input": "c ="}\n', r"bad\.jsonl:3: missing field 'output'"),
+        ('{"input": "a =", "output": 5}\n', r"bad\.jsonl:1: field 'output' must be str, got int"),
+        ('["input", "output"]\n', r"bad\.jsonl:1: expected a JSON object"),
+        ("\n\n", r"bad\.jsonl: file is empty"),
+    ],
+    ids=["malformed", "missing-field", "wrong-type", "not-an-object", "empty"],
+)
+def test_bad_training_file(tmp_path, builtin_data, content, expected):
+    bad = write(tmp_path / "bad.jsonl", content)
+    proc = run_bad(tmp_path, bad, builtin_data["sft_val"])
+    assert proc.returncode == 1
+    import re
+
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and re.search(expected, lines[0]), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_path(tmp_path, builtin_data):
+    proc = run_bad(tmp_path, tmp_path / "nope.jsonl", builtin_data["sft_val"])
+    assert f"error: {tmp_path / 'nope.jsonl'}: file does not exist" in proc.stderr
+
+
+def test_missing_restore_path(tmp_path, builtin_data):
+    proc = run_bad(tmp_path, builtin_data["sft_train"], builtin_data["sft_val"],
+                   [f"model.restore_from_path={tmp_path / 'gone.nemo'}"])
+    assert f"error: model.restore_from_path={tmp_path / 'gone.nemo'}: no such file or directory" in proc.stderr
+
+
+def test_truncated_nemo(tmp_path, builtin_data, base_nemo):
+    nemo, _ = base_nemo
+    broken = tmp_path / "broken.nemo"
+    with open(nemo, "rb") as src:
+        broken.write_bytes(src.read()[:5000])
+    proc = run_bad(tmp_path, builtin_data["sft_train"], builtin_data["sft_val"], [f"model.restore_from_path={broken}"])
+    assert "error: model.restore_from_path=" in proc.stderr and "broken.nemo" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unknown_config_key(tmp_path, builtin_data):
+    proc = run_bad(tmp_path, builtin_data["sft_train"], builtin_data["sft_val"], ["model.optim.lrr=0.1"])
+    assert "model.optim.lrr" in proc.stderr and "not in struct" in proc.stderr
+
+
+def test_world_size_mismatch(tmp_path, builtin_data):
+    proc = run_bad(tmp_path, builtin_data["sft_train"], builtin_data["sft_val"], ["trainer.devices=2"])
+    assert "error: trainer.devices=2 x trainer.num_nodes=1 = 2 processes, but 1 were launched" in proc.stderr
+
+
+def test_tp_does_not_divide_heads(tmp_path, builtin_data):
+    proc = run_bad(tmp_path, builtin_data["sft_train"], builtin_data["sft_val"],
+                   ["trainer.devices=2", "model.tensor_model_parallel_size=2", "model.num_attention_heads=3",
+                    "model.hidden_size=96"], nproc=2)
+    assert "model.tensor_model_parallel_size=2 does not divide model.num_attention_heads=3" in proc.stderr
+
+
+def test_batch_sizes_checked(tmp_path, builtin_data):
+    proc = run_bad(tmp_path, builtin_data["sft_train"], builtin_data["sft_val"],
+                   ["model.data.train_ds.global_batch_size=6"])
+    assert "model.data.train_ds.global_batch_size=6 / data-parallel size 1 is not a multiple of " \
+           "model.data.train_ds.micro_batch_size=4" in proc.stderr
+
+
+def test_sequence_parallel_on_cpu(tmp_path, builtin_data):
+    proc = run_bad(tmp_path, builtin_data["sft_train"], builtin_data["sft_val"], ["model.sequence_parallel=True"])
+    assert "model.sequence_parallel=True needs Transformer Engine on a GPU" in proc.stderr
+
+
+def test_resume_with_changed_architecture_keeps_checkpoint(tmp_path, builtin_data):
+    """A checkpoint of the wrong shape is named, and the checkpoint itself is left as it was."""
+    log_dir = tmp_path / "logs"
+    common = BASE + [f"model.data.train_ds.file_path={builtin_data['sft_train']}",
+                     f"model.data.validation_ds.file_path={builtin_data['sft_val']}",
+                     f"exp_manager.explicit_log_dir={log_dir}"]
+    run_script("train_gpt_sft.py", common)
+    ckpt_dir = log_dir / "checkpoints"
+    before = {p: os.path.getsize(os.path.join(r, p)) for r, _, fs in os.walk(ckpt_dir) for p in fs}
+    proc = run_script("train_gpt_sft.py", common + ["trainer.sft.max_steps=4", "model.ffn_hidden_size=256"],
+                      check=False)
+    assert proc.returncode == 1
+    assert "error: checkpoint" in proc.stderr and "has shape" in proc.stderr and "architecture" in proc.stderr
+    after = {p: os.path.getsize(os.path.join(r, p)) for r, _, fs in os.walk(ckpt_dir) for p in fs}
+    assert after == before

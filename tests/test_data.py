@@ -1,0 +1,147 @@
+"""Datasets, masks, collation, the global-batch sampler and the built-in task."""
+
+import pytest
+import torch
+
+from nemo_aligner.data.nlp.builtin_task import BuiltinTask
+from nemo_aligner.data.nlp.samplers import GlobalBatchSampler
+from nemo_aligner.data.nlp.sft_dataset import GPTSFTChatDataset, GPTSFTDataset, collate_sft
+from nemo_aligner.utils.errors import ConfigError, DataError
+from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+TOK = ByteTokenizer()
+
+
+def records(*rows):
+    return [dict(r, __line__=i + 1) for i, r in enumerate(rows)]
+
+
+def test_answer_only_loss_masks_prompt_tokens():
+    ds = GPTSFTDataset("x.jsonl", TOK, 64, records=records({"input": "reverse abc =", "output": "cba"}))
+    batch = collate_sft([ds[0]], TOK.eos_id, 64)
+    text = "reverse abc = cba"
+    ids = TOK.text_to_ids(text) + [TOK.eos_id]
+    n = len(ids) - 1
+    assert batch["tokens"][0, :n].tolist() == ids[:-1]
+    assert batch["labels"][0, :n].tolist() == ids[1:]
+    # Label positions whose target is an answer token ("cba") or EOS carry loss; nothing else does.
+    trained = [TOK.ids_to_text([t]) if t < 256 else "<eos>"
+               for t, m in zip(batch["labels"][0].tolist(), batch["loss_mask"][0].tolist()) if m]
+    assert trained == ["c", "b", "a", "<eos>"]
+    assert batch["loss_mask"][0].sum() == 4
+    assert batch["lengths"].tolist() == [n]
+    assert batch["tokens"].shape[1] % 8 == 0
+
+
+def test_full_loss_without_answer_only():
+    ds = GPTSFTDataset("x.jsonl", TOK, 64, answer_only_loss=False,
+                       records=records({"input": "reverse abc =", "output": "cba"}))
+    batch = collate_sft([ds[0]], TOK.eos_id, 64)
+    n = len("reverse abc = cba")  # every label position of the real sequence
+    assert batch["loss_mask"][0, :n].tolist() == [1.0] * n
+    assert batch["loss_mask"][0, n:].sum() == 0
+
+
+def test_truncation_keeps_answer_and_cuts_context():
+    long_input = "reverse " + "x" * 100 + " ="
+    ds = GPTSFTDataset("x.jsonl", TOK, 16, records=records({"input": long_input, "output": "abc"}))
+    sample = ds[0]
+    assert len(sample["input_ids"]) == 17  # 16 model positions + 1
+    assert TOK.ids_to_text(sample["input_ids"][sample["answer_start"]:]) == "abc"
+    left = GPTSFTDataset("x.jsonl", TOK, 16, truncation_method="left", records=records({"input": long_input, "output": "abc"}))
+    assert TOK.ids_to_text(left[0]["input_ids"][: left[0]["answer_start"]]).endswith("x = ")
+
+
+def test_prompt_template_and_label_key():
+    ds = GPTSFTDataset("x.jsonl", TOK, 64, prompt_template="Q: {question}\nA: {answer}", label_key="answer",
+                       records=records({"question": "2+2?", "answer": "4"}))
+    s = ds[0]
+    assert TOK.ids_to_text(s["input_ids"]) == "Q: 2+2?\nA: 4"
+    assert TOK.ids_to_text(s["input_ids"][s["answer_start"]:]) == "4"
+    with pytest.raises(DataError, match=r"x\.jsonl:1: missing field 'question'"):
+        GPTSFTDataset("x.jsonl", TOK, 64, prompt_template="Q: {question}\nA: {answer}", label_key="answer",
+                      records=records({"input": "2+2?", "answer": "4"}))
+    with pytest.raises(ConfigError, match="does not contain {output}"):
+        GPTSFTDataset("x.jsonl", TOK, 64, prompt_template="{input}", records=records({"input": "a"}))
+
+
+def test_chat_dataset_trains_only_assistant_values():
+    record = {"system": "be brief", "mask": "User", "conversations": [
+        {"from": "User", "value": "hi"}, {"from": "Assistant", "value": "yo", "label": "quality:4"},
+        {"from": "User", "value": "bye"}, {"from": "Assistant", "value": "ok"}]}
+    ds = GPTSFTChatDataset("c.jsonl", TOK, 128, records=records(record))
+    s = ds[0]
+    text = TOK.ids_to_text(s["input_ids"])
+    assert text == "\x00System\nbe brief\n\x11User\nhi\n\x11Assistant\n\x12quality:4\nyo\n\x11User\nbye\n\x11Assistant\nok\n"
+    trained = "".join(TOK.ids_to_text([t]) for t, m in zip(s["input_ids"], s["target_mask"]) if m and t < 256)
+    assert trained == "yo\nok\n"
+    batch = collate_sft([s], TOK.eos_id, 128)
+    assert batch["loss_mask"].sum() == len("yo\nok\n") + 1  # + EOS
+    with pytest.raises(DataError, match=r"c\.jsonl:1: conversations\[0\] must be an object"):
+        GPTSFTChatDataset("c.jsonl", TOK, 128, records=records({"conversations": ["hi"]}))
+
+
+def test_padding_sample_carries_no_loss():
+    ds = GPTSFTDataset("x.jsonl", TOK, 64, records=records({"input": "a =", "output": "b"}))
+    batch = collate_sft([ds[0], ds[-1]], TOK.eos_id, 64)
+    assert batch["loss_mask"][1].sum() == 0 and batch["lengths"][1] == 0
+
+
+def test_sampler_splits_global_batches_across_dp_and_resumes():
+    samplers = [GlobalBatchSampler(20, 8, rank, 2, shuffle=True, seed=5) for rank in range(2)]
+    batches = [list(s) for s in samplers]
+    assert len(batches[0]) == 2  # drop_last: 20 // 8
+    for step in range(2):
+        assert len(batches[0][step]) == 4
+        assert not set(batches[0][step]) & set(batches[1][step])
+    # Resuming at consumed_samples=8 yields exactly the rest of the epoch.
+    resumed = GlobalBatchSampler(20, 8, 0, 2, shuffle=True, seed=5, consumed_samples=8)
+    assert list(resumed) == batches[0][1:]
+    # The next epoch is a different permutation, the same for every run.
+    nxt = GlobalBatchSampler(20, 8, 0, 2, shuffle=True, seed=5, consumed_samples=16)
+    again = GlobalBatchSampler(20, 8, 0, 2, shuffle=True, seed=5, consumed_samples=16)
+    assert list(nxt) == list(again) and list(nxt) != batches[0]
+
+
+def test_sampler_pads_last_validation_batch():
+    sampler = GlobalBatchSampler(10, 8, 0, 1, shuffle=False, drop_last=False)
+    batches = list(sampler)
+    assert batches[0] == list(range(8)) and batches[1] == [8, 9, -1, -1, -1, -1, -1, -1]
+    with pytest.raises(ConfigError, match="global_batch_size=8 is not divisible by the data-parallel size 3"):
+        GlobalBatchSampler(10, 8, 0, 3)
+    with pytest.raises(ConfigError, match="larger than the dataset"):
+        GlobalBatchSampler(4, 8, 0, 1)
+
+
+def test_builtin_task_is_deterministic_and_scored():
+    task = BuiltinTask(seed=0)
+    assert task.examples(5) == BuiltinTask(seed=0).examples(5)
+    assert task.examples(5) != BuiltinTask(seed=1).examples(5)
+    inp, out = task.examples(1)[0]
+    prompt = task.prompt_text(inp)
+    assert task.score(prompt, out) == 1.0
+    assert task.score("reverse abcd = ", "dcba") == 1.0
+    assert task.score("reverse abcd = ", "dcbx") == 0.75
+    assert task.score("sort dcba = ", "abcdzz") == pytest.approx(4 / 6)
+    assert task.score("sort dcba = ", "") == 0.0
+    import random
+
+    rng = random.Random(0)
+    for i, o in task.examples(200):
+        assert task.score(task.prompt_text(i), task.corrupt(o, rng)) < 1.0
+
+
+def test_builtin_task_writes_every_format(tmp_path):
+    from nemo_aligner.data.nlp.jsonl import read_jsonl
+
+    paths = BuiltinTask(seed=0).write_all(str(tmp_path), n_train=10, n_val=4)
+    rm = read_jsonl(paths["rm_train"])
+    assert len(rm) == 20
+    for chosen, rejected in zip(rm[::2], rm[1::2]):
+        prompt = chosen["text"].split("= ")[0]
+        assert rejected["text"].startswith(prompt)
+        assert BuiltinTask.score(prompt + "= ", chosen["text"].split("= ")[1]) == 1.0
+    dpo = read_jsonl(paths["dpo_val"])
+    assert len(dpo) == 4 and set(dpo[0]) >= {"prompt", "chosen_response", "rejected_response"}
+    assert all(r["text"].endswith("= ") for r in read_jsonl(paths["prompts_train"]))
+    assert all(r["label"].startswith("quality:") for r in read_jsonl(paths["regression_train"]))

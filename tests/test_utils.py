@@ -1,0 +1,84 @@
+"""Launcher environment parsing, LR schedules, max_time, checkpoint naming, tokenizers."""
+
+import pytest
+import torch
+
+from nemo_aligner.utils.checkpoint_callback import format_checkpoint_name
+from nemo_aligner.utils.distributed import check_world_size, first_host_of_nodelist, read_launch_info
+from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.utils.run_control import compute_max_steps, parse_max_time
+from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+
+def test_slurm_launch_info():
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+           "SLURM_JOB_NODELIST": "gpu[003-004,010],cpu1", "SLURM_JOB_ID": "1234"}
+    info = read_launch_info(env)
+    assert (info.rank, info.world_size, info.local_rank, info.master_addr, info.launcher) == (5, 8, 1, "gpu003", "slurm")
+    assert first_host_of_nodelist("node7") == "node7"
+    assert first_host_of_nodelist("a-b[12-13]") == "a-b12"
+    torchrun = read_launch_info({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "9"})
+    assert (torchrun.rank, torchrun.world_size, torchrun.master_port, torchrun.launcher) == (1, 2, 9, "torchrun")
+    assert read_launch_info({}).launcher == "single"
+
+
+def test_world_size_check():
+    check_world_size(4, 2, 2)
+    with pytest.raises(ConfigError, match=r"trainer.devices=2 x trainer.num_nodes=2 = 4 processes, but 2 were launched"):
+        check_world_size(2, 2, 2)
+
+
+def test_parse_max_time():
+    assert parse_max_time("00:01:30:05") == 5405.0
+    assert parse_max_time(12) == 12.0
+    assert parse_max_time({"minutes": 2, "seconds": 3}) == 123.0
+    assert parse_max_time(None) is None
+    with pytest.raises(ConfigError, match="trainer.sft.max_time='1h' must look like DD:HH:MM:SS"):
+        parse_max_time("1h", "trainer.sft.max_time")
+
+
+def test_compute_max_steps():
+    assert compute_max_steps(-1, 3, 10) == 30
+    assert compute_max_steps(7, 3, 10) == 7
+    assert compute_max_steps(100, None, 10) == 100
+    with pytest.raises(ConfigError, match="set trainer.sft.max_steps or trainer.sft.max_epochs"):
+        compute_max_steps(-1, -1, 10)
+
+
+def test_checkpoint_name_like_lightning():
+    name = format_checkpoint_name("megatron_gpt_sft--{validation_loss:.3f}-{step}-{consumed_samples}-{epoch}",
+                                  {"val_loss": 1.23456, "step": 10, "consumed_samples": 320, "epoch": 0})
+    assert name == "megatron_gpt_sft--validation_loss=1.235-step=10-consumed_samples=320-epoch=0"
+
+
+def test_cosine_schedule_matches_nemo_shape():
+    """Linear warm-up to lr, cosine to min_lr at max_steps - constant_steps, then min_lr."""
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.utils.optim import build_scheduler
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=1.0)
+    cfg = OmegaConf.create({"lr": 1.0, "sched": {"name": "CosineAnnealing", "warmup_steps": 4,
+                                                   "constant_steps": 2, "min_lr": 0.1}})
+    sched = build_scheduler(opt, cfg, max_steps=14)
+    lrs = []
+    for _ in range(15):
+        lrs.append(opt.param_groups[0]["lr"])
+        sched.step(1)
+    assert lrs[:5] == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0])
+    import math
+
+    mid = 4 + (12 - 4) / 2  # half-way through the decay
+    assert lrs[int(mid)] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lrs[12:] == pytest.approx([0.1, 0.1, 0.1])
+    constant = build_scheduler(torch.optim.SGD([param], lr=1.0), OmegaConf.create({"lr": 0.5}), max_steps=3)
+    assert constant.get_lr({"lr_mult": 1.0}) == 0.5
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    ids = tok.text_to_ids("héllo<eos>")
+    assert ids[-1] == tok.eos_id and tok.ids_to_text(ids) == "héllo"
+    assert tok.ids_to_text(ids, skip_special=False) == "héllo<eos>"
+    assert tok.vocab_size == 262
