@@ -52,7 +52,6 @@ setup(
         ]
     },
     classifiers=[
-        "License :: OSI Approved :: Apache Software License",
         "Programming Language :: Python :: 3.11",
     ],
 )

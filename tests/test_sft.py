@@ -93,3 +93,37 @@ def test_sft_script_two_processes_matches_one(tmp_path, builtin_data, base_nemo,
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=2e-5), step
     assert val_losses(two)[3] == pytest.approx(val_losses(one)[3], rel=2e-5)
+
+
+def test_distributed_optimizer_resume_dp2(tmp_path, builtin_data, base_nemo):
+    """megatron-core's DistributedOptimizer (state sharded over DP=2): resume is exact too, which
+    needs dp_reshardable checkpoints and a per-parameter Adam step after loading."""
+    nemo, _ = base_nemo
+    common = SMALL + [f"model.restore_from_path={nemo}", "model.optim.name=distributed_fused_adam",
+                      "trainer.devices=2", "trainer.sft.save_interval=2", "trainer.sft.val_check_interval=2",
+                      "model.optim.sched.warmup_steps=1", "exp_manager.checkpoint_callback_params.save_top_k=-1"]
+    full = tmp_path / "full"
+    run_script("train_gpt_sft.py", sft_overrides(builtin_data, full, 4, common), nproc=2)
+    step2 = [c for c in os.listdir(full / "checkpoints") if "-step=2-" in c]
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(full / "checkpoints" / step2[0], resumed / "checkpoints" / step2[0])
+    run_script("train_gpt_sft.py", sft_overrides(builtin_data, resumed, 4, common), nproc=2)
+    before, after = train_losses(full), train_losses(resumed)
+    assert sorted(after) == [3, 4]
+    for step in after:
+        assert after[step] == pytest.approx(before[step], rel=1e-6), step
+
+
+def test_max_time_saves_and_stops(tmp_path, builtin_data):
+    log_dir = tmp_path / "timed"
+    proc = run_script("train_gpt_sft.py", sft_overrides(builtin_data, log_dir, 50, SMALL + [
+        "trainer.sft.max_time=00:00:00:00", "trainer.sft.val_check_interval=10"]))
+    assert "SFT finished: 1 steps" in proc.stdout
+    ckpts = [c for c in os.listdir(log_dir / "checkpoints") if "-step=1-" in c]
+    assert len(ckpts) == 1
+    # Not finished, so no final .nemo yet; a rerun resumes from step 1.
+    assert not (log_dir / "checkpoints" / "megatron_gpt_sft.nemo").exists()
+    proc = run_script("train_gpt_sft.py", sft_overrides(builtin_data, log_dir, 3, SMALL + [
+        "trainer.sft.val_check_interval=10"]))
+    assert "resumed at step 1" in proc.stdout and "SFT finished: 3 steps" in proc.stdout

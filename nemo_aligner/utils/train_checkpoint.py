@@ -71,19 +71,38 @@ def _optimizer_sharded(model, optimizer, model_sd: dict, is_loading: bool):
     return optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
 
 
-def _untie_adam_steps(optimizer) -> None:
-    """Give every parameter its own Adam ``step`` tensor after a load.
+def _saved_step(opt_state) -> Optional[float]:
+    """The Adam step stored in an optimizer state dict's param groups (DistributedOptimizer)."""
+    if isinstance(opt_state, dict):
+        for group in (opt_state.get("optimizer") or {}).get("param_groups", []) or []:
+            if group.get("step") is not None:
+                return float(group["step"])
+        for value in opt_state.values():
+            if isinstance(value, dict):
+                found = _saved_step(value)
+                if found is not None:
+                    return found
+    return None
 
-    megatron-core stores one shared step; restored as one tensor object, every
-    in-place ``step += 1`` would advance all parameters' counters at once.
+
+def _restore_adam_steps(optimizer, opt_state) -> None:
+    """Give every parameter its own, correct Adam ``step`` tensor after a load.
+
+    megatron-core keeps one shared step: restored as one tensor object, every in-place
+    ``step += 1`` would advance all parameters' counters at once. The DistributedOptimizer
+    also leaves the counters of the dummy step taken to allocate its state (the real value
+    is in its param groups), which would silently shift Adam's bias correction.
     """
+    saved = _saved_step(opt_state)
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         torch_opt = getattr(inner, "optimizer", None)
         if torch_opt is None:
             continue
         for st in torch_opt.state.values():
-            if isinstance(st.get("step"), torch.Tensor):
-                st["step"] = st["step"].clone()
+            step = st.get("step")
+            if not isinstance(step, torch.Tensor):
+                continue
+            st["step"] = step.clone() if saved is None else torch.full_like(step, saved)
 
 
 def save_train_checkpoint(directory: str, model, optimizer, scheduler, trainer_state: dict) -> None:
@@ -137,7 +156,7 @@ def load_train_checkpoint(directory: str, model, optimizer, scheduler, load_rng:
             if "optimizer_states" not in loaded:
                 raise CheckpointError(f"checkpoint {directory}: has no optimizer state")
             optimizer.load_state_dict(loaded["optimizer_states"][0])
-            _untie_adam_steps(optimizer)
+            _restore_adam_steps(optimizer, loaded["optimizer_states"][0])
     if scheduler is not None:
         common = load_common(directory)
         schedulers = common.get("lr_schedulers")
