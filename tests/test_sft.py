@@ -42,12 +42,13 @@ def test_sft_lowers_validation_loss(tmp_path, builtin_data):
     assert {"train/lr", "train/grad_norm", "train/tokens_per_sec"} <= set(record)
 
 
-def test_resume_equals_uninterrupted_run(tmp_path, builtin_data):
+@pytest.mark.parametrize("precision", ["32", "bf16"])
+def test_resume_equals_uninterrupted_run(tmp_path, builtin_data, precision):
     """Stop after step 8 (of 12), resume from its checkpoint, compare every later step's loss.
 
     Dropout is on (RNG state must be restored) and the 96-sample file makes the run cross
     epoch boundaries (data order must be restored); the cosine schedule and Adam moments
-    are mid-flight at step 8.
+    are mid-flight at step 8. With bf16 the optimizer's fp32 master weights must be restored too.
     """
     from nemo_aligner.data.nlp.jsonl import read_jsonl, write_jsonl
 
@@ -55,7 +56,7 @@ def test_resume_equals_uninterrupted_run(tmp_path, builtin_data):
     write_jsonl(str(small), [{k: v for k, v in r.items() if not k.startswith("__")}
                              for r in read_jsonl(builtin_data["sft_train"])[:96]])
     data = dict(builtin_data, sft_train=str(small))
-    common = SMALL + ["model.hidden_dropout=0.1", "model.attention_dropout=0.1",
+    common = SMALL + [f"trainer.precision={precision}", "model.hidden_dropout=0.1", "model.attention_dropout=0.1",
                       "trainer.sft.save_interval=4", "trainer.sft.val_check_interval=4",
                       "model.optim.sched.warmup_steps=2", "exp_manager.checkpoint_callback_params.save_top_k=-1"]
     full = tmp_path / "full"
