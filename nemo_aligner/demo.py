@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -49,6 +50,7 @@ def main(argv=None) -> None:
     print(f"built-in data written to {data}")
 
     sft_dir = os.path.join(out, "sft")
+    shutil.rmtree(sft_dir, ignore_errors=True)  # a fresh run each time (metrics.jsonl appends)
     run("train_gpt_sft.py", [
         f"model.data.train_ds.file_path={paths['sft_train']}",
         f"model.data.validation_ds.file_path={paths['sft_val']}",

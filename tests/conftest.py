@@ -12,9 +12,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "examples", "nlp", "gpt")
 WORKERS = os.path.join(REPO, "tests", "workers")
 
-# A 2-layer model small enough for 2 CPU cores; Llama-shaped (RoPE, RMSNorm, SwiGLU, untied).
+# A 2-layer model small enough for 2 CPU cores; Llama-shaped (RoPE, RMSNorm, SwiGLU, untied, GQA).
 TINY_ARCH = {
-    "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
+    "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4, "num_query_groups": 2,
     "max_position_embeddings": 32, "position_embedding_type": "rope", "normalization": "rmsnorm",
     "activation": "swiglu", "bias": False, "share_embeddings_and_output_weights": False,
 }

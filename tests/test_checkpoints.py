@@ -58,8 +58,8 @@ def test_nemo_keys_use_megatron_core_names(base_nemo, mcore_single):
     with nemo_file.extracted(nemo) as directory:
         meta = dist_checkpointing.load_tensors_metadata(nemo_file.weights_dir(directory))
     qkv = meta["model.decoder.layers.self_attention.linear_qkv.weight"]
-    # Stacked over layers: [num_layers, 3 * hidden, hidden]
-    assert tuple(qkv.global_shape) == (2, 3 * 64, 64)
+    # Stacked over layers: [num_layers, hidden + 2 * query_groups * head_dim, hidden] (GQA: 2 groups of 16)
+    assert tuple(qkv.global_shape) == (2, 64 + 2 * 2 * 16, 64)
     assert "model.embedding.word_embeddings.weight" in meta
     assert "model.output_layer.weight" in meta
 

@@ -79,7 +79,8 @@ def test_resume_equals_uninterrupted_run(tmp_path, builtin_data, precision):
     assert json.loads((resumed / "checkpoints" / step8[0] / "trainer_state.json").read_text())["epoch"] == 1
 
 
-@pytest.mark.parametrize("parallel", [["model.tensor_model_parallel_size=2"], []], ids=["tp2", "dp2"])
+@pytest.mark.parametrize("parallel", [["model.tensor_model_parallel_size=2"], ["model.pipeline_model_parallel_size=2"], []],
+                         ids=["tp2", "pp2", "dp2"])
 def test_sft_script_two_processes_matches_one(tmp_path, builtin_data, base_nemo, parallel):
     nemo, _ = base_nemo
     extra = SMALL + [f"model.restore_from_path={nemo}", "trainer.sft.val_check_interval=3",
@@ -128,3 +129,16 @@ def test_max_time_saves_and_stops(tmp_path, builtin_data):
     proc = run_script("train_gpt_sft.py", sft_overrides(builtin_data, log_dir, 3, SMALL + [
         "trainer.sft.val_check_interval=10"]))
     assert "resumed at step 1" in proc.stdout and "SFT finished: 3 steps" in proc.stdout
+
+
+def test_sft_chat_format(tmp_path, builtin_data):
+    log_dir = tmp_path / "chat"
+    run_script("train_gpt_sft.py", [
+        f"model.data.train_ds.file_path={builtin_data['chat_train']}",
+        f"model.data.validation_ds.file_path={builtin_data['chat_val']}",
+        f"exp_manager.explicit_log_dir={log_dir}", "model.data.chat=True",
+        "trainer.sft.max_steps=40", "trainer.sft.max_epochs=100", "trainer.sft.val_check_interval=20",
+        "model.optim.sched.warmup_steps=2", *SMALL, "model.encoder_seq_length=64"])
+    val = val_losses(log_dir)
+    assert 0.0 < val[40] < val[20] < 3.0, val
+    assert next(r for r in read_metrics(log_dir) if "val/tokens" in r)["val/tokens"] > 64 * 4

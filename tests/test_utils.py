@@ -82,3 +82,27 @@ def test_byte_tokenizer_round_trip():
     assert ids[-1] == tok.eos_id and tok.ids_to_text(ids) == "héllo"
     assert tok.ids_to_text(ids, skip_special=False) == "héllo<eos>"
     assert tok.vocab_size == 262
+
+
+def test_checkpoint_pruning_keeps_top_k_and_newest(tmp_path):
+    import json
+    import os
+
+    from nemo_aligner.utils.checkpoint_callback import CheckpointCallback, latest_checkpoint
+
+    losses = {1: 0.9, 2: 0.5, 3: 0.7, 4: 0.3, 5: 0.8}
+    for step, loss in losses.items():
+        d = tmp_path / f"ck-step={step}"
+        d.mkdir()
+        (d / "metadata.json").write_text("{}")
+        (d / "trainer_state.json").write_text(json.dumps({"step": step, "monitor_value": loss}))
+    (tmp_path / "ck-step=6.tmp").mkdir()  # an interrupted save
+    cb = CheckpointCallback(str(tmp_path), "ck-{step}", monitor="val_loss", mode="min", save_top_k=2)
+    cb.prune()
+    kept = sorted(p for p in os.listdir(tmp_path) if not p.endswith(".tmp"))
+    assert kept == ["ck-step=2", "ck-step=4", "ck-step=5"]  # best two + the newest
+    assert latest_checkpoint(str(tmp_path)).endswith("ck-step=5")
+    assert cb.best().endswith("ck-step=4")
+    maximize = CheckpointCallback(str(tmp_path), "ck-{step}", monitor="acc", mode="max", save_top_k=1)
+    maximize.prune()
+    assert sorted(p for p in os.listdir(tmp_path) if not p.endswith(".tmp")) == ["ck-step=5"]

@@ -2,7 +2,7 @@
 
 Each prompt asks to reverse or sort a short word of letters, e.g. ``"reverse cabd ="``
 with answer ``"dbac"``. The same generator writes every format the toolkit reads
-(SFT, reward-model comparisons, regression labels, DPO pairs, KTO, PPO prompts) and
+(SFT, chat, reward-model comparisons, regression labels, DPO pairs, KTO, PPO prompts) and
 ``score`` is the rule-based reward: the fraction of answer characters that are right.
 
 Command line::
@@ -131,6 +131,15 @@ class BuiltinTask:
                         "preference": "chosen" if good else "rejected"})
         return out
 
+    def chat_records(self, n: int, split: str) -> List[Dict]:
+        """NeMo chat format, one User/Assistant exchange, the Assistant turn labelled (SteerLM style)."""
+        return [
+            {"system": "", "mask": "User", "type": "VALUE_TO_TEXT",
+             "conversations": [{"from": "User", "value": i},
+                               {"from": "Assistant", "value": o, "label": "quality:4"}]}
+            for i, o in self.examples(n, split)
+        ]
+
     def prompt_records(self, n: int, split: str) -> List[Dict]:
         return [{"text": self.prompt_text(i)} for i, _ in self.examples(n, split)]
 
@@ -139,6 +148,7 @@ class BuiltinTask:
         os.makedirs(out_dir, exist_ok=True)
         writers = {
             "sft": self.sft_records,
+            "chat": self.chat_records,
             "rm": self.rm_comparison_records,
             "regression": self.regression_records,
             "dpo": self.dpo_records,

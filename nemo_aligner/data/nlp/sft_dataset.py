@@ -8,6 +8,7 @@ Each sample is a dict with ``input_ids`` (the whole sequence) and ``answer_start
 
 from __future__ import annotations
 
+import logging
 import string
 from typing import Dict, List, Optional, Sequence
 
@@ -15,6 +16,8 @@ import torch
 
 from nemo_aligner.data.nlp.jsonl import read_jsonl, require_fields
 from nemo_aligner.utils.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
 
 
 def template_fields(template: str) -> List[str]:
@@ -110,6 +113,7 @@ class GPTSFTChatDataset(torch.utils.data.Dataset):
         self.tokens = dict(DEFAULT_CHAT_TOKENS, **(chat_prompt_tokens or {}))
         self.add_eos = add_eos
         self.answer_only_loss = answer_only_loss
+        self._warned_empty = False
         self.records = records if records is not None else read_jsonl(file_path)
         for record in self.records:
             require_fields(record, ["conversations"], file_path, types=(list,))
@@ -150,6 +154,11 @@ class GPTSFTChatDataset(torch.utils.data.Dataset):
             ids.append(self.tokenizer.eos_id)
             mask.append(1)
         ids, mask = ids[: self.max_seq_length + 1], mask[: self.max_seq_length + 1]
+        if not any(mask[1:]) and not self._warned_empty:
+            self._warned_empty = True
+            logger.warning("%s:%s: no trained token is left after truncation to max_seq_length=%d; "
+                           "such samples carry no loss (raise model.encoder_seq_length)",
+                           self.file_path, self.records[idx].get("__line__", "?"), self.max_seq_length)
         return {"input_ids": ids, "answer_start": 0, "target_mask": mask}
 
 
