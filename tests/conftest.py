@@ -74,9 +74,6 @@ def val_losses(log_dir: str) -> dict:
     return {r["step"]: r["val/loss"] for r in read_metrics(log_dir) if "val/loss" in r}
 
 
-def arch_overrides(arch: dict, prefix: str = "model.") -> list:
-    return [f"{prefix}{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in arch.items()]
-
 
 @pytest.fixture(scope="session")
 def builtin_data(tmp_path_factory):

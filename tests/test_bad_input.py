@@ -2,7 +2,6 @@
 config key, exit status 1, no traceback, and nothing already written is damaged."""
 
 import os
-import shutil
 
 import pytest
 

@@ -1,7 +1,6 @@
 """Datasets, masks, collation, the global-batch sampler and the built-in task."""
 
 import pytest
-import torch
 
 from nemo_aligner.data.nlp.builtin_task import BuiltinTask
 from nemo_aligner.data.nlp.samplers import GlobalBatchSampler

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from conftest import TINY_ARCH, arch_overrides, read_metrics, run_script, train_losses, val_losses
+from conftest import read_metrics, run_script, train_losses, val_losses
 
 SMALL = ["model.encoder_seq_length=32", "model.data.train_ds.micro_batch_size=4",
          "model.data.train_ds.global_batch_size=16"]

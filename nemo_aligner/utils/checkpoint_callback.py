@@ -9,8 +9,8 @@ import re
 import shutil
 from typing import Dict, List, Optional
 
-import torch.distributed as dist
 
+from nemo_aligner.utils.distributed import barrier, get_rank
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.nemo_file import save_nemo
 from nemo_aligner.utils.train_checkpoint import read_trainer_state, save_train_checkpoint
@@ -21,13 +21,6 @@ _FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
 _MONITOR_ALIASES = {"val_loss": "validation_loss", "validation_loss": "val_loss"}
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def format_checkpoint_name(pattern: str, values: Dict[str, float]) -> str:
@@ -81,14 +74,14 @@ class CheckpointCallback:
         state["monitor"] = self.monitor
         state["monitor_value"] = self.monitor_value(metrics)
         state["metrics"] = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
-        if _rank() == 0:
+        if get_rank() == 0:
             os.makedirs(self.dirpath, exist_ok=True)
-        _barrier()
+        barrier()
         save_train_checkpoint(path, model, optimizer, scheduler, state)
         self.last_saved = path
-        if _rank() == 0:
+        if get_rank() == 0:
             self.prune()
-        _barrier()
+        barrier()
         return path
 
     def checkpoints(self) -> List[tuple]:

@@ -8,20 +8,13 @@ import shutil
 from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
+from nemo_aligner.utils.distributed import barrier, get_rank
 from nemo_aligner.utils.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _flatten(sharded_state_dict: dict, prefix: str = "") -> Iterable[Tuple[str, object]]:
@@ -54,17 +47,17 @@ def save_sharded(sharded_state_dict: dict, directory: str, content_metadata: Opt
 
     directory = os.path.abspath(directory)
     tmp_dir = f"{directory}.tmp"
-    if _rank() == 0:
+    if get_rank() == 0:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         os.makedirs(tmp_dir)
-    _barrier()
+    barrier()
     dist_checkpointing.save(sharded_state_dict, tmp_dir, content_metadata=content_metadata)
     if before_commit is not None:
         before_commit(tmp_dir)
-    _barrier()
-    if _rank() == 0:
+    barrier()
+    if get_rank() == 0:
         replace_dir_atomically(tmp_dir, directory)
-    _barrier()
+    barrier()
 
 
 def checkpoint_shapes(directory: str) -> Dict[str, Tuple[int, ...]]:

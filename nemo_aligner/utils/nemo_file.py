@@ -25,10 +25,10 @@ import uuid
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
-import torch.distributed as dist
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from nemo_aligner.utils.distributed import barrier, get_rank
 from nemo_aligner.utils.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -39,13 +39,6 @@ NEMO_TARGET = "nemo.collections.nlp.models.language_modeling.megatron_gpt_model.
 _NEMO_PREFIX = "nemo:"
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _local_rank() -> int:
@@ -116,7 +109,7 @@ def extracted(path: str, key: str = "restore_from_path") -> Iterator[str]:
                 tar.extractall(target, filter="data")
         except (tarfile.TarError, OSError) as err:
             error = f"{key}={path}: cannot extract ({err}); the file may be truncated"
-    _barrier()
+    barrier()
     if error is None and not os.path.isfile(os.path.join(target, MODEL_CONFIG)):
         error = f"{key}={path}: the archive has no {MODEL_CONFIG}"
     if error:
@@ -124,7 +117,7 @@ def extracted(path: str, key: str = "restore_from_path") -> Iterator[str]:
     try:
         yield target
     finally:
-        _barrier()
+        barrier()
         if _local_rank() == 0:
             shutil.rmtree(target, ignore_errors=True)
 
@@ -197,13 +190,13 @@ def save_nemo(model, path: str) -> str:
 
     path = os.path.abspath(path)
     staging = f"{path}.tmpdir"
-    if _rank() == 0:
+    if get_rank() == 0:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
-    _barrier()
+    barrier()
     save_sharded(model.sharded_state_dict(), weights_dir(staging))
-    if _rank() == 0:
+    if get_rank() == 0:
         tokenizer_cfg, artifacts = _tokenizer_artifacts(model.tokenizer)
         config = nemo_model_config(model.model_config_dict(), tokenizer_cfg)
         with open(os.path.join(staging, MODEL_CONFIG), "w", encoding="utf-8") as f:
@@ -216,7 +209,7 @@ def save_nemo(model, path: str) -> str:
                 tar.add(os.path.join(staging, name), arcname=f"./{name}")
         os.replace(tmp, path)
         shutil.rmtree(staging, ignore_errors=True)
-    _barrier()
+    barrier()
     return path
 
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from nemo_aligner.models.nlp.gpt.loading import merge_checkpoint_config
 from nemo_aligner.utils import nemo_file
@@ -72,7 +72,3 @@ def init_run(cfg: DictConfig, restore_path: Optional[str] = None,
     info = ParallelInfo(dist.get_rank(), world, tp, pp, dp, parallel_state.get_data_parallel_rank())
     logger.info("world size %d: tensor parallel %d x pipeline parallel %d x data parallel %d", world, tp, pp, dp)
     return info
-
-
-def config_to_yaml(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(cfg, resolve=True)

@@ -17,9 +17,9 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from nemo_aligner.utils.checkpoint_io import load_common, load_sharded, save_sharded
+from nemo_aligner.utils.distributed import get_rank
 from nemo_aligner.utils.errors import CheckpointError
 from nemo_aligner.utils.optim import uses_distributed_optimizer
 
@@ -28,9 +28,6 @@ logger = logging.getLogger(__name__)
 TRAINER_STATE = "trainer_state.json"
 _DIST_OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def rng_state() -> dict:
@@ -115,7 +112,7 @@ def save_train_checkpoint(directory: str, model, optimizer, scheduler, trainer_s
     if scheduler is not None:
         sharded["lr_schedulers"] = [scheduler.state_dict()]
     sharded["trainer_state"] = dict(trainer_state)
-    rank = _rank()
+    rank = get_rank()
     rng = rng_state()
 
     def add_rank_files(tmp_dir: str) -> None:
@@ -162,11 +159,11 @@ def load_train_checkpoint(directory: str, model, optimizer, scheduler, load_rng:
         schedulers = common.get("lr_schedulers")
         if schedulers:
             scheduler.load_state_dict(schedulers[0])
-    rng_path = os.path.join(directory, f"rng_state_{_rank()}.pt")
+    rng_path = os.path.join(directory, f"rng_state_{get_rank()}.pt")
     if load_rng:
         if os.path.isfile(rng_path):
             set_rng_state(torch.load(rng_path, weights_only=False))
         else:
             logger.warning("%s has no RNG state for rank %d (saved with another world size); RNG not restored",
-                           directory, _rank())
+                           directory, get_rank())
     return state
