@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from nemo_aligner.models.nlp.gpt.loading import merge_checkpoint_config
 from nemo_aligner.utils import nemo_file
 from nemo_aligner.utils.distributed import check_parallel_sizes, init_distributed, initialize_model_parallel
 from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.utils.model_config import merge_checkpoint_config
 
 logger = logging.getLogger(__name__)
 

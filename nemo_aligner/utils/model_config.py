@@ -1,0 +1,42 @@
+"""Which model keys a restored checkpoint decides, and how its config meets the run's."""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+from omegaconf import DictConfig, OmegaConf
+
+logger = logging.getLogger(__name__)
+
+# Keys that fix the shape of the weights: a restored checkpoint's values win over the run config.
+ARCHITECTURE_KEYS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "max_position_embeddings", "position_embedding_type", "normalization", "activation", "bias", "qkv_bias",
+    "share_embeddings_and_output_weights", "rotary_percentage", "rotary_base", "layernorm_epsilon",
+    "make_vocab_size_divisible_by", "padded_vocab_size", "qk_layernorm", "tokenizer",
+)
+# Keys describing the checkpoint itself, never copied into a new model's config.
+_CHECKPOINT_ONLY = ("mcore_gpt", "dist_ckpt_format", "target", "precision", "nemo_version")
+
+
+def merge_checkpoint_config(ckpt_cfg: DictConfig, run_cfg: DictConfig,
+                            architecture_keys: Iterable[str] = ARCHITECTURE_KEYS) -> DictConfig:
+    """The run's ``model.*`` on top of the checkpoint's config, except for architecture keys.
+
+    This mirrors NeMo-Aligner (the run config overrides the restored one) while keeping
+    a checkpoint loadable when the run config still carries the tiny built-in shape.
+    """
+    base = OmegaConf.to_container(ckpt_cfg, resolve=True)
+    for key in _CHECKPOINT_ONLY:
+        base.pop(key, None)
+    run = OmegaConf.to_container(run_cfg, resolve=True)
+    ignored = []
+    for key in architecture_keys:
+        if key in run and key in base and run[key] is not None and run[key] != base[key] and key != "tokenizer":
+            ignored.append(f"{key}={base[key]} (config had {run[key]})")
+        run.pop(key, None)
+    if ignored:
+        logger.info("using the checkpoint's architecture: %s", ", ".join(ignored))
+    merged = OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(run))
+    return merged
