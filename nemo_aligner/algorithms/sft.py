@@ -14,21 +14,10 @@ from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
 from nemo_aligner.models.nlp.gpt.loading import load_model
 from nemo_aligner.utils.distributed import is_global_rank_zero
 from nemo_aligner.utils.exp_manager import exp_manager
-from nemo_aligner.utils.run_control import RunTimer, parse_max_time
+from nemo_aligner.utils.run_control import RunTimer, max_time_of
 from nemo_aligner.utils.run_setup import init_run
 
 logger = logging.getLogger(__name__)
-
-
-def max_time_of(cfg: DictConfig, algo: str):
-    """``trainer.<algo>.max_time``, else ``trainer.max_time``, else ``exp_manager.max_time_per_run``."""
-    for key, value in ((f"trainer.{algo}.max_time", cfg.trainer.get(algo, {}).get("max_time")),
-                       ("trainer.max_time", cfg.trainer.get("max_time")),
-                       ("exp_manager.max_time_per_run", (cfg.get("exp_manager") or {}).get("max_time_per_run"))):
-        seconds = parse_max_time(value, key)
-        if seconds is not None:
-            return seconds
-    return None
 
 
 def run_sft(cfg: DictConfig) -> Dict[str, float]:

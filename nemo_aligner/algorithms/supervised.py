@@ -20,17 +20,25 @@ from nemo_aligner.utils.train_checkpoint import load_train_checkpoint
 logger = logging.getLogger(__name__)
 
 
+# Per-batch counts that weight the other metrics when validation batches are averaged.
+_WEIGHT_KEYS = ("tokens", "pairs", "labels")
+
+
 def aggregate_validation(per_batch: list) -> Dict[str, float]:
-    """Mean of each metric over batches; ``loss`` is token-weighted when batches report ``loss_sum``/``tokens``."""
+    """Average each metric over validation batches, weighted by the batch's count of tokens,
+    pairs or labels when it reports one (a padded last batch then weighs what it holds);
+    ``loss`` is the exact per-token mean when batches report ``loss_sum`` and ``tokens``."""
     if not per_batch:
         return {}
-    out = {}
-    for key in per_batch[0]:
-        out[key] = sum(m[key] for m in per_batch) / len(per_batch)
-    if all("loss_sum" in m and "tokens" in m for m in per_batch):
-        tokens = sum(m["tokens"] for m in per_batch)
-        out["loss"] = sum(m["loss_sum"] for m in per_batch) / max(tokens, 1.0)
-        out["tokens"] = tokens
+    weight_key = next((k for k in _WEIGHT_KEYS if all(k in m for m in per_batch)), None)
+    weights = [float(m[weight_key]) if weight_key else 1.0 for m in per_batch]
+    total = sum(weights) or 1.0
+    out = {key: sum(w * m[key] for w, m in zip(weights, per_batch)) / total
+           for key in per_batch[0] if key not in _WEIGHT_KEYS}
+    if weight_key:
+        out[weight_key] = sum(weights)
+    if weight_key == "tokens" and all("loss_sum" in m for m in per_batch):
+        out["loss"] = sum(m["loss_sum"] for m in per_batch) / max(total, 1.0)
         out.pop("token_loss", None)
         out.pop("loss_sum", None)
     return out
@@ -136,7 +144,8 @@ class SupervisedTrainer:
         """Real (unpadded) tokens in the global batch, summed over data-parallel ranks."""
         from megatron.core import parallel_state
 
-        local = batch["lengths"].sum() if "lengths" in batch else batch["tokens"].numel()
+        length_keys = [k for k in ("lengths", "chosen_length", "rejected_length") if k in batch]
+        local = sum(float(batch[k].sum()) for k in length_keys) if length_keys else batch["tokens"].numel()
         count = torch.tensor([float(local)])
         if dist.is_initialized():
             dist.all_reduce(count, group=parallel_state.get_data_parallel_group())

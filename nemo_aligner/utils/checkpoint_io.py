@@ -86,7 +86,7 @@ def load_sharded(
     ``CheckpointError`` that names the tensor.
     """
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
     if not is_sharded_checkpoint(directory):
         raise CheckpointError(f"{what} {directory}: not a torch_dist checkpoint (no metadata.json)")
@@ -99,6 +99,8 @@ def load_sharded(
             if isinstance(value, dict):
                 out[key] = prune(value, f"{prefix}{key}.")
                 continue
+            if isinstance(value, ShardedObject) and any(tag in value.key for tag in allow_missing):
+                continue  # extra state of a module that is new in this model (e.g. a reward head)
             if isinstance(value, ShardedTensor):
                 if value.key not in stored:
                     if any(tag in value.key for tag in allow_missing):

@@ -8,6 +8,7 @@ from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
 
 from nemo_aligner.utils.errors import ConfigError
 
@@ -65,3 +66,14 @@ def compute_max_steps(max_steps: Optional[int], max_epochs: Optional[int], steps
     if not limits:
         raise ConfigError(f"set {key}.max_steps or {key}.max_epochs; both are unlimited")
     return min(limits)
+
+
+def max_time_of(cfg: DictConfig, algo: str):
+    """``trainer.<algo>.max_time``, else ``trainer.max_time``, else ``exp_manager.max_time_per_run``."""
+    for key, value in ((f"trainer.{algo}.max_time", cfg.trainer.get(algo, {}).get("max_time")),
+                       ("trainer.max_time", cfg.trainer.get("max_time")),
+                       ("exp_manager.max_time_per_run", (cfg.get("exp_manager") or {}).get("max_time_per_run"))):
+        seconds = parse_max_time(value, key)
+        if seconds is not None:
+            return seconds
+    return None

@@ -105,14 +105,17 @@ class BuiltinTask:
         return out
 
     def regression_records(self, n: int, split: str) -> List[Dict]:
-        """``{"text", "label"}`` with a SteerLM-style ``quality`` attribute (0-4) from the score."""
+        """``{"text", "label"}`` with two SteerLM-style attributes (0-4): ``quality`` from the score and
+        ``verbosity`` from the response length; one record in five leaves verbosity out (missing)."""
         rng = self._rng(f"{split}:reg")
         out = []
         for i, o in self.examples(n, split):
             prompt = self.prompt_text(i)
             response = o if rng.random() < 0.4 else self.corrupt(o, rng)
             quality = round(4 * self.score(prompt, response))
-            out.append({"text": prompt + response, "label": f"quality:{quality}"})
+            verbosity = min(max(len(response) - 3, 0), 4)
+            label = f"quality:{quality}" if rng.random() < 0.2 else f"quality:{quality},verbosity:{verbosity}"
+            out.append({"text": prompt + response, "label": label})
         return out
 
     def dpo_records(self, n: int, split: str) -> List[Dict]:

@@ -142,10 +142,11 @@ def layer_spec(cfg, config):
 
 
 def build_gpt_model(cfg, vocab_size: int, precision="32", pre_process: Optional[bool] = None,
-                    post_process: Optional[bool] = None, config=None):
+                    post_process: Optional[bool] = None, config=None, model_cls=None, **extra):
     """One pipeline stage of a megatron-core ``GPTModel`` for the current rank.
 
     ``vocab_size`` is the padded size (see ``padded_vocab_size``), divisible by TP.
+    ``model_cls`` (a ``GPTModel`` subclass such as the reward model) gets ``extra`` keywords.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -156,7 +157,7 @@ def build_gpt_model(cfg, vocab_size: int, precision="32", pre_process: Optional[
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
     max_pos = int(_get(cfg, "max_position_embeddings", _get(cfg, "encoder_seq_length")))
-    model = GPTModel(
+    model = (model_cls or GPTModel)(
         config=config,
         transformer_layer_spec=layer_spec(cfg, config),
         vocab_size=vocab_size,
@@ -168,5 +169,6 @@ def build_gpt_model(cfg, vocab_size: int, precision="32", pre_process: Optional[
         rotary_percent=float(_get(cfg, "rotary_percentage", 1.0)),
         rotary_base=int(_get(cfg, "rotary_base", 10000)),
         seq_len_interpolation_factor=_get(cfg, "seq_len_interpolation_factor"),
+        **extra,
     )
     return model

@@ -5,11 +5,9 @@ from __future__ import annotations
 from typing import Dict, Tuple
 
 import torch
-import torch.distributed as dist
 
 from nemo_aligner.models.alignable_interface import SupervisedInterface
 from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
-from nemo_aligner.utils.distributed import broadcast_from_last_stage
 
 
 def masked_token_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -40,24 +38,10 @@ class GPTSFTModel(MegatronGPTModel, SupervisedInterface):
         return mean, {"loss": mean.detach().clone(), "loss_sum": total.detach(), "tokens": count.detach()}
 
     def get_loss_and_metrics(self, batch: Dict[str, torch.Tensor], forward_only: bool) -> Tuple[float, Dict[str, float]]:
-        from megatron.core import parallel_state
-
         outputs = self.forward_backward(batch, self.loss_func, forward_only, self._active_micro_batch_size)
-        # [mean of micro-batch means, loss sum, token count] on the last stage, zeros elsewhere.
-        stats = torch.zeros(3, dtype=torch.float64)
-        if parallel_state.is_pipeline_last_stage():
-            stats[0] = torch.stack([o["loss"] for o in outputs]).double().mean()
-            stats[1] = torch.stack([o["loss_sum"] for o in outputs]).double().sum()
-            stats[2] = torch.stack([o["tokens"] for o in outputs]).double().sum()
-        stats = broadcast_from_last_stage(stats)
-        group = parallel_state.get_data_parallel_group()
-        dp = dist.get_world_size(group)
-        stats[0] /= dp
-        dist.all_reduce(stats, group=group)
-        loss = float(stats[0])
-        token_loss = float(stats[1] / stats[2].clamp(min=1.0))
-        return loss, {"loss": loss, "token_loss": token_loss, "tokens": float(stats[2]),
-                      "loss_sum": float(stats[1])}
+        m = self.reduce_metrics(outputs, sum_keys=("loss_sum", "tokens"), mean_keys=("loss",))
+        m["token_loss"] = m["loss_sum"] / max(m["tokens"], 1.0)
+        return m["loss"], m
 
     def prepare_for_training_step(self) -> None:
         self.train()

@@ -74,6 +74,7 @@ class MegatronGPTModel:
             from megatron.core.transformer.module import Float16Module
 
             module = Float16Module(self.transformer_config, module)
+            self.restore_fp32_parts(module.module)
         self.model = [self._wrap_ddp(module) if trainable else module]
         self.optimizer = None
         self.scheduler = None
@@ -85,6 +86,9 @@ class MegatronGPTModel:
             self.cfg, vocab_size=self.cfg.padded_vocab_size, precision=self.precision,
             config=self.transformer_config,
         )
+
+    def restore_fp32_parts(self, module: torch.nn.Module) -> None:
+        """Cast back to float32 the parts that must stay there after the bf16/fp16 cast (heads)."""
 
     def _wrap_ddp(self, module):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -180,6 +184,8 @@ class MegatronGPTModel:
         forward_only: bool,
         micro_batch_size: int,
         forward_fn: Optional[Callable] = None,
+        seq_length: Optional[int] = None,
+        sequences_per_micro_batch: Optional[int] = None,
     ) -> List:
         """Run megatron-core's pipeline schedule over ``batch`` split into micro-batches.
 
@@ -187,7 +193,9 @@ class MegatronGPTModel:
         loss against ``labels``). ``loss_fn(micro_batch, output)`` returns ``(loss,
         metrics)`` on the last stage; the schedule divides ``loss`` by the number of
         micro-batches. Returns the per-micro-batch metrics (last stage only) or, with
-        ``loss_fn=None``, the outputs themselves.
+        ``loss_fn=None``, the outputs themselves. ``seq_length`` and
+        ``sequences_per_micro_batch`` give the activation shape passed between pipeline
+        stages when it differs from the batch's (e.g. chosen and rejected stacked).
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -201,17 +209,42 @@ class MegatronGPTModel:
                 return output, lambda out, non_loss_data=False: out
             return output, partial(loss_fn, mb)
 
-        seq_length = micro_batches[0]["tokens"].shape[1]
+        if seq_length is None:
+            seq_length = micro_batches[0]["tokens"].shape[1]
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(micro_batches),
             model=self.model,
             num_microbatches=len(micro_batches),
             seq_length=seq_length,
-            micro_batch_size=micro_batch_size,
+            micro_batch_size=sequences_per_micro_batch or micro_batch_size,
             forward_only=forward_only,
             collect_non_loss_data=loss_fn is None,
         )
+
+    def reduce_metrics(self, outputs: List[Dict[str, torch.Tensor]], sum_keys=(), mean_keys=()) -> Dict[str, float]:
+        """Metrics of one global batch, identical on every rank.
+
+        ``outputs`` are the per-micro-batch dicts the schedule returns on the last pipeline
+        stage. ``sum_keys`` are summed over micro-batches and data-parallel ranks;
+        ``mean_keys`` are averaged over both (each micro-batch weighs the same).
+        """
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        from nemo_aligner.utils.distributed import broadcast_from_last_stage
+
+        keys = list(sum_keys) + list(mean_keys)
+        stats = torch.zeros(len(keys), dtype=torch.float64)
+        group = parallel_state.get_data_parallel_group()
+        dp = dist.get_world_size(group)
+        if parallel_state.is_pipeline_last_stage() and outputs:
+            for i, key in enumerate(keys):
+                values = torch.stack([o[key].detach().double().reshape(()) for o in outputs])
+                stats[i] = values.sum() if key in sum_keys else values.mean() / dp
+        stats = broadcast_from_last_stage(stats)
+        dist.all_reduce(stats, group=group)
+        return {key: float(stats[i]) for i, key in enumerate(keys)}
 
     # ----------------------------------------------------------------- checkpoints
     def sharded_state_dict(self, prefix: str = "model.") -> dict:

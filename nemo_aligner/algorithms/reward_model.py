@@ -1,0 +1,102 @@
+"""Reward-model training end to end from a Hydra config (NeMo-Aligner's train_reward_model.py)."""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Dict
+
+from omegaconf import DictConfig, OmegaConf
+
+from nemo_aligner.algorithms.supervised import SupervisedTrainer, plan_max_steps
+from nemo_aligner.data.nlp.builders import build_dataloader
+from nemo_aligner.data.nlp.reward_datasets import (
+    RegressionRewardDataset,
+    RewardComparisonDataset,
+    collate_comparisons,
+    collate_regression,
+    data_prefix_paths,
+)
+from nemo_aligner.models.nlp.gpt.loading import load_model
+from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import MegatronGPTRewardModel
+from nemo_aligner.utils.distributed import is_global_rank_zero
+from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.utils.exp_manager import exp_manager
+from nemo_aligner.utils.run_control import RunTimer, max_time_of
+from nemo_aligner.utils.run_setup import init_run
+
+logger = logging.getLogger(__name__)
+
+
+def build_reward_dataset(model, data_cfg, split: str):
+    """The comparison or regression dataset of ``model.data.data_prefix.<split>`` (None if not given)."""
+    paths = data_prefix_paths(data_cfg, split)
+    if paths is None:
+        return None
+    impl = str(data_cfg.get("data_impl", "jsonl"))
+    if impl != "jsonl":
+        raise ConfigError(f"model.data.data_impl={impl!r}: only jsonl is supported")
+    seq = int(data_cfg.get("seq_length") or model.cfg.encoder_seq_length)
+    key = f"model.data.data_prefix.{split}"
+    if model.reward_model_type == "binary_ranking":
+        return RewardComparisonDataset(paths, model.tokenizer, seq, key=key)
+    regression = model.cfg.get("regression") or {}
+    return RegressionRewardDataset(paths, model.tokenizer, seq, model.num_attributes,
+                                   attribute_names=regression.get("attribute_names"), key=key)
+
+
+def run_reward_model(cfg: DictConfig) -> Dict[str, float]:
+    """Train a reward model from ``pretrained_checkpoint.restore_from_path`` (or random weights)."""
+    restore = (cfg.get("pretrained_checkpoint") or {}).get("restore_from_path")
+    info = init_run(cfg, restore, "pretrained_checkpoint.restore_from_path")
+    exp = exp_manager(cfg.get("exp_manager"), cfg, default_name=str(cfg.get("name", "megatron_gpt")))
+    # A new head is expected when starting from an SFT (or base) model.
+    model = load_model(MegatronGPTRewardModel, cfg.model, cfg.trainer.precision, restore,
+                       key="pretrained_checkpoint.restore_from_path", allow_missing=("rm_head",))
+    data_cfg = cfg.model.data
+    train_ds = build_reward_dataset(model, data_cfg, "train")
+    if train_ds is None:
+        raise ConfigError("model.data.data_prefix.train is required")
+    val_ds = build_reward_dataset(model, data_cfg, "validation")
+    seq = int(data_cfg.get("seq_length") or model.cfg.encoder_seq_length)
+    collate_fn = collate_comparisons if model.reward_model_type == "binary_ranking" else collate_regression
+    collate = partial(collate_fn, pad_id=model.tokenizer.eos_id, seq_length=seq,
+                      pad_to_multiple_of=data_cfg.get("pad_to_multiple_of", 8))
+    batches = OmegaConf.create({"global_batch_size": int(cfg.model.global_batch_size),
+                                "micro_batch_size": int(cfg.model.micro_batch_size)})
+    seed = int(cfg.model.get("seed", 1234))
+    workers = int(data_cfg.get("num_workers", 0) or 0)
+    train_dl = build_dataloader(train_ds, OmegaConf.merge(batches, {"shuffle": True, "drop_last": True}), collate,
+                                info.dp_rank, info.dp, seed, num_workers=workers, train=True,
+                                key="model")
+    val_dl = None
+    if val_ds is not None:
+        val_dl = build_dataloader(val_ds, OmegaConf.merge(batches, {"shuffle": False, "drop_last": False}), collate,
+                                  info.dp_rank, info.dp, seed, num_workers=workers, train=False, key="model")
+
+    rm_cfg = cfg.trainer.rm
+    max_steps, _ = plan_max_steps(rm_cfg, train_dl, "rm")
+    optimizer, scheduler = model.setup_optimization(max_steps, clip_grad=rm_cfg.get("gradient_clip_val", 1.0))
+    kind = "comparison pairs" if model.reward_model_type == "binary_ranking" else "labelled texts"
+    logger.info("reward model (%s): %.2fM parameters; %d training and %d validation %s; %d steps",
+                model.reward_model_type, model.num_parameters() / 1e6, len(train_ds), len(val_ds or []), kind, max_steps)
+    trainer = SupervisedTrainer(rm_cfg, model, optimizer, scheduler, train_dl, val_dl, exp.logger,
+                                exp.checkpoint_callback, RunTimer(max_time_of(cfg, "rm")), name="rm")
+    if exp.resume_from:
+        trainer.load_checkpoint(exp.resume_from)
+    summary = trainer.fit()
+
+    nemo_path = None
+    callback = exp.checkpoint_callback
+    if callback is not None and callback.save_nemo_on_train_end and trainer.step >= trainer.max_steps:
+        nemo_path = callback.save_nemo(model)
+    exp.logger.finalize()
+    summary.update(nemo_path=nemo_path, log_dir=exp.log_dir,
+                   val_accuracy=trainer.last_val_metrics.get("accuracy", float("nan")))
+    if is_global_rank_zero():
+        quality = (f"validation accuracy {summary['val_accuracy']:.3f}" if model.reward_model_type == "binary_ranking"
+                   else f"validation MSE {trainer.last_val_metrics.get('mse', float('nan')):.4f}")
+        print(f"Reward model finished: {summary['steps']} steps, train loss {summary['final_train_loss']:.4f}, "
+              f"validation loss {summary['final_val_loss']:.4f}, {quality}, {summary['seconds']:.0f}s; "
+              + (f".nemo written to {nemo_path}" if nemo_path else f"logs in {exp.log_dir}"), flush=True)
+    return summary

@@ -1,0 +1,216 @@
+"""Reward-model datasets in NeMo-Aligner's jsonl formats.
+
+- Comparisons (Bradley-Terry): ``{"text": prompt + chosen}`` then ``{"text": prompt + rejected}``
+  on consecutive lines, chosen first.
+- Regression (SteerLM attributes): ``{"text", "label"}``, the label a list of floats (``-100``
+  for a missing attribute) or a string ``"quality:4,toxicity:0,..."``.
+
+Each text is tokenized with EOS appended; the reward is read at the last token. A text
+longer than ``seq_length`` keeps its end (the response being judged) and loses its start.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from nemo_aligner.data.nlp.jsonl import read_jsonl, require_fields
+from nemo_aligner.utils.errors import ConfigError, DataError
+
+# NeMo SteerLM's attribute order (HelpSteer + OASST): the label vector follows it.
+STEERLM_ATTRIBUTES = ("quality", "toxicity", "humor", "creativity", "helpfulness", "correctness",
+                      "coherence", "complexity", "verbosity")
+MISSING = -100.0
+
+
+def common_prefix_length(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def read_files(paths, key: str) -> List[dict]:
+    """Records of one or more jsonl files; each keeps ``__file__`` and ``__line__``."""
+    if paths is None or (isinstance(paths, str) and not paths):
+        raise ConfigError(f"{key} is required")
+    if isinstance(paths, str):
+        paths = [paths]
+    records = []
+    for path in paths:
+        for record in read_jsonl(str(path)):
+            record["__file__"] = str(path)
+            records.append(record)
+    return records
+
+
+def tokenize_text(tokenizer, text: str, seq_length: int, add_eos: bool = True) -> List[int]:
+    ids = tokenizer.text_to_ids(text)
+    if add_eos:
+        ids.append(tokenizer.eos_id)
+    return ids[-seq_length:]
+
+
+class RewardComparisonDataset(torch.utils.data.Dataset):
+    """Pairs of consecutive lines (chosen, rejected) for the pairwise (Bradley-Terry) loss."""
+
+    def __init__(self, paths, tokenizer, seq_length: int, key: str = "model.data.data_prefix.train",
+                 records=None, add_eos: bool = True):
+        self.tokenizer = tokenizer
+        self.seq_length = int(seq_length)
+        self.add_eos = add_eos
+        records = records if records is not None else read_files(paths, key)
+        by_file: Dict[str, List[dict]] = {}
+        for record in records:
+            by_file.setdefault(record.get("__file__", str(paths)), []).append(record)
+        self.pairs = []
+        for path, rows in by_file.items():
+            for record in rows:
+                require_fields(record, ["text"], path)
+            if len(rows) % 2:
+                raise DataError(
+                    f"{path}:{rows[-1]['__line__']}: odd number of records ({len(rows)}); comparisons come in "
+                    "pairs, chosen then rejected on consecutive lines"
+                )
+            for chosen, rejected in zip(rows[::2], rows[1::2]):
+                shared = common_prefix_length(chosen["text"], rejected["text"])
+                if shared < min(8, len(chosen["text"]), len(rejected["text"])):
+                    raise DataError(
+                        f"{path}:{rejected['__line__']}: this rejected text does not start with the prompt of "
+                        f"the chosen text on line {chosen['__line__']} (they share {shared} characters); "
+                        "are the lines out of order?"
+                    )
+                self.pairs.append((chosen["text"], rejected["text"]))
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, idx: int) -> Dict:
+        if idx < 0:  # padding of a partial validation batch
+            return {"chosen": [self.tokenizer.eos_id], "rejected": [self.tokenizer.eos_id], "padding": True}
+        chosen, rejected = self.pairs[idx]
+        return {"chosen": tokenize_text(self.tokenizer, chosen, self.seq_length, self.add_eos),
+                "rejected": tokenize_text(self.tokenizer, rejected, self.seq_length, self.add_eos)}
+
+
+def parse_label(label, attribute_names: Sequence[str], num_attributes: int, where: str) -> List[float]:
+    """A list of floats (``-100`` = missing) of length ``num_attributes`` from a list or a ``name:value`` string."""
+    if isinstance(label, (int, float)) and not isinstance(label, bool):
+        label = [label]
+    if isinstance(label, list):
+        if len(label) != num_attributes:
+            raise DataError(f"{where}: label has {len(label)} values but model.regression.num_attributes={num_attributes}")
+        try:
+            return [float(v) for v in label]
+        except (TypeError, ValueError):
+            raise DataError(f"{where}: label values must be numbers, got {label!r}") from None
+    if not isinstance(label, str):
+        raise DataError(f"{where}: field 'label' must be a list of numbers or a 'name:value,...' string")
+    values = [MISSING] * num_attributes
+    for part in filter(None, (p.strip() for p in label.split(","))):
+        name, sep, value = part.partition(":")
+        if not sep:
+            raise DataError(f"{where}: label part {part!r} is not name:value")
+        name = name.strip()
+        if name not in attribute_names:
+            raise DataError(f"{where}: unknown attribute {name!r}; model.regression.attribute_names is "
+                            f"{list(attribute_names)}")
+        try:
+            values[list(attribute_names).index(name)] = float(value)
+        except ValueError:
+            raise DataError(f"{where}: attribute {name!r} has a non-numeric value {value!r}") from None
+    return values
+
+
+class RegressionRewardDataset(torch.utils.data.Dataset):
+    """``{"text", "label"}`` records for the masked MSE loss of a multi-attribute (SteerLM) reward model."""
+
+    def __init__(self, paths, tokenizer, seq_length: int, num_attributes: int,
+                 attribute_names: Optional[Sequence[str]] = None, key: str = "model.data.data_prefix.train",
+                 records=None, add_eos: bool = True):
+        self.tokenizer = tokenizer
+        self.seq_length = int(seq_length)
+        self.add_eos = add_eos
+        self.num_attributes = int(num_attributes)
+        names = list(attribute_names) if attribute_names else list(STEERLM_ATTRIBUTES)
+        records = records if records is not None else read_files(paths, key)
+        self.items = []
+        for record in records:
+            path = record.get("__file__", str(paths))
+            require_fields(record, ["text"], path)
+            require_fields(record, ["label"], path, types=(list, str, int, float))
+            where = f"{path}:{record['__line__']}"
+            if isinstance(record["label"], str) and len(names) != self.num_attributes:
+                raise ConfigError(
+                    f"model.regression.num_attributes={self.num_attributes} but model.regression.attribute_names "
+                    f"lists {len(names)} names ({names}); string labels need one name per attribute"
+                )
+            self.items.append((record["text"], parse_label(record["label"], names, self.num_attributes, where)))
+        self.attribute_names = names if len(names) == self.num_attributes else [f"attr{i}" for i in range(num_attributes)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, idx: int) -> Dict:
+        if idx < 0:
+            return {"tokens": [self.tokenizer.eos_id], "label": [MISSING] * self.num_attributes, "padding": True}
+        text, label = self.items[idx]
+        return {"tokens": tokenize_text(self.tokenizer, text, self.seq_length, self.add_eos), "label": label}
+
+
+def _pad(seqs: Sequence[List[int]], pad_id: int, length: int) -> torch.Tensor:
+    out = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out
+
+
+def padded_length(longest: int, seq_length: int, multiple: int = 8) -> int:
+    multiple = max(int(multiple or 1), 1)
+    return min(-(-longest // multiple) * multiple, seq_length)
+
+
+def collate_comparisons(samples: Sequence[Dict], pad_id: int, seq_length: int, pad_to_multiple_of: int = 8):
+    """``chosen``/``rejected`` [B, S] padded to one length, their ``*_length`` and a ``weight`` (0 for padding)."""
+    length = padded_length(max(max(len(s["chosen"]), len(s["rejected"])) for s in samples), seq_length,
+                           pad_to_multiple_of)
+    return {
+        "chosen": _pad([s["chosen"] for s in samples], pad_id, length),
+        "rejected": _pad([s["rejected"] for s in samples], pad_id, length),
+        "chosen_length": torch.tensor([len(s["chosen"]) for s in samples], dtype=torch.long),
+        "rejected_length": torch.tensor([len(s["rejected"]) for s in samples], dtype=torch.long),
+        "weight": torch.tensor([0.0 if s.get("padding") else 1.0 for s in samples]),
+        "position_ids": torch.arange(length).unsqueeze(0).expand(len(samples), length).contiguous(),
+    }
+
+
+def collate_regression(samples: Sequence[Dict], pad_id: int, seq_length: int, pad_to_multiple_of: int = 8):
+    """``tokens`` [B, S], ``lengths`` [B], ``labels`` [B, A] (padding rows all missing)."""
+    length = padded_length(max(len(s["tokens"]) for s in samples), seq_length, pad_to_multiple_of)
+    return {
+        "tokens": _pad([s["tokens"] for s in samples], pad_id, length),
+        "lengths": torch.tensor([len(s["tokens"]) for s in samples], dtype=torch.long),
+        "labels": torch.tensor([s["label"] for s in samples], dtype=torch.float32),
+        "position_ids": torch.arange(length).unsqueeze(0).expand(len(samples), length).contiguous(),
+    }
+
+
+def data_prefix_paths(data_cfg, split: str):
+    """``model.data.data_prefix.<split>`` (a list, a path, or a dict of them); None if absent."""
+    prefix = data_cfg.get("data_prefix")
+    if prefix is None:
+        raise ConfigError("model.data.data_prefix is required: {train: [...], validation: [...], test: [...]}")
+    if isinstance(prefix, str) or not hasattr(prefix, "get"):
+        raise ConfigError("model.data.data_prefix must be a dict {train: [...], validation: [...], test: [...]}")
+    paths = prefix.get(split)
+    if paths is None:
+        return None
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    for p in paths:
+        if not os.path.exists(str(p)):
+            raise DataError(f"{p}: file does not exist (model.data.data_prefix.{split})")
+    return paths
