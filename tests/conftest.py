@@ -93,3 +93,28 @@ def base_nemo(tmp_path_factory):
                ["--random-arch", json.dumps(TINY_ARCH), "--save", path, "--out", os.path.join(out, "ref.json")])
     with open(os.path.join(out, "ref.json")) as f:
         return path, json.load(f)
+
+
+@pytest.fixture(scope="session")
+def mcore_single():
+    """torch.distributed (1 gloo process) and megatron-core parallel state in this process."""
+    from nemo_aligner.utils import distributed as D
+
+    D.init_distributed()
+    D.initialize_model_parallel(1, 1)
+    yield
+    D.destroy()
+
+
+@pytest.fixture(scope="session")
+def sft_nemo(tmp_path_factory):
+    """A tiny GPT fine-tuned on the built-in task (the default gpt_sft.yaml shape), as later stages start."""
+    from nemo_aligner.data.nlp.builtin_task import BuiltinTask
+
+    out = tmp_path_factory.mktemp("sft_model")
+    paths = BuiltinTask(seed=0).write_all(str(out / "data"), n_train=2000, n_val=64)
+    run_script("train_gpt_sft.py", [
+        f"model.data.train_ds.file_path={paths['sft_train']}", f"model.data.validation_ds.file_path={paths['sft_val']}",
+        f"exp_manager.explicit_log_dir={out / 'run'}", "trainer.sft.max_steps=400", "trainer.sft.max_epochs=100",
+        "trainer.sft.val_check_interval=400", "exp_manager.create_checkpoint_callback=True"])
+    return str(out / "run" / "checkpoints" / "megatron_gpt_sft.nemo")

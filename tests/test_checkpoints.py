@@ -14,17 +14,6 @@ from conftest import TINY_ARCH, WORKERS, run_python
 WORKER = os.path.join(WORKERS, "parallel_loss_worker.py")
 
 
-@pytest.fixture(scope="module")
-def mcore_single():
-    """torch.distributed (1 gloo process) and megatron-core parallel state in this process."""
-    from nemo_aligner.utils import distributed as D
-
-    D.init_distributed()
-    D.initialize_model_parallel(1, 1)
-    yield
-    D.destroy()
-
-
 def tiny_model(**overrides):
     from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
     from nemo_aligner.utils.tokenizers import ByteTokenizer

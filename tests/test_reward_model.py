@@ -1,0 +1,190 @@
+"""Reward models: the losses against hand computations, the head's reading position, training to
+high held-out accuracy (pairwise) and low error (regression), TP=2 equal to one process, bad data."""
+
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import TINY_ARCH, read_metrics, run_script, train_losses, val_losses
+from nemo_aligner.data.nlp.reward_datasets import RewardComparisonDataset, parse_label
+from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import masked_mse, pairwise_loss
+from nemo_aligner.utils.errors import DataError
+from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+
+def test_pairwise_loss_and_accuracy_by_hand():
+    chosen = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    rejected = torch.tensor([1.0, 0.0, 0.5, -2.0])
+    loss, acc = pairwise_loss(chosen, rejected)
+    expected = sum(-math.log(1 / (1 + math.exp(-(c - r)))) for c, r in zip(chosen.tolist(), rejected.tolist())) / 4
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert acc.item() == 0.5  # a tie is not a win
+    # A zero-weight (padding) pair changes nothing.
+    loss_w, acc_w = pairwise_loss(torch.cat([chosen, torch.tensor([-9.0])]), torch.cat([rejected, torch.tensor([9.0])]),
+                                  torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0]))
+    assert loss_w.item() == pytest.approx(loss.item()) and acc_w.item() == acc.item()
+
+
+def test_masked_mse_ignores_missing_attributes():
+    pred = torch.tensor([[1.0, 2.0], [3.0, 5.0]])
+    labels = torch.tensor([[2.0, -100.0], [3.0, 1.0]])
+    loss, sq, n = masked_mse(pred, labels)
+    assert loss.item() == pytest.approx((1.0 + 0.0 + 16.0) / 3)
+    assert sq.tolist() == [1.0, 16.0] and n.tolist() == [2.0, 1.0]
+
+
+def test_parse_label_forms():
+    names = ["quality", "verbosity"]
+    assert parse_label([4, 1], names, 2, "f:1") == [4.0, 1.0]
+    assert parse_label("verbosity:2", names, 2, "f:1") == [-100.0, 2.0]
+    assert parse_label("quality:3, verbosity:0", names, 2, "f:1") == [3.0, 0.0]
+    with pytest.raises(DataError, match=r"f:7: unknown attribute 'humor'"):
+        parse_label("humor:1", names, 2, "f:7")
+    with pytest.raises(DataError, match=r"f:2: label has 3 values but model.regression.num_attributes=2"):
+        parse_label([1, 2, 3], names, 2, "f:2")
+
+
+def comparison_records(*texts):
+    return [{"text": t, "__line__": i + 1, "__file__": "cmp.jsonl"} for i, t in enumerate(texts)]
+
+
+def test_comparison_file_errors_name_the_line():
+    tok = ByteTokenizer()
+    with pytest.raises(DataError, match=r"cmp\.jsonl:3: odd number of records \(3\)"):
+        RewardComparisonDataset(None, tok, 64, records=comparison_records("reverse ab = ba", "reverse ab = ab", "x"))
+    with pytest.raises(DataError, match=r"cmp\.jsonl:4: this rejected text does not start with the prompt of the "
+                                        r"chosen text on line 3"):
+        RewardComparisonDataset(None, tok, 64, records=comparison_records(
+            "reverse ab = ba", "reverse ab = ab", "sort dcba = abcd", "reverse xyz = zyx"))
+    ds = RewardComparisonDataset(None, tok, 8, records=comparison_records("reverse abcdef = fedcba", "reverse abcdef = x"))
+    assert ds[0]["chosen"][-1] == tok.eos_id and len(ds[0]["chosen"]) == 8  # long texts keep their end
+
+
+def tiny_reward_model(**overrides):
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import MegatronGPTRewardModel
+
+    cfg = OmegaConf.create(dict(TINY_ARCH, micro_batch_size=2, encoder_seq_length=32, **overrides))
+    torch.manual_seed(0)
+    return MegatronGPTRewardModel(cfg, ByteTokenizer(), trainable=False)
+
+
+@pytest.mark.parametrize("avg_pool", [False, True])
+def test_head_reads_last_real_token(mcore_single, avg_pool):
+    model = tiny_reward_model(use_avg_pool=avg_pool)
+    model.prepare_for_inference()
+    tok = ByteTokenizer()
+    ids = tok.text_to_ids("reverse abc = cba") + [tok.eos_id]
+    n = len(ids)
+    a = torch.tensor([ids + [tok.eos_id] * (24 - n), ids + [7] * (24 - n)])  # different padding contents
+    rewards = model.infer(a, torch.tensor([n, n]))
+    assert rewards.shape == (2,)
+    assert rewards[0].item() == pytest.approx(rewards[1].item(), abs=1e-6)
+    # Reading one token earlier (a different length) gives a different reward: the position matters.
+    assert model.infer(a, torch.tensor([n - 1, n]))[0].item() != pytest.approx(rewards[0].item(), abs=1e-4)
+    # A padded batch scores like the unpadded sequence alone.
+    alone = model.infer(torch.tensor([ids]), torch.tensor([n]))
+    assert alone[0].item() == pytest.approx(rewards[0].item(), abs=1e-5)
+    if not avg_pool:
+        # By hand: the head applied to the final hidden state of the last real token.
+        module = model.module
+        with torch.no_grad():
+            hidden = module.decoder(module.embedding(a[:1], torch.arange(24).unsqueeze(0)), attention_mask=None,
+                                    rotary_pos_emb=module.rotary_pos_emb(24))
+            by_hand = hidden[n - 1, 0] @ module.rm_head.weight[0] + module.rm_head.bias[0]
+        assert by_hand.item() == pytest.approx(rewards[0].item(), abs=1e-5)
+    assert module_head_dtype(model) == torch.float32
+
+
+def module_head_dtype(model):
+    return model.module.rm_head.weight.dtype
+
+
+def test_head_stays_float32_under_bf16(mcore_single):
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import MegatronGPTRewardModel
+
+    cfg = OmegaConf.create(dict(TINY_ARCH, micro_batch_size=2, encoder_seq_length=32))
+    model = MegatronGPTRewardModel(cfg, ByteTokenizer(), precision="bf16", trainable=False)
+    assert model.module.rm_head.weight.dtype == torch.float32
+    assert model.module.decoder.layers[0].mlp.linear_fc1.weight.dtype == torch.bfloat16
+    r = model.infer(torch.tensor([[1, 2, 3, 4]]), torch.tensor([4]))
+    assert r.dtype == torch.float32 and torch.isfinite(r).all()
+
+
+def rm_overrides(data, log_dir, steps, extra=()):
+    return [
+        "++model.data.data_impl=jsonl",
+        f"++model.data.data_prefix={{train: [{data['rm_train']}], validation: [{data['rm_val']}], test: [{data['rm_val']}]}}",
+        f"exp_manager.explicit_log_dir={log_dir}", f"trainer.rm.max_steps={steps}", "trainer.rm.max_epochs=100",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def rm_data(tmp_path_factory):
+    from nemo_aligner.data.nlp.builtin_task import BuiltinTask
+
+    return BuiltinTask(seed=0).write_all(str(tmp_path_factory.mktemp("rm_data")), n_train=2000, n_val=128)
+
+
+def test_reward_model_reaches_90_percent_held_out(tmp_path, rm_data, sft_nemo):
+    log_dir = tmp_path / "rm"
+    proc = run_script("train_reward_model.py", rm_overrides(rm_data, log_dir, 200, [
+        f"pretrained_checkpoint.restore_from_path={sft_nemo}", "trainer.rm.val_check_interval=100"]))
+    metrics = [r for r in read_metrics(log_dir) if "val/accuracy" in r]
+    assert metrics[-1]["step"] == 200 and metrics[-1]["val/pairs"] == 128
+    assert metrics[-1]["val/accuracy"] >= 0.90, metrics
+    assert metrics[-1]["val/rewards_chosen_mean"] > metrics[-1]["val/rewards_rejected_mean"]
+    assert "validation accuracy" in proc.stdout and (log_dir / "checkpoints" / "megatron_gpt.nemo").is_file()
+
+
+def test_regression_reward_model_learns_two_attributes(tmp_path, rm_data, sft_nemo):
+    from nemo_aligner.data.nlp.jsonl import read_jsonl
+
+    log_dir = tmp_path / "reg"
+    run_script("train_reward_model.py", [
+        f"++model.data.data_prefix={{train: [{rm_data['regression_train']}], validation: [{rm_data['regression_val']}]}}",
+        f"exp_manager.explicit_log_dir={log_dir}", "trainer.rm.max_steps=300", "trainer.rm.max_epochs=100",
+        "trainer.rm.val_check_interval=300", f"pretrained_checkpoint.restore_from_path={sft_nemo}",
+        "model.reward_model_type=regression", "model.regression.num_attributes=2",
+        "model.regression.attribute_names=[quality,verbosity]"])
+    final = next(r for r in read_metrics(log_dir) if "val/mse_quality" in r)
+    # Baseline: the best constant prediction (the label mean) on the validation labels.
+    labels = {"quality": [], "verbosity": []}
+    missing = 0
+    for record in read_jsonl(rm_data["regression_val"]):
+        parts = dict(p.split(":") for p in record["label"].split(","))
+        missing += "verbosity" not in parts
+        for name, value in parts.items():
+            labels[name].append(float(value))
+    assert missing > 0  # some labels really are missing, and the loss ignores them
+    assert final["val/labels"] == len(labels["quality"]) + len(labels["verbosity"])
+    # Verbosity (the response length) is easy; quality (how many characters are right) is learnt
+    # more slowly by a model this small (measured: 0.84 against a variance of 1.22 after 300 steps).
+    for name, fraction in (("verbosity", 0.3), ("quality", 0.8)):
+        values = labels[name]
+        mean = sum(values) / len(values)
+        variance = sum((v - mean) ** 2 for v in values) / len(values)
+        assert final[f"val/mse_{name}"] < fraction * variance, (name, final[f"val/mse_{name}"], variance)
+
+
+def test_reward_model_tp2_matches_one_process(tmp_path, rm_data, sft_nemo):
+    extra = [f"pretrained_checkpoint.restore_from_path={sft_nemo}", "trainer.rm.val_check_interval=3",
+             "model.optim.sched.warmup_steps=0"]
+    run_script("train_reward_model.py", rm_overrides(rm_data, tmp_path / "one", 3, extra))
+    run_script("train_reward_model.py", rm_overrides(rm_data, tmp_path / "two", 3, extra + [
+        "trainer.devices=2", "model.tensor_model_parallel_size=2"]), nproc=2)
+    a, b = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    for step in (1, 2, 3):
+        assert b[step] == pytest.approx(a[step], rel=2e-5), step
+    assert val_losses(tmp_path / "two")[3] == pytest.approx(val_losses(tmp_path / "one")[3], rel=2e-5)
+
+
+def test_odd_comparison_file_stops_the_script(tmp_path, rm_data):
+    bad = tmp_path / "odd.jsonl"
+    bad.write_text('{"text": "reverse ab = ba"}\n{"text": "reverse ab = ab"}\n{"text": "sort ba = ab"}\n')
+    proc = run_script("train_reward_model.py", [f"++model.data.data_prefix={{train: [{bad}]}}",
+                                                f"exp_manager.explicit_log_dir={tmp_path / 'x'}"], check=False)
+    assert proc.returncode == 1
+    assert f"error: {bad}:3: odd number of records (3)" in proc.stderr
