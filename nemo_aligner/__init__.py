@@ -17,3 +17,4 @@ for _message in (
     _warnings.filterwarnings("ignore", message=_message)
 # megatron-core logs its whole config at INFO on every model and optimizer build.
 _logging.getLogger("megatron").setLevel(_logging.WARNING)
+_logging.getLogger("pytriton").setLevel(_logging.WARNING)

@@ -46,16 +46,18 @@ def check_accelerator(trainer_cfg: DictConfig) -> None:
 
 
 def init_run(cfg: DictConfig, restore_path: Optional[str] = None,
-             restore_key: str = "model.restore_from_path") -> ParallelInfo:
+             restore_key: str = "model.restore_from_path", timeout_minutes: int = 30) -> ParallelInfo:
     """Start torch.distributed and megatron-core model parallelism from ``trainer.*`` and ``model.*``.
 
     Validates ``trainer.devices x trainer.num_nodes`` against the launched processes and
     TP/PP against the world size and the model's heads and layers (taken from the
-    checkpoint when restoring).
+    checkpoint when restoring). Servers pass a long ``timeout_minutes``: their other ranks
+    wait in a collective until rank 0 gets a request.
     """
     check_accelerator(cfg.trainer)
     arch = effective_model_config(cfg.model, restore_path, restore_key)
-    init_distributed(devices=cfg.trainer.get("devices", 1), num_nodes=cfg.trainer.get("num_nodes", 1))
+    init_distributed(devices=cfg.trainer.get("devices", 1), num_nodes=cfg.trainer.get("num_nodes", 1),
+                     timeout_minutes=timeout_minutes)
     world = dist.get_world_size()
     tp = int(cfg.model.get("tensor_model_parallel_size", 1) or 1)
     pp = int(cfg.model.get("pipeline_model_parallel_size", 1) or 1)

@@ -1,0 +1,1 @@
+"""PyTriton servers (reward model, PPO critic) and their clients."""

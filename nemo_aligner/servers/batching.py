@@ -1,0 +1,69 @@
+"""Request batches for model servers: validate, trim/pad the sequence length, pad rows to a
+multiple of data parallel x micro-batch, scatter over data-parallel ranks and gather back."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nemo_aligner.utils.distributed import broadcast_object
+
+
+class BadRequest(ValueError):
+    """A request whose tensors are inconsistent; reported to the client, the server keeps serving."""
+
+
+def check_request(tokens: np.ndarray, lengths: np.ndarray, max_seq_length: Optional[int] = None):
+    """``tokens`` [B, S] and ``lengths`` [B] (or [B, 1]) as int64 arrays, checked for consistency."""
+    tokens = np.asarray(tokens)
+    lengths = np.asarray(lengths).reshape(-1)
+    if tokens.ndim != 2:
+        raise BadRequest(f"tokens must be [batch, sequence], got shape {list(tokens.shape)}")
+    if lengths.shape[0] != tokens.shape[0]:
+        raise BadRequest(f"{tokens.shape[0]} token rows but {lengths.shape[0]} sequence_lengths")
+    if (lengths < 1).any() or (lengths > tokens.shape[1]).any():
+        raise BadRequest(f"sequence_lengths must be within 1..{tokens.shape[1]} (the token width), got "
+                         f"{lengths.min()}..{lengths.max()}")
+    if max_seq_length is not None and lengths.max() > max_seq_length:
+        raise BadRequest(f"a sequence of {lengths.max()} tokens is longer than the model's {max_seq_length}")
+    return tokens.astype(np.int64), lengths.astype(np.int64)
+
+
+def pad_request(tokens: np.ndarray, lengths: np.ndarray, pad_id: int, row_multiple: int,
+                strip_to_multiple: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray, int]:
+    """Trim the sequence width to the longest sequence (rounded up to ``strip_to_multiple``) and add
+    padding rows (length 1) up to a multiple of ``row_multiple``; returns the real row count too."""
+    real = tokens.shape[0]
+    if strip_to_multiple:
+        width = int(-(-lengths.max() // strip_to_multiple) * strip_to_multiple)
+        if width <= tokens.shape[1]:
+            tokens = tokens[:, :width]
+        else:
+            tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])), constant_values=pad_id)
+    rows = -(-real // row_multiple) * row_multiple
+    if rows > real:
+        tokens = np.concatenate([tokens, np.full((rows - real, tokens.shape[1]), pad_id, dtype=np.int64)])
+        lengths = np.concatenate([lengths, np.ones(rows - real, dtype=np.int64)])
+    return tokens, lengths, real
+
+
+def data_parallel_apply(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                        tokens: Optional[np.ndarray], lengths: Optional[np.ndarray]) -> torch.Tensor:
+    """Collective on every rank: rank 0's batch is split over data-parallel ranks, ``fn`` runs on each
+    shard (a model-parallel collective), and the full result is gathered back on every rank."""
+    from megatron.core import parallel_state
+
+    tokens, lengths = broadcast_object((tokens, lengths))
+    dp = parallel_state.get_data_parallel_world_size()
+    rank = parallel_state.get_data_parallel_rank()
+    per_rank = tokens.shape[0] // dp
+    shard = slice(rank * per_rank, (rank + 1) * per_rank)
+    out = fn(torch.from_numpy(tokens[shard]), torch.from_numpy(lengths[shard])).float().contiguous()
+    if dp == 1:
+        return out
+    gathered = [torch.empty_like(out) for _ in range(dp)]
+    dist.all_gather(gathered, out, group=parallel_state.get_data_parallel_group())
+    return torch.cat(gathered, dim=0)

@@ -1,0 +1,162 @@
+"""The ``reward_model`` PyTriton server: rank 0 serves, every rank computes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Optional
+
+import numpy as np
+
+from nemo_aligner.servers.batching import check_request, data_parallel_apply, pad_request
+from nemo_aligner.servers.signals import ServerSignal, broadcast_signal, follow
+from nemo_aligner.servers.triton_host import (
+    ServerAddress,
+    check_ports_free,
+    prepare_library_path,
+    stop_on_signals,
+    workspace,
+)
+from nemo_aligner.utils.distributed import get_rank
+
+logger = logging.getLogger(__name__)
+
+REWARD_MODEL_NAME = "reward_model"
+
+
+class RewardModelServer:
+    """Serves ``model.infer`` (a reward model) as the PyTriton model ``reward_model``.
+
+    Inputs: ``tokens`` int64 [-1] per request row, ``sequence_lengths`` int64 [1]; optional
+    ``sentences`` bytes (ignored: the tokens are scored). Output: ``rewards`` float32
+    (one value, or one per attribute for an unmerged regression head). Batches are
+    trimmed to the longest sequence (rounded up to ``strip_sequence_length_to_multiple``),
+    padded to a multiple of data parallel x ``inference_micro_batch_size`` and split over
+    data-parallel ranks; padding rows are dropped before answering.
+    """
+
+    def __init__(self, model, address: ServerAddress, micro_batch_size: int = 4, max_queue_delay_us: int = 2000,
+                 strip_to_multiple: Optional[int] = None, max_batch_size: Optional[int] = None,
+                 workspace_dir: Optional[str] = None, triton_log_file: Optional[str] = None,
+                 key: str = "inference"):
+        from megatron.core import parallel_state
+
+        self.model = model
+        self.address = address
+        self.micro_batch_size = int(micro_batch_size)
+        self.dp = parallel_state.get_data_parallel_world_size()
+        self.max_queue_delay_us = int(max_queue_delay_us)
+        self.strip_to_multiple = strip_to_multiple
+        self.max_batch_size = int(max_batch_size or max(64, self.micro_batch_size * self.dp))
+        self.workspace_dir = workspace_dir
+        self.triton_log_file = triton_log_file
+        self.key = key
+        self.lock = threading.Lock()
+        self.pad_id = model.tokenizer.eos_id
+        self.max_seq_length = int(model.cfg.get("max_position_embeddings") or model.cfg.encoder_seq_length) \
+            if str(model.cfg.get("position_embedding_type", "rope")) == "learned_absolute" else None
+        self.requests = 0
+
+    # ----------------------------------------------------------------- compute (every rank)
+    def _score(self, tokens: Optional[np.ndarray], lengths: Optional[np.ndarray]):
+        def score_shard(tok, lens):
+            return self.model.infer(tok, lens, micro_batch_size=self.micro_batch_size).reshape(tok.shape[0], -1)
+
+        return data_parallel_apply(score_shard, tokens, lengths)
+
+    # ----------------------------------------------------------------- rank 0
+    def infer(self, **inputs):
+        """PyTriton entry point (batched by ``@batch``)."""
+        tokens, lengths = check_request(inputs["tokens"], inputs["sequence_lengths"], self.max_seq_length)
+        tokens, lengths, real = pad_request(tokens, lengths, self.pad_id, self.dp * self.micro_batch_size,
+                                            self.strip_to_multiple)
+        with self.lock:
+            broadcast_signal(ServerSignal.FORWARD)
+            rewards = self._score(tokens, lengths)
+        self.requests += 1
+        return {"rewards": rewards[:real].numpy().astype(np.float32)}
+
+    def _bind(self, triton) -> None:
+        from pytriton.decorators import batch
+        from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+
+        preferred = sorted({self.micro_batch_size * self.dp, self.max_batch_size})
+        width = self.model.num_attributes if not self.model.head_kwargs()["merge_attributes"] else 1
+        triton.bind(
+            model_name=REWARD_MODEL_NAME,
+            infer_func=batch(self.infer),
+            inputs=[
+                Tensor(name="tokens", dtype=np.int64, shape=(-1,)),
+                Tensor(name="sequence_lengths", dtype=np.int64, shape=(1,)),
+                Tensor(name="sentences", dtype=bytes, shape=(1,), optional=True),
+            ],
+            outputs=[Tensor(name="rewards", dtype=np.float32, shape=(width,))],
+            config=ModelConfig(
+                max_batch_size=self.max_batch_size,
+                batcher=DynamicBatcher(max_queue_delay_microseconds=self.max_queue_delay_us,
+                                       preferred_batch_size=preferred),
+            ),
+            strict=True,
+        )
+
+    def run(self) -> None:
+        """Serve until SIGTERM/SIGINT (rank 0) or the EXIT signal (other ranks)."""
+        if get_rank() != 0:
+            follow({ServerSignal.FORWARD: lambda: self._score(None, None)})
+            return
+        from pytriton.triton import Triton, TritonConfig
+
+        check_ports_free(self.address, self.key)
+        prepare_library_path()
+        try:
+            with workspace(self.workspace_dir) as ws, stop_on_signals():
+                log_file = self.triton_log_file or os.path.join(os.path.dirname(ws), "tritonserver.log")
+                config = TritonConfig(http_address=self.address.host, http_port=self.address.http_port,
+                                      grpc_address=self.address.host, grpc_port=self.address.grpc_port,
+                                      metrics_port=self.address.metrics_port, log_verbose=0, log_file=log_file,
+                                      exit_timeout_secs=5)
+                with Triton(config=config, workspace=ws) as triton:
+                    self._bind(triton)
+                    print(f"reward model server ready on {self.address.url} "
+                          f"(grpc {self.address.grpc_port}, metrics {self.address.metrics_port})", flush=True)
+                    try:
+                        triton.serve()
+                    except KeyboardInterrupt:
+                        pass
+        finally:
+            broadcast_signal(ServerSignal.EXIT)
+            logger.info("reward model server stopped after %d batches", self.requests)
+
+
+def serve_reward_model(cfg) -> None:
+    """``serve_reward_model.py``: load ``rm_model_file`` and serve it until stopped."""
+    from nemo_aligner.models.nlp.gpt.loading import load_model
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import MegatronGPTRewardModel
+    from nemo_aligner.servers.triton_host import server_address
+    from nemo_aligner.utils.errors import ConfigError
+    from nemo_aligner.utils.exp_manager import setup_console_logging
+    from nemo_aligner.utils.run_setup import init_run
+
+    path = cfg.get("rm_model_file")
+    if not path:
+        raise ConfigError("rm_model_file is required: the reward-model .nemo to serve")
+    inference = cfg.inference
+    address = server_address(inference, "inference")
+    init_run(cfg, path, "rm_model_file", timeout_minutes=int(inference.get("dist_timeout_minutes") or 7 * 24 * 60))
+    setup_console_logging()
+    if get_rank() == 0:
+        check_ports_free(address, "inference")
+    model = load_model(MegatronGPTRewardModel, cfg.model, cfg.trainer.precision, path, key="rm_model_file",
+                       trainable=False)
+    model.prepare_for_inference()
+    server = RewardModelServer(
+        model, address,
+        micro_batch_size=int(inference.get("micro_batch_size") or 4),
+        max_queue_delay_us=int(inference.get("max_queue_delay_microseconds") or 0),
+        strip_to_multiple=inference.get("strip_sequence_length_to_multiple"),
+        max_batch_size=inference.get("max_batch_size"),
+        workspace_dir=inference.get("workspace_dir"),
+        triton_log_file=inference.get("triton_log_file"),
+    )
+    server.run()

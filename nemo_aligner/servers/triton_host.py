@@ -1,0 +1,110 @@
+"""Hosting PyTriton models safely: library path, ports, workspace, signals, clean shutdown."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import sysconfig
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+from nemo_aligner.utils.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerAddress:
+    """Where a server listens: ``host`` and its HTTP, gRPC and metrics ports."""
+
+    host: str
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+
+    @property
+    def url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+
+def server_address(cfg, key: str) -> ServerAddress:
+    """``<key>.{host, port, grpc_port, metrics_port}``; unset gRPC/metrics ports are ``port + 1000/2000``."""
+    host = str(cfg.get("host") or "127.0.0.1")
+    if cfg.get("port") is None:
+        raise ConfigError(f"{key}.port is required")
+    port = int(cfg.port)
+    grpc = int(cfg.get("grpc_port") or port + 1000)
+    metrics = int(cfg.get("metrics_port") or port + 2000)
+    ports = {"port": port, "grpc_port": grpc, "metrics_port": metrics}
+    if len(set(ports.values())) != 3:
+        raise ConfigError(f"{key}: port, grpc_port and metrics_port must differ, got {ports}")
+    for name, value in ports.items():
+        if not 0 < value < 65536:
+            raise ConfigError(f"{key}.{name}={value} is not a valid port")
+    return ServerAddress(host, port, grpc, metrics)
+
+
+def check_ports_free(address: ServerAddress, key: str) -> None:
+    """Fail at once, naming the port, instead of PyTriton's misleading error ~7 s later."""
+    bind_host = "0.0.0.0" if address.host in ("0.0.0.0", "") else address.host
+    for name, port in (("port", address.http_port), ("grpc_port", address.grpc_port),
+                       ("metrics_port", address.metrics_port)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((bind_host, port))
+            except OSError as err:
+                raise ConfigError(f"{key}.{name}={port} on {address.host} is already in use ({err.strerror}); "
+                                  f"choose another port") from None
+
+
+def prepare_library_path() -> None:
+    """Put this Python's LIBDIR first on ``LD_LIBRARY_PATH`` for the Triton backend.
+
+    Under pyenv (and other non-system Pythons) the backend otherwise loads the system
+    libpython and every model load fails with an RLock attribute error.
+    """
+    libdir = sysconfig.get_config_var("LIBDIR")
+    current = os.environ.get("LD_LIBRARY_PATH", "")
+    if libdir and not current.startswith(libdir):
+        os.environ["LD_LIBRARY_PATH"] = f"{libdir}:{current}" if current else libdir
+
+
+@contextmanager
+def workspace(base_dir: Optional[str]) -> Iterator[str]:
+    """A fresh PyTriton workspace (and ``PYTRITON_HOME``) under ``base_dir``, removed on exit."""
+    parent = tempfile.mkdtemp(prefix="pytriton_", dir=base_dir)
+    previous = os.environ.get("PYTRITON_HOME")
+    os.environ["PYTRITON_HOME"] = os.path.join(parent, "home")
+    try:
+        yield os.path.join(parent, "workspace")
+    finally:
+        if previous is None:
+            os.environ.pop("PYTRITON_HOME", None)
+        else:
+            os.environ["PYTRITON_HOME"] = previous
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Turn SIGTERM and SIGINT into ``KeyboardInterrupt`` so ``Triton.serve()`` returns.
+
+    A server started in the background ignores SIGINT otherwise, and ``serve()`` only
+    stops on ``KeyboardInterrupt``.
+    """
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
