@@ -31,9 +31,25 @@ def receive_signal() -> ServerSignal:
 
 
 def follow(handlers: Dict[ServerSignal, Callable[[], Any]]) -> None:
-    """Ranks other than 0: run the handler of each signal rank 0 broadcasts, until EXIT."""
-    while True:
-        signal = receive_signal()
-        if signal == ServerSignal.EXIT:
-            return
-        handlers[signal]()
+    """Ranks other than 0: run the handler of each signal rank 0 broadcasts, until EXIT.
+
+    SIGTERM/SIGINT are noted but do not stop a follower: launchers (torchrun, Slurm) signal
+    every rank at once, and rank 0 then broadcasts EXIT; a follower that died first would
+    make rank 0's shutdown fail. If rank 0 is gone, the launcher's SIGKILL ends the rest.
+    """
+    import logging
+    import signal as os_signal
+
+    def note(signum, frame):
+        logging.getLogger(__name__).info("signal %d: waiting for rank 0 to stop the server", signum)
+
+    previous = {sig: os_signal.signal(sig, note) for sig in (os_signal.SIGTERM, os_signal.SIGINT)}
+    try:
+        while True:
+            signal = receive_signal()
+            if signal == ServerSignal.EXIT:
+                return
+            handlers[signal]()
+    finally:
+        for sig, handler in previous.items():
+            os_signal.signal(sig, handler)

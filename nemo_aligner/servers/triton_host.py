@@ -75,9 +75,19 @@ def prepare_library_path() -> None:
         os.environ["LD_LIBRARY_PATH"] = f"{libdir}:{current}" if current else libdir
 
 
+# PyTriton puts unix sockets in its workspace; their paths must stay under ~108 bytes.
+_MAX_WORKSPACE_PATH = 60
+
+
 @contextmanager
 def workspace(base_dir: Optional[str]) -> Iterator[str]:
     """A fresh PyTriton workspace (and ``PYTRITON_HOME``) under ``base_dir``, removed on exit."""
+    if base_dir:
+        os.makedirs(base_dir, exist_ok=True)
+        if len(os.path.abspath(base_dir)) > _MAX_WORKSPACE_PATH:
+            logger.warning("workspace_dir %s is too long for PyTriton's sockets; using %s instead",
+                           base_dir, tempfile.gettempdir())
+            base_dir = None
     parent = tempfile.mkdtemp(prefix="pytriton_", dir=base_dir)
     previous = os.environ.get("PYTRITON_HOME")
     os.environ["PYTRITON_HOME"] = os.path.join(parent, "home")

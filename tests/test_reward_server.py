@@ -1,0 +1,222 @@
+"""The reward-model PyTriton server, started as a subprocess on free ports: same rewards as the
+model in this process, concurrent clients, bad requests, unreachable servers, clean shutdown,
+and TP=2 / DP=2 serving."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import SCRIPTS, TINY_ARCH, free_port, test_env
+from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+TEXTS = ["reverse abc = cba", "reverse abc = bca", "sort cab = abc", "sort cab = acb", "reverse ab = ba",
+         "sort hgfedcba = abcdefgh", "reverse h = h", "sort ba = ab", "reverse abcdefgh = hgfedcba"]
+
+
+@pytest.fixture(scope="module")
+def rm_nemo_and_rewards(tmp_path_factory, mcore_single):
+    """A small reward model saved as a .nemo, and the rewards this process computes for TEXTS."""
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import MegatronGPTRewardModel
+    from nemo_aligner.utils.nemo_file import save_nemo
+
+    torch.manual_seed(11)
+    cfg = OmegaConf.create(dict(TINY_ARCH, micro_batch_size=2, encoder_seq_length=32))
+    model = MegatronGPTRewardModel(cfg, ByteTokenizer(), trainable=False)
+    path = save_nemo(model, str(tmp_path_factory.mktemp("rm") / "rm.nemo"))
+    model.prepare_for_inference()
+    return path, {text: score(model, [text])[0] for text in TEXTS}
+
+
+def score(model, texts):
+    tok = model.tokenizer
+    ids = [tok.text_to_ids(t) + [tok.eos_id] for t in texts]
+    width = max(map(len, ids))
+    tokens = torch.full((len(ids), width), tok.eos_id)
+    for i, seq in enumerate(ids):
+        tokens[i, : len(seq)] = torch.tensor(seq)
+    return model.infer(tokens, torch.tensor([len(s) for s in ids])).tolist()
+
+
+class Server:
+    """A serve_reward_model.py subprocess (python or torchrun) that is always stopped."""
+
+    def __init__(self, tmp_path, nemo, nproc=1, extra=()):
+        self.port = free_port()
+        # Short: PyTriton's unix sockets live in the workspace (paths under ~108 bytes).
+        self.workspace = Path(tempfile.mkdtemp(prefix="ws_", dir="/tmp"))
+        self.log = open(tmp_path / "server.log", "w+")
+        args = [f"rm_model_file={nemo}", f"inference.port={self.port}", f"inference.grpc_port={free_port()}",
+                f"inference.metrics_port={free_port()}", f"inference.workspace_dir={self.workspace}",
+                "inference.micro_batch_size=2", *extra]
+        script = os.path.join(SCRIPTS, "serve_reward_model.py")
+        if nproc > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                   f"--master_port={free_port()}", script, f"trainer.devices={nproc}", *args]
+        else:
+            cmd = [sys.executable, script, *args]
+        self.proc = subprocess.Popen(cmd, env=test_env(), stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.children = []
+
+    def wait_ready(self, timeout=180):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            self.log.seek(0)
+            text = self.log.read()
+            if "reward model server ready" in text:
+                self.children = psutil.Process(self.proc.pid).children(recursive=True)
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited ({self.proc.returncode}):\n{text[-4000:]}")
+            time.sleep(0.5)
+        raise AssertionError("server not ready in time:\n" + self.text()[-4000:])
+
+    def text(self):
+        if self.log.closed:
+            return self.final_text
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.final_text = self.text()
+        self.log.close()
+
+    def cleanup(self):
+        shutil.rmtree(self.workspace, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, rm_nemo_and_rewards):
+    nemo, _ = rm_nemo_and_rewards
+    srv = Server(tmp_path_factory.mktemp("srv"), nemo)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+        srv.cleanup()
+
+
+def client(port, **kwargs):
+    from nemo_aligner.servers.clients import RemoteGPTRMClient
+
+    return RemoteGPTRMClient("127.0.0.1", port, tokenizer=ByteTokenizer(), timeout_s=30, **kwargs)
+
+
+def test_rewards_equal_in_process_model(server, rm_nemo_and_rewards):
+    _, expected = rm_nemo_and_rewards
+    with client(server.port) as c:
+        got = c.infer_texts(TEXTS).result()  # 9 rows: padded to a multiple of the micro-batch, then trimmed
+    assert got.shape == (len(TEXTS),)
+    np.testing.assert_allclose(got, [expected[t] for t in TEXTS], rtol=1e-5, atol=1e-5)
+
+
+def test_eight_concurrent_clients(server, rm_nemo_and_rewards):
+    _, expected = rm_nemo_and_rewards
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            texts = [TEXTS[(i + k) % len(TEXTS)] for k in range(1 + i % 3)]
+            with client(server.port) as c:
+                futures = [c.infer_texts(texts) for _ in range(3)]
+                results[i] = (texts, [f.result() for f in futures])
+        except Exception as err:  # reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert len(results) == 8
+    for texts, answers in results.values():
+        for answer in answers:
+            np.testing.assert_allclose(answer, [expected[t] for t in texts], rtol=1e-5, atol=1e-5)
+
+
+def test_bad_request_then_good_one(server, rm_nemo_and_rewards):
+    from nemo_aligner.servers.clients import RemoteServerError
+
+    _, expected = rm_nemo_and_rewards
+    with client(server.port) as c:
+        with pytest.raises(RemoteServerError, match=r"127\.0\.0\.1:\d+.*FP32.*INT64"):
+            c.send("rewards", tokens=np.ones((1, 4), dtype=np.float32), sequence_lengths=np.array([[4]])).result()
+        with pytest.raises(RemoteServerError, match=r"sequence_lengths must be within 1\.\.3"):
+            c.infer_tokens(np.ones((1, 3), dtype=np.int64), [9]).result()
+        np.testing.assert_allclose(c.infer_texts(TEXTS[:2]).result(), [expected[t] for t in TEXTS[:2]], rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_closed_port_fails_fast():
+    from nemo_aligner.servers.clients import RemoteServerError
+
+    port = free_port()
+    start = time.time()
+    with pytest.raises(RemoteServerError, match=rf"127\.0\.0\.1:{port}.*remote_rm\.ip and remote_rm\.port"):
+        client(port)
+    assert time.time() - start < 5
+
+
+def test_port_in_use_is_named(tmp_path, rm_nemo_and_rewards, server):
+    nemo, _ = rm_nemo_and_rewards
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "serve_reward_model.py"), f"rm_model_file={nemo}",
+                           f"inference.port={server.port}"], env=test_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1
+    assert f"error: inference.port={server.port} on 127.0.0.1 is already in use" in proc.stderr
+
+
+def test_shutdown_leaves_nothing_behind(tmp_path, rm_nemo_and_rewards):
+    nemo, expected = rm_nemo_and_rewards
+    srv = Server(tmp_path, nemo)
+    try:
+        srv.wait_ready()
+        assert any("tritonserver" in " ".join(p.cmdline()) for p in srv.children if p.is_running())
+        assert os.listdir(srv.workspace)  # the workspace lives where it was told to
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 0, srv.text()[-3000:]
+    time.sleep(1)
+    assert not [p for p in srv.children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert os.listdir(srv.workspace) == []
+    srv.cleanup()
+
+
+@pytest.mark.parametrize("layout", [["model.tensor_model_parallel_size=2"], []], ids=["tp2", "dp2"])
+def test_two_process_serving(tmp_path, rm_nemo_and_rewards, layout):
+    nemo, expected = rm_nemo_and_rewards
+    srv = Server(tmp_path, nemo, nproc=2, extra=layout)
+    try:
+        srv.wait_ready()
+        with client(srv.port) as c:
+            got = c.infer_texts(TEXTS).result()
+            got_small = c.infer_texts(TEXTS[:1]).result()
+    finally:
+        srv.stop()
+        srv.cleanup()
+    np.testing.assert_allclose(got, [expected[t] for t in TEXTS], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_small, [expected[TEXTS[0]]], rtol=1e-5, atol=1e-5)
+    # torchrun itself exits non-zero (with its own traceback) on SIGTERM; the workers must stop cleanly.
+    text = srv.text()
+    assert "reward model server stopped" in text and "]: Traceback" not in text, text[-3000:]
