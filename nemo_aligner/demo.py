@@ -1,7 +1,8 @@
 """``make demo``: the built-in task end to end on a tiny model, on the CPU, in a few minutes.
 
-Writes the built-in data, fine-tunes a randomly initialised tiny GPT with the SFT
-script exactly as a user would run it, and prints how the loss fell and where the
+Writes the built-in data, then runs each stage with its script exactly as a user would:
+SFT of a randomly initialised tiny GPT, a reward model trained from the SFT model, and a
+reward-model server queried by a client. Prints what each stage achieved and where its
 .nemo was written.
 """
 
@@ -43,6 +44,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out-dir", default="demo_results")
     parser.add_argument("--sft-steps", type=int, default=300)
+    parser.add_argument("--rm-steps", type=int, default=200)
     args = parser.parse_args(argv)
     out = os.path.abspath(args.out_dir)
     data = os.path.join(out, "data")
@@ -65,9 +67,81 @@ def main(argv=None) -> None:
     print(f"{'step':>6} {'train loss':>11} {'val loss':>9}")
     for step, train, val in rows:
         print(f"{step:>6} {train if train is not None else float('nan'):>11.4f} {val:>9.4f}")
-    nemo = os.path.join(sft_dir, "checkpoints", "megatron_gpt_sft.nemo")
+    sft_nemo = os.path.join(sft_dir, "checkpoints", "megatron_gpt_sft.nemo")
     first, last = rows[0][2], rows[-1][2]
-    print(f"\nvalidation loss {first:.3f} -> {last:.3f}; fine-tuned model: {nemo}")
+    print(f"\nvalidation loss {first:.3f} -> {last:.3f}; fine-tuned model: {sft_nemo}")
+
+    rm_nemo = reward_model_stage(out, paths, sft_nemo, args.rm_steps)
+    serve_stage(rm_nemo)
+
+
+def reward_model_stage(out: str, paths: dict, sft_nemo: str, steps: int) -> str:
+    rm_dir = os.path.join(out, "rm")
+    shutil.rmtree(rm_dir, ignore_errors=True)
+    run("train_reward_model.py", [
+        f"pretrained_checkpoint.restore_from_path={sft_nemo}",
+        "++model.data.data_impl=jsonl",
+        f"++model.data.data_prefix={{train: [{paths['rm_train']}], validation: [{paths['rm_val']}]}}",
+        f"trainer.rm.max_steps={steps}", "trainer.rm.max_epochs=100",
+        f"trainer.rm.val_check_interval={max(steps // 4, 1)}",
+        f"exp_manager.explicit_log_dir={rm_dir}", "exp_manager.resume_if_exists=False",
+    ])
+    print("\nReward model (Bradley-Terry on chosen/rejected pairs), held-out accuracy:")
+    with open(os.path.join(rm_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        for line in f:
+            record = json.loads(line)
+            if "val/accuracy" in record:
+                print(f"  step {record['step']:>4}: {record['val/accuracy']:.3f}")
+    return os.path.join(rm_dir, "checkpoints", "megatron_gpt.nemo")
+
+
+def serve_stage(rm_nemo: str) -> None:
+    """Start the reward-model server, score right and wrong answers with the client, stop it."""
+    import signal
+    import socket
+    import tempfile
+    import time
+
+    from nemo_aligner.servers.clients import RemoteGPTRMClient
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    cmd = [sys.executable, os.path.join(SCRIPTS, "serve_reward_model.py"), f"rm_model_file={rm_nemo}",
+           f"inference.port={port}", f"inference.grpc_port={port + 1 if port < 65000 else port - 1}",
+           f"inference.metrics_port={port + 2 if port < 65000 else port - 2}"]
+    print("\n$ " + " ".join(cmd[1:]), flush=True)
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 180
+        while "server ready" not in open(log.name).read():
+            if server.poll() is not None or time.time() > deadline:
+                raise RuntimeError("the reward-model server did not start:\n" + open(log.name).read()[-3000:])
+            time.sleep(0.5)
+        task = BuiltinTask(seed=123)
+        examples = task.examples(4, "demo")
+        texts, rows = [], []
+        import random
+
+        rng = random.Random(0)
+        for inp, answer in examples:
+            wrong = task.corrupt(answer, rng)
+            prompt = task.prompt_text(inp)
+            texts += [prompt + answer, prompt + wrong]
+            rows.append((prompt, answer, wrong))
+        with RemoteGPTRMClient("127.0.0.1", port, tokenizer=ByteTokenizer(), timeout_s=60) as client:
+            rewards = client.infer_texts(texts).result()
+        print(f"\nRewards from the server at 127.0.0.1:{port}:")
+        print(f"  {'prompt':<18} {'right':<10} {'reward':>7}   {'wrong':<10} {'reward':>7}")
+        for i, (prompt, answer, wrong) in enumerate(rows):
+            print(f"  {prompt:<18} {answer:<10} {rewards[2 * i]:>7.2f}   {wrong:<10} {rewards[2 * i + 1]:>7.2f}")
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+        os.unlink(log.name)
+    print("server stopped")
 
 
 if __name__ == "__main__":

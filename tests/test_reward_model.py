@@ -169,12 +169,14 @@ def test_regression_reward_model_learns_two_attributes(tmp_path, rm_data, sft_ne
         assert final[f"val/mse_{name}"] < fraction * variance, (name, final[f"val/mse_{name}"], variance)
 
 
-def test_reward_model_tp2_matches_one_process(tmp_path, rm_data, sft_nemo):
+@pytest.mark.parametrize("parallel", ["model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=2"],
+                         ids=["tp2", "pp2"])
+def test_reward_model_two_processes_match_one(tmp_path, rm_data, sft_nemo, parallel):
     extra = [f"pretrained_checkpoint.restore_from_path={sft_nemo}", "trainer.rm.val_check_interval=3",
              "model.optim.sched.warmup_steps=0"]
     run_script("train_reward_model.py", rm_overrides(rm_data, tmp_path / "one", 3, extra))
     run_script("train_reward_model.py", rm_overrides(rm_data, tmp_path / "two", 3, extra + [
-        "trainer.devices=2", "model.tensor_model_parallel_size=2"]), nproc=2)
+        "trainer.devices=2", parallel]), nproc=2)
     a, b = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
     for step in (1, 2, 3):
         assert b[step] == pytest.approx(a[step], rel=2e-5), step
@@ -188,3 +190,15 @@ def test_odd_comparison_file_stops_the_script(tmp_path, rm_data):
                                                 f"exp_manager.explicit_log_dir={tmp_path / 'x'}"], check=False)
     assert proc.returncode == 1
     assert f"error: {bad}:3: odd number of records (3)" in proc.stderr
+
+
+def test_reward_standardization_at_inference(mcore_single):
+    plain = tiny_reward_model()
+    scaled = tiny_reward_model(reward_standardization={"enable": True, "mean": 0.5, "std": 2.0})
+    tokens, lengths = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]), torch.tensor([4, 3])
+    raw = plain.infer(tokens, lengths)
+    assert scaled.infer(tokens, lengths).tolist() == pytest.approx(((raw - 0.5) / 2.0).tolist(), abs=1e-6)
+    from nemo_aligner.utils.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="reward_standardization.enable=True needs"):
+        tiny_reward_model(reward_standardization={"enable": True, "mean": None, "std": 1.0})

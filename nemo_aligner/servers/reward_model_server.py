@@ -82,7 +82,7 @@ class RewardModelServer:
         from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
 
         preferred = sorted({self.micro_batch_size * self.dp, self.max_batch_size})
-        width = self.model.num_attributes if not self.model.head_kwargs()["merge_attributes"] else 1
+        width = self.model.output_width
         triton.bind(
             model_name=REWARD_MODEL_NAME,
             infer_func=batch(self.infer),

@@ -41,6 +41,20 @@ class RewardModelHead(RowParallelLinear):
             raise ValueError(f"{len(weights)} attribute weights for {num_attributes} attributes")
         self.register_buffer("attribute_weights", torch.tensor(weights, dtype=torch.float32), persistent=False)
 
+    @torch.no_grad()
+    def reset_parameters(self, seed: int, std: float) -> None:
+        """Initialise from a generator of its own, so a new head is the same at any TP/PP layout
+        (the shared RNG has been consumed differently by the layers built before it)."""
+        from megatron.core import parallel_state
+
+        generator = torch.Generator().manual_seed(seed)
+        full = torch.randn(self.output_size, self.input_size, generator=generator, dtype=torch.float32) * std
+        tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+        width = self.input_size // tp
+        self.weight.copy_(full[:, rank * width : (rank + 1) * width].to(self.weight.dtype))
+        if self.bias is not None:
+            self.bias.zero_()
+
     def _linear(self, hidden: torch.Tensor) -> torch.Tensor:
         # Never under a lower-precision autocast: the head is where rewards get their resolution.
         with torch.autocast(device_type=hidden.device.type, enabled=False):
@@ -68,7 +82,8 @@ class GPTRewardModel(GPTModel):
     """``GPTModel`` whose last stage ends in a ``RewardModelHead``; other stages return hidden states."""
 
     def __init__(self, *args, num_attributes: int = 1, head_dtype=torch.float32, output_sequence: bool = False,
-                 use_avg_pool: bool = False, merge_attributes: bool = False, attribute_weights=None, **kwargs):
+                 use_avg_pool: bool = False, merge_attributes: bool = False, attribute_weights=None,
+                 head_seed: int = 1234, **kwargs):
         # The vocabulary projection is never used, so it is not tied to (or synced with) the embedding.
         kwargs["share_embeddings_and_output_weights"] = False
         super().__init__(*args, **kwargs)
@@ -79,6 +94,7 @@ class GPTRewardModel(GPTModel):
                 dtype=head_dtype, output_sequence=output_sequence, use_avg_pool=use_avg_pool,
                 merge_attributes=merge_attributes, attribute_weights=attribute_weights,
             )
+            self.rm_head.reset_parameters(head_seed, self.config.init_method_std)
 
     def forward(self, input_ids, lengths, position_ids, attention_mask=None, decoder_input=None, **kwargs):
         # GPTModel returns the (final-layernormed) hidden states when it believes it is not the last stage.

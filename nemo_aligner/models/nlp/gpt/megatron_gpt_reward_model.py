@@ -72,7 +72,13 @@ class MegatronGPTRewardModel(MegatronGPTModel, SupervisedInterface, Inferrable):
             output_sequence=bool(self.cfg.get("output_sequence", False)),
             merge_attributes=bool(regression.get("merge_attributes", False)) and self.reward_model_type == "regression",
             attribute_weights=list(weights) if weights is not None else None,
+            head_seed=int(self.cfg.get("seed", 1234) or 1234),
         )
+
+    @property
+    def output_width(self) -> int:
+        """Values per sequence: 1, or the number of attributes of an unmerged regression head."""
+        return 1 if self.head_kwargs()["merge_attributes"] else self.num_attributes
 
     def build_module(self) -> torch.nn.Module:
         return build_gpt_model(self.cfg, vocab_size=self.cfg.padded_vocab_size, precision=self.precision,
@@ -184,8 +190,7 @@ class MegatronGPTRewardModel(MegatronGPTModel, SupervisedInterface, Inferrable):
         batch = {"tokens": tokens.long(), "lengths": lengths.long(),
                  "position_ids": torch.arange(seq).unsqueeze(0).expand(tokens.shape[0], seq).contiguous()}
         outputs = self.forward_backward(batch, None, True, mbs, forward_fn=self._single_forward)
-        width = self.num_attributes if not self.head_kwargs()["merge_attributes"] else 1
-        rewards = torch.zeros(tokens.shape[0], width, dtype=torch.float32)
+        rewards = torch.zeros(tokens.shape[0], self.output_width, dtype=torch.float32)
         if parallel_state.is_pipeline_last_stage():
             rewards = torch.cat([o.float().reshape(o.shape[0], -1) for o in outputs], dim=0)
         rewards = broadcast_from_last_stage(rewards)
