@@ -57,6 +57,23 @@ def run_python(path: str, args, nproc: int = 1, timeout: int = 300, check: bool 
     return proc
 
 
+def run_as_slurm_tasks(path: str, args, ntasks: int = 2, timeout: int = 300):
+    """Start ``ntasks`` processes the way ``srun`` does: only SLURM_* variables tell them their rank."""
+    job_id = str(40000 + free_port() % 20000)
+    procs = []
+    for rank in range(ntasks):
+        env = test_env()
+        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS=str(ntasks), SLURM_LOCALID=str(rank),
+                   SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID=job_id)
+        procs.append(subprocess.Popen([sys.executable, path, *map(str, args)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outputs = [p.communicate(timeout=timeout) for p in procs]
+    for p, (out, err) in zip(procs, outputs):
+        if p.returncode != 0:
+            raise AssertionError(f"slurm-style task failed ({p.returncode}):\n{out[-3000:]}\n{err[-5000:]}")
+    return outputs
+
+
 def run_script(name: str, overrides, nproc: int = 1, **kwargs):
     return run_python(os.path.join(SCRIPTS, name), overrides, nproc=nproc, **kwargs)
 

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from conftest import read_metrics, run_script, train_losses, val_losses
+from conftest import SCRIPTS, read_metrics, run_as_slurm_tasks, run_script, train_losses, val_losses
 
 SMALL = ["model.encoder_seq_length=32", "model.data.train_ds.micro_batch_size=4",
          "model.data.train_ds.global_batch_size=16"]
@@ -144,3 +144,20 @@ def test_sft_chat_format(tmp_path, builtin_data):
     val = val_losses(log_dir)
     assert 0.0 < val[40] < val[20] < 3.0, val
     assert next(r for r in read_metrics(log_dir) if "val/tokens" in r)["val/tokens"] > 64 * 4
+
+
+def test_slurm_variables_start_data_parallel(tmp_path, builtin_data, base_nemo):
+    """Two tasks started as srun starts them (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, the first
+    host of SLURM_JOB_NODELIST, a port from SLURM_JOB_ID) train with DP=2 like torchrun does."""
+    nemo, _ = base_nemo
+    extra = SMALL + [f"model.restore_from_path={nemo}", "trainer.sft.val_check_interval=2",
+                     "model.optim.sched.warmup_steps=0"]
+    one = tmp_path / "one"
+    run_script("train_gpt_sft.py", sft_overrides(builtin_data, one, 2, extra))
+    slurm = tmp_path / "slurm"
+    outputs = run_as_slurm_tasks(os.path.join(SCRIPTS, "train_gpt_sft.py"),
+                                 sft_overrides(builtin_data, slurm, 2, extra + ["trainer.devices=2"]))
+    assert "data parallel 2" in outputs[0][0]
+    a, b = train_losses(one), train_losses(slurm)
+    for step in (1, 2):
+        assert b[step] == pytest.approx(a[step], rel=2e-5), step

@@ -71,6 +71,9 @@ def init_run(cfg: DictConfig, restore_path: Optional[str] = None,
     initialize_model_parallel(tp, pp, seed=int(cfg.model.get("seed", 1234) or 1234))
     from megatron.core import parallel_state
 
+    from nemo_aligner.utils.exp_manager import setup_console_logging
+
+    setup_console_logging()
     info = ParallelInfo(dist.get_rank(), world, tp, pp, dp, parallel_state.get_data_parallel_rank())
     logger.info("world size %d: tensor parallel %d x pipeline parallel %d x data parallel %d", world, tp, pp, dp)
     return info
