@@ -16,7 +16,7 @@ import argparse
 import os
 import random
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from nemo_aligner.data.nlp.jsonl import write_jsonl
 
@@ -71,8 +71,14 @@ class BuiltinTask:
         hits = sum(a == b for a, b in zip(answer, target))
         return hits / max(len(target), len(answer))
 
-    def corrupt(self, answer: str, rng: random.Random) -> str:
-        """A plausible wrong answer: swapped, replaced, dropped or extra characters."""
+    def corrupt(self, answer: str, rng: random.Random, edits: Optional[int] = None) -> str:
+        """A plausible wrong answer: one or two (at random) swapped, replaced, dropped or extra characters."""
+        wrong = answer
+        for _ in range(edits or rng.choice((1, 2))):
+            wrong = self._edit(wrong, rng)
+        return wrong if wrong != answer else self._edit(answer, rng)
+
+    def _edit(self, answer: str, rng: random.Random) -> str:
         chars = list(answer)
         kind = rng.choice(["swap", "replace", "drop", "add"])
         if kind == "swap" and len(set(chars)) > 1:
