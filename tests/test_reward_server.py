@@ -220,3 +220,19 @@ def test_two_process_serving(tmp_path, rm_nemo_and_rewards, layout):
     # torchrun itself exits non-zero (with its own traceback) on SIGTERM; the workers must stop cleanly.
     text = srv.text()
     assert "reward model server stopped" in text and "]: Traceback" not in text, text[-3000:]
+
+
+def test_request_padding_and_trimming():
+    from nemo_aligner.servers.batching import BadRequest, check_request, pad_request
+
+    tokens = np.arange(3 * 10, dtype=np.int64).reshape(3, 10)
+    tokens, lengths = check_request(tokens, np.array([[4], [6], [5]]))
+    out, lens, real = pad_request(tokens, lengths, pad_id=-1, row_multiple=4, strip_to_multiple=4)
+    assert real == 3 and out.shape == (4, 8)  # longest 6 -> width 8; 3 rows -> 4
+    assert (out[:3] == tokens[:, :8]).all() and (out[3] == -1).all() and lens.tolist() == [4, 6, 5, 1]
+    wide, _, _ = pad_request(tokens[:, :5], np.array([5, 5, 5]), pad_id=-1, row_multiple=1, strip_to_multiple=8)
+    assert wide.shape == (3, 8) and (wide[:, 5:] == -1).all()  # rounding up past the width pads
+    with pytest.raises(BadRequest, match="3 token rows but 2 sequence_lengths"):
+        check_request(tokens, np.array([1, 2]))
+    with pytest.raises(BadRequest, match=r"longer than the model's 8"):
+        check_request(tokens, np.array([9, 2, 2]), max_seq_length=8)
