@@ -1,0 +1,283 @@
+"""Batched text generation over a megatron-core GPT's own weights, with a preallocated KV cache.
+
+The decode loop calls the model's modules (embedding, layer norms, tensor-parallel linear
+layers, output layer) directly, so tensor parallelism works unchanged, and replaces
+megatron-core's attention with ``scaled_dot_product_attention`` over a cache allocated once
+(no per-step concatenation, keys cached after rotation, logits for the last position only).
+Prompts of different lengths are left-aligned into one batch: each row gets its own
+positions and a padding mask, so a single prefill covers every prompt.
+
+Generation returns tokens only. Log-probs for training are recomputed by the model's
+training forward, so sampling settings (temperature, top-k, top-p) cannot bias them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from nemo_aligner.utils.errors import ConfigError
+
+
+@dataclass
+class SamplingParams:
+    """NeMo's ``sampling_params``: greedy or temperature/top-k/top-p sampling, and end strings."""
+
+    use_greedy: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    end_strings: List[str] = field(default_factory=list)
+
+    @classmethod
+    def from_cfg(cls, cfg) -> "SamplingParams":
+        if cfg is None:
+            return cls()
+        return cls(
+            use_greedy=bool(cfg.get("use_greedy", False)), temperature=float(cfg.get("temperature", 1.0) or 1.0),
+            top_k=int(cfg.get("top_k", 0) or 0), top_p=float(cfg.get("top_p", 1.0) or 1.0),
+            end_strings=[str(s) for s in (cfg.get("end_strings") or [])])
+
+
+@dataclass
+class LengthParams:
+    """NeMo's ``length_params``: response length bounds in tokens."""
+
+    max_length: int = 32
+    min_length: int = 1
+
+    @classmethod
+    def from_cfg(cls, cfg) -> "LengthParams":
+        if cfg is None:
+            return cls()
+        return cls(max_length=int(cfg.get("max_length", 32)), min_length=int(cfg.get("min_length", 1) or 0))
+
+
+@dataclass
+class GenerationOutput:
+    """Right-padded ``tokens`` [B, T] (prompt then response), with per-row lengths and whether it ended."""
+
+    tokens: torch.Tensor
+    prompt_lengths: torch.Tensor
+    response_lengths: torch.Tensor  # total tokens (prompt + response) per row
+    is_end: torch.Tensor  # True where generation stopped on EOS or an end string
+
+
+def _tp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def _gather_vocab(logits: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits from tensor-parallel shards (last dimension)."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return logits
+    parts = [torch.empty_like(logits) for _ in range(tp)]
+    dist.all_gather(parts, logits.contiguous(), group=_tp_group())
+    return torch.cat(parts, dim=-1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class KVCacheDecoder:
+    """Runs one pipeline stage's worth of a megatron-core ``GPTModel`` (TP any, PP=1) step by step."""
+
+    def __init__(self, module, batch: int, max_len: int):
+        from megatron.core import parallel_state
+
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            raise ConfigError("generation with model.pipeline_model_parallel_size > 1 is not supported yet; "
+                              "use tensor parallelism for the actor")
+        self.module = module
+        self.config = module.config
+        cfg = self.config
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+        self.heads = cfg.num_attention_heads // tp
+        self.groups = (cfg.num_query_groups or cfg.num_attention_heads) // tp
+        self.scale = cfg.softmax_scale or 1.0 / math.sqrt(self.head_dim)
+        layers = module.decoder.layers
+        dtype = next(module.parameters()).dtype
+        shape = (len(layers), batch, self.groups, max_len, self.head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype)
+        self.values = torch.zeros(shape, dtype=dtype)
+        self.rope = getattr(module, "rotary_pos_emb", None) if module.position_embedding_type == "rope" else None
+        self.freqs = self.rope(max_len).squeeze(1).squeeze(1) if self.rope is not None else None  # [max_len, rot]
+
+    def _apply_rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``x`` [S, B, h, d], ``positions`` [S, B]."""
+        freqs = self.freqs[positions].unsqueeze(2).to(x.dtype)  # [S, B, 1, rot]
+        rot = freqs.shape[-1]
+        x_rot, x_pass = x[..., :rot], x[..., rot:]
+        x_rot = x_rot * freqs.cos() + _rotate_half(x_rot) * freqs.sin()
+        return torch.cat((x_rot, x_pass), dim=-1) if x_pass.shape[-1] else x_rot
+
+    def _attention(self, layer, hidden: torch.Tensor, positions: torch.Tensor, start: int,
+                   key_mask: torch.Tensor, index: int) -> torch.Tensor:
+        attn = layer.self_attention
+        mixed, _ = attn.linear_qkv(hidden)
+        s, b = mixed.shape[:2]
+        per_group = self.heads // self.groups
+        mixed = mixed.view(s, b, self.groups, (per_group + 2) * self.head_dim)
+        query, key, value = torch.split(mixed, [per_group * self.head_dim, self.head_dim, self.head_dim], dim=3)
+        query = query.reshape(s, b, self.heads, self.head_dim)
+        if getattr(attn, "q_layernorm", None) is not None:
+            query = attn.q_layernorm(query)
+        if getattr(attn, "k_layernorm", None) is not None:
+            key = attn.k_layernorm(key)
+        if self.rope is not None:
+            query = self._apply_rope(query, positions)
+            key = self._apply_rope(key, positions)
+        end = start + s
+        # Cache layout [B, groups, T, d]: keys are stored after rotation, once.
+        self.keys[index, :, :, start:end] = key.permute(1, 2, 0, 3)
+        self.values[index, :, :, start:end] = value.permute(1, 2, 0, 3)
+        keys = self.keys[index, :, :, :end]
+        values = self.values[index, :, :, :end]
+        if per_group > 1:
+            keys = keys.repeat_interleave(per_group, dim=1)
+            values = values.repeat_interleave(per_group, dim=1)
+        q = query.permute(1, 2, 0, 3)  # [B, heads, S, d]
+        causal = torch.ones(s, end, dtype=torch.bool).tril(diagonal=start)
+        mask = causal.unsqueeze(0) & key_mask[:, None, :end]  # [B, S, T]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.unsqueeze(1), scale=self.scale)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
+        out, bias = attn.linear_proj(out)
+        return out + bias if bias is not None else out
+
+    def _mlp(self, layer, hidden: torch.Tensor) -> torch.Tensor:
+        mlp = layer.mlp
+        x, bias = mlp.linear_fc1(hidden)
+        if bias is not None:
+            x = x + bias
+        if self.config.gated_linear_unit:
+            gate, up = torch.chunk(x, 2, dim=-1)
+            x = self.config.activation_func(gate) * up
+        else:
+            x = self.config.activation_func(x)
+        x, bias = mlp.linear_fc2(x)
+        return x + bias if bias is not None else x
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, start: int, key_mask: torch.Tensor) -> torch.Tensor:
+        """Feed ``tokens`` [B, S] at cache slots ``start..start+S``; returns the last slot's logits [B, V]."""
+        module = self.module
+        hidden = module.embedding(input_ids=tokens, position_ids=positions)  # [S, B, H]
+        pos = positions.t()  # [S, B]
+        for index, layer in enumerate(module.decoder.layers):
+            residual = hidden
+            hidden = residual + self._attention(layer, layer.input_layernorm(hidden), pos, start, key_mask, index)
+            residual = hidden
+            hidden = residual + self._mlp(layer, layer.pre_mlp_layernorm(hidden))
+        hidden = module.decoder.final_layernorm(hidden[-1:])
+        weight = module.shared_embedding_or_output_weight() if module.share_embeddings_and_output_weights else None
+        logits, _ = module.output_layer(hidden, weight=weight)
+        return _gather_vocab(logits[0].float())
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One token per row from [B, V] logits."""
+    if params.use_greedy:
+        return logits.argmax(dim=-1)
+    logits = logits / max(params.temperature, 1e-6)
+    if params.top_k and params.top_k > 0:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token once the probability mass before it already reaches top_p (the first always stays).
+        drop = probs.cumsum(dim=-1) - probs >= params.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _ends_with_end_string(tokenizer, ids: Sequence[int], end_strings: Sequence[str]) -> bool:
+    if not end_strings:
+        return False
+    tail = tokenizer.ids_to_text(list(ids[-16:]))
+    return any(tail.endswith(s) for s in end_strings)
+
+
+@torch.no_grad()
+def generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: SamplingParams, length: LengthParams,
+             max_sequence_length: Optional[int] = None, seed: Optional[int] = None) -> GenerationOutput:
+    """Generate up to ``length.max_length`` tokens after each prompt (token id lists).
+
+    Collective over the tensor-parallel group (every rank must pass the same prompts); the
+    sampled tokens come from TP rank 0. A row stops at EOS or when its decoded tail ends with
+    one of ``sampling.end_strings``; EOS is refused before ``length.min_length`` tokens.
+    """
+    from megatron.core import parallel_state
+
+    batch = len(prompts)
+    prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    if (prompt_lengths < 1).any():
+        raise ValueError("every prompt needs at least one token")
+    longest = int(prompt_lengths.max())
+    new_tokens = int(length.max_length)
+    if max_sequence_length is not None and longest + new_tokens > max_sequence_length:
+        new_tokens = max(max_sequence_length - longest, 0)
+    total = longest + new_tokens
+    # Left-align: row b's prompt occupies slots [longest - P_b, longest).
+    pad = longest - prompt_lengths
+    tokens = torch.full((batch, total), tokenizer.eos_id, dtype=torch.long)
+    for b, prompt in enumerate(prompts):
+        tokens[b, pad[b]:longest] = torch.tensor(list(prompt), dtype=torch.long)
+    slots = torch.arange(total).unsqueeze(0)
+    positions = (slots - pad.unsqueeze(1)).clamp(min=0)
+    key_mask = slots >= pad.unsqueeze(1)  # padding slots are never attended to
+    decoder = KVCacheDecoder(module, batch, total)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    tp_rank0 = parallel_state.get_tensor_model_parallel_src_rank()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+
+    done = torch.zeros(batch, dtype=torch.bool)
+    is_end = torch.zeros(batch, dtype=torch.bool)
+    generated = torch.zeros(batch, dtype=torch.long)
+    logits = decoder.forward(tokens[:, :longest], positions[:, :longest], 0, key_mask)
+    for step in range(new_tokens):
+        if step < length.min_length:
+            logits[:, tokenizer.eos_id] = float("-inf")
+        logits[:, tokenizer.vocab_size:] = float("-inf")  # vocabulary padding rows are never sampled
+        token = sample(logits, sampling, generator)
+        if tp > 1:
+            dist.broadcast(token, src=tp_rank0, group=_tp_group())
+        token = torch.where(done, torch.full_like(token, tokenizer.eos_id), token)
+        slot = longest + step
+        tokens[:, slot] = token
+        generated += (~done).long()
+        hit_eos = token == tokenizer.eos_id
+        if sampling.end_strings:
+            hit_end = torch.tensor([
+                (not done[b]) and _ends_with_end_string(tokenizer, tokens[b, longest : slot + 1].tolist(), sampling.end_strings)
+                for b in range(batch)])
+        else:
+            hit_end = torch.zeros_like(done)
+        is_end |= (~done) & (hit_eos | hit_end)
+        done |= hit_eos | hit_end
+        if bool(done.all()) or step == new_tokens - 1:
+            break
+        logits = decoder.forward(token.unsqueeze(1), positions[:, slot : slot + 1], slot, key_mask)
+
+    # Back to right padding: [prompt][response][eos padding].
+    out = torch.full((batch, total), tokenizer.eos_id, dtype=torch.long)
+    for b in range(batch):
+        p, g = int(prompt_lengths[b]), int(generated[b])
+        out[b, :p] = tokens[b, pad[b]:longest]
+        out[b, p : p + g] = tokens[b, longest : longest + g]
+    return GenerationOutput(out, prompt_lengths, prompt_lengths + generated, is_end)

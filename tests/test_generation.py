@@ -1,0 +1,120 @@
+"""Generation with the KV cache equals step-by-step generation without a cache, for ragged prompts,
+on Llama- and GPT-2-shaped models; sampling settings behave; TP=2 generates what TP=1 does."""
+
+import json
+import os
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import TINY_ARCH, TINY_GPT2_ARCH, WORKERS, run_python
+from nemo_aligner.utils.generation import LengthParams, SamplingParams, generate, sample
+from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+PROMPTS = ["reverse abc = ", "sort hgfedcba = ", "x", "reverse abcdefgh = "]
+
+
+def build(arch, seed=0):
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+
+    torch.manual_seed(seed)
+    cfg = OmegaConf.create(dict(arch, micro_batch_size=1, encoder_seq_length=32))
+    model = GPTSFTModel(cfg, ByteTokenizer(), trainable=False)
+    model.eval()
+    return model
+
+
+def full_logits(model, ids):
+    """Last-position logits of an unpadded sequence from megatron-core's own forward (no cache)."""
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        logits = model.module(tokens, torch.arange(len(ids)).unsqueeze(0), None)
+    return logits[0, -1].float()
+
+
+@pytest.mark.parametrize("arch", [TINY_ARCH, TINY_GPT2_ARCH], ids=["llama", "gpt2"])
+def test_cached_greedy_equals_uncached(mcore_single, arch):
+    model = build(arch)
+    tok = model.tokenizer
+    prompts = [tok.text_to_ids(p) for p in PROMPTS]
+    out = generate(model.module, tok, prompts, SamplingParams(use_greedy=True), LengthParams(max_length=8, min_length=8))
+    for b, prompt in enumerate(prompts):
+        ids = list(prompt)
+        for _ in range(8):
+            logits = full_logits(model, ids)
+            logits[tok.vocab_size:] = float("-inf")
+            logits[tok.eos_id] = float("-inf")  # min_length=8 forbids EOS
+            ids.append(int(logits.argmax()))
+        n = int(out.response_lengths[b])
+        assert n == len(ids) and out.tokens[b, :n].tolist() == ids, b
+        assert int(out.prompt_lengths[b]) == len(prompt)
+
+
+def test_cached_logits_equal_forward(mcore_single):
+    """Not only the argmax: the decoder's logits at every step equal the full forward's."""
+    from nemo_aligner.utils.generation import KVCacheDecoder
+
+    model = build(TINY_ARCH, seed=3)
+    tok = model.tokenizer
+    a, b = tok.text_to_ids("reverse abc = cba"), tok.text_to_ids("sort ab = ab")
+    longest = max(len(a), len(b))
+    pad = torch.tensor([longest - len(a), longest - len(b)])
+    tokens = torch.full((2, longest), tok.eos_id)
+    tokens[0, pad[0]:], tokens[1, pad[1]:] = torch.tensor(a), torch.tensor(b)
+    slots = torch.arange(longest).unsqueeze(0)
+    decoder = KVCacheDecoder(model.module, 2, longest)
+    # Prefill all but the last slot, then one decode step.
+    decoder.forward(tokens[:, :-1], (slots - pad[:, None]).clamp(min=0)[:, :-1], 0, slots >= pad[:, None])
+    last = decoder.forward(tokens[:, -1:], (slots - pad[:, None])[:, -1:], longest - 1, slots >= pad[:, None])
+    assert torch.allclose(last[0], full_logits(model, a), atol=1e-4)
+    assert torch.allclose(last[1], full_logits(model, b), atol=1e-4)
+
+
+def test_stops_at_eos_and_end_strings(mcore_single):
+    model = build(TINY_ARCH)
+    tok = model.tokenizer
+    prompts = [tok.text_to_ids("reverse ab = ")]
+    free = generate(model.module, tok, prompts, SamplingParams(use_greedy=True), LengthParams(max_length=12))
+    text = tok.ids_to_text(free.tokens[0, len(prompts[0]): int(free.response_lengths[0])].tolist())
+    assert len(text) >= 2
+    stop = text[1]  # stop as soon as the second generated character appears
+    cut = generate(model.module, tok, prompts, SamplingParams(use_greedy=True, end_strings=[stop]),
+                   LengthParams(max_length=12))
+    response = tok.ids_to_text(cut.tokens[0, len(prompts[0]): int(cut.response_lengths[0])].tolist())
+    assert response.endswith(stop) and len(response) <= len(text) and bool(cut.is_end[0])
+    # A row that runs out of length has not ended.
+    short = generate(model.module, tok, prompts, SamplingParams(use_greedy=True), LengthParams(max_length=1, min_length=1))
+    assert int(short.response_lengths[0]) == len(prompts[0]) + 1 and not bool(short.is_end[0])
+
+
+def test_sampling_settings():
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]]).repeat(2000, 1)
+    g = torch.Generator().manual_seed(0)
+    top1 = sample(logits, SamplingParams(top_k=1), g)
+    assert (top1 == 0).all()
+    top2 = sample(logits, SamplingParams(top_k=2), g)
+    assert set(top2.tolist()) == {0, 1}
+    probs = torch.softmax(logits[0], -1)  # 0.61, 0.22, 0.14, 0.03
+    nucleus = sample(logits, SamplingParams(top_p=0.7), g)
+    assert set(nucleus.tolist()) == {0, 1}  # 0.61 < 0.7, so token 1 is kept; 0.83 >= 0.7 drops the rest
+    plain = sample(logits, SamplingParams(), g)
+    freq = torch.bincount(plain, minlength=4).float() / len(plain)
+    assert torch.allclose(freq, probs, atol=0.04)
+    cold = sample(logits, SamplingParams(temperature=0.05), g)
+    assert (cold == 0).float().mean() > 0.99
+    a = sample(logits, SamplingParams(), torch.Generator().manual_seed(5))
+    b = sample(logits, SamplingParams(), torch.Generator().manual_seed(5))
+    assert torch.equal(a, b)
+
+
+def test_tp2_generates_like_tp1(tmp_path, base_nemo):
+    nemo, _ = base_nemo
+    outs = []
+    for tag, args, nproc in (("tp1", [], 1), ("tp2", ["--tp", "2"], 2)):
+        out = tmp_path / f"{tag}.json"
+        run_python(os.path.join(WORKERS, "generate_worker.py"), ["--nemo", nemo, "--out", out, *args], nproc=nproc)
+        outs.append(json.loads(out.read_text()))
+    assert outs[0]["greedy"] == outs[1]["greedy"]
+    assert outs[0]["sampled"] == outs[1]["sampled"]  # same seed, token sampled on TP rank 0
