@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Optional
 
@@ -11,13 +10,7 @@ import numpy as np
 
 from nemo_aligner.servers.batching import check_request, data_parallel_apply, pad_request
 from nemo_aligner.servers.signals import ServerSignal, broadcast_signal, follow
-from nemo_aligner.servers.triton_host import (
-    ServerAddress,
-    check_ports_free,
-    prepare_library_path,
-    stop_on_signals,
-    workspace,
-)
+from nemo_aligner.servers.triton_host import ServerAddress, check_ports_free, serve_forever
 from nemo_aligner.utils.distributed import get_rank
 
 logger = logging.getLogger(__name__)
@@ -105,25 +98,9 @@ class RewardModelServer:
         if get_rank() != 0:
             follow({ServerSignal.FORWARD: lambda: self._score(None, None)})
             return
-        from pytriton.triton import Triton, TritonConfig
-
-        check_ports_free(self.address, self.key)
-        prepare_library_path()
         try:
-            with workspace(self.workspace_dir) as ws, stop_on_signals():
-                log_file = self.triton_log_file or os.path.join(os.path.dirname(ws), "tritonserver.log")
-                config = TritonConfig(http_address=self.address.host, http_port=self.address.http_port,
-                                      grpc_address=self.address.host, grpc_port=self.address.grpc_port,
-                                      metrics_port=self.address.metrics_port, log_verbose=0, log_file=log_file,
-                                      exit_timeout_secs=5)
-                with Triton(config=config, workspace=ws) as triton:
-                    self._bind(triton)
-                    print(f"reward model server ready on {self.address.url} "
-                          f"(grpc {self.address.grpc_port}, metrics {self.address.metrics_port})", flush=True)
-                    try:
-                        triton.serve()
-                    except KeyboardInterrupt:
-                        pass
+            serve_forever(self.address, self._bind, "reward model server", self.key, self.workspace_dir,
+                          self.triton_log_file)
         finally:
             broadcast_signal(ServerSignal.EXIT)
             logger.info("reward model server stopped after %d batches", self.requests)

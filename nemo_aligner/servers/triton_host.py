@@ -118,3 +118,29 @@ def stop_on_signals() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def serve_forever(address: ServerAddress, bind, description: str, key: str, workspace_dir: Optional[str] = None,
+                  triton_log_file: Optional[str] = None) -> None:
+    """Rank 0: start Triton on ``address``, ``bind(triton)`` the models, serve until SIGTERM/SIGINT.
+
+    Returns after a clean shutdown; the workspace is removed. The caller tells the other
+    ranks to stop (``ServerSignal.EXIT``) afterwards.
+    """
+    from pytriton.triton import Triton, TritonConfig
+
+    check_ports_free(address, key)
+    prepare_library_path()
+    with workspace(workspace_dir) as ws, stop_on_signals():
+        log_file = triton_log_file or os.path.join(os.path.dirname(ws), "tritonserver.log")
+        config = TritonConfig(http_address=address.host, http_port=address.http_port, grpc_address=address.host,
+                              grpc_port=address.grpc_port, metrics_port=address.metrics_port, log_verbose=0,
+                              log_file=log_file, exit_timeout_secs=5)
+        with Triton(config=config, workspace=ws) as triton:
+            bind(triton)
+            print(f"{description} ready on {address.url} (grpc {address.grpc_port}, metrics {address.metrics_port})",
+                  flush=True)
+            try:
+                triton.serve()
+            except KeyboardInterrupt:
+                pass

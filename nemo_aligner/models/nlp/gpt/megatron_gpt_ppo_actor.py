@@ -1,0 +1,135 @@
+"""The PPO actor: generates rollouts, scores them with its own and the initial policy's log-probs,
+and trains on the clipped surrogate objective. The initial policy's weights live on the CPU and
+are swapped in when its log-probs are needed, so there is never a second copy on the device."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+
+from nemo_aligner.models.alignable_interface import AlignableGenerativeInterface
+from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
+from nemo_aligner.utils import ppo_utils
+from nemo_aligner.utils.generation import GenerationOutput, LengthParams, SamplingParams, generate
+from nemo_aligner.utils.weight_swap import cpu_state_copy, swapped_weights
+
+
+def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over a vocabulary split across tensor-parallel ranks (differentiable)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    logits = logits.float()
+    peak = logits.detach().max(dim=-1, keepdim=True).values
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
+    shifted = logits - peak
+    exp = shifted.exp()
+    total = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1))
+    probs = exp / total.unsqueeze(-1)
+    return total.log() - reduce_from_tensor_model_parallel_region((probs * shifted).sum(dim=-1))
+
+
+def next_token_batch(tokens: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """``tokens``, ``position_ids`` and ``labels`` (the next token; the last position repeats itself)."""
+    labels = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens).contiguous()
+    return {"tokens": tokens, "position_ids": positions, "labels": labels}
+
+
+class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
+    """``model.ppo.*``: ``rollout_micro_batch_size``, ``forward_micro_batch_size``, ``entropy_bonus``,
+    ``ratio_eps``, ``offload_adam_states``, ``sampling_params``, ``length_params``."""
+
+    def __init__(self, cfg, tokenizer, precision="32", trainable: bool = True):
+        super().__init__(cfg, tokenizer, precision, trainable)
+        ppo = cfg.get("ppo") or {}
+        self.micro_batch_size = int(cfg.get("micro_batch_size", 1))
+        self.forward_micro_batch_size = int(ppo.get("forward_micro_batch_size") or self.micro_batch_size)
+        self.entropy_bonus = float(ppo.get("entropy_bonus", 0.0) or 0.0)
+        self.ratio_eps = float(ppo.get("ratio_eps", 0.2))
+        self.offload_adam_states = bool(ppo.get("offload_adam_states", True))
+        self.sampling_params = SamplingParams.from_cfg(ppo.get("sampling_params"))
+        self.length_params = LengthParams.from_cfg(ppo.get("length_params"))
+        self.init_policy_state: Optional[Dict[str, torch.Tensor]] = None
+
+    # ----------------------------------------------------------------- initial policy
+    def snapshot_initial_policy(self) -> None:
+        """Keep a CPU copy of the current weights as the initial (reference) policy."""
+        self.init_policy_state = cpu_state_copy(self.module)
+
+    # ----------------------------------------------------------------- inference
+    def prepare_for_inference(self) -> None:
+        self.eval()
+        if self.offload_adam_states and torch.cuda.is_available() and self.optimizer is not None:
+            self.optimizer.offload_to_cpu()
+
+    def finish_inference(self) -> None:
+        self.train()
+
+    def prepare_for_training(self) -> None:
+        if self.offload_adam_states and torch.cuda.is_available() and self.optimizer is not None:
+            self.optimizer.restore_from_cpu()
+
+    def finish_training(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def infer(self, prompts: Sequence[Sequence[int]], seed: Optional[int] = None,
+              sampling: Optional[SamplingParams] = None, length: Optional[LengthParams] = None) -> GenerationOutput:
+        """Generate responses for token-id prompts (collective over the tensor-parallel group)."""
+        return generate(self.module, self.tokenizer, prompts, sampling or self.sampling_params,
+                        length or self.length_params, max_sequence_length=int(self.cfg.encoder_seq_length), seed=seed)
+
+    @torch.no_grad()
+    def get_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Log-prob of each next token, [B, T-1], from the training forward (no sampling adjustments)."""
+        from megatron.core import parallel_state
+
+        from nemo_aligner.utils.distributed import broadcast_from_last_stage
+
+        batch = next_token_batch(tokens)
+        mbs = self.forward_micro_batch_size if tokens.shape[0] % self.forward_micro_batch_size == 0 else 1
+        outputs = self.forward_backward(batch, None, True, mbs)
+        result = torch.zeros(tokens.shape[0], tokens.shape[1], dtype=torch.float32)
+        if parallel_state.is_pipeline_last_stage():
+            result = -torch.cat([o.float() for o in outputs], dim=0)
+        return broadcast_from_last_stage(result)[:, :-1].contiguous()
+
+    def get_init_policy_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Log-probs under the initial policy, its weights swapped in from the CPU for the call."""
+        if self.init_policy_state is None:
+            raise RuntimeError("snapshot_initial_policy() was not called")
+        with swapped_weights(self.module, self.init_policy_state):
+            return self.get_logprobs(tokens)
+
+    # ----------------------------------------------------------------- training
+    def _ppo_forward(self, model, mb):
+        return model(mb["tokens"], mb["position_ids"], None)  # logits [B, T, V/TP] on the last stage
+
+    def _ppo_loss(self, mb, logits):
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        logits = logits[:, :-1].float()
+        entropy = vocab_parallel_entropy(logits) if self.entropy_bonus else None
+        logprobs = -vocab_parallel_cross_entropy(logits.clone(), mb["labels"][:, :-1])
+        mask = mb["mask"] * mb["is_end"].float().unsqueeze(-1)
+        loss, stats = ppo_utils.ppo_actor_loss(logprobs, mb["logprobs"], mb["advantages"], mask, self.ratio_eps,
+                                               entropy=entropy, entropy_bonus=self.entropy_bonus)
+        return loss, {"loss": loss.detach().clone(), **{k: v.detach() for k, v in stats.items()}}
+
+    def get_loss_and_metrics(self, batch: Dict[str, torch.Tensor], forward_only: bool) -> Tuple[float, Dict[str, float]]:
+        """One global batch of PPO data (``tokens``, ``logprobs``, ``advantages``, ``mask``, ``is_end``)."""
+        data = dict(next_token_batch(batch["tokens"]))
+        data.update({k: batch[k] for k in ("logprobs", "advantages", "mask")})
+        data["is_end"] = batch["is_end"].float()
+        outputs = self.forward_backward(data, self._ppo_loss, forward_only, self.micro_batch_size,
+                                        forward_fn=self._ppo_forward)
+        m = self.reduce_metrics(outputs, mean_keys=("loss", "clip_fraction", "approx_kl", "entropy", "ratio_mean"))
+        return m["loss"], m
+
+    def prepare_for_training_step(self) -> None:
+        self.train()
+        self.zero_grad()

@@ -1,0 +1,221 @@
+"""The PPO critic server: PyTriton models ``critic_infer``, ``critic_train`` and ``critic_save``.
+
+Rank 0 serves; every request is announced to the other ranks with a signal (FORWARD, TRAIN,
+SAVE) and its tensors are broadcast, so TP/PP/DP critics work. One lock serialises the
+three models: a train request never overlaps an inference.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Optional
+
+import numpy as np
+import torch
+
+from nemo_aligner.servers.batching import check_request, data_parallel_apply, pad_request
+from nemo_aligner.servers.signals import ServerSignal, broadcast_signal, follow
+from nemo_aligner.servers.triton_host import ServerAddress, serve_forever
+from nemo_aligner.utils.distributed import broadcast_object, get_rank
+
+logger = logging.getLogger(__name__)
+
+CRITIC_INFER, CRITIC_TRAIN, CRITIC_SAVE = "critic_infer", "critic_train", "critic_save"
+
+
+class BadTrainRequest(ValueError):
+    """critic_train tensors that do not fit together."""
+
+
+class CriticServer:
+    """Serves a ``MegatronGPTCriticModel`` and its ``CriticServerTrainer``.
+
+    ``critic_infer``: in ``tokens`` int64 [-1], ``sequence_lengths`` int64 [1]; out ``values``
+    float32 [-1] (one per token of the request's width) and, with the co-located reward model,
+    ``rewards`` float32 [1]. ``critic_train`` (no batching): ``tokens`` int64 [-1, -1],
+    ``returns``/``prev_values``/``mask`` float32 [-1, -1] (width - 1 columns); out ``loss_mean``
+    float32 [1]. ``critic_save``: ``dummy_var`` int64 [1]; out ``status`` int64 [1].
+    """
+
+    def __init__(self, model, trainer, address: ServerAddress, combine_rm_and_critic: bool = True,
+                 micro_batch_size: int = 4, max_queue_delay_us: int = 2000, strip_to_multiple: Optional[int] = None,
+                 max_batch_size: Optional[int] = None, workspace_dir: Optional[str] = None,
+                 triton_log_file: Optional[str] = None, save_on_exit: bool = True, key: str = "trainer.ppo"):
+        from megatron.core import parallel_state
+
+        self.model = model
+        self.trainer = trainer
+        self.address = address
+        self.combine = combine_rm_and_critic
+        self.micro_batch_size = int(micro_batch_size)
+        self.dp = parallel_state.get_data_parallel_world_size()
+        self.max_queue_delay_us = int(max_queue_delay_us)
+        self.strip_to_multiple = strip_to_multiple
+        self.max_batch_size = int(max_batch_size or max(64, self.micro_batch_size * self.dp))
+        self.workspace_dir = workspace_dir
+        self.triton_log_file = triton_log_file
+        self.save_on_exit = save_on_exit
+        self.key = key
+        self.lock = threading.Lock()
+        self.pad_id = model.tokenizer.eos_id
+
+    # ----------------------------------------------------------------- compute (every rank)
+    def _forward(self, tokens: Optional[np.ndarray], lengths: Optional[np.ndarray]) -> torch.Tensor:
+        """[B, 1 + S]: the reward (0 without the reward model) then the values."""
+
+        def shard(tok, lens):
+            self.model.prepare_for_inference()
+            rewards, values = self.model.infer_rm_critic(tok, lens, micro_batch_size=self.micro_batch_size)
+            rewards = torch.zeros(tok.shape[0]) if rewards is None else rewards.reshape(-1)
+            return torch.cat([rewards.unsqueeze(1), values], dim=1)
+
+        return data_parallel_apply(shard, tokens, lengths)
+
+    def _train(self, data=None) -> float:
+        data = broadcast_object(data)
+        return self.trainer.train(*data)
+
+    def _save(self) -> None:
+        self.trainer.save()
+
+    # ----------------------------------------------------------------- rank 0 entry points
+    def infer(self, **inputs):
+        tokens, lengths = check_request(inputs["tokens"], inputs["sequence_lengths"])
+        width = tokens.shape[1]
+        tokens, lengths, real = pad_request(tokens, lengths, self.pad_id, self.dp * self.micro_batch_size,
+                                            self.strip_to_multiple)
+        with self.lock:
+            broadcast_signal(ServerSignal.FORWARD)
+            out = self._forward(tokens, lengths)[:real].numpy()
+        values = np.zeros((real, width), dtype=np.float32)
+        used = min(width, out.shape[1] - 1)
+        values[:, :used] = out[:, 1 : 1 + used]
+        result = {"values": values}
+        if self.combine:
+            result["rewards"] = out[:, :1].astype(np.float32)
+        return result
+
+    def train(self, tokens, returns, prev_values, mask):
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if tokens.ndim != 2:
+            raise BadTrainRequest(f"tokens must be [batch, sequence], got {list(tokens.shape)}")
+        expected = (tokens.shape[0], tokens.shape[1] - 1)
+        for name, value in (("returns", returns), ("prev_values", prev_values), ("mask", mask)):
+            if tuple(np.shape(value)) != expected:
+                raise BadTrainRequest(f"{name} must be {list(expected)} (tokens minus one column), got "
+                                      f"{list(np.shape(value))}")
+        data = (tokens, np.asarray(returns, np.float32), np.asarray(prev_values, np.float32),
+                np.asarray(mask, np.float32))
+        with self.lock:
+            broadcast_signal(ServerSignal.TRAIN)
+            loss = self._train(data)
+        return {"loss_mean": np.array([loss], dtype=np.float32)}
+
+    def save(self, dummy_var=None):
+        with self.lock:
+            broadcast_signal(ServerSignal.SAVE)
+            self._save()
+        return {"status": np.array([0], dtype=np.int64)}
+
+    def _bind(self, triton) -> None:
+        from pytriton.decorators import batch
+        from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+
+        outputs = [Tensor(name="values", dtype=np.float32, shape=(-1,))]
+        if self.combine:
+            outputs.append(Tensor(name="rewards", dtype=np.float32, shape=(1,)))
+        preferred = sorted({self.micro_batch_size * self.dp, self.max_batch_size})
+        triton.bind(
+            model_name=CRITIC_INFER, infer_func=batch(self.infer),
+            inputs=[Tensor(name="tokens", dtype=np.int64, shape=(-1,)),
+                    Tensor(name="sequence_lengths", dtype=np.int64, shape=(1,)),
+                    Tensor(name="sentences", dtype=bytes, shape=(1,), optional=True)],
+            outputs=outputs,
+            config=ModelConfig(max_batch_size=self.max_batch_size, batcher=DynamicBatcher(
+                max_queue_delay_microseconds=self.max_queue_delay_us, preferred_batch_size=preferred)),
+            strict=True)
+
+        def train_fn(requests):
+            return [self.train(**{k: r[k] for k in ("tokens", "returns", "prev_values", "mask")}) for r in requests]
+
+        triton.bind(
+            model_name=CRITIC_TRAIN, infer_func=train_fn,
+            inputs=[Tensor(name="tokens", dtype=np.int64, shape=(-1, -1)),
+                    Tensor(name="returns", dtype=np.float32, shape=(-1, -1)),
+                    Tensor(name="prev_values", dtype=np.float32, shape=(-1, -1)),
+                    Tensor(name="mask", dtype=np.float32, shape=(-1, -1))],
+            outputs=[Tensor(name="loss_mean", dtype=np.float32, shape=(1,))],
+            config=ModelConfig(batching=False), strict=True)
+
+        def save_fn(requests):
+            return [self.save() for _ in requests]
+
+        triton.bind(
+            model_name=CRITIC_SAVE, infer_func=save_fn,
+            inputs=[Tensor(name="dummy_var", dtype=np.int64, shape=(1,))],
+            outputs=[Tensor(name="status", dtype=np.int64, shape=(1,))],
+            config=ModelConfig(batching=False), strict=True)
+
+    def run(self) -> None:
+        """Serve until SIGTERM/SIGINT; save a checkpoint on the way out (every rank takes part)."""
+        if get_rank() != 0:
+            follow({ServerSignal.FORWARD: lambda: self._forward(None, None),
+                    ServerSignal.TRAIN: self._train,
+                    ServerSignal.SAVE: self._save})
+        else:
+            try:
+                serve_forever(self.address, self._bind, "critic server", self.key, self.workspace_dir,
+                              self.triton_log_file)
+            finally:
+                broadcast_signal(ServerSignal.EXIT)
+        if self.save_on_exit and self.trainer.train_calls:
+            self.trainer.save()
+            logger.info("critic checkpoint saved on exit (step %d)", self.trainer.step)
+
+
+def serve_ppo_critic(cfg) -> None:
+    """``serve_ppo_critic.py``: critic (+ reward model) from ``pretrained_checkpoint.restore_from_path``."""
+    from nemo_aligner.algorithms.critic_server_trainer import CriticServerTrainer
+    from nemo_aligner.models.nlp.gpt.loading import load_model
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_critic import MegatronGPTCriticModel
+    from nemo_aligner.servers.triton_host import check_ports_free, server_address
+    from nemo_aligner.utils.errors import ConfigError
+    from nemo_aligner.utils.exp_manager import exp_manager
+    from nemo_aligner.utils.run_setup import init_run
+
+    ppo = cfg.trainer.ppo
+    restore = (cfg.get("pretrained_checkpoint") or {}).get("restore_from_path")
+    combine = bool(ppo.get("combine_rm_and_critic_server", True))
+    if combine and not restore:
+        raise ConfigError("trainer.ppo.combine_rm_and_critic_server=True needs pretrained_checkpoint.restore_from_path "
+                          "(the reward model .nemo the critic starts from and that scores rollouts)")
+    address = server_address(ppo, "trainer.ppo")
+    init_run(cfg, restore, "pretrained_checkpoint.restore_from_path",
+             timeout_minutes=int(ppo.get("dist_timeout_minutes") or 7 * 24 * 60))
+    if get_rank() == 0:
+        check_ports_free(address, "trainer.ppo")
+    exp = exp_manager(cfg.get("exp_manager"), cfg, default_name="megatron_gpt_critic")
+    model = load_model(MegatronGPTCriticModel, cfg.model, cfg.trainer.precision, restore,
+                       key="pretrained_checkpoint.restore_from_path", allow_missing=("rm_head",))
+    if combine:
+        model.snapshot_reward_model()  # before any resume: the reward model is the starting checkpoint
+    max_steps = int(ppo.get("max_steps") or 10000)
+    optimizer, scheduler = model.setup_optimization(max_steps, clip_grad=ppo.get("gradient_clip_val", 1.0))
+    trainer = CriticServerTrainer(model, optimizer, scheduler, exp.logger, exp.checkpoint_callback,
+                                  int(cfg.model.global_batch_size))
+    if exp.resume_from:
+        trainer.load_checkpoint(exp.resume_from)
+    mbs = ppo.get("inference_micro_batch_size") or cfg.model.get("forward_micro_batch_size") or cfg.model.micro_batch_size
+    if not isinstance(mbs, int):
+        mbs = int(list(mbs)[0])
+    server = CriticServer(
+        model, trainer, address, combine_rm_and_critic=combine, micro_batch_size=int(mbs),
+        max_queue_delay_us=int(ppo.get("max_queue_delay_microseconds") or 0),
+        strip_to_multiple=ppo.get("strip_sequence_length_to_multiple") or ppo.get("pad_sequence_length_to_multiple"),
+        max_batch_size=ppo.get("max_batch_size"), workspace_dir=ppo.get("workspace_dir"),
+        triton_log_file=ppo.get("triton_log_file"))
+    try:
+        server.run()
+    finally:
+        exp.logger.finalize()
