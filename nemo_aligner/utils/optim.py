@@ -96,7 +96,8 @@ def build_optimizer(optim_cfg, model_chunks, dtype: torch.dtype, clip_grad: floa
 def build_scheduler(optimizer, optim_cfg, max_steps: int):
     """NeMo's schedules on megatron-core's ``OptimizerParamScheduler``.
 
-    ``CosineAnnealing``: linear warm-up over ``warmup_steps``, cosine decay to
+    ``CosineAnnealing``: linear warm-up over ``warmup_steps`` (from ``lr / (warmup_steps + 1)``, as
+    NeMo), cosine decay to
     ``min_lr`` until ``max_steps - constant_steps``, then ``min_lr``.
     ``Constant``/``ConstantLR`` (or no ``sched``): warm-up, then ``lr``.
     """
@@ -122,7 +123,8 @@ def build_scheduler(optimizer, optim_cfg, max_steps: int):
     decay_steps = max(decay_steps, warmup + 1)
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if warmup else lr,
+        # NeMo's warm-up: lr * (step + 1) / (warmup_steps + 1), so the first step already learns.
+        init_lr=lr / (warmup + 1) if warmup else lr,
         max_lr=lr,
         min_lr=min_lr,
         lr_warmup_steps=warmup,
