@@ -53,7 +53,9 @@ class ServerFuture:
         except Exception as err:  # PyTriton client errors: connection closed, server-side error, timeout
             raise RemoteServerError(f"request to the server at {self._where} failed: {type(err).__name__}: {err} "
                                     f"(config: {self._key})") from None
-        return outputs[self._output]
+        if isinstance(self._output, str):
+            return outputs[self._output]
+        return tuple(outputs[name] for name in self._output)
 
 
 class TritonModelClient:
@@ -71,8 +73,11 @@ class TritonModelClient:
         self._client = FuturesModelClient(self.where, model_name, init_timeout_s=self.timeout_s,
                                           inference_timeout_s=self.timeout_s)
 
-    def send(self, output: str, **inputs) -> ServerFuture:
-        return ServerFuture(self._client.infer_batch(**inputs), output, self.where, self.key, self.timeout_s)
+    def send(self, output, batched: bool = True, **inputs) -> ServerFuture:
+        """Send one request; ``output`` names the output to return (or a tuple of names).
+        ``batched=False`` for models without batching (the whole arrays are one sample)."""
+        call = self._client.infer_batch if batched else self._client.infer_sample
+        return ServerFuture(call(**inputs), output, self.where, self.key, self.timeout_s)
 
     def close(self) -> None:
         if self._client is not None:
@@ -132,3 +137,79 @@ class RewardFuture:
     def result(self, timeout: Optional[float] = None) -> np.ndarray:
         rewards = self._future.result(timeout)
         return rewards[:, 0] if rewards.ndim == 2 and rewards.shape[1] == 1 else rewards
+
+
+def _pad_width(array: np.ndarray, width: int, value) -> np.ndarray:
+    if array.shape[1] >= width:
+        return array
+    return np.pad(array, ((0, 0), (0, width - array.shape[1])), constant_values=value)
+
+
+class RMCriticFuture:
+    """Rewards [B] and values [B, T] of one rollout micro-batch (``result()`` -> ``(rewards, values)``)."""
+
+    def __init__(self, critic: ServerFuture, rewards: Optional[ServerFuture], width: int):
+        self._critic = critic  # values, or (values, rewards) from a combined server
+        self._rewards = rewards
+        self._width = width
+
+    def result(self):
+        out = self._critic.result()
+        values, rewards = out if self._rewards is None else (out, self._rewards.result())
+        return np.asarray(rewards, dtype=np.float32).reshape(-1), np.asarray(values[:, : self._width], dtype=np.float32)
+
+
+class RemoteGPTRMCriticClient:
+    """The actor's side of PPO: ``critic_infer`` (+ ``reward_model``), ``critic_train``, ``critic_save``.
+
+    Configured by ``remote_critic_rm``: ``combine_rm_and_critic_server``, ``pad_to_length``
+    (requests padded to one width so the server can batch them), ``critic.{ip, port,
+    name.{infer, train, save}}``, ``reward_model.{ip, port, name}``, ``timeout_s``.
+    """
+
+    def __init__(self, cfg, pad_id: int):
+        self.cfg = cfg
+        self.pad_id = int(pad_id)
+        self.combine = bool(cfg.get("combine_rm_and_critic_server", True))
+        self.pad_to_length = cfg.get("pad_to_length")
+        timeout = float(cfg.get("timeout_s") or 600)
+        critic = cfg.critic
+        names = critic.get("name") or {}
+        host, port = str(critic.get("ip") or "127.0.0.1"), int(critic.port)
+        key = "remote_critic_rm.critic"
+        self.infer_client = TritonModelClient(host, port, names.get("infer", "critic_infer"), key, timeout)
+        self.train_client = TritonModelClient(host, port, names.get("train", "critic_train"), key, timeout,
+                                              check=False)
+        self.save_client = TritonModelClient(host, port, names.get("save", "critic_save"), key, timeout, check=False)
+        self.rm_client = None
+        if not self.combine:
+            rm = cfg.reward_model
+            self.rm_client = TritonModelClient(str(rm.get("ip") or "127.0.0.1"), int(rm.port),
+                                               rm.get("name", "reward_model"), "remote_critic_rm.reward_model", timeout)
+
+    def infer_rm_critic(self, tokens, lengths) -> RMCriticFuture:
+        tokens = np.asarray(tokens, dtype=np.int64)
+        width = tokens.shape[1]
+        if self.pad_to_length:
+            tokens = _pad_width(tokens, int(self.pad_to_length), self.pad_id)
+        lengths = np.asarray(lengths, dtype=np.int64).reshape(-1, 1)
+        if self.combine:
+            both = self.infer_client.send(("values", "rewards"), tokens=tokens, sequence_lengths=lengths)
+            return RMCriticFuture(both, None, width)
+        values = self.infer_client.send("values", tokens=tokens, sequence_lengths=lengths)
+        rewards = self.rm_client.send("rewards", tokens=tokens, sequence_lengths=lengths)
+        return RMCriticFuture(values, rewards, width)
+
+    def train(self, tokens, returns, prev_values, mask) -> ServerFuture:
+        return self.train_client.send("loss_mean", batched=False, tokens=np.asarray(tokens, np.int64),
+                                      returns=np.asarray(returns, np.float32),
+                                      prev_values=np.asarray(prev_values, np.float32),
+                                      mask=np.asarray(mask, np.float32))
+
+    def save(self) -> ServerFuture:
+        return self.save_client.send("status", batched=False, dummy_var=np.zeros(1, dtype=np.int64))
+
+    def close(self) -> None:
+        for c in (self.infer_client, self.train_client, self.save_client, self.rm_client):
+            if c is not None:
+                c.close()

@@ -1,0 +1,403 @@
+"""PPOTrainer: the actor's side of PPO (DESIGN section 4).
+
+One step::
+
+    rollouts  = generate(prompts)                     # micro-batches, each sent to the critic at once
+    logprobs  = actor.logprobs(rollouts)              # training forward
+    init_lp   = actor.init_policy_logprobs(rollouts)  # initial weights swapped in from the CPU
+    rewards, values = futures.result()
+    advantages, returns = GAE(rewards - beta * KL, values)
+    critic.train(returns, values) (asynchronous) ; actor.train(clipped surrogate) ; log ; validate ; save
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nemo_aligner.algorithms.supervised import progress_bar
+from nemo_aligner.data.nlp.builders import sampler_of
+from nemo_aligner.utils import ppo_utils
+from nemo_aligner.utils.distributed import is_global_rank_zero
+from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.utils.generation import SamplingParams
+from nemo_aligner.utils.optim import current_lr
+from nemo_aligner.utils.run_control import RunTimer, compute_max_steps
+from nemo_aligner.utils.train_checkpoint import load_train_checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+def _mp_group_and_src():
+    """This data-parallel replica's model-parallel group and the global rank that talks to servers."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_model_parallel_group()
+    return group, dist.get_global_rank(group, 0)
+
+
+def mp_broadcast(obj):
+    """Share an object from the model-parallel source rank with the rest of its model-parallel group."""
+    group, src = _mp_group_and_src()
+    if dist.get_world_size(group) == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src, group=group)
+    return holder[0]
+
+
+def is_mp_source() -> bool:
+    return dist.get_rank() == _mp_group_and_src()[1]
+
+
+def pad_columns(t: torch.Tensor, width: int, value) -> torch.Tensor:
+    if t.shape[1] >= width:
+        return t
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+
+class Timer:
+    """Seconds spent per named phase in the current step."""
+
+    def __init__(self):
+        self.seconds: Dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.monotonic() - start
+
+
+class PPOTrainer:
+    """Runs PPO steps for an actor (``MegatronGPTActorModel``) against a critic/reward server."""
+
+    def __init__(self, cfg, model, optimizer, scheduler, train_dataloader, val_dataloader, rm_critic, logger_,
+                 ckpt_callback, run_timer: Optional[RunTimer] = None, ppo_cfg=None, seed: int = 1234):
+        from megatron.core import parallel_state
+
+        self.cfg = cfg
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.train_dataloader = train_dataloader
+        self.val_dataloader = val_dataloader
+        self.rm_critic = rm_critic
+        self.logger = logger_
+        self.ckpt_callback = ckpt_callback
+        self.timer = run_timer or RunTimer(None)
+        self.seed = int(seed)
+        ppo_cfg = ppo_cfg or {}
+        self.rollout_micro_batch_size = int(ppo_cfg.get("rollout_micro_batch_size", 8))
+        self.val_rollout_micro_batch_size = int(ppo_cfg.get("val_rollout_micro_batch_size")
+                                                or self.rollout_micro_batch_size)
+        self.dp = parallel_state.get_data_parallel_world_size()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.sampler = sampler_of(train_dataloader)
+        self.num_rollout_samples = self.sampler.global_batch_size
+        self.global_batch_size = int(model.cfg.global_batch_size)
+        if self.num_rollout_samples % self.global_batch_size:
+            raise ConfigError(f"model.ppo.num_rollout_samples={self.num_rollout_samples} is not a multiple of "
+                              f"model.global_batch_size={self.global_batch_size}")
+        if (self.global_batch_size // self.dp) % model.micro_batch_size:
+            raise ConfigError(f"model.global_batch_size={self.global_batch_size} / data parallel {self.dp} is not "
+                              f"a multiple of model.micro_batch_size={model.micro_batch_size}")
+        self.steps_per_epoch = self.sampler.batches_per_epoch
+        self.max_steps = compute_max_steps(cfg.get("max_steps"), cfg.get("max_epochs"), self.steps_per_epoch,
+                                           key="trainer.ppo")
+        self.val_check_interval = int(cfg.get("val_check_interval") or 0)
+        self.save_interval = int(cfg.get("save_interval") or 0)
+        self.critic_warmup_steps = int(cfg.get("critic_warmup_steps", 0) or 0)
+        self.kl_penalty = float(cfg.get("initial_policy_kl_penalty", 0.01))
+        self.use_absolute_kl = bool(cfg.get("use_absolute_kl", True))
+        self.discount = float(cfg.get("discount_factor", 1.0))
+        self.gae_lambda = float(cfg.get("gae_lambda", 0.95))
+        self.normalize_advantages = bool(cfg.get("normalize_advantages", True))
+        self.step = 0
+        self.consumed_samples = 0
+        self.ppo_optimization_step = 0
+        self.last_val: Dict[str, float] = {}
+        self.best_val_reward: Optional[float] = None
+
+    # ----------------------------------------------------------------- state
+    @property
+    def epoch(self) -> int:
+        return self.consumed_samples // max(self.steps_per_epoch * self.num_rollout_samples, 1)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "consumed_samples": self.consumed_samples, "epoch": self.epoch,
+                "ppo_optimization_step": self.ppo_optimization_step, "best_val_reward": self.best_val_reward}
+
+    def load_checkpoint(self, path: str) -> None:
+        state = load_train_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        self.step = int(state["step"])
+        self.consumed_samples = int(state["consumed_samples"])
+        self.ppo_optimization_step = int(state.get("ppo_optimization_step", 0))
+        self.best_val_reward = state.get("best_val_reward")
+        logger.info("actor resumed at PPO step %d (%d prompts consumed)", self.step, self.consumed_samples)
+
+    # ----------------------------------------------------------------- rollouts
+    def generate_rollouts(self, prompts: List[List[int]], micro_batch_size: int, seed: int,
+                          sampling: Optional[SamplingParams], timer: Timer) -> Dict[str, torch.Tensor]:
+        """Generate for this rank's prompts; each micro-batch goes to the critic/RM server at once."""
+        outputs, futures = [], []
+        for i in range(0, len(prompts), micro_batch_size):
+            chunk = prompts[i : i + micro_batch_size]
+            with timer("generate"):
+                out = self.model.infer(chunk, seed=seed + i, sampling=sampling)
+            outputs.append(out)
+            futures.append(self.rm_critic.infer_rm_critic(out.tokens.numpy(), out.response_lengths.numpy())
+                           if is_mp_source() else None)
+        width = max(o.tokens.shape[1] for o in outputs)
+        tokens = torch.cat([pad_columns(o.tokens, width, self.model.tokenizer.eos_id) for o in outputs])
+        batch = {
+            "tokens": tokens,
+            "prompt_lengths": torch.cat([o.prompt_lengths for o in outputs]),
+            "response_lengths": torch.cat([o.response_lengths for o in outputs]),
+            "is_end": torch.cat([o.is_end for o in outputs]),
+        }
+        batch["_futures"] = futures
+        return batch
+
+    def resolve_rewards(self, batch: Dict, timer: Timer) -> None:
+        """Wait for the server's answers; add ``rewards`` [B] and ``values`` [B, T] to the batch."""
+        width = batch["tokens"].shape[1]
+        answers = None
+        with timer("critic_infer_wait"):
+            if is_mp_source():
+                answers = [f.result() for f in batch.pop("_futures")]
+            else:
+                batch.pop("_futures")
+            answers = mp_broadcast(answers)
+        batch["rewards"] = torch.tensor(np.concatenate([r for r, _ in answers]), dtype=torch.float32)
+        batch["values"] = torch.cat([pad_columns(torch.tensor(v, dtype=torch.float32), width, 0.0) for _, v in answers])
+
+    def make_rollout_batch(self, prompts: List[List[int]], timer: Timer, step_seed: int) -> Dict[str, torch.Tensor]:
+        self.model.prepare_for_inference()
+        try:
+            batch = self.generate_rollouts(prompts, self.rollout_micro_batch_size, step_seed, None, timer)
+            with timer("logprobs"):
+                batch["logprobs"] = self.model.get_logprobs(batch["tokens"])
+            with timer("init_logprobs"):
+                batch["init_logprobs"] = self.model.get_init_policy_logprobs(batch["tokens"])
+            self.resolve_rewards(batch, timer)
+        finally:
+            self.model.finish_inference()
+        return batch
+
+    def compute_advantages(self, batch: Dict[str, torch.Tensor]) -> Dict[str, float]:
+        """KL-penalised per-token rewards, GAE advantages and returns, masks (DESIGN section 4, step 5)."""
+        width = batch["tokens"].shape[1] - 1
+        mask = ppo_utils.create_mask(batch["prompt_lengths"], batch["response_lengths"], width)
+        values = batch["values"][:, :width] * mask
+        kl = ppo_utils.calculate_kl_penalty(batch["logprobs"], batch["init_logprobs"], self.use_absolute_kl) * mask
+        rewards = ppo_utils.calculate_ppo_rewards(batch["rewards"], batch["response_lengths"], kl, self.kl_penalty)
+        advantages, returns = ppo_utils.calculate_advantages_and_returns(values, rewards, self.discount,
+                                                                         self.gae_lambda, mask)
+        if self.normalize_advantages:
+            advantages = ppo_utils.normalize_advantages(advantages, mask, self.dp_group)
+        batch.update(mask=mask, advantages=advantages, returns=returns, prev_values=values)
+        # Metrics over all data-parallel ranks.
+        stats = torch.tensor([batch["rewards"].sum(), batch["rewards"].numel(), (kl * mask).sum(), mask.sum(),
+                              (batch["response_lengths"] - batch["prompt_lengths"]).float().sum(),
+                              batch["is_end"].float().sum(), (values * mask).sum()], dtype=torch.float64)
+        dist.all_reduce(stats, group=self.dp_group)
+        n = max(float(stats[1]), 1.0)
+        return {"rewards": float(stats[0]) / n, "init_policy_kl": float(stats[2]) / max(float(stats[3]), 1.0),
+                "response_length": float(stats[4]) / n, "ended_fraction": float(stats[5]) / n,
+                "values": float(stats[6]) / max(float(stats[3]), 1.0)}
+
+    # ----------------------------------------------------------------- critic
+    def send_critic_train(self, batch: Dict[str, torch.Tensor]):
+        """Gather this step's critic data over DP on global rank 0 and send it (asynchronous)."""
+        local = {k: batch[k].numpy() for k in ("tokens", "returns", "prev_values", "mask")}
+        if self.dp > 1:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, local if self.model_parallel_rank() == 0 else None)
+            parts = [g for g in gathered if g is not None]
+        else:
+            parts = [local]
+        if dist.get_rank() != 0:
+            return None
+        width = max(p["tokens"].shape[1] for p in parts)
+        tokens = np.concatenate([np.pad(p["tokens"], ((0, 0), (0, width - p["tokens"].shape[1])),
+                                        constant_values=self.model.tokenizer.eos_id) for p in parts])
+        rest = {k: np.concatenate([np.pad(p[k], ((0, 0), (0, width - 1 - p[k].shape[1]))) for p in parts])
+                for k in ("returns", "prev_values", "mask")}
+        return self.rm_critic.train(tokens, rest["returns"], rest["prev_values"], rest["mask"])
+
+    @staticmethod
+    def model_parallel_rank() -> int:
+        from megatron.core import parallel_state
+
+        return dist.get_rank(parallel_state.get_model_parallel_group())
+
+    def critic_loss(self, future) -> float:
+        value = torch.tensor([0.0], dtype=torch.float64)
+        if future is not None:
+            value[0] = float(np.asarray(future.result()).reshape(-1)[0])
+        if dist.get_world_size() > 1:
+            dist.broadcast(value, src=0)
+        return float(value[0])
+
+    # ----------------------------------------------------------------- actor
+    def train_actor(self, batch: Dict[str, torch.Tensor]) -> Dict[str, float]:
+        """Each rollout once, in global batches; one optimizer step per global batch."""
+        local_gbs = self.global_batch_size // self.dp
+        rows = batch["tokens"].shape[0]
+        metrics: List[Dict[str, float]] = []
+        self.model.prepare_for_training()
+        try:
+            for begin in range(0, rows - local_gbs + 1, local_gbs):
+                part = {k: batch[k][begin : begin + local_gbs] for k in
+                        ("tokens", "logprobs", "advantages", "mask", "is_end")}
+                self.model.prepare_for_training_step()
+                loss, m = self.model.get_loss_and_metrics(part, forward_only=False)
+                success, grad_norm, _ = self.optimizer.step()
+                if success:
+                    self.scheduler.step(increment=1)
+                self.ppo_optimization_step += 1
+                m = dict(m, grad_norm=float(grad_norm or 0.0), lr=current_lr(self.optimizer))
+                metrics.append(m)
+        finally:
+            self.model.finish_training()
+        return {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]} if metrics else {}
+
+    # ----------------------------------------------------------------- validation
+    @torch.no_grad()
+    def validate(self) -> Dict[str, float]:
+        """Greedy responses to the validation prompts, scored by the reward model."""
+        if self.val_dataloader is None:
+            return {}
+        timer = Timer()
+        self.model.prepare_for_inference()
+        total = torch.zeros(2, dtype=torch.float64)
+        table = []
+        try:
+            for data in self.val_dataloader:
+                if not data["tokens"]:
+                    continue
+                batch = self.generate_rollouts(data["tokens"], self.val_rollout_micro_batch_size, self.seed,
+                                               SamplingParams(use_greedy=True), timer)
+                self.resolve_rewards(batch, timer)
+                total += torch.tensor([batch["rewards"].sum(), batch["rewards"].numel()], dtype=torch.float64)
+                if not table:
+                    table = self.sample_rows(data["text"], batch, 4)
+        finally:
+            self.model.finish_inference()
+        dist.all_reduce(total, group=self.dp_group)
+        reward = float(total[0] / max(float(total[1]), 1.0))
+        self.logger.log_metrics({"global_rewards": reward}, step=self.step, prefix="val/")
+        if table:
+            self.logger.log_table("val/samples", ["prompt", "response", "reward"], table, step=self.step)
+        self.best_val_reward = reward if self.best_val_reward is None else max(self.best_val_reward, reward)
+        self.last_val = {"val_global_rewards": reward}
+        return self.last_val
+
+    def sample_rows(self, texts, batch, n: int) -> list:
+        rows = []
+        tok = self.model.tokenizer
+        for i in range(min(n, len(texts))):
+            p, l = int(batch["prompt_lengths"][i]), int(batch["response_lengths"][i])
+            rows.append([texts[i], tok.ids_to_text(batch["tokens"][i, p:l].tolist()), round(float(batch["rewards"][i]), 4)])
+        return rows
+
+    # ----------------------------------------------------------------- checkpoints
+    def save(self) -> None:
+        critic_future = self.rm_critic.save() if dist.get_rank() == 0 else None
+        if self.ckpt_callback is not None:
+            metrics = dict(self.last_val)
+            metrics.setdefault("val_global_rewards", float("nan"))
+            self.ckpt_callback.save(self.model, self.optimizer, self.scheduler, self.state_dict(), metrics)
+        if critic_future is not None:
+            critic_future.result()  # the critic's checkpoint is written before we go on
+
+    # ----------------------------------------------------------------- loop
+    def run_step(self, prompts, texts) -> Dict[str, float]:
+        timer = Timer()
+        step_seed = self.seed + 1000003 * (self.step + 1) + 7919 * self.dp_rank
+        start = time.monotonic()
+        batch = self.make_rollout_batch(prompts, timer, step_seed)
+        with timer("advantages"):
+            metrics = self.compute_advantages(batch)
+        with timer("critic_train_send"):
+            critic_future = self.send_critic_train(batch)
+        with timer("train"):
+            actor = self.train_actor(batch)
+        with timer("critic_train_wait"):
+            metrics["critic_loss"] = self.critic_loss(critic_future)
+        metrics.update({f"actor_{k}" if k in ("loss", "grad_norm", "lr") else k: v for k, v in actor.items()})
+        metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
+        metrics["time/step"] = time.monotonic() - start
+        if is_global_rank_zero():
+            self.logger.log_table("train/samples", ["prompt", "response", "reward"], self.sample_rows(texts, batch, 4),
+                                  step=self.step + 1)
+        return metrics
+
+    def critic_warmup(self, prompts) -> None:
+        for i in range(self.critic_warmup_steps):
+            timer = Timer()
+            batch = self.make_rollout_batch(prompts, timer, self.seed + 17 * (i + 1) + 7919 * self.dp_rank)
+            self.compute_advantages(batch)
+            loss = self.critic_loss(self.send_critic_train(batch))
+            logger.info("critic warm-up %d/%d: critic loss %.4f", i + 1, self.critic_warmup_steps, loss)
+
+    def fit(self) -> Dict[str, float]:
+        if self.step >= self.max_steps:
+            logger.info("already trained %d of %d PPO steps; nothing to do", self.step, self.max_steps)
+            return self.summary(0.0)
+        start = time.monotonic()
+        bar = progress_bar(self.max_steps, self.step, "ppo")
+        stop = False
+        last: Dict[str, float] = {}
+        try:
+            while self.step < self.max_steps and not stop:
+                self.sampler.consumed_samples = self.consumed_samples
+                for data in self.train_dataloader:
+                    if self.step >= self.max_steps:
+                        break
+                    if self.step == 0 and self.critic_warmup_steps:
+                        self.critic_warmup(data["tokens"])
+                    metrics = self.run_step(data["tokens"], data["text"])
+                    self.step += 1
+                    self.consumed_samples += self.num_rollout_samples
+                    metrics.update(consumed_samples=self.consumed_samples, epoch=self.epoch,
+                                   ppo_optimization_step=self.ppo_optimization_step)
+                    self.logger.log_metrics(metrics, step=self.step, prefix="train/")
+                    last = metrics
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{metrics['rewards']:.3f}", kl=f"{metrics['init_policy_kl']:.4f}",
+                                    critic=f"{metrics['critic_loss']:.3f}", refresh=False)
+                    is_end = self.step >= self.max_steps
+                    if (self.val_check_interval and self.step % self.val_check_interval == 0) or is_end:
+                        val = self.validate()
+                        if val and is_global_rank_zero():
+                            bar.write(f"step {self.step}: train reward {metrics['rewards']:.4f}, "
+                                      f"validation reward {val['val_global_rewards']:.4f}")
+                    out_of_time = self.timer.is_finished()
+                    if (self.save_interval and self.step % self.save_interval == 0) or is_end or out_of_time:
+                        self.save()
+                    if out_of_time:
+                        logger.info("max_time reached after %d PPO steps; checkpoints saved, stopping", self.step)
+                        stop = True
+                        break
+        finally:
+            bar.close()
+        summary = self.summary(time.monotonic() - start)
+        summary["final_train_reward"] = last.get("rewards", float("nan"))
+        return summary
+
+    def summary(self, seconds: float) -> Dict[str, float]:
+        return {"steps": self.step, "epochs": self.epoch, "consumed_samples": self.consumed_samples,
+                "final_val_reward": self.last_val.get("val_global_rewards", float("nan")),
+                "best_val_reward": self.best_val_reward if self.best_val_reward is not None else float("nan"),
+                "seconds": seconds}
