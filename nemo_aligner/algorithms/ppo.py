@@ -117,6 +117,7 @@ class PPOTrainer:
         self.val_check_interval = int(cfg.get("val_check_interval") or 0)
         self.save_interval = int(cfg.get("save_interval") or 0)
         self.critic_warmup_steps = int(cfg.get("critic_warmup_steps", 0) or 0)
+        self.val_at_start = bool(cfg.get("val_at_start", True))
         self.kl_penalty = float(cfg.get("initial_policy_kl_penalty", 0.01))
         self.use_absolute_kl = bool(cfg.get("use_absolute_kl", True))
         self.discount = float(cfg.get("discount_factor", 1.0))
@@ -356,6 +357,10 @@ class PPOTrainer:
             logger.info("already trained %d of %d PPO steps; nothing to do", self.step, self.max_steps)
             return self.summary(0.0)
         start = time.monotonic()
+        if self.step == 0 and self.val_at_start:
+            val = self.validate()  # the starting point, logged at step 0
+            if val and is_global_rank_zero():
+                print(f"step 0: validation reward {val['val_global_rewards']:.4f}", flush=True)
         bar = progress_bar(self.max_steps, self.step, "ppo")
         stop = False
         last: Dict[str, float] = {}

@@ -78,6 +78,20 @@ class BuiltinTask:
             wrong = self._edit(wrong, rng)
         return wrong if wrong != answer else self._edit(answer, rng)
 
+    def rejected(self, task_input: str, answer: str, rng: random.Random) -> str:
+        """A wrong answer for preference data: usually a near miss (one or two edits), sometimes the
+        other operation's answer or a random word, so a reward model learns gross errors as well."""
+        roll = rng.random()
+        if roll < 0.6:
+            return self.corrupt(answer, rng)
+        if roll < 0.8:
+            op, word = task_input.removesuffix(PROMPT_END).split()[:2]
+            other = [OPERATIONS[o](word) for o in OPERATIONS if o != op and OPERATIONS[o](word) != answer]
+            if other:
+                return other[0]
+        wrong = "".join(rng.choice(self.alphabet) for _ in range(max(1, len(answer) + rng.randint(-1, 1))))
+        return wrong if wrong != answer else self.corrupt(answer, rng)
+
     def _edit(self, answer: str, rng: random.Random) -> str:
         chars = list(answer)
         kind = rng.choice(["swap", "replace", "drop", "add"])
@@ -107,7 +121,7 @@ class BuiltinTask:
         for i, o in self.examples(n, split):
             prompt = self.prompt_text(i)
             out.append({"text": prompt + o})
-            out.append({"text": prompt + self.corrupt(o, rng)})
+            out.append({"text": prompt + self.rejected(i, o, rng)})
         return out
 
     def regression_records(self, n: int, split: str) -> List[Dict]:
@@ -117,7 +131,7 @@ class BuiltinTask:
         out = []
         for i, o in self.examples(n, split):
             prompt = self.prompt_text(i)
-            response = o if rng.random() < 0.4 else self.corrupt(o, rng)
+            response = o if rng.random() < 0.4 else self.rejected(i, o, rng)
             quality = round(4 * self.score(prompt, response))
             verbosity = min(max(len(response) - 3, 0), 4)
             label = f"quality:{quality}" if rng.random() < 0.2 else f"quality:{quality},verbosity:{verbosity}"
@@ -127,7 +141,7 @@ class BuiltinTask:
     def dpo_records(self, n: int, split: str) -> List[Dict]:
         rng = self._rng(f"{split}:dpo")
         return [
-            {"prompt": self.prompt_text(i), "chosen_response": o, "rejected_response": self.corrupt(o, rng)}
+            {"prompt": self.prompt_text(i), "chosen_response": o, "rejected_response": self.rejected(i, o, rng)}
             for i, o in self.examples(n, split)
         ]
 
@@ -136,7 +150,7 @@ class BuiltinTask:
         out = []
         for i, o in self.examples(n, split):
             good = rng.random() < 0.5
-            out.append({"prompt": self.prompt_text(i), "response": o if good else self.corrupt(o, rng),
+            out.append({"prompt": self.prompt_text(i), "response": o if good else self.rejected(i, o, rng),
                         "preference": "chosen" if good else "rejected"})
         return out
 

@@ -1,0 +1,1 @@
+"""Launchers that start several jobs together (local PPO: critic server + actor)."""

@@ -1,0 +1,124 @@
+"""Run PPO on one machine: start the critic server, wait until it is ready, run the actor, stop the server.
+
+    python -m nemo_aligner.launchers.ppo_local \
+        --critic pretrained_checkpoint.restore_from_path=rm.nemo exp_manager.explicit_log_dir=results/critic \
+        --actor pretrained_checkpoint.restore_from_path=sft.nemo exp_manager.explicit_log_dir=results/actor \
+                "++model.data.data_prefix={train: [prompts.jsonl], validation: [val.jsonl]}"
+
+Both jobs get matching ports (a free one unless ``--port`` is given). ``--critic-nproc`` and
+``--actor-nproc`` start them under torchrun. The server is stopped with SIGTERM (it saves its
+checkpoint on the way out) whatever happens to the actor; the exit status is the actor's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import List, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPTS = os.path.join(REPO, "examples", "nlp", "gpt")
+READY = "critic server ready"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def command(script: str, nproc: int, overrides: List[str]) -> List[str]:
+    path = os.path.join(SCRIPTS, script)
+    if nproc > 1:
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                f"--master_port={free_port()}", path, f"trainer.devices={nproc}", *overrides]
+    return [sys.executable, path, *overrides]
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 120.0) -> None:
+    """SIGTERM the process (and so its workers), then SIGKILL its group if it lingers."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def wait_ready(proc: subprocess.Popen, log_path: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        if READY in text:
+            return
+        if proc.poll() is not None:
+            raise RuntimeError(f"the critic server exited with status {proc.returncode} before it was ready; "
+                               f"its log ({log_path}) ends with:\n{text[-3000:]}")
+        time.sleep(0.5)
+    raise RuntimeError(f"the critic server was not ready after {timeout_s:.0f}s; see {log_path}")
+
+
+def run(critic_overrides: List[str], actor_overrides: List[str], critic_nproc: int = 1, actor_nproc: int = 1,
+        port: Optional[int] = None, critic_log: Optional[str] = None, ready_timeout_s: float = 600.0) -> int:
+    port = port or free_port()
+    critic_overrides = [*critic_overrides, f"trainer.ppo.port={port}", f"trainer.ppo.grpc_port={free_port()}",
+                        f"trainer.ppo.metrics_port={free_port()}"]
+    actor_overrides = [*actor_overrides, "remote_critic_rm.critic.ip=127.0.0.1", f"remote_critic_rm.critic.port={port}"]
+    log_path = critic_log or tempfile.NamedTemporaryFile(prefix="critic_server_", suffix=".log", delete=False).name
+    print(f"starting the critic server on 127.0.0.1:{port} (log: {log_path})", flush=True)
+    with open(log_path, "w", encoding="utf-8") as log:
+        critic = subprocess.Popen(command("serve_ppo_critic.py", critic_nproc, critic_overrides), stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    actor = None
+    previous = {}
+
+    def forward(signum, frame):
+        for proc in (actor, critic):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, forward)
+    try:
+        wait_ready(critic, log_path, ready_timeout_s)
+        print("critic server ready; starting the actor", flush=True)
+        actor = subprocess.Popen(command("train_gpt_ppo_actor.py", actor_nproc, actor_overrides))
+        code = actor.wait()
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        if actor is not None:
+            stop(actor)
+        stop(critic)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print(f"critic server stopped (status {critic.returncode}); actor status {code}", flush=True)
+    return code
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Run the PPO critic server and actor together on this machine.")
+    parser.add_argument("--critic", nargs="*", default=[], help="overrides for serve_ppo_critic.py")
+    parser.add_argument("--actor", nargs="*", default=[], help="overrides for train_gpt_ppo_actor.py")
+    parser.add_argument("--critic-nproc", type=int, default=1)
+    parser.add_argument("--actor-nproc", type=int, default=1)
+    parser.add_argument("--port", type=int, default=None, help="critic HTTP port (default: a free one)")
+    parser.add_argument("--critic-log", default=None, help="file for the server's output (default: a temp file)")
+    parser.add_argument("--ready-timeout", type=float, default=600.0)
+    args = parser.parse_args(argv)
+    return run(args.critic, args.actor, args.critic_nproc, args.actor_nproc, args.port, args.critic_log,
+               args.ready_timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""PPO end to end: the critic server (reward model co-located) and the actor, started together by the
+local launcher; checkpoints of both, resume, learning on the built-in task, and a dead critic."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import SCRIPTS, free_port, read_metrics, run_script, test_env
+
+
+@pytest.fixture(scope="module")
+def ppo_data(tmp_path_factory):
+    from nemo_aligner.data.nlp.builtin_task import BuiltinTask
+
+    return BuiltinTask(seed=0).write_all(str(tmp_path_factory.mktemp("ppo_data")), n_train=2000, n_val=128)
+
+
+@pytest.fixture(scope="module")
+def rm_nemo(tmp_path_factory, ppo_data, sft_nemo):
+    """The reward model PPO optimises: trained from the SFT model on the built-in comparisons."""
+    out = tmp_path_factory.mktemp("ppo_rm")
+    run_script("train_reward_model.py", [
+        f"pretrained_checkpoint.restore_from_path={sft_nemo}",
+        f"++model.data.data_prefix={{train: [{ppo_data['rm_train']}], validation: [{ppo_data['rm_val']}]}}",
+        f"exp_manager.explicit_log_dir={out}", "trainer.rm.max_steps=200", "trainer.rm.max_epochs=100",
+        "trainer.rm.val_check_interval=200"])
+    return str(out / "checkpoints" / "megatron_gpt.nemo")
+
+
+@pytest.fixture(scope="module")
+def weak_sft_nemo(tmp_path_factory, ppo_data):
+    """A briefly fine-tuned policy (about a third of answers right): room for PPO to improve."""
+    out = tmp_path_factory.mktemp("weak_sft")
+    run_script("train_gpt_sft.py", [
+        f"model.data.train_ds.file_path={ppo_data['sft_train']}", f"model.data.validation_ds.file_path={ppo_data['sft_val']}",
+        f"exp_manager.explicit_log_dir={out}", "trainer.sft.max_steps=120", "trainer.sft.max_epochs=100",
+        "trainer.sft.val_check_interval=120"])
+    return str(out / "checkpoints" / "megatron_gpt_sft.nemo")
+
+
+def actor_overrides(data, actor_nemo, log_dir, steps, extra=()):
+    return [f"pretrained_checkpoint.restore_from_path={actor_nemo}",
+            f"++model.data.data_prefix={{train: [{data['prompts_train']}], validation: [{data['prompts_val']}]}}",
+            f"exp_manager.explicit_log_dir={log_dir}", f"trainer.ppo.max_steps={steps}", "trainer.ppo.max_epochs=100",
+            "model.ppo.num_rollout_samples=32", "model.global_batch_size=16", "model.micro_batch_size=8",
+            "model.ppo.rollout_micro_batch_size=16", "model.ppo.length_params.max_length=12",
+            "model.ppo.num_val_samples=32", *extra]
+
+
+def launch(critic, actor, timeout=900, critic_log=None):
+    cmd = [sys.executable, "-m", "nemo_aligner.launchers.ppo_local", "--critic", *critic, "--actor", *actor]
+    if critic_log:
+        cmd[3:3] = ["--critic-log", str(critic_log)]
+    proc = subprocess.run(cmd, env=test_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def test_two_steps_checkpoints_and_resume(tmp_path, ppo_data, rm_nemo, sft_nemo):
+    critic_dir, actor_dir = tmp_path / "critic", tmp_path / "actor"
+    critic = [f"pretrained_checkpoint.restore_from_path={rm_nemo}", f"exp_manager.explicit_log_dir={critic_dir}"]
+    actor = actor_overrides(ppo_data, sft_nemo, actor_dir, 2, ["trainer.ppo.save_interval=2",
+                                                               "trainer.ppo.val_check_interval=2"])
+    proc = launch(critic, actor, critic_log=tmp_path / "critic1.log")
+    assert "PPO finished: 2 steps" in proc.stdout
+    metrics = [r for r in read_metrics(actor_dir) if "train/rewards" in r]
+    assert [r["step"] for r in metrics] == [1, 2]
+    for key in ("train/rewards", "train/init_policy_kl", "train/response_length", "train/critic_loss",
+                "train/actor_loss", "train/clip_fraction", "train/entropy", "train/time/generate",
+                "train/time/logprobs", "train/time/init_logprobs", "train/time/critic_infer_wait", "train/time/train"):
+        assert key in metrics[0], key
+    assert any("train/samples" in r for r in read_metrics(actor_dir))  # the prompt/response/reward table
+    actor_ckpts = [c for c in os.listdir(actor_dir / "checkpoints") if c.startswith("megatron_gpt-step=2")]
+    critic_ckpts = [c for c in os.listdir(critic_dir / "checkpoints") if "step=" in c and not c.endswith(".tmp")]
+    assert actor_ckpts and critic_ckpts
+    assert (actor_dir / "checkpoints" / "megatron_gpt_ppo_actor.nemo").is_file()
+
+    # The final actor .nemo loads as an ordinary GPT.
+    run_script("train_gpt_sft.py", [f"model.restore_from_path={actor_dir / 'checkpoints' / 'megatron_gpt_ppo_actor.nemo'}",
+                                    f"model.data.train_ds.file_path={ppo_data['sft_train']}",
+                                    f"model.data.validation_ds.file_path={ppo_data['sft_val']}",
+                                    f"exp_manager.explicit_log_dir={tmp_path / 'reload'}", "trainer.sft.max_steps=1",
+                                    "exp_manager.create_checkpoint_callback=False"])
+
+    # Resume both: the actor continues at step 3, the critic from its checkpoint.
+    actor = actor_overrides(ppo_data, sft_nemo, actor_dir, 4, ["trainer.ppo.save_interval=2",
+                                                               "trainer.ppo.val_check_interval=2"])
+    proc = launch(critic, actor, critic_log=tmp_path / "critic2.log")
+    assert "actor resumed at PPO step 2" in proc.stdout + proc.stderr
+    assert "critic resumed" in (tmp_path / "critic2.log").read_text()
+    steps = [r["step"] for r in read_metrics(actor_dir) if "train/rewards" in r]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_reward_rises_on_the_builtin_task(tmp_path, ppo_data, rm_nemo, weak_sft_nemo):
+    """From a weak SFT policy, 30 PPO steps raise the reward model's mean validation reward by at
+    least 0.3 (measured: 0.32 -> 0.97 on greedy responses to 32 held-out prompts)."""
+    critic = [f"pretrained_checkpoint.restore_from_path={rm_nemo}", f"exp_manager.explicit_log_dir={tmp_path / 'c'}",
+              "model.optim.lr=3e-4"]
+    actor = actor_overrides(ppo_data, weak_sft_nemo, tmp_path / "a", 30, [
+        "trainer.ppo.val_check_interval=15", "trainer.ppo.save_interval=0", "model.optim.lr=1e-4",
+        "trainer.ppo.critic_warmup_steps=2", "model.ppo.num_rollout_samples=64", "model.global_batch_size=32"])
+    launch(critic, actor)
+    val = {r["step"]: r["val/global_rewards"] for r in read_metrics(tmp_path / "a") if "val/global_rewards" in r}
+    assert sorted(val) == [0, 15, 30]
+    assert val[30] >= val[0] + 0.3, val
+    train = [r["train/rewards"] for r in read_metrics(tmp_path / "a") if "train/rewards" in r]
+    assert sum(train[-10:]) / 10 > sum(train[:10]) / 10, train
+
+
+def test_dead_critic_stops_the_actor(tmp_path, ppo_data, rm_nemo, sft_nemo):
+    """SIGKILL the critic after the actor's first checkpoint: the actor exits non-zero within its
+    request timeout, naming host:port and the config key, and its checkpoint stays usable."""
+    port = free_port()
+    log = open(tmp_path / "critic.log", "w+")
+    critic = subprocess.Popen(
+        [sys.executable, os.path.join(SCRIPTS, "serve_ppo_critic.py"), f"pretrained_checkpoint.restore_from_path={rm_nemo}",
+         f"exp_manager.explicit_log_dir={tmp_path / 'critic'}", f"trainer.ppo.port={port}",
+         f"trainer.ppo.grpc_port={free_port()}", f"trainer.ppo.metrics_port={free_port()}"],
+        env=test_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    actor = None
+    try:
+        deadline = time.time() + 300
+        while "critic server ready" not in (tmp_path / "critic.log").read_text():
+            assert critic.poll() is None and time.time() < deadline, (tmp_path / "critic.log").read_text()[-3000:]
+            time.sleep(0.5)
+        actor_dir = tmp_path / "actor"
+        actor = subprocess.Popen(
+            [sys.executable, os.path.join(SCRIPTS, "train_gpt_ppo_actor.py"),
+             *actor_overrides(ppo_data, sft_nemo, actor_dir, 1000, ["trainer.ppo.save_interval=1",
+                                                                   "trainer.ppo.val_check_interval=0",
+                                                                   "trainer.ppo.val_at_start=False"]),
+             "remote_critic_rm.critic.ip=127.0.0.1", f"remote_critic_rm.critic.port={port}",
+             "remote_critic_rm.timeout_s=20"],
+            env=test_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        ckpt_dir = actor_dir / "checkpoints"
+        while not (ckpt_dir.is_dir() and any("step=1-" in c and not c.endswith(".tmp") for c in os.listdir(ckpt_dir))):
+            assert actor.poll() is None and time.time() < deadline, actor.communicate()[1][-3000:]
+            time.sleep(0.2)
+        os.killpg(critic.pid, signal.SIGKILL)
+        killed = time.time()
+        out, err = actor.communicate(timeout=120)
+        assert time.time() - killed < 60
+        assert actor.returncode != 0
+        assert f"127.0.0.1:{port}" in err and "remote_critic_rm.critic" in err, err[-3000:]
+        assert "Traceback" not in err
+        step1 = [c for c in os.listdir(ckpt_dir) if "step=1-" in c and not c.endswith(".tmp")][0]
+        assert (ckpt_dir / step1 / "metadata.json").is_file() and (ckpt_dir / step1 / "trainer_state.json").is_file()
+    finally:
+        for proc in (actor, critic):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
