@@ -17,16 +17,25 @@ class RemoteServerError(AlignerError):
     """A server is unreachable, timed out or refused a request; the message names host:port and the config key."""
 
 
-def check_reachable(host: str, port: int, key: str, timeout_s: float = 3.0) -> None:
-    """Fail fast (not after the client's long readiness wait) when nothing listens on host:port."""
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            pass
-    except OSError as err:
-        raise RemoteServerError(
-            f"cannot reach the server at {host}:{port} ({err.strerror or err}); is it running? "
-            f"check {key}.ip and {key}.port"
-        ) from None
+def check_reachable(host: str, port: int, key: str, timeout_s: float = 3.0, wait_s: float = 0.0) -> None:
+    """Fail fast (not after the client's long readiness wait) when nothing listens on host:port;
+    with ``wait_s`` keep trying that long first (a server that is still starting)."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout_s):
+                return
+        except OSError as err:
+            if time.monotonic() < deadline:
+                time.sleep(1.0)
+                continue
+            waited = f" after waiting {wait_s:.0f}s" if wait_s else ""
+            raise RemoteServerError(
+                f"cannot reach the server at {host}:{port}{waited} ({err.strerror or err}); is it running? "
+                f"check {key}.ip and {key}.port"
+            ) from None
 
 
 class ServerFuture:
@@ -62,14 +71,14 @@ class TritonModelClient:
     """One PyTriton model on a server, called asynchronously; close it (or use ``with``)."""
 
     def __init__(self, host: str, port: int, model_name: str, key: str, timeout_s: float = 60.0,
-                 check: bool = True):
+                 check: bool = True, wait_s: float = 0.0):
         from pytriton.client import FuturesModelClient
 
         self.where = f"{host}:{port}"
         self.key = key
         self.timeout_s = float(timeout_s)
         if check:
-            check_reachable(host, port, key)
+            check_reachable(host, port, key, wait_s=wait_s)
         self._client = FuturesModelClient(self.where, model_name, init_timeout_s=self.timeout_s,
                                           inference_timeout_s=self.timeout_s)
 
@@ -164,7 +173,8 @@ class RemoteGPTRMCriticClient:
 
     Configured by ``remote_critic_rm``: ``combine_rm_and_critic_server``, ``pad_to_length``
     (requests padded to one width so the server can batch them), ``critic.{ip, port,
-    name.{infer, train, save}}``, ``reward_model.{ip, port, name}``, ``timeout_s``.
+    name.{infer, train, save}}``, ``reward_model.{ip, port, name}``, ``timeout_s`` (every
+    request) and ``wait_for_server_s`` (how long to wait at start for a server still starting).
     """
 
     def __init__(self, cfg, pad_id: int):
@@ -173,11 +183,13 @@ class RemoteGPTRMCriticClient:
         self.combine = bool(cfg.get("combine_rm_and_critic_server", True))
         self.pad_to_length = cfg.get("pad_to_length")
         timeout = float(cfg.get("timeout_s") or 600)
+        wait = float(cfg.get("wait_for_server_s") or 0)
         critic = cfg.critic
         names = critic.get("name") or {}
         host, port = str(critic.get("ip") or "127.0.0.1"), int(critic.port)
         key = "remote_critic_rm.critic"
-        self.infer_client = TritonModelClient(host, port, names.get("infer", "critic_infer"), key, timeout)
+        self.infer_client = TritonModelClient(host, port, names.get("infer", "critic_infer"), key, timeout,
+                                              wait_s=wait)
         self.train_client = TritonModelClient(host, port, names.get("train", "critic_train"), key, timeout,
                                               check=False)
         self.save_client = TritonModelClient(host, port, names.get("save", "critic_save"), key, timeout, check=False)
@@ -185,7 +197,8 @@ class RemoteGPTRMCriticClient:
         if not self.combine:
             rm = cfg.reward_model
             self.rm_client = TritonModelClient(str(rm.get("ip") or "127.0.0.1"), int(rm.port),
-                                               rm.get("name", "reward_model"), "remote_critic_rm.reward_model", timeout)
+                                               rm.get("name", "reward_model"), "remote_critic_rm.reward_model", timeout,
+                                               wait_s=wait)
 
     def infer_rm_critic(self, tokens, lengths) -> RMCriticFuture:
         tokens = np.asarray(tokens, dtype=np.int64)
