@@ -1,8 +1,8 @@
 """``make demo``: the built-in task end to end on a tiny model, on the CPU, in a few minutes.
 
 Writes the built-in data, then runs each stage with its script exactly as a user would:
-SFT of a randomly initialised tiny GPT, a reward model trained from the SFT model, and a
-reward-model server queried by a client. Prints what each stage achieved and where its
+SFT of a randomly initialised tiny GPT, a reward model trained from the SFT model, a
+reward-model server queried by a client, and PPO (critic server + actor) from both. Prints what each stage achieved and where its
 .nemo was written.
 """
 
@@ -45,6 +45,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out-dir", default="demo_results")
     parser.add_argument("--sft-steps", type=int, default=300)
     parser.add_argument("--rm-steps", type=int, default=200)
+    parser.add_argument("--ppo-steps", type=int, default=10)
     args = parser.parse_args(argv)
     out = os.path.abspath(args.out_dir)
     data = os.path.join(out, "data")
@@ -73,6 +74,43 @@ def main(argv=None) -> None:
 
     rm_nemo = reward_model_stage(out, paths, sft_nemo, args.rm_steps)
     serve_stage(rm_nemo)
+    ppo_stage(out, paths, sft_nemo, rm_nemo, args.ppo_steps)
+
+
+def ppo_stage(out: str, paths: dict, sft_nemo: str, rm_nemo: str, steps: int) -> None:
+    """PPO: the critic server (reward model co-located) and the actor, started together."""
+    from nemo_aligner.launchers.ppo_local import run as run_ppo
+
+    critic_dir, actor_dir = os.path.join(out, "ppo_critic"), os.path.join(out, "ppo_actor")
+    for d in (critic_dir, actor_dir):
+        shutil.rmtree(d, ignore_errors=True)
+    print("\n$ python -m nemo_aligner.launchers.ppo_local --critic ... --actor ...", flush=True)
+    code = run_ppo(
+        [f"pretrained_checkpoint.restore_from_path={rm_nemo}", f"exp_manager.explicit_log_dir={critic_dir}",
+         "model.global_batch_size=64", "exp_manager.resume_if_exists=False"],
+        [f"pretrained_checkpoint.restore_from_path={sft_nemo}",
+         f"++model.data.data_prefix={{train: [{paths['prompts_train']}], validation: [{paths['prompts_val']}]}}",
+         f"exp_manager.explicit_log_dir={actor_dir}", "exp_manager.resume_if_exists=False",
+         f"trainer.ppo.max_steps={steps}", "trainer.ppo.max_epochs=100", f"trainer.ppo.val_check_interval={steps}",
+         "model.ppo.num_rollout_samples=128", "model.global_batch_size=64", "model.micro_batch_size=16",
+         "model.ppo.rollout_micro_batch_size=32", "model.ppo.num_val_samples=64",
+         "model.ppo.length_params.max_length=12", "model.optim.lr=5e-5", "trainer.ppo.critic_warmup_steps=2"],
+        critic_log=os.path.join(out, "ppo_critic_server.log"))
+    if code != 0:
+        raise SystemExit(f"PPO failed (status {code}); critic log: {os.path.join(out, 'ppo_critic_server.log')}")
+    rewards, val = [], {}
+    with open(os.path.join(actor_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        for line in f:
+            record = json.loads(line)
+            if "train/rewards" in record:
+                rewards.append(record["train/rewards"])
+            if "val/global_rewards" in record:
+                val[record["step"]] = record["val/global_rewards"]
+    print("\nPPO (actor from the SFT model, reward from the co-located reward model):")
+    for step, value in sorted(val.items()):
+        print(f"  step {step:>3}: validation reward {value:.3f}")
+    print(f"  mean training reward: first step {rewards[0]:.3f}, last step {rewards[-1]:.3f}")
+    print(f"  actor: {os.path.join(actor_dir, 'checkpoints', 'megatron_gpt_ppo_actor.nemo')}")
 
 
 def reward_model_stage(out: str, paths: dict, sft_nemo: str, steps: int) -> str:
