@@ -8,6 +8,7 @@ from typing import Dict
 from omegaconf import DictConfig, OmegaConf
 
 from nemo_aligner.algorithms.ppo import PPOTrainer
+from nemo_aligner.algorithms.run_helpers import fit_and_export
 from nemo_aligner.data.nlp.builders import build_dataloader
 from nemo_aligner.data.nlp.prompt_dataset import PromptDataset, collate_prompts
 from nemo_aligner.data.nlp.reward_datasets import data_prefix_paths
@@ -73,18 +74,11 @@ def run_ppo_actor(cfg: DictConfig) -> Dict[str, float]:
                          exp.checkpoint_callback, RunTimer(max_time_of(cfg, "ppo")), ppo_cfg=ppo, seed=seed)
     logger.info("PPO actor: %.2fM parameters; %d prompts, %d per step, %d steps", model.num_parameters() / 1e6,
                 len(train_ds), rollouts, trainer.max_steps)
-    if exp.resume_from:
-        trainer.load_checkpoint(exp.resume_from)
     try:
-        summary = trainer.fit()
+        summary = fit_and_export(trainer, model, exp)
     finally:
         client.close()
-    nemo_path = None
-    callback = exp.checkpoint_callback
-    if callback is not None and callback.save_nemo_on_train_end and trainer.step >= trainer.max_steps:
-        nemo_path = callback.save_nemo(model)
-    exp.logger.finalize()
-    summary.update(nemo_path=nemo_path, log_dir=exp.log_dir)
+    nemo_path = summary["nemo_path"]
     if is_global_rank_zero():
         print(f"PPO finished: {summary['steps']} steps, train reward {summary['final_train_reward']:.4f}, "
               f"validation reward {summary['final_val_reward']:.4f} (best {summary['best_val_reward']:.4f}), "

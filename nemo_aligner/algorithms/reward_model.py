@@ -8,6 +8,7 @@ from typing import Dict
 
 from omegaconf import DictConfig, OmegaConf
 
+from nemo_aligner.algorithms.run_helpers import fit_and_export
 from nemo_aligner.algorithms.supervised import SupervisedTrainer, plan_max_steps
 from nemo_aligner.data.nlp.builders import build_dataloader
 from nemo_aligner.data.nlp.reward_datasets import (
@@ -82,17 +83,9 @@ def run_reward_model(cfg: DictConfig) -> Dict[str, float]:
                 model.reward_model_type, model.num_parameters() / 1e6, len(train_ds), len(val_ds or []), kind, max_steps)
     trainer = SupervisedTrainer(rm_cfg, model, optimizer, scheduler, train_dl, val_dl, exp.logger,
                                 exp.checkpoint_callback, RunTimer(max_time_of(cfg, "rm")), name="rm")
-    if exp.resume_from:
-        trainer.load_checkpoint(exp.resume_from)
-    summary = trainer.fit()
-
-    nemo_path = None
-    callback = exp.checkpoint_callback
-    if callback is not None and callback.save_nemo_on_train_end and trainer.step >= trainer.max_steps:
-        nemo_path = callback.save_nemo(model)
-    exp.logger.finalize()
-    summary.update(nemo_path=nemo_path, log_dir=exp.log_dir,
-                   val_accuracy=trainer.last_val_metrics.get("accuracy", float("nan")))
+    summary = fit_and_export(trainer, model, exp)
+    nemo_path = summary["nemo_path"]
+    summary["val_accuracy"] = trainer.last_val_metrics.get("accuracy", float("nan"))
     if is_global_rank_zero():
         quality = (f"validation accuracy {summary['val_accuracy']:.3f}" if model.reward_model_type == "binary_ranking"
                    else f"validation MSE {trainer.last_val_metrics.get('mse', float('nan')):.4f}")

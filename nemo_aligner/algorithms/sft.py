@@ -8,6 +8,7 @@ from typing import Dict
 
 from omegaconf import DictConfig, open_dict
 
+from nemo_aligner.algorithms.run_helpers import fit_and_export
 from nemo_aligner.algorithms.supervised import SupervisedTrainer, plan_max_steps
 from nemo_aligner.data.nlp.builders import build_dataloader, build_sft_dataset, sft_collate_fn
 from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
@@ -55,17 +56,8 @@ def run_sft(cfg: DictConfig) -> Dict[str, float]:
                 model.num_parameters() / 1e6, len(train_ds), len(val_ds), max_steps)
     trainer = SupervisedTrainer(sft_cfg, model, optimizer, scheduler, train_dl, val_dl, exp.logger,
                                 exp.checkpoint_callback, RunTimer(max_time_of(cfg, "sft")), name="sft")
-    if exp.resume_from:
-        trainer.load_checkpoint(exp.resume_from)
-    summary = trainer.fit()
-
-    nemo_path = None
-    callback = exp.checkpoint_callback
-    if callback is not None and callback.save_nemo_on_train_end and trainer.step >= trainer.max_steps:
-        nemo_path = callback.save_nemo(model)
-    exp.logger.finalize()
-    summary["nemo_path"] = nemo_path
-    summary["log_dir"] = exp.log_dir
+    summary = fit_and_export(trainer, model, exp)
+    nemo_path = summary["nemo_path"]
     if is_global_rank_zero():
         print(
             f"SFT finished: {summary['steps']} steps, {summary['epochs']} epochs, "

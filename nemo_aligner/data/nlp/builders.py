@@ -7,23 +7,16 @@ from typing import Callable, Optional
 
 import torch
 
-from nemo_aligner.data.nlp.jsonl import read_jsonl
+from nemo_aligner.data.nlp.jsonl import read_jsonl_files
 from nemo_aligner.data.nlp.samplers import GlobalBatchSampler
 from nemo_aligner.data.nlp.sft_dataset import GPTSFTChatDataset, GPTSFTDataset, collate_sft
 from nemo_aligner.utils.errors import ConfigError
 
 
 def _records(paths, key: str):
-    if paths is None or paths == "???":
-        raise ConfigError(f"{key}.file_path is required")
-    if isinstance(paths, str):
-        paths = [paths]
-    records = []
-    for path in paths:
-        for record in read_jsonl(str(path)):
-            record["__file__"] = str(path)
-            records.append(record)
-    return records, str(paths[0]) if len(paths) == 1 else ",".join(map(str, paths))
+    records = read_jsonl_files(paths, f"{key}.file_path")
+    names = [paths] if isinstance(paths, str) else list(paths)
+    return records, str(names[0]) if len(names) == 1 else ",".join(map(str, names))
 
 
 def build_sft_dataset(ds_cfg, tokenizer, max_seq_length: int, chat: bool, answer_only_loss: bool,

@@ -38,6 +38,25 @@ def read_jsonl(path: str) -> List[Dict[str, Any]]:
     return records
 
 
+def read_jsonl_files(paths, key: str) -> List[Dict[str, Any]]:
+    """Records of one or more jsonl files (a path or a list); each keeps ``__file__`` and ``__line__``.
+
+    ``key`` is the config key that named the files, for the error when none are given.
+    """
+    from nemo_aligner.utils.errors import ConfigError
+
+    if paths is None or paths == "???" or (isinstance(paths, str) and not paths):
+        raise ConfigError(f"{key} is required")
+    if isinstance(paths, str):
+        paths = [paths]
+    records = []
+    for path in paths:
+        for record in read_jsonl(str(path)):
+            record["__file__"] = str(path)
+            records.append(record)
+    return records
+
+
 def require_fields(record: Dict[str, Any], fields: Sequence[str], path: str, types=(str,)) -> None:
     """Raise if a required field is missing or has the wrong type."""
     path = record.get("__file__", path)

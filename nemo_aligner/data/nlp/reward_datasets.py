@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from nemo_aligner.data.nlp.jsonl import read_jsonl, require_fields
+from nemo_aligner.data.nlp.jsonl import read_jsonl_files, require_fields
 from nemo_aligner.utils.errors import ConfigError, DataError
 
 # NeMo SteerLM's attribute order (HelpSteer + OASST): the label vector follows it.
@@ -36,16 +36,7 @@ def common_prefix_length(a: str, b: str) -> int:
 
 def read_files(paths, key: str) -> List[dict]:
     """Records of one or more jsonl files; each keeps ``__file__`` and ``__line__``."""
-    if paths is None or (isinstance(paths, str) and not paths):
-        raise ConfigError(f"{key} is required")
-    if isinstance(paths, str):
-        paths = [paths]
-    records = []
-    for path in paths:
-        for record in read_jsonl(str(path)):
-            record["__file__"] = str(path)
-            records.append(record)
-    return records
+    return read_jsonl_files(paths, key)
 
 
 def tokenize_text(tokenizer, text: str, seq_length: int, add_eos: bool = True) -> List[int]:

@@ -1,0 +1,20 @@
+"""The end of every training run: resume, fit, write the final .nemo, close the loggers."""
+
+from __future__ import annotations
+
+from typing import Dict
+
+
+def fit_and_export(trainer, model, exp) -> Dict:
+    """Resume from ``exp.resume_from`` if set, ``trainer.fit()``, and write ``<name>.nemo`` when training
+    finished (``save_nemo_on_train_end``). Returns the trainer's summary plus ``nemo_path`` and ``log_dir``."""
+    if exp.resume_from:
+        trainer.load_checkpoint(exp.resume_from)
+    summary = trainer.fit()
+    nemo_path = None
+    callback = exp.checkpoint_callback
+    if callback is not None and callback.save_nemo_on_train_end and trainer.step >= trainer.max_steps:
+        nemo_path = callback.save_nemo(model)
+    exp.logger.finalize()
+    summary.update(nemo_path=nemo_path, log_dir=exp.log_dir)
+    return summary
