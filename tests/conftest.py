@@ -135,3 +135,73 @@ def sft_nemo(tmp_path_factory):
         f"exp_manager.explicit_log_dir={out / 'run'}", "trainer.sft.max_steps=400", "trainer.sft.max_epochs=100",
         "trainer.sft.val_check_interval=400", "exp_manager.create_checkpoint_callback=True"])
     return str(out / "run" / "checkpoints" / "megatron_gpt_sft.nemo")
+
+
+class ServerProcess:
+    """A server script (python or torchrun) in its own session, whose output goes to a log; always stopped."""
+
+    def __init__(self, tmp_path, script: str, ready_text: str, nproc: int = 1):
+        import tempfile
+        from pathlib import Path
+
+        self.script = os.path.join(SCRIPTS, script)
+        self.ready_text = ready_text
+        self.nproc = nproc
+        self.port = free_port()
+        # Short: PyTriton's unix sockets live in the workspace (paths under ~108 bytes).
+        self.workspace = Path(tempfile.mkdtemp(prefix="ws_", dir="/tmp"))
+        self.log = open(tmp_path / f"{os.path.basename(script)}.{self.port}.log", "w+")
+        self.proc = None
+        self.children = []
+        self.final_text = ""
+
+    def start(self, args):
+        if self.nproc > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={self.nproc}",
+                   f"--master_port={free_port()}", self.script, f"trainer.devices={self.nproc}", *args]
+        else:
+            cmd = [sys.executable, self.script, *args]
+        self.proc = subprocess.Popen(cmd, env=test_env(), stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout=240):
+        import time
+
+        import psutil
+
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            text = self.text()
+            if self.ready_text in text:
+                self.children = psutil.Process(self.proc.pid).children(recursive=True)
+                return self
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited ({self.proc.returncode}):\n{text[-4000:]}")
+            time.sleep(0.5)
+        raise AssertionError("server not ready in time:\n" + self.text()[-4000:])
+
+    def text(self):
+        if self.log.closed:
+            return self.final_text
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self):
+        import signal
+
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if not self.log.closed:
+            self.final_text = self.text()
+            self.log.close()
+
+    def cleanup(self):
+        import shutil
+
+        shutil.rmtree(self.workspace, ignore_errors=True)

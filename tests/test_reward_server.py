@@ -3,14 +3,10 @@ model in this process, concurrent clients, bad requests, unreachable servers, cl
 and TP=2 / DP=2 serving."""
 
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import psutil
@@ -18,7 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import SCRIPTS, TINY_ARCH, free_port, test_env
+from conftest import SCRIPTS, TINY_ARCH, ServerProcess, free_port, test_env
 from nemo_aligner.utils.tokenizers import ByteTokenizer
 
 TEXTS = ["reverse abc = cba", "reverse abc = bca", "sort cab = abc", "sort cab = acb", "reverse ab = ba",
@@ -49,59 +45,14 @@ def score(model, texts):
     return model.infer(tokens, torch.tensor([len(s) for s in ids])).tolist()
 
 
-class Server:
-    """A serve_reward_model.py subprocess (python or torchrun) that is always stopped."""
+class Server(ServerProcess):
+    """serve_reward_model.py on free ports, its workspace in a short temporary directory."""
 
     def __init__(self, tmp_path, nemo, nproc=1, extra=()):
-        self.port = free_port()
-        # Short: PyTriton's unix sockets live in the workspace (paths under ~108 bytes).
-        self.workspace = Path(tempfile.mkdtemp(prefix="ws_", dir="/tmp"))
-        self.log = open(tmp_path / "server.log", "w+")
-        args = [f"rm_model_file={nemo}", f"inference.port={self.port}", f"inference.grpc_port={free_port()}",
-                f"inference.metrics_port={free_port()}", f"inference.workspace_dir={self.workspace}",
-                "inference.micro_batch_size=2", *extra]
-        script = os.path.join(SCRIPTS, "serve_reward_model.py")
-        if nproc > 1:
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                   f"--master_port={free_port()}", script, f"trainer.devices={nproc}", *args]
-        else:
-            cmd = [sys.executable, script, *args]
-        self.proc = subprocess.Popen(cmd, env=test_env(), stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self.children = []
-
-    def wait_ready(self, timeout=180):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            self.log.seek(0)
-            text = self.log.read()
-            if "reward model server ready" in text:
-                self.children = psutil.Process(self.proc.pid).children(recursive=True)
-                return
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited ({self.proc.returncode}):\n{text[-4000:]}")
-            time.sleep(0.5)
-        raise AssertionError("server not ready in time:\n" + self.text()[-4000:])
-
-    def text(self):
-        if self.log.closed:
-            return self.final_text
-        self.log.seek(0)
-        return self.log.read()
-
-    def stop(self):
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.final_text = self.text()
-        self.log.close()
-
-    def cleanup(self):
-        shutil.rmtree(self.workspace, ignore_errors=True)
+        super().__init__(tmp_path, "serve_reward_model.py", "reward model server ready", nproc=nproc)
+        self.start([f"rm_model_file={nemo}", f"inference.port={self.port}", f"inference.grpc_port={free_port()}",
+                    f"inference.metrics_port={free_port()}", f"inference.workspace_dir={self.workspace}",
+                    "inference.micro_batch_size=2", *extra])
 
 
 @pytest.fixture(scope="module")

@@ -170,6 +170,9 @@ class CriticServer:
             finally:
                 broadcast_signal(ServerSignal.EXIT)
         if self.save_on_exit and self.trainer.train_calls:
+            from nemo_aligner.utils.checkpoint_io import reset_checkpoint_writer
+
+            reset_checkpoint_writer()  # the launcher's SIGTERM may have taken the old writer process with it
             self.trainer.save()
             logger.info("critic checkpoint saved on exit (step %d)", self.trainer.step)
 

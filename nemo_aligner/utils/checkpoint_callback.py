@@ -72,7 +72,9 @@ class CheckpointCallback:
         path = os.path.join(self.dirpath, name)
         state = dict(trainer_state)
         state["monitor"] = self.monitor
-        state["monitor_value"] = self.monitor_value(metrics)
+        value = self.monitor_value(metrics)
+        # None, not NaN: ranks compare this common state, and NaN != NaN.
+        state["monitor_value"] = None if math.isnan(value) else value
         state["metrics"] = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         if get_rank() == 0:
             os.makedirs(self.dirpath, exist_ok=True)
@@ -98,7 +100,7 @@ class CheckpointCallback:
         sign = 1.0 if self.mode == "min" else -1.0
 
         def rank_key(item):
-            value = item[1].get("monitor_value", float("nan"))
+            value = item[1].get("monitor_value")
             value = float("inf") if value is None or math.isnan(value) else sign * value
             return (value, -item[1].get("step", 0))
 
@@ -110,7 +112,8 @@ class CheckpointCallback:
                 logger.info("removed checkpoint %s (not in the top %d by %s)", path, self.save_top_k, self.monitor)
 
     def best(self) -> Optional[str]:
-        found = [item for item in self.checkpoints() if not math.isnan(item[1].get("monitor_value", float("nan")))]
+        found = [item for item in self.checkpoints() if item[1].get("monitor_value") is not None
+                 and not math.isnan(item[1]["monitor_value"])]
         if not found:
             return None
         sign = 1.0 if self.mode == "min" else -1.0

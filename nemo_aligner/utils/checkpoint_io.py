@@ -60,6 +60,18 @@ def save_sharded(sharded_state_dict: dict, directory: str, content_metadata: Opt
     barrier()
 
 
+def reset_checkpoint_writer() -> None:
+    """Forget megatron-core's cached writer queue, whose manager process may have died.
+
+    torch_dist saves hand results through a ``multiprocessing`` manager created once per
+    process. A launcher that signals the whole process group on shutdown (torchrun, Slurm)
+    kills it too; a save made after that (a server's save-on-exit) needs a new one.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._results_queue = None
+
+
 def checkpoint_shapes(directory: str) -> Dict[str, Tuple[int, ...]]:
     """Global shape of every tensor stored in a torch_dist checkpoint."""
     from megatron.core import dist_checkpointing
