@@ -109,12 +109,13 @@ def test_sampling_settings():
     assert torch.equal(a, b)
 
 
-def test_tp2_generates_like_tp1(tmp_path, base_nemo):
+def test_tp2_and_pp2_generate_like_one_process(tmp_path, base_nemo):
     nemo, _ = base_nemo
-    outs = []
-    for tag, args, nproc in (("tp1", [], 1), ("tp2", ["--tp", "2"], 2)):
+    outs = {}
+    for tag, args, nproc in (("one", [], 1), ("tp2", ["--tp", "2"], 2), ("pp2", ["--pp", "2"], 2)):
         out = tmp_path / f"{tag}.json"
         run_python(os.path.join(WORKERS, "generate_worker.py"), ["--nemo", nemo, "--out", out, *args], nproc=nproc)
-        outs.append(json.loads(out.read_text()))
-    assert outs[0]["greedy"] == outs[1]["greedy"]
-    assert outs[0]["sampled"] == outs[1]["sampled"]  # same seed, token sampled on TP rank 0
+        outs[tag] = json.loads(out.read_text())
+    for tag in ("tp2", "pp2"):
+        assert outs[tag]["greedy"] == outs["one"]["greedy"], tag
+        assert outs[tag]["sampled"] == outs["one"]["sampled"], tag  # same seed, sampled on one rank, broadcast

@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nemo_aligner.utils.errors import ConfigError
 
 
 @dataclass
@@ -92,14 +91,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class KVCacheDecoder:
-    """Runs one pipeline stage's worth of a megatron-core ``GPTModel`` (TP any, PP=1) step by step."""
+    """Runs this rank's pipeline stage of a megatron-core ``GPTModel`` step by step (any TP and PP).
+
+    With pipeline parallelism each stage receives the previous stage's hidden states, runs its
+    layers against its own part of the cache, and sends them on; only the last stage returns logits.
+    """
 
     def __init__(self, module, batch: int, max_len: int):
         from megatron.core import parallel_state
 
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            raise ConfigError("generation with model.pipeline_model_parallel_size > 1 is not supported yet; "
-                              "use tensor parallelism for the actor")
+        self.pp = parallel_state.get_pipeline_model_parallel_world_size()
+        self.first_stage = parallel_state.is_pipeline_first_stage()
+        self.last_stage = parallel_state.is_pipeline_last_stage()
         self.module = module
         self.config = module.config
         cfg = self.config
@@ -171,16 +174,26 @@ class KVCacheDecoder:
         return x + bias if bias is not None else x
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, start: int, key_mask: torch.Tensor) -> torch.Tensor:
-        """Feed ``tokens`` [B, S] at cache slots ``start..start+S``; returns the last slot's logits [B, V]."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, start: int, key_mask: torch.Tensor):
+        """Feed ``tokens`` [B, S] at cache slots ``start..start+S``; returns the last slot's logits [B, V]
+        on the last pipeline stage (None on the others)."""
+        from megatron.core import parallel_state
+
         module = self.module
-        hidden = module.embedding(input_ids=tokens, position_ids=positions)  # [S, B, H]
+        if self.first_stage:
+            hidden = module.embedding(input_ids=tokens, position_ids=positions)  # [S, B, H]
+        else:
+            hidden = torch.empty(tokens.shape[1], tokens.shape[0], self.config.hidden_size, dtype=self.keys.dtype)
+            dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
         pos = positions.t()  # [S, B]
         for index, layer in enumerate(module.decoder.layers):
             residual = hidden
             hidden = residual + self._attention(layer, layer.input_layernorm(hidden), pos, start, key_mask, index)
             residual = hidden
             hidden = residual + self._mlp(layer, layer.pre_mlp_layernorm(hidden))
+        if not self.last_stage:
+            dist.send(hidden.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+            return None
         hidden = module.decoder.final_layernorm(hidden[-1:])
         weight = module.shared_embedding_or_output_weight() if module.share_embeddings_and_output_weights else None
         logits, _ = module.output_layer(hidden, weight=weight)
@@ -218,8 +231,8 @@ def generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Samp
              max_sequence_length: Optional[int] = None, seed: Optional[int] = None) -> GenerationOutput:
     """Generate up to ``length.max_length`` tokens after each prompt (token id lists).
 
-    Collective over the tensor-parallel group (every rank must pass the same prompts); the
-    sampled tokens come from TP rank 0. A row stops at EOS or when its decoded tail ends with
+    Collective over the model-parallel group (every rank must pass the same prompts); the
+    sampled tokens come from TP rank 0 of the last pipeline stage. A row stops at EOS or when its decoded tail ends with
     one of ``sampling.end_strings``; EOS is refused before ``length.min_length`` tokens.
     """
     from megatron.core import parallel_state
@@ -245,18 +258,26 @@ def generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Samp
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     tp_rank0 = parallel_state.get_tensor_model_parallel_src_rank()
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    last_stage = parallel_state.is_pipeline_last_stage()
 
     done = torch.zeros(batch, dtype=torch.bool)
     is_end = torch.zeros(batch, dtype=torch.bool)
     generated = torch.zeros(batch, dtype=torch.long)
     logits = decoder.forward(tokens[:, :longest], positions[:, :longest], 0, key_mask)
     for step in range(new_tokens):
-        if step < length.min_length:
-            logits[:, tokenizer.eos_id] = float("-inf")
-        logits[:, tokenizer.vocab_size:] = float("-inf")  # vocabulary padding rows are never sampled
-        token = sample(logits, sampling, generator)
-        if tp > 1:
-            dist.broadcast(token, src=tp_rank0, group=_tp_group())
+        if last_stage:
+            if step < length.min_length:
+                logits[:, tokenizer.eos_id] = float("-inf")
+            logits[:, tokenizer.vocab_size:] = float("-inf")  # vocabulary padding rows are never sampled
+            token = sample(logits, sampling, generator)
+            if tp > 1:
+                dist.broadcast(token, src=tp_rank0, group=_tp_group())
+        else:
+            token = torch.zeros(batch, dtype=torch.long)
+        if pp > 1:  # every stage needs the new tokens (the first embeds them, all track the ends)
+            dist.broadcast(token, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                           group=parallel_state.get_pipeline_model_parallel_group())
         token = torch.where(done, torch.full_like(token, tokenizer.eos_id), token)
         slot = longest + step
         tokens[:, slot] = token

@@ -11,6 +11,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--nemo", required=True)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -20,7 +21,7 @@ def main():
     from nemo_aligner.utils.generation import LengthParams, SamplingParams, generate
 
     D.init_distributed()
-    D.initialize_model_parallel(args.tp, 1)
+    D.initialize_model_parallel(args.tp, args.pp)
     model = load_model(GPTSFTModel, OmegaConf.create({"micro_batch_size": 1}), "32", args.nemo, trainable=False)
     model.eval()
     tok = model.tokenizer
