@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import SCRIPTS, free_port, read_metrics, run_script, test_env
+from conftest import SCRIPTS, free_port, read_metrics, run_script, subprocess_env
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def launch(critic, actor, timeout=900, critic_log=None):
     cmd = [sys.executable, "-m", "nemo_aligner.launchers.ppo_local", "--critic", *critic, "--actor", *actor]
     if critic_log:
         cmd[3:3] = ["--critic-log", str(critic_log)]
-    proc = subprocess.run(cmd, env=test_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc
 
@@ -122,7 +122,7 @@ def test_dead_critic_stops_the_actor(tmp_path, ppo_data, rm_nemo, sft_nemo):
         [sys.executable, os.path.join(SCRIPTS, "serve_ppo_critic.py"), f"pretrained_checkpoint.restore_from_path={rm_nemo}",
          f"exp_manager.explicit_log_dir={tmp_path / 'critic'}", f"trainer.ppo.port={port}",
          f"trainer.ppo.grpc_port={free_port()}", f"trainer.ppo.metrics_port={free_port()}"],
-        env=test_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     actor = None
     try:
         deadline = time.time() + 300
@@ -137,7 +137,7 @@ def test_dead_critic_stops_the_actor(tmp_path, ppo_data, rm_nemo, sft_nemo):
                                                                    "trainer.ppo.val_at_start=False"]),
              "remote_critic_rm.critic.ip=127.0.0.1", f"remote_critic_rm.critic.port={port}",
              "remote_critic_rm.timeout_s=20"],
-            env=test_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         ckpt_dir = actor_dir / "checkpoints"
         while not (ckpt_dir.is_dir() and any("step=1-" in c and not c.endswith(".tmp") for c in os.listdir(ckpt_dir))):
             assert actor.poll() is None and time.time() < deadline, actor.communicate()[1][-3000:]

@@ -14,7 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import SCRIPTS, TINY_ARCH, ServerProcess, free_port, test_env
+from conftest import SCRIPTS, TINY_ARCH, ServerProcess, free_port, subprocess_env
 from nemo_aligner.utils.tokenizers import ByteTokenizer
 
 TEXTS = ["reverse abc = cba", "reverse abc = bca", "sort cab = abc", "sort cab = acb", "reverse ab = ba",
@@ -132,7 +132,7 @@ def test_closed_port_fails_fast():
 def test_port_in_use_is_named(tmp_path, rm_nemo_and_rewards, server):
     nemo, _ = rm_nemo_and_rewards
     proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "serve_reward_model.py"), f"rm_model_file={nemo}",
-                           f"inference.port={server.port}"], env=test_env(), capture_output=True, text=True,
+                           f"inference.port={server.port}"], env=subprocess_env(), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 1
     assert f"error: inference.port={server.port} on 127.0.0.1 is already in use" in proc.stderr

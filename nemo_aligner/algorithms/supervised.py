@@ -88,7 +88,11 @@ class SupervisedTrainer:
         self.max_steps, self.steps_per_epoch = plan_max_steps(cfg, train_dataloader, name)
         self.sampler.max_batches_per_epoch = self.steps_per_epoch
         self.global_batch_size = self.sampler.global_batch_size
-        self.val_check_interval = int(cfg.get("val_check_interval") or 0)
+        interval = cfg.get("val_check_interval") or 0
+        # Lightning's float form: a fraction of an epoch.
+        if isinstance(interval, float) and 0 < interval <= 1.0:
+            interval = max(int(self.steps_per_epoch * interval), 1)
+        self.val_check_interval = int(interval)
         self.save_interval = int(cfg.get("save_interval") or 0)
 
     # ----------------------------------------------------------------- state
@@ -141,11 +145,14 @@ class SupervisedTrainer:
         return aggregate_validation(per_batch)
 
     def _tokens_in(self, batch) -> float:
-        """Real (unpadded) tokens in the global batch, summed over data-parallel ranks."""
+        """Tokens in the global batch (real ones when the batch has lengths), summed over data-parallel ranks."""
         from megatron.core import parallel_state
 
         length_keys = [k for k in ("lengths", "chosen_length", "rejected_length") if k in batch]
-        local = sum(float(batch[k].sum()) for k in length_keys) if length_keys else batch["tokens"].numel()
+        if length_keys:
+            local = sum(float(batch[k].sum()) for k in length_keys)
+        else:  # padded token tensors
+            local = sum(batch[k].numel() for k in ("tokens", "chosen", "rejected") if k in batch)
         count = torch.tensor([float(local)])
         if dist.is_initialized():
             dist.all_reduce(count, group=parallel_state.get_data_parallel_group())

@@ -1,0 +1,112 @@
+"""Preference pairs for DPO-style training: ``{"prompt", "chosen_response", "rejected_response"}``.
+
+The prompt may be a string or a list of chat messages (``{"role"|"from", "content"|"value"}``),
+rendered with the SFT chat template; ``chosen_reward``/``rejected_reward`` are optional (RPO).
+Each response gets EOS; the loss mask covers the response tokens only.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from nemo_aligner.data.nlp.jsonl import require_fields
+from nemo_aligner.data.nlp.reward_datasets import read_files
+from nemo_aligner.data.nlp.sft_dataset import DEFAULT_CHAT_TOKENS
+from nemo_aligner.utils.errors import DataError
+
+_ROLE_NAMES = {"system": "System", "user": "User", "assistant": "Assistant"}
+
+
+def render_chat_prompt(messages: list, where: str, chat_tokens: Optional[dict] = None) -> str:
+    """A chat prompt in the SFT chat template, ending with the Assistant header the response follows."""
+    t = dict(DEFAULT_CHAT_TOKENS, **(chat_tokens or {}))
+    system, turns = "", []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise DataError(f"{where}: prompt[{i}] must be an object with a role and content")
+        role = str(message.get("role", message.get("from", ""))).strip()
+        content = message.get("content", message.get("value"))
+        if not role or content is None:
+            raise DataError(f"{where}: prompt[{i}] needs 'role' (or 'from') and 'content' (or 'value')")
+        name = _ROLE_NAMES.get(role.lower(), role)
+        if name == "System":
+            system = str(content)
+        else:
+            turns.append(f"{t['turn_start']}{name}{t['end_of_name']}{content}{t['end_of_turn']}")
+    return (f"{t['system_turn_start']}System{t['end_of_name']}{system}{t['end_of_turn']}" + "".join(turns)
+            + f"{t['turn_start']}Assistant{t['end_of_name']}")
+
+
+class DPOPairDataset(torch.utils.data.Dataset):
+    """Tokenized (prompt, chosen, rejected) triples; prompts are truncated from the left to fit."""
+
+    def __init__(self, paths, tokenizer, seq_length: int, key: str = "model.data.data_prefix.train", records=None,
+                 default_chosen_reward: float = 1.0, default_rejected_reward: float = 0.0, chat_tokens=None):
+        self.tokenizer = tokenizer
+        self.seq_length = int(seq_length)
+        records = records if records is not None else read_files(paths, key)
+        self.items = []
+        for record in records:
+            path = record.get("__file__", str(paths))
+            where = f"{path}:{record['__line__']}"
+            require_fields(record, ["prompt"], path, types=(str, list))
+            require_fields(record, ["chosen_response", "rejected_response"], path)
+            prompt = record["prompt"]
+            if isinstance(prompt, list):
+                prompt = render_chat_prompt(prompt, where, chat_tokens)
+            rewards = []
+            for field, default in (("chosen_reward", default_chosen_reward), ("rejected_reward", default_rejected_reward)):
+                value = record.get(field, default)
+                if not isinstance(value, (int, float)) or isinstance(value, bool):
+                    raise DataError(f"{where}: field {field!r} must be a number, got {type(value).__name__}")
+                rewards.append(float(value))
+            self.items.append((prompt, record["chosen_response"], record["rejected_response"], rewards))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def _encode(self, prompt_ids: List[int], response: str):
+        response_ids = self.tokenizer.text_to_ids(response) + [self.tokenizer.eos_id]
+        budget = self.seq_length + 1
+        response_ids = response_ids[:budget - 1] if len(response_ids) >= budget else response_ids
+        prompt_ids = prompt_ids[-(budget - len(response_ids)):]
+        return prompt_ids + response_ids, len(prompt_ids)
+
+    def __getitem__(self, idx: int) -> Dict:
+        if idx < 0:  # padding of a partial validation batch
+            eos = self.tokenizer.eos_id
+            return {"chosen": [eos, eos], "rejected": [eos, eos], "chosen_prompt": 2, "rejected_prompt": 2,
+                    "rewards": [0.0, 0.0], "padding": True}
+        prompt, chosen, rejected, rewards = self.items[idx]
+        prompt_ids = self.tokenizer.text_to_ids(prompt)
+        chosen_ids, chosen_prompt = self._encode(prompt_ids, chosen)
+        rejected_ids, rejected_prompt = self._encode(prompt_ids, rejected)
+        return {"chosen": chosen_ids, "rejected": rejected_ids, "chosen_prompt": chosen_prompt,
+                "rejected_prompt": rejected_prompt, "rewards": rewards}
+
+
+def collate_dpo(samples: Sequence[Dict], pad_id: int, seq_length: int, pad_to_multiple_of: int = 8) -> Dict:
+    """``chosen``/``rejected`` [B, L], their response masks on log-prob positions [B, L-1], rewards, weights."""
+    longest = max(max(len(s["chosen"]), len(s["rejected"])) for s in samples)
+    multiple = max(int(pad_to_multiple_of or 1), 1)
+    length = min(-(-longest // multiple) * multiple, seq_length + 1)
+    length = max(length, longest)
+    out = {}
+    for side in ("chosen", "rejected"):
+        tokens = torch.full((len(samples), length), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(samples), length - 1), dtype=torch.float32)
+        for b, s in enumerate(samples):
+            ids = s[side]
+            tokens[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            if not s.get("padding"):
+                # log-prob position i predicts token i + 1: response tokens start at the prompt length.
+                mask[b, s[f"{side}_prompt"] - 1 : len(ids) - 1] = 1.0
+        out[side] = tokens
+        out[f"{side}_mask"] = mask
+    out["chosen_rewards"] = torch.tensor([s["rewards"][0] for s in samples], dtype=torch.float32)
+    out["rejected_rewards"] = torch.tensor([s["rewards"][1] for s in samples], dtype=torch.float32)
+    out["weight"] = torch.tensor([0.0 if s.get("padding") else 1.0 for s in samples])
+    out["position_ids"] = torch.arange(length).unsqueeze(0).expand(len(samples), length).contiguous()
+    return out

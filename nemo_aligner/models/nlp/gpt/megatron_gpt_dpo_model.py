@@ -1,0 +1,138 @@
+"""DPO and its variants (IPO, RPO) on a megatron-core GPT; the reference policy's weights live on
+the CPU and are swapped in to score each batch."""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+
+from nemo_aligner.models.alignable_interface import SupervisedInterface
+from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
+from nemo_aligner.models.nlp.gpt.megatron_gpt_ppo_actor import next_token_batch
+from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.utils.preference_losses import PREFERENCE_LOSSES, preference_loss, sequence_logps
+from nemo_aligner.utils.weight_swap import cpu_state_copy, swapped_weights
+
+
+class MegatronGPTDPOModel(MegatronGPTModel, SupervisedInterface):
+    """``model.dpo.*``: ``ref_policy_kl_penalty`` (beta), ``preference_loss``, ``preference_loss_weight``,
+    ``sft_loss_weight``, ``preference_average_log_probs``, ``sft_average_log_probs``, ``gt_reward_scale``."""
+
+    def __init__(self, cfg, tokenizer, precision="32", trainable: bool = True):
+        super().__init__(cfg, tokenizer, precision, trainable)
+        dpo = cfg.get("dpo") or {}
+        self.micro_batch_size = int(cfg.get("micro_batch_size", 1))
+        self.beta = float(dpo.get("ref_policy_kl_penalty", 0.2))
+        self.loss_kind = str(dpo.get("preference_loss", "dpo"))
+        if self.loss_kind not in PREFERENCE_LOSSES:
+            raise ConfigError(f"model.dpo.preference_loss={self.loss_kind!r} must be one of {list(PREFERENCE_LOSSES)}")
+        self.preference_average = bool(dpo.get("preference_average_log_probs", False))
+        self.sft_average = bool(dpo.get("sft_average_log_probs", self.preference_average))
+        self.preference_weight = float(dpo.get("preference_loss_weight", 1.0))
+        self.sft_weight = float(dpo.get("sft_loss_weight", 0.0))
+        if self.preference_weight == 0 and self.sft_weight == 0:
+            raise ConfigError("model.dpo.preference_loss_weight and model.dpo.sft_loss_weight cannot both be 0")
+        self.gt_reward_scale = float(dpo.get("gt_reward_scale", 1.0))
+        self.ref_state = None
+
+    def snapshot_reference_policy(self) -> None:
+        """Keep the current weights on the CPU as the reference policy."""
+        self.ref_state = cpu_state_copy(self.module)
+
+    # ----------------------------------------------------------------- data
+    @staticmethod
+    def _stacked(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Chosen rows then rejected rows of every micro-batch, as one next-token batch."""
+        data = next_token_batch(torch.cat([batch["chosen"], batch["rejected"]]))
+        data["mask"] = torch.cat([batch["chosen_mask"], batch["rejected_mask"]])
+        return data
+
+    def _interleaved(self, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Per micro-batch: its chosen then its rejected rows, so each micro-batch holds whole pairs."""
+        mbs = self.micro_batch_size
+        out: Dict[str, list] = {}
+        for start in range(0, batch["chosen"].shape[0], mbs):
+            part = {k: v[start : start + mbs] for k, v in batch.items() if isinstance(v, torch.Tensor)}
+            stacked = self._stacked(part)
+            stacked.update(ref=torch.cat([part["ref_chosen"], part["ref_rejected"]]),
+                           gt=torch.cat([part["chosen_rewards"], part["rejected_rewards"]]),
+                           weight=torch.cat([part["weight"], part["weight"]]))
+            for k, v in stacked.items():
+                out.setdefault(k, []).append(v)
+        return {k: torch.cat(v) for k, v in out.items()}
+
+    @torch.no_grad()
+    def reference_logps(self, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Per-token reference log-probs of chosen and rejected, [B, L-1] each."""
+        from megatron.core import parallel_state
+
+        from nemo_aligner.utils.distributed import broadcast_from_last_stage
+
+        if self.ref_state is None:
+            raise RuntimeError("snapshot_reference_policy() was not called")
+        data = self._stacked(batch)
+        training = self.module.training
+        self.eval()
+        with swapped_weights(self.module, self.ref_state):
+            outputs = self.forward_backward(data, None, True, 2 * self.micro_batch_size)
+        if training:
+            self.train()
+        rows, width = data["tokens"].shape
+        result = torch.zeros(rows, width, dtype=torch.float32)
+        if parallel_state.is_pipeline_last_stage():
+            result = -torch.cat([o.float() for o in outputs])
+        result = broadcast_from_last_stage(result)[:, :-1]
+        half = batch["chosen"].shape[0]
+        return result[:half].contiguous(), result[half:].contiguous()
+
+    # ----------------------------------------------------------------- loss
+    def _loss(self, mb, per_token_ce):
+        logps = -per_token_ce[:, :-1].float()
+        half = logps.shape[0] // 2
+        mask, weight = mb["mask"], mb["weight"][:half]
+        count = weight.sum().clamp(min=1.0)
+        ratio = sequence_logps(logps - mb["ref"], mask, self.preference_average)
+        chosen, rejected = ratio[:half], ratio[half:]
+        per_pair = preference_loss(self.loss_kind, chosen, rejected, self.beta, mb["gt"][:half], mb["gt"][half:],
+                                   self.gt_reward_scale)
+        pref = (per_pair * weight).sum() / count
+        sft = -(sequence_logps(logps[:half], mask[:half], self.sft_average) * weight).sum() / count
+        loss = self.preference_weight * pref + self.sft_weight * sft
+        with torch.no_grad():
+            metrics = {
+                "loss": loss.detach().clone(), "preference_loss_sum": (per_pair * weight).sum().detach(),
+                "sft_loss_sum": (-(sequence_logps(logps[:half], mask[:half], self.sft_average)) * weight).sum(),
+                "correct": ((chosen > rejected).float() * weight).sum(), "pairs": weight.sum(),
+                "rewards_chosen_sum": (self.beta * chosen * weight).sum(),
+                "rewards_rejected_sum": (self.beta * rejected * weight).sum(),
+            }
+        return loss, metrics
+
+    def get_loss_and_metrics(self, batch: Dict[str, torch.Tensor], forward_only: bool):
+        """One global batch of pairs on this data-parallel rank (reference log-probs computed first)."""
+        batch = dict(batch)
+        batch["ref_chosen"], batch["ref_rejected"] = self.reference_logps(batch)
+        data = self._interleaved(batch)
+        outputs = self.forward_backward(data, self._loss, forward_only, 2 * self.micro_batch_size)
+        m = self.reduce_metrics(outputs, sum_keys=("preference_loss_sum", "sft_loss_sum", "correct", "pairs",
+                                                   "rewards_chosen_sum", "rewards_rejected_sum"),
+                                mean_keys=("loss",))
+        pairs = max(m["pairs"], 1.0)
+        chosen, rejected = m["rewards_chosen_sum"] / pairs, m["rewards_rejected_sum"] / pairs
+        return m["loss"], {
+            "loss": self.preference_weight * m["preference_loss_sum"] / pairs + self.sft_weight * m["sft_loss_sum"] / pairs,
+            "preference_loss": m["preference_loss_sum"] / pairs, "sft_loss": m["sft_loss_sum"] / pairs,
+            "accuracy": m["correct"] / pairs, "rewards_chosen_mean": chosen, "rewards_rejected_mean": rejected,
+            "reward_margin": chosen - rejected, "pairs": m["pairs"],
+        }
+
+    def prepare_for_training_step(self) -> None:
+        self.train()
+        self.zero_grad()
+
+    def prepare_for_validation_step(self) -> None:
+        self.eval()
+
+    def finish_validation_step(self) -> None:
+        self.train()

@@ -1,0 +1,66 @@
+"""Preference-optimisation losses on sequence log-prob ratios (pure functions).
+
+``chosen``/``rejected`` are the policy-minus-reference log-prob of each response, summed (or
+averaged) over its tokens; ``beta`` is ``ref_policy_kl_penalty``. Conventions follow
+NeMo-Aligner: the implied reward of a response is ``beta * (log pi - log pi_ref)``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+PREFERENCE_LOSSES = ("dpo", "ipo", "rpo_sq", "rpo_bwd_kl", "rpo_fwd_kl")
+
+
+def sequence_logps(logps: torch.Tensor, mask: torch.Tensor, average: bool = False) -> torch.Tensor:
+    """Sum (or mean) of per-token values over the response tokens (``mask`` 1)."""
+    mask = mask.to(logps.dtype)
+    total = (logps * mask).sum(-1)
+    return total / mask.sum(-1).clamp(min=1.0) if average else total
+
+
+def preference_loss(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, beta: float,
+                    gt_chosen: Optional[torch.Tensor] = None, gt_rejected: Optional[torch.Tensor] = None,
+                    gt_reward_scale: float = 1.0) -> torch.Tensor:
+    """Per-pair preference loss (average it over the pairs that count).
+
+    - ``dpo``: ``-log sigmoid(beta * (c - r))``
+    - ``ipo``: ``(c - r - 1 / (2 beta))^2``
+    - ``rpo_sq``: ``(beta * (c - r) - s * (R_c - R_r))^2`` with ground-truth rewards ``R``
+    - ``rpo_bwd_kl`` / ``rpo_fwd_kl``: KL between the Bernoulli preference implied by the
+      ground-truth rewards (``sigmoid(s * (R_c - R_r))``) and by the policy (``sigmoid(beta * (c - r))``),
+      backward ``KL(gt || policy)`` or forward ``KL(policy || gt)``.
+    """
+    delta = chosen - rejected
+    if kind == "dpo":
+        return -F.logsigmoid(beta * delta)
+    if kind == "ipo":
+        return (delta - 1.0 / (2.0 * beta)) ** 2
+    if gt_chosen is None or gt_rejected is None:
+        raise ValueError(f"preference_loss={kind!r} needs ground-truth rewards (chosen_reward/rejected_reward)")
+    gt_delta = gt_reward_scale * (gt_chosen - gt_rejected)
+    if kind == "rpo_sq":
+        return (beta * delta - gt_delta) ** 2
+    log_policy = (F.logsigmoid(beta * delta), F.logsigmoid(-beta * delta))
+    log_gt = (F.logsigmoid(gt_delta), F.logsigmoid(-gt_delta))
+    if kind == "rpo_bwd_kl":
+        return sum(g.exp() * (g - p) for g, p in zip(log_gt, log_policy))
+    if kind == "rpo_fwd_kl":
+        return sum(p.exp() * (p - g) for g, p in zip(log_gt, log_policy))
+    raise ValueError(f"model.dpo.preference_loss={kind!r} must be one of {list(PREFERENCE_LOSSES)}")
+
+
+def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor, kl_estimate: torch.Tensor,
+             beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> torch.Tensor:
+    """KTO (Ethayarajh et al. 2024): ``w * (1 - sigmoid(beta * (r - z)))`` for desirable responses and
+    ``w * (1 - sigmoid(beta * (z - r)))`` for undesirable ones, ``r = log pi - log pi_ref`` of the
+    response and ``z`` the (detached, non-negative) KL estimate from mismatched prompt/response pairs."""
+    ratio = policy_logps - ref_logps
+    z = kl_estimate.detach().clamp(min=0.0)
+    desirable = desirable.to(ratio.dtype)
+    losses = desirable * desirable_weight * (1 - torch.sigmoid(beta * (ratio - z))) + \
+        (1 - desirable) * undesirable_weight * (1 - torch.sigmoid(beta * (z - ratio)))
+    return losses.mean()

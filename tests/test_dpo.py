@@ -1,0 +1,135 @@
+"""DPO family: each loss against a hand computation, the pair dataset's masks, and DPO on the
+built-in preference data (held-out preference accuracy, margin, reference untouched)."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import read_metrics, run_script
+from nemo_aligner.data.nlp.dpo_dataset import DPOPairDataset, collate_dpo, render_chat_prompt
+from nemo_aligner.utils.errors import DataError
+from nemo_aligner.utils.preference_losses import kto_loss, preference_loss, sequence_logps
+from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+C = torch.tensor([1.0, -0.5, 2.0])
+R = torch.tensor([0.5, 0.5, -1.0])
+
+
+def sig(x):
+    return 1 / (1 + math.exp(-x))
+
+
+def test_dpo_is_minus_log_sigmoid_of_beta_margin():
+    got = preference_loss("dpo", C, R, beta=0.2)
+    assert got.tolist() == pytest.approx([-math.log(sig(0.2 * (c - r))) for c, r in zip(C.tolist(), R.tolist())])
+
+
+def test_ipo_squared_form():
+    got = preference_loss("ipo", C, R, beta=0.5)
+    assert got.tolist() == pytest.approx([(c - r - 1.0) ** 2 for c, r in zip(C.tolist(), R.tolist())])
+
+
+def test_rpo_losses_use_ground_truth_rewards():
+    gc, gr = torch.tensor([2.0, 1.0, 0.0]), torch.tensor([0.0, 1.0, 1.0])
+    sq = preference_loss("rpo_sq", C, R, 0.2, gc, gr, gt_reward_scale=0.5)
+    assert sq.tolist() == pytest.approx([(0.2 * (c - r) - 0.5 * (a - b)) ** 2
+                                         for c, r, a, b in zip(C.tolist(), R.tolist(), gc.tolist(), gr.tolist())])
+    for kind in ("rpo_bwd_kl", "rpo_fwd_kl"):
+        got = preference_loss(kind, C, R, 0.2, gc, gr, 0.5)
+        for i, (c, r, a, b) in enumerate(zip(C.tolist(), R.tolist(), gc.tolist(), gr.tolist())):
+            p = [sig(0.2 * (c - r)), sig(-0.2 * (c - r))]  # policy's Bernoulli
+            q = [sig(0.5 * (a - b)), sig(-0.5 * (a - b))]  # ground truth's
+            kl = sum(qi * math.log(qi / pi) for qi, pi in zip(q, p)) if kind == "rpo_bwd_kl" else \
+                sum(pi * math.log(pi / qi) for qi, pi in zip(q, p))
+            assert got[i].item() == pytest.approx(kl, abs=1e-6), (kind, i)
+    with pytest.raises(ValueError, match="needs ground-truth rewards"):
+        preference_loss("rpo_sq", C, R, 0.2)
+
+
+def test_kto_by_hand():
+    policy, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
+    desirable = torch.tensor([1.0, 0.0])
+    z = torch.tensor(0.1)
+    got = kto_loss(policy, ref, desirable, z, beta=0.5, desirable_weight=1.0, undesirable_weight=2.0)
+    expected = ((1 - sig(0.5 * (0.5 - 0.1))) + 2.0 * (1 - sig(0.5 * (0.1 - (-1.0))))) / 2
+    assert got.item() == pytest.approx(expected)
+
+
+def test_sequence_logps_sum_and_mean():
+    logps = torch.tensor([[-1.0, -2.0, -3.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    assert sequence_logps(logps, mask).item() == -5.0 and sequence_logps(logps, mask, True).item() == -2.5
+
+
+def test_pair_dataset_masks_responses_only():
+    tok = ByteTokenizer()
+    records = [{"prompt": "reverse ab = ", "chosen_response": "ba", "rejected_response": "abc", "__line__": 1}]
+    ds = DPOPairDataset(None, tok, 32, records=records)
+    batch = collate_dpo([ds[0]], tok.eos_id, 32)
+    for side, text in (("chosen", "ba"), ("rejected", "abc")):
+        tokens, mask = batch[side][0], batch[f"{side}_mask"][0]
+        targets = tokens[1:][mask.bool()].tolist()
+        assert targets == tok.text_to_ids(text) + [tok.eos_id], side
+    assert batch["chosen"].shape == batch["rejected"].shape
+    assert batch["chosen_rewards"].tolist() == [1.0] and batch["rejected_rewards"].tolist() == [0.0]
+    chat = render_chat_prompt([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], "f:1")
+    assert chat == "\x00System\nbe brief\n\x11User\nhi\n\x11Assistant\n"
+    with pytest.raises(DataError, match=r"f\.jsonl:3: missing field 'rejected_response'"):
+        DPOPairDataset(None, tok, 32, records=[{"prompt": "x", "chosen_response": "y", "__line__": 3,
+                                                 "__file__": "f.jsonl"}])
+
+
+def test_dpo_learns_preferences_and_keeps_the_reference(tmp_path, sft_nemo):
+    """On the built-in pairs, DPO from the SFT model reaches >= 90% held-out preference accuracy with
+    a clearly positive reward margin (implied rewards beta * log-ratio)."""
+    from nemo_aligner.data.nlp.builtin_task import BuiltinTask
+
+    data = BuiltinTask(seed=0).write_all(str(tmp_path / "data"), n_train=1000, n_val=128)
+    log_dir = tmp_path / "dpo"
+    proc = run_script("train_gpt_dpo.py", [
+        f"pretrained_checkpoint.restore_from_path={sft_nemo}",
+        f"++model.data.data_prefix={{train: [{data['dpo_train']}], validation: [{data['dpo_val']}]}}",
+        f"exp_manager.explicit_log_dir={log_dir}", "trainer.dpo.max_steps=60", "trainer.dpo.max_epochs=100",
+        "trainer.dpo.val_check_interval=30", "model.dpo.ref_policy_kl_penalty=0.2",
+        "model.optim.lr=2e-4"])
+    val = [r for r in read_metrics(log_dir) if "val/accuracy" in r]
+    first_train = next(r for r in read_metrics(log_dir) if "train/accuracy" in r)
+    assert val[-1]["step"] == 60
+    assert val[-1]["val/accuracy"] >= 0.9, val
+    assert val[-1]["val/reward_margin"] > 1.0 and val[-1]["val/reward_margin"] > val[0]["val/reward_margin"], val
+    assert first_train["train/reward_margin"] == pytest.approx(0.0, abs=1e-4)  # policy == reference at step 1
+    assert "preference accuracy" in proc.stdout
+
+
+def test_reference_weights_stay_while_the_policy_trains(mcore_single):
+    from omegaconf import OmegaConf
+
+    from conftest import TINY_ARCH
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_dpo_model import MegatronGPTDPOModel
+
+    torch.manual_seed(0)
+    cfg = OmegaConf.create(dict(TINY_ARCH, micro_batch_size=2, global_batch_size=4, encoder_seq_length=32,
+                                dpo={"ref_policy_kl_penalty": 0.1},
+                                optim={"name": "fused_adam", "lr": 1e-2, "sched": {"name": "Constant"}}))
+    tok = ByteTokenizer()
+    model = MegatronGPTDPOModel(cfg, tok)
+    model.setup_optimization(max_steps=10)
+    model.snapshot_reference_policy()
+    start = {k: v.clone() for k, v in model.module.state_dict().items() if isinstance(v, torch.Tensor)}
+    records = [{"prompt": f"reverse {w} = ", "chosen_response": w[::-1], "rejected_response": w, "__line__": i}
+               for i, w in enumerate(["abc", "bcd", "cde", "def"])]
+    ds = DPOPairDataset(None, tok, 32, records=records)
+    batch = collate_dpo([ds[i] for i in range(4)], tok.eos_id, 32)
+    ref_before = model.reference_logps(batch)
+    for _ in range(3):
+        model.prepare_for_training_step()
+        loss, metrics = model.get_loss_and_metrics(batch, forward_only=False)
+        model.optimizer.step()
+    ref_after = model.reference_logps(batch)
+    assert torch.equal(ref_before[0], ref_after[0]) and torch.equal(ref_before[1], ref_after[1])
+    for k, v in model.ref_state.items():
+        assert torch.equal(v, start[k]), k
+    moved = [k for k, v in model.module.state_dict().items() if isinstance(v, torch.Tensor) and not torch.equal(v, start[k])]
+    assert moved  # the policy itself did train
+    assert metrics["reward_margin"] > 0 and metrics["accuracy"] == 1.0
