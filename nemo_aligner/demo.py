@@ -2,7 +2,8 @@
 
 Writes the built-in data, then runs each stage with its script exactly as a user would:
 SFT of a randomly initialised tiny GPT, a reward model trained from the SFT model, a
-reward-model server queried by a client, and PPO (critic server + actor) from both. Prints what each stage achieved and where its
+reward-model server queried by a client, PPO (critic server + actor) from both, and DPO
+from the SFT model. Prints what each stage achieved and where its
 .nemo was written.
 """
 
@@ -46,6 +47,7 @@ def main(argv=None) -> None:
     parser.add_argument("--sft-steps", type=int, default=300)
     parser.add_argument("--rm-steps", type=int, default=200)
     parser.add_argument("--ppo-steps", type=int, default=10)
+    parser.add_argument("--dpo-steps", type=int, default=60)
     args = parser.parse_args(argv)
     out = os.path.abspath(args.out_dir)
     data = os.path.join(out, "data")
@@ -75,6 +77,28 @@ def main(argv=None) -> None:
     rm_nemo = reward_model_stage(out, paths, sft_nemo, args.rm_steps)
     serve_stage(rm_nemo)
     ppo_stage(out, paths, sft_nemo, rm_nemo, args.ppo_steps)
+    dpo_stage(out, paths, sft_nemo, args.dpo_steps)
+
+
+def dpo_stage(out: str, paths: dict, sft_nemo: str, steps: int) -> None:
+    """DPO from the SFT model on the built-in preference pairs (the SFT model is the reference)."""
+    dpo_dir = os.path.join(out, "dpo")
+    shutil.rmtree(dpo_dir, ignore_errors=True)
+    run("train_gpt_dpo.py", [
+        f"pretrained_checkpoint.restore_from_path={sft_nemo}",
+        f"++model.data.data_prefix={{train: [{paths['dpo_train']}], validation: [{paths['dpo_val']}]}}",
+        f"trainer.dpo.max_steps={steps}", "trainer.dpo.max_epochs=100",
+        f"trainer.dpo.val_check_interval={max(steps // 3, 1)}", "model.dpo.ref_policy_kl_penalty=0.2",
+        "model.optim.lr=2e-4", f"exp_manager.explicit_log_dir={dpo_dir}", "exp_manager.resume_if_exists=False",
+    ])
+    print("\nDPO (policy from the SFT model, reference = the SFT model), held-out pairs:")
+    with open(os.path.join(dpo_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        for line in f:
+            record = json.loads(line)
+            if "val/accuracy" in record:
+                print(f"  step {record['step']:>4}: preference accuracy {record['val/accuracy']:.3f}, "
+                      f"reward margin {record['val/reward_margin']:.3f}")
+    print(f"  policy: {os.path.join(dpo_dir, 'checkpoints', 'megatron_gpt.nemo')}")
 
 
 def ppo_stage(out: str, paths: dict, sft_nemo: str, rm_nemo: str, steps: int) -> None:
