@@ -9,7 +9,7 @@ import torch
 from conftest import read_metrics, run_script
 from nemo_aligner.data.nlp.dpo_dataset import DPOPairDataset, collate_dpo, render_chat_prompt
 from nemo_aligner.utils.errors import DataError
-from nemo_aligner.utils.preference_losses import kto_loss, preference_loss, sequence_logps
+from nemo_aligner.utils.preference_losses import preference_loss, sequence_logps
 from nemo_aligner.utils.tokenizers import ByteTokenizer
 
 C = torch.tensor([1.0, -0.5, 2.0])
@@ -45,15 +45,6 @@ def test_rpo_losses_use_ground_truth_rewards():
             assert got[i].item() == pytest.approx(kl, abs=1e-6), (kind, i)
     with pytest.raises(ValueError, match="needs ground-truth rewards"):
         preference_loss("rpo_sq", C, R, 0.2)
-
-
-def test_kto_by_hand():
-    policy, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
-    desirable = torch.tensor([1.0, 0.0])
-    z = torch.tensor(0.1)
-    got = kto_loss(policy, ref, desirable, z, beta=0.5, desirable_weight=1.0, undesirable_weight=2.0)
-    expected = ((1 - sig(0.5 * (0.5 - 0.1))) + 2.0 * (1 - sig(0.5 * (0.1 - (-1.0))))) / 2
-    assert got.item() == pytest.approx(expected)
 
 
 def test_sequence_logps_sum_and_mean():

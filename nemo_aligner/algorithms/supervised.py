@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 
 # Per-batch counts that weight the other metrics when validation batches are averaged.
-_WEIGHT_KEYS = ("tokens", "pairs", "labels")
+_WEIGHT_KEYS = ("tokens", "pairs", "samples", "labels")
 
 
 def aggregate_validation(per_batch: list) -> Dict[str, float]:

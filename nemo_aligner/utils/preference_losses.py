@@ -55,12 +55,11 @@ def preference_loss(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, bet
 
 def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor, kl_estimate: torch.Tensor,
              beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> torch.Tensor:
-    """KTO (Ethayarajh et al. 2024): ``w * (1 - sigmoid(beta * (r - z)))`` for desirable responses and
+    """Per-sample KTO (Ethayarajh et al. 2024): ``w * (1 - sigmoid(beta * (r - z)))`` for desirable responses and
     ``w * (1 - sigmoid(beta * (z - r)))`` for undesirable ones, ``r = log pi - log pi_ref`` of the
     response and ``z`` the (detached, non-negative) KL estimate from mismatched prompt/response pairs."""
     ratio = policy_logps - ref_logps
     z = kl_estimate.detach().clamp(min=0.0)
     desirable = desirable.to(ratio.dtype)
-    losses = desirable * desirable_weight * (1 - torch.sigmoid(beta * (ratio - z))) + \
+    return desirable * desirable_weight * (1 - torch.sigmoid(beta * (ratio - z))) + \
         (1 - desirable) * undesirable_weight * (1 - torch.sigmoid(beta * (z - ratio)))
-    return losses.mean()

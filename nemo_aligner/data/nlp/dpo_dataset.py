@@ -39,6 +39,45 @@ def render_chat_prompt(messages: list, where: str, chat_tokens: Optional[dict] =
             + f"{t['turn_start']}Assistant{t['end_of_name']}")
 
 
+def prompt_text(record: dict, where: str, chat_tokens: Optional[dict] = None) -> str:
+    """The record's ``prompt``: a string as is, a list of chat messages rendered with the template."""
+    prompt = record["prompt"]
+    return render_chat_prompt(prompt, where, chat_tokens) if isinstance(prompt, list) else prompt
+
+
+def encode_prompt_response(tokenizer, prompt_ids: List[int], response: str, seq_length: int):
+    """``(prompt + response + EOS ids, prompt length)`` within ``seq_length + 1`` tokens: the response
+    keeps its start, the prompt is cut from the left."""
+    response_ids = tokenizer.text_to_ids(response) + [tokenizer.eos_id]
+    budget = seq_length + 1
+    response_ids = response_ids[:budget - 1] if len(response_ids) >= budget else response_ids
+    prompt_ids = prompt_ids[-(budget - len(response_ids)):]
+    return prompt_ids + response_ids, len(prompt_ids)
+
+
+def response_mask(lengths_and_prompts, width: int) -> torch.Tensor:
+    """``[B, width - 1]`` mask of the log-prob positions that predict response tokens."""
+    mask = torch.zeros((len(lengths_and_prompts), width - 1), dtype=torch.float32)
+    for b, (length, prompt_length) in enumerate(lengths_and_prompts):
+        # log-prob position i predicts token i + 1: response tokens start at the prompt length.
+        mask[b, prompt_length - 1 : length - 1] = 1.0
+    return mask
+
+
+def padded_length(longest: int, seq_length: int, multiple: int) -> int:
+    """``longest`` rounded up to ``multiple`` without exceeding ``seq_length + 1`` (unless longer)."""
+    multiple = max(int(multiple or 1), 1)
+    return max(min(-(-longest // multiple) * multiple, seq_length + 1), longest)
+
+
+def pad_rows(rows: Sequence[List[int]], width: int, pad_id: int) -> torch.Tensor:
+    """``[B, width]`` long tensor of the rows, right-padded with ``pad_id``."""
+    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for b, ids in enumerate(rows):
+        tokens[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return tokens
+
+
 class DPOPairDataset(torch.utils.data.Dataset):
     """Tokenized (prompt, chosen, rejected) triples; prompts are truncated from the left to fit."""
 
@@ -53,9 +92,7 @@ class DPOPairDataset(torch.utils.data.Dataset):
             where = f"{path}:{record['__line__']}"
             require_fields(record, ["prompt"], path, types=(str, list))
             require_fields(record, ["chosen_response", "rejected_response"], path)
-            prompt = record["prompt"]
-            if isinstance(prompt, list):
-                prompt = render_chat_prompt(prompt, where, chat_tokens)
+            prompt = prompt_text(record, where, chat_tokens)
             rewards = []
             for field, default in (("chosen_reward", default_chosen_reward), ("rejected_reward", default_rejected_reward)):
                 value = record.get(field, default)
@@ -67,13 +104,6 @@ class DPOPairDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.items)
 
-    def _encode(self, prompt_ids: List[int], response: str):
-        response_ids = self.tokenizer.text_to_ids(response) + [self.tokenizer.eos_id]
-        budget = self.seq_length + 1
-        response_ids = response_ids[:budget - 1] if len(response_ids) >= budget else response_ids
-        prompt_ids = prompt_ids[-(budget - len(response_ids)):]
-        return prompt_ids + response_ids, len(prompt_ids)
-
     def __getitem__(self, idx: int) -> Dict:
         if idx < 0:  # padding of a partial validation batch
             eos = self.tokenizer.eos_id
@@ -81,8 +111,8 @@ class DPOPairDataset(torch.utils.data.Dataset):
                     "rewards": [0.0, 0.0], "padding": True}
         prompt, chosen, rejected, rewards = self.items[idx]
         prompt_ids = self.tokenizer.text_to_ids(prompt)
-        chosen_ids, chosen_prompt = self._encode(prompt_ids, chosen)
-        rejected_ids, rejected_prompt = self._encode(prompt_ids, rejected)
+        chosen_ids, chosen_prompt = encode_prompt_response(self.tokenizer, prompt_ids, chosen, self.seq_length)
+        rejected_ids, rejected_prompt = encode_prompt_response(self.tokenizer, prompt_ids, rejected, self.seq_length)
         return {"chosen": chosen_ids, "rejected": rejected_ids, "chosen_prompt": chosen_prompt,
                 "rejected_prompt": rejected_prompt, "rewards": rewards}
 
@@ -90,21 +120,12 @@ class DPOPairDataset(torch.utils.data.Dataset):
 def collate_dpo(samples: Sequence[Dict], pad_id: int, seq_length: int, pad_to_multiple_of: int = 8) -> Dict:
     """``chosen``/``rejected`` [B, L], their response masks on log-prob positions [B, L-1], rewards, weights."""
     longest = max(max(len(s["chosen"]), len(s["rejected"])) for s in samples)
-    multiple = max(int(pad_to_multiple_of or 1), 1)
-    length = min(-(-longest // multiple) * multiple, seq_length + 1)
-    length = max(length, longest)
+    length = padded_length(longest, seq_length, pad_to_multiple_of)
     out = {}
     for side in ("chosen", "rejected"):
-        tokens = torch.full((len(samples), length), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(samples), length - 1), dtype=torch.float32)
-        for b, s in enumerate(samples):
-            ids = s[side]
-            tokens[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            if not s.get("padding"):
-                # log-prob position i predicts token i + 1: response tokens start at the prompt length.
-                mask[b, s[f"{side}_prompt"] - 1 : len(ids) - 1] = 1.0
-        out[side] = tokens
-        out[f"{side}_mask"] = mask
+        out[side] = pad_rows([s[side] for s in samples], length, pad_id)
+        out[f"{side}_mask"] = response_mask([(1, 1) if s.get("padding") else (len(s[side]), s[f"{side}_prompt"])
+                                             for s in samples], length)
     out["chosen_rewards"] = torch.tensor([s["rewards"][0] for s in samples], dtype=torch.float32)
     out["rejected_rewards"] = torch.tensor([s["rewards"][1] for s in samples], dtype=torch.float32)
     out["weight"] = torch.tensor([0.0 if s.get("padding") else 1.0 for s in samples])

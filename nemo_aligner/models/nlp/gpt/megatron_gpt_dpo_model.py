@@ -10,19 +10,20 @@ import torch
 from nemo_aligner.models.alignable_interface import SupervisedInterface
 from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
 from nemo_aligner.models.nlp.gpt.megatron_gpt_ppo_actor import next_token_batch
+from nemo_aligner.models.nlp.gpt.reference_policy import ReferencePolicyMixin
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.preference_losses import PREFERENCE_LOSSES, preference_loss, sequence_logps
-from nemo_aligner.utils.weight_swap import cpu_state_copy, swapped_weights
 
 
-class MegatronGPTDPOModel(MegatronGPTModel, SupervisedInterface):
-    """``model.dpo.*``: ``ref_policy_kl_penalty`` (beta), ``preference_loss``, ``preference_loss_weight``,
+class MegatronGPTDPOModel(ReferencePolicyMixin, MegatronGPTModel, SupervisedInterface):
+    """``model.dpo.*``: ``ref_policy_kl_penalty`` (beta), ``log_prob_forward_micro_batch_size``, ``preference_loss``, ``preference_loss_weight``,
     ``sft_loss_weight``, ``preference_average_log_probs``, ``sft_average_log_probs``, ``gt_reward_scale``."""
 
     def __init__(self, cfg, tokenizer, precision="32", trainable: bool = True):
         super().__init__(cfg, tokenizer, precision, trainable)
         dpo = cfg.get("dpo") or {}
         self.micro_batch_size = int(cfg.get("micro_batch_size", 1))
+        self.forward_micro_batch_size = int(dpo.get("log_prob_forward_micro_batch_size") or self.micro_batch_size)
         self.beta = float(dpo.get("ref_policy_kl_penalty", 0.2))
         self.loss_kind = str(dpo.get("preference_loss", "dpo"))
         if self.loss_kind not in PREFERENCE_LOSSES:
@@ -34,11 +35,6 @@ class MegatronGPTDPOModel(MegatronGPTModel, SupervisedInterface):
         if self.preference_weight == 0 and self.sft_weight == 0:
             raise ConfigError("model.dpo.preference_loss_weight and model.dpo.sft_loss_weight cannot both be 0")
         self.gt_reward_scale = float(dpo.get("gt_reward_scale", 1.0))
-        self.ref_state = None
-
-    def snapshot_reference_policy(self) -> None:
-        """Keep the current weights on the CPU as the reference policy."""
-        self.ref_state = cpu_state_copy(self.module)
 
     # ----------------------------------------------------------------- data
     @staticmethod
@@ -62,29 +58,12 @@ class MegatronGPTDPOModel(MegatronGPTModel, SupervisedInterface):
                 out.setdefault(k, []).append(v)
         return {k: torch.cat(v) for k, v in out.items()}
 
-    @torch.no_grad()
     def reference_logps(self, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
         """Per-token reference log-probs of chosen and rejected, [B, L-1] each."""
-        from megatron.core import parallel_state
-
-        from nemo_aligner.utils.distributed import broadcast_from_last_stage
-
-        if self.ref_state is None:
-            raise RuntimeError("snapshot_reference_policy() was not called")
-        data = self._stacked(batch)
-        training = self.module.training
-        self.eval()
-        with swapped_weights(self.module, self.ref_state):
-            outputs = self.forward_backward(data, None, True, 2 * self.micro_batch_size)
-        if training:
-            self.train()
-        rows, width = data["tokens"].shape
-        result = torch.zeros(rows, width, dtype=torch.float32)
-        if parallel_state.is_pipeline_last_stage():
-            result = -torch.cat([o.float() for o in outputs])
-        result = broadcast_from_last_stage(result)[:, :-1]
+        both = self.token_logps(torch.cat([batch["chosen"], batch["rejected"]]), 2 * self.forward_micro_batch_size,
+                                reference=True)
         half = batch["chosen"].shape[0]
-        return result[:half].contiguous(), result[half:].contiguous()
+        return both[:half].contiguous(), both[half:].contiguous()
 
     # ----------------------------------------------------------------- loss
     def _loss(self, mb, per_token_ce):
