@@ -219,3 +219,12 @@ def list_members(path: str) -> list:
         return [m.name[2:] if m.name.startswith("./") else m.name for m in tar.getmembers()]
 
 
+
+
+def load_tokenizer(path: str, key: str = "restore_from_path"):
+    """The tokenizer a ``.nemo`` file was saved with (its files kept in a temp dir while in use)."""
+    from nemo_aligner.utils.tokenizers import build_tokenizer
+
+    cfg = read_model_config(path, key)
+    with extracted(path, key) as directory:
+        return build_tokenizer(restore_tokenizer_files(cfg.get("tokenizer") or OmegaConf.create({}), directory))

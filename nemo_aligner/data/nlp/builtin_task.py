@@ -138,6 +138,19 @@ class BuiltinTask:
             out.append({"text": prompt + response, "label": label})
         return out
 
+    def steerlm_records(self, n: int, split: str) -> List[Dict]:
+        """NeMo chat format for SteerLM: half the Assistant turns are right (``quality:4``), half are
+        wrong answers labelled with their score (``quality:0``-``3``)."""
+        rng = self._rng(f"{split}:steerlm")
+        out = []
+        for i, o in self.examples(n, split):
+            response = o if rng.random() < 0.5 else self.rejected(i, o, rng)
+            quality = round(4 * self.score(self.prompt_text(i), response))
+            out.append({"system": "", "mask": "User", "type": "VALUE_TO_TEXT",
+                        "conversations": [{"from": "User", "value": i},
+                                          {"from": "Assistant", "value": response, "label": f"quality:{quality}"}]})
+        return out
+
     def dpo_records(self, n: int, split: str) -> List[Dict]:
         rng = self._rng(f"{split}:dpo")
         return [
@@ -176,6 +189,7 @@ class BuiltinTask:
             "regression": self.regression_records,
             "dpo": self.dpo_records,
             "kto": self.kto_records,
+            "steerlm": self.steerlm_records,
             "prompts": self.prompt_records,
         }
         paths = {}

@@ -1,0 +1,16 @@
+"""Label NeMo chat data with SteerLM attributes from a running regression reward-model server.
+
+    python examples/nlp/gpt/serve_reward_model.py rm_model_file=rm.nemo inference.port=5555 &
+    python examples/nlp/data/steerlm/attribute_annotate.py --input-file chat.jsonl \
+        --output-file chat_labelled.jsonl --port 5555 --attributes quality,verbosity
+"""
+
+from nemo_aligner.data.nlp.steerlm_annotate import main
+from nemo_aligner.utils.errors import AlignerError
+from nemo_aligner.utils.hydra_runner import report_user_error
+
+if __name__ == "__main__":
+    try:
+        main()
+    except AlignerError as err:
+        report_user_error(err)

@@ -1,0 +1,62 @@
+"""``generate_gpt.py``: prompts (or SteerLM-steered prompts) in, responses out."""
+
+from __future__ import annotations
+
+import json
+from typing import List
+
+from omegaconf import DictConfig, OmegaConf
+
+from nemo_aligner.data.nlp.jsonl import read_jsonl, write_jsonl
+from nemo_aligner.data.nlp.steerlm_labels import steer_prompt
+from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+from nemo_aligner.models.nlp.gpt.loading import load_model
+from nemo_aligner.utils.distributed import is_global_rank_zero
+from nemo_aligner.utils.errors import ConfigError, DataError
+from nemo_aligner.utils.generation import LengthParams, SamplingParams
+from nemo_aligner.utils.run_setup import init_run
+from nemo_aligner.utils.text_generation import generate_texts
+
+
+def read_prompts(cfg: DictConfig) -> List[str]:
+    prompts = [str(p) for p in (cfg.get("prompts") or [])]
+    if cfg.get("prompts_file"):
+        for record in read_jsonl(cfg.prompts_file):
+            field = next((k for k in ("prompt", "input", "text") if k in record), None)
+            if field is None or not isinstance(record[field], str):
+                raise DataError(f"{cfg.prompts_file}:{record['__line__']}: needs a string field 'prompt' (or 'input', 'text')")
+            prompts.append(record[field])
+    if not prompts:
+        raise ConfigError("prompts (a list) or prompts_file (jsonl) must give at least one prompt")
+    return prompts
+
+
+def run_generate(cfg: DictConfig) -> List[dict]:
+    """Load ``gpt_model_file`` at the configured TP/PP and answer every prompt."""
+    if not cfg.get("gpt_model_file"):
+        raise ConfigError("gpt_model_file is required: the .nemo to generate with")
+    init_run(cfg, cfg.gpt_model_file, "gpt_model_file")
+    prompts = read_prompts(cfg)
+    model = load_model(GPTSFTModel, cfg.model, cfg.trainer.precision, cfg.gpt_model_file, key="gpt_model_file",
+                       trainable=False)
+    attributes = (cfg.get("steerlm") or {}).get("attributes")
+    if attributes is not None:
+        attributes = attributes if isinstance(attributes, str) else OmegaConf.to_container(attributes)
+        prompts_in = [steer_prompt(p, attributes, system=str(cfg.steerlm.get("system") or "")) for p in prompts]
+    else:
+        prompts_in = prompts
+    inf = cfg.inference
+    sampling = SamplingParams(use_greedy=bool(inf.greedy), temperature=float(inf.temperature), top_k=int(inf.top_k),
+                              top_p=float(inf.top_p), end_strings=[str(s) for s in inf.get("end_strings") or []])
+    length = LengthParams(max_length=int(inf.tokens_to_generate), min_length=int(inf.min_tokens_to_generate))
+    responses = generate_texts(model, prompts_in, sampling, length, seed=inf.get("seed"),
+                               batch_size=int(cfg.get("batch_size", 16)))
+    results = [{"prompt": p, "response": r} for p, r in zip(prompts, responses)]
+    if is_global_rank_zero():
+        if cfg.get("output_file"):
+            write_jsonl(cfg.output_file, results)
+            print(f"{len(results)} responses written to {cfg.output_file}", flush=True)
+        else:
+            for row in results:
+                print(json.dumps(row), flush=True)
+    return results

@@ -1,0 +1,88 @@
+"""Label chat data with SteerLM attributes from a regression reward-model server.
+
+Each Assistant turn's conversation prefix (rendered with the chat template, no labels) is scored
+by the ``reward_model`` server; the values, rounded and clipped to ``[min_value, max_value]``,
+become the turn's ``label`` (``"quality:4,verbosity:2"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from nemo_aligner.data.nlp.jsonl import read_jsonl, require_fields, write_jsonl
+from nemo_aligner.data.nlp.steerlm_labels import NEMO_ATTRIBUTES, assistant_turn_texts, format_label
+from nemo_aligner.utils.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
+
+
+def values_to_label(values: Sequence[float], names: Sequence[str], min_value: float, max_value: float) -> str:
+    """Round each value to an integer, clip it to the range and format ``name:value,...``."""
+    clipped = np.clip(np.rint(np.asarray(values, dtype=np.float64)), min_value, max_value)
+    return format_label([float(v) for v in clipped], names)
+
+
+def annotate_records(records: List[Dict], client, names: Optional[Sequence[str]] = None, batch_size: int = 32,
+                     min_value: float = 0, max_value: float = 4, assistant: str = "Assistant",
+                     chat_tokens: Optional[dict] = None, where: str = "input") -> int:
+    """Set ``label`` on every Assistant turn of ``records`` in place; returns the number labelled.
+    ``client`` is a :class:`RemoteGPTRMClient` with a tokenizer."""
+    jobs = []
+    for record in records:
+        require_fields(record, ["conversations"], where, types=(list,))
+        for turn_no, turn in enumerate(record["conversations"]):
+            if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
+                raise DataError(f"{where}:{record['__line__']}: conversations[{turn_no}] needs 'from' and 'value'")
+        jobs += [(record, i, text) for i, text in assistant_turn_texts(record, chat_tokens, assistant)]
+    futures = [client.infer_texts([text for _, _, text in jobs[s : s + batch_size]])
+               for s in range(0, len(jobs), batch_size)]
+    start = 0
+    for future in futures:
+        rewards = np.asarray(future.result())
+        rewards = rewards.reshape(len(rewards), -1)
+        if names is None:
+            if rewards.shape[1] != len(NEMO_ATTRIBUTES):
+                raise ConfigError(f"the server returns {rewards.shape[1]} attributes: pass --attributes with "
+                                  f"{rewards.shape[1]} comma-separated names")
+            names = NEMO_ATTRIBUTES
+        if rewards.shape[1] != len(names):
+            raise ConfigError(f"--attributes names {len(names)} attributes ({','.join(names)}) but the server "
+                              f"returns {rewards.shape[1]}")
+        for row, (record, turn_no, _) in zip(rewards, jobs[start : start + len(rewards)]):
+            record["conversations"][turn_no]["label"] = values_to_label(row, names, min_value, max_value)
+        start += len(rewards)
+    return len(jobs)
+
+
+def main(argv=None) -> None:
+    from nemo_aligner.servers.clients import RemoteGPTRMClient
+    from nemo_aligner.utils.nemo_file import load_tokenizer
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--input-file", required=True, help="NeMo chat jsonl")
+    parser.add_argument("--output-file", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=5555)
+    parser.add_argument("--model-name", default="reward_model")
+    parser.add_argument("--attributes", default=None,
+                        help="comma-separated names of the server's outputs (default: NeMo's 9 attributes)")
+    parser.add_argument("--tokenizer-from", default=None, help="a .nemo whose tokenizer to use (default: byte)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--min-value", type=float, default=0)
+    parser.add_argument("--max-value", type=float, default=4)
+    parser.add_argument("--timeout-s", type=float, default=60.0)
+    args = parser.parse_args(argv)
+    tokenizer = load_tokenizer(args.tokenizer_from, "--tokenizer-from") if args.tokenizer_from else ByteTokenizer()
+    records = read_jsonl(args.input_file)
+    client = RemoteGPTRMClient(args.host, args.port, tokenizer, args.model_name, timeout_s=args.timeout_s,
+                               key="--host/--port")
+    names = [n.strip() for n in args.attributes.split(",")] if args.attributes else None
+    count = annotate_records(records, client, names, args.batch_size, args.min_value, args.max_value,
+                             where=args.input_file)
+    write_jsonl(args.output_file, ({k: v for k, v in r.items() if not k.startswith("__")} for r in records))
+    print(f"labelled {count} assistant turns of {len(records)} conversations: {args.output_file}", flush=True)

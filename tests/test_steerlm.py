@@ -1,0 +1,139 @@
+"""SteerLM: labels and prompts, annotation by a regression reward-model server, and steering a
+model trained on the built-in task by the attribute value in its prompt."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import REPO, TINY_ARCH, ServerProcess, free_port, run_script, subprocess_env
+from nemo_aligner.data.nlp.sft_dataset import GPTSFTChatDataset
+from nemo_aligner.data.nlp.steerlm_annotate import values_to_label
+from nemo_aligner.data.nlp.steerlm_labels import (assistant_turn_texts, format_label, parse_label, render_turns,
+                                                  steer_prompt)
+from nemo_aligner.utils.errors import DataError
+from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+CHAT = {"system": "be brief", "mask": "User", "conversations": [
+    {"from": "User", "value": "reverse abc ="}, {"from": "Assistant", "value": "cba", "label": "quality:4,verbosity:1"},
+    {"from": "User", "value": "sort cab ="}, {"from": "Assistant", "value": "abc"}]}
+
+
+def test_labels_round_trip_and_errors():
+    assert format_label({"quality": 4.0, "humor": 0.5}) == "quality:4,humor:0.5"
+    assert format_label([3, 1], ["quality", "verbosity"]) == "quality:3,verbosity:1"
+    assert parse_label("quality:4, verbosity:1") == {"quality": 4.0, "verbosity": 1.0}
+    with pytest.raises(DataError, match=r"f\.jsonl:2: conversations\[1\]\.label: attribute 'quality=4'"):
+        parse_label("quality=4", "f.jsonl:2: conversations[1].label")
+    assert values_to_label([4.6, -0.7, 2.5, 1.49], ["a", "b", "c", "d"], 0, 4) == "a:4,b:0,c:2,d:1"  # half to even
+
+
+def test_steer_prompt_is_the_training_prefix():
+    """The inference prompt equals the text SFT trained on, up to where the response starts."""
+    tok = ByteTokenizer()
+    ds = GPTSFTChatDataset("x.jsonl", tok, 256, records=[dict(CHAT, __line__=1)])
+    rendered = "".join(text for text, _ in ds.render(CHAT))
+    prompt = steer_prompt(CHAT["conversations"][:1], "quality:4,verbosity:1", system="be brief")
+    assert rendered.startswith(prompt) and rendered[len(prompt):].startswith("cba\n")
+    assert steer_prompt("reverse abc =", {"quality": 4}) == "\x00System\n\n\x11User\nreverse abc =\n\x11Assistant\n\x12quality:4\n"
+    texts = assistant_turn_texts(CHAT)
+    assert [i for i, _ in texts] == [1, 3]
+    assert texts[0][1] == render_turns("be brief", CHAT["conversations"][:2], with_labels=False)
+    assert "\x12" not in texts[1][1] and texts[1][1].endswith("\x11Assistant\nabc\n")
+
+
+def test_attribute_annotate_labels_from_the_server(tmp_path, mcore_single):
+    """attribute_annotate.py writes, for every Assistant turn, the server's rounded and clipped
+    attribute values for that turn's conversation prefix."""
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import MegatronGPTRewardModel
+    from nemo_aligner.utils.nemo_file import save_nemo
+
+    torch.manual_seed(5)
+    cfg = OmegaConf.create(dict(TINY_ARCH, micro_batch_size=2, encoder_seq_length=64, reward_model_type="regression",
+                                regression={"num_attributes": 2, "attribute_names": ["quality", "verbosity"]}))
+    model = MegatronGPTRewardModel(cfg, ByteTokenizer(), trainable=False)
+    records = [CHAT, {"conversations": [{"from": "User", "value": "sort dcba ="}, {"from": "Assistant", "value": "abcd"}]},
+               {"conversations": [{"from": "User", "value": "reverse xy ="}, {"from": "Assistant", "value": "yxz"}]}]
+    source = tmp_path / "chat.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    model.prepare_for_inference()
+
+    def local_values():
+        out = []
+        for record in records:
+            for _, text in assistant_turn_texts(record):
+                ids = model.tokenizer.text_to_ids(text) + [model.tokenizer.eos_id]
+                out.append(model.infer(torch.tensor([ids]), torch.tensor([len(ids)]))[0])
+        return torch.stack(out)
+
+    raw = local_values()
+    head = model.module.rm_head
+    with torch.no_grad():  # an affine change of the head spreads the outputs over about -1..5, so that
+        # rounding and clipping at both ends matter
+        scale = 6.0 / (raw.max(0).values - raw.min(0).values)
+        head.bias.copy_(2.0 - scale * (raw.mean(0) - head.bias))
+        head.weight.mul_(scale.unsqueeze(1))
+    values = local_values()
+    expected = [values_to_label(v.tolist(), ["quality", "verbosity"], 0, 4) for v in values]
+    nemo = save_nemo(model, str(tmp_path / "rm.nemo"))
+    assert len(set(expected)) > 1, expected  # the check below is not trivially constant
+
+    server = ServerProcess(tmp_path, "serve_reward_model.py", "reward model server ready")
+    server.start([f"rm_model_file={nemo}", f"inference.port={server.port}", f"inference.grpc_port={free_port()}",
+                  f"inference.metrics_port={free_port()}", f"inference.workspace_dir={server.workspace}"])
+    try:
+        server.wait_ready()
+        out = tmp_path / "labelled.jsonl"
+        script = os.path.join(REPO, "examples", "nlp", "data", "steerlm", "attribute_annotate.py")
+        run = subprocess.run([sys.executable, script, "--input-file", str(source), "--output-file", str(out),
+                              "--port", str(server.port), "--attributes", "quality,verbosity"],
+                             env=subprocess_env(), capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        assert "labelled 4 assistant turns of 3 conversations" in run.stdout
+        labelled = [json.loads(line) for line in out.read_text().splitlines()]
+        got = [t["label"] for r in labelled for t in r["conversations"] if t["from"] == "Assistant"]
+        assert got == expected
+        assert all("label" not in t for r in labelled for t in r["conversations"] if t["from"] == "User")
+        assert labelled[0]["system"] == "be brief" and "__line__" not in labelled[0]
+        wrong = subprocess.run([sys.executable, script, "--input-file", str(source), "--output-file",
+                                str(tmp_path / "x.jsonl"), "--port", str(server.port), "--attributes", "quality"],
+                               env=subprocess_env(), capture_output=True, text=True, timeout=120)
+        assert wrong.returncode == 1 and "names 1 attributes (quality) but the server returns 2" in wrong.stderr
+        assert not (tmp_path / "x.jsonl").exists()
+    finally:
+        server.stop()
+        server.cleanup()
+
+
+def test_attribute_value_in_the_prompt_steers_generation(tmp_path, sft_nemo):
+    """SteerLM SFT from the SFT model on built-in chat data labelled quality:0-4 (half right, half
+    wrong answers); then greedy generation on held-out prompts asking for quality 0, 2 and 4.
+    Measured mean task score: ~0.42 (quality:0), ~0.82 (quality:2), ~0.91 (quality:4)."""
+    from nemo_aligner.data.nlp.builtin_task import BuiltinTask
+
+    data = BuiltinTask(seed=0).write_all(str(tmp_path / "data"), n_train=2000, n_val=64)
+    run_script("train_steerlm_model.py", [
+        f"model.restore_from_path={sft_nemo}", f"model.data.train_ds.file_path={data['steerlm_train']}",
+        f"model.data.validation_ds.file_path={data['steerlm_val']}", f"exp_manager.explicit_log_dir={tmp_path / 'run'}",
+        "trainer.sft.max_steps=200", "trainer.sft.max_epochs=100", "trainer.sft.val_check_interval=200",
+        "model.optim.lr=1e-3", "exp_manager.create_checkpoint_callback=True"])
+    nemo = tmp_path / "run" / "checkpoints" / "megatron_gpt_steerlm.nemo"
+    prompts = [json.loads(line)["conversations"][0]["value"] for line in open(data["steerlm_val"])]
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    scores = {}
+    for quality in (0, 2, 4):
+        out = tmp_path / f"q{quality}.jsonl"
+        run_script("generate_gpt.py", [f"gpt_model_file={nemo}", f"prompts_file={prompts_file}", f"output_file={out}",
+                                       f"steerlm.attributes={{quality: {quality}}}", "inference.tokens_to_generate=12",
+                                       "inference.end_strings=['\n']"])
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        assert [r["prompt"] for r in rows] == prompts
+        scores[quality] = sum(BuiltinTask.score(BuiltinTask.prompt_text(r["prompt"]), r["response"]) for r in rows) / len(rows)
+    print("mean task score by requested quality:", scores)
+    assert scores[0] < scores[2] <= scores[4] + 0.05, scores
+    assert scores[4] - scores[0] >= 0.3, scores
