@@ -81,7 +81,8 @@ class PPOTrainer:
     """Runs PPO steps for an actor (``MegatronGPTActorModel``) against a critic/reward server."""
 
     def __init__(self, cfg, model, optimizer, scheduler, train_dataloader, val_dataloader, rm_critic, logger_,
-                 ckpt_callback, run_timer: Optional[RunTimer] = None, ppo_cfg=None, seed: int = 1234):
+                 ckpt_callback, run_timer: Optional[RunTimer] = None, ppo_cfg=None, seed: int = 1234,
+                 responses_per_prompt: int = 1, name: str = "ppo"):
         from megatron.core import parallel_state
 
         self.cfg = cfg
@@ -103,17 +104,22 @@ class PPOTrainer:
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.sampler = sampler_of(train_dataloader)
-        self.num_rollout_samples = self.sampler.global_batch_size
+        self.name = name
+        self.prompts_per_step = self.sampler.global_batch_size
+        self.responses_per_prompt = int(responses_per_prompt)
+        self.num_rollout_samples = self.prompts_per_step * self.responses_per_prompt
         self.global_batch_size = int(model.cfg.global_batch_size)
         if self.num_rollout_samples % self.global_batch_size:
-            raise ConfigError(f"model.ppo.num_rollout_samples={self.num_rollout_samples} is not a multiple of "
-                              f"model.global_batch_size={self.global_batch_size}")
+            what = (f"model.{name}.num_rollout_samples={self.prompts_per_step}" if self.responses_per_prompt == 1 else
+                    f"model.{name}.num_rollout_samples={self.prompts_per_step} x "
+                    f"num_responses_per_prompt={self.responses_per_prompt}")
+            raise ConfigError(f"{what} is not a multiple of model.global_batch_size={self.global_batch_size}")
         if (self.global_batch_size // self.dp) % model.micro_batch_size:
             raise ConfigError(f"model.global_batch_size={self.global_batch_size} / data parallel {self.dp} is not "
                               f"a multiple of model.micro_batch_size={model.micro_batch_size}")
         self.steps_per_epoch = self.sampler.batches_per_epoch
         self.max_steps = compute_max_steps(cfg.get("max_steps"), cfg.get("max_epochs"), self.steps_per_epoch,
-                                           key="trainer.ppo")
+                                           key=f"trainer.{name}")
         self.val_check_interval = int(cfg.get("val_check_interval") or 0)
         self.save_interval = int(cfg.get("save_interval") or 0)
         self.critic_warmup_steps = int(cfg.get("critic_warmup_steps", 0) or 0)
@@ -132,7 +138,7 @@ class PPOTrainer:
     # ----------------------------------------------------------------- state
     @property
     def epoch(self) -> int:
-        return self.consumed_samples // max(self.steps_per_epoch * self.num_rollout_samples, 1)
+        return self.consumed_samples // max(self.steps_per_epoch * self.prompts_per_step, 1)
 
     def state_dict(self) -> dict:
         return {"step": self.step, "consumed_samples": self.consumed_samples, "epoch": self.epoch,
@@ -156,8 +162,7 @@ class PPOTrainer:
             with timer("generate"):
                 out = self.model.infer(chunk, seed=seed + i, sampling=sampling)
             outputs.append(out)
-            futures.append(self.rm_critic.infer_rm_critic(out.tokens.numpy(), out.response_lengths.numpy())
-                           if is_mp_source() else None)
+            futures.append(self.request_scores(out) if is_mp_source() else None)
         width = max(o.tokens.shape[1] for o in outputs)
         tokens = torch.cat([pad_columns(o.tokens, width, self.model.tokenizer.eos_id) for o in outputs])
         batch = {
@@ -169,9 +174,12 @@ class PPOTrainer:
         batch["_futures"] = futures
         return batch
 
+    def request_scores(self, out):
+        """Ask the critic/reward server about one generated micro-batch; returns a future."""
+        return self.rm_critic.infer_rm_critic(out.tokens.numpy(), out.response_lengths.numpy())
+
     def resolve_rewards(self, batch: Dict, timer: Timer) -> None:
         """Wait for the server's answers; add ``rewards`` [B] and ``values`` [B, T] to the batch."""
-        width = batch["tokens"].shape[1]
         answers = None
         with timer("critic_infer_wait"):
             if is_mp_source():
@@ -179,6 +187,10 @@ class PPOTrainer:
             else:
                 batch.pop("_futures")
             answers = mp_broadcast(answers)
+        self.store_answers(batch, answers)
+
+    def store_answers(self, batch: Dict, answers: list) -> None:
+        width = batch["tokens"].shape[1]
         batch["rewards"] = torch.tensor(np.concatenate([r for r, _ in answers]), dtype=torch.float32)
         batch["values"] = torch.cat([pad_columns(torch.tensor(v, dtype=torch.float32), width, 0.0) for _, v in answers])
 
@@ -354,14 +366,14 @@ class PPOTrainer:
 
     def fit(self) -> Dict[str, float]:
         if self.step >= self.max_steps:
-            logger.info("already trained %d of %d PPO steps; nothing to do", self.step, self.max_steps)
+            logger.info("already trained %d of %d %s steps; nothing to do", self.step, self.max_steps, self.name)
             return self.summary(0.0)
         start = time.monotonic()
         if self.step == 0 and self.val_at_start:
             val = self.validate()  # the starting point, logged at step 0
             if val and is_global_rank_zero():
                 print(f"step 0: validation reward {val['val_global_rewards']:.4f}", flush=True)
-        bar = progress_bar(self.max_steps, self.step, "ppo")
+        bar = progress_bar(self.max_steps, self.step, self.name)
         stop = False
         last: Dict[str, float] = {}
         try:
@@ -374,14 +386,13 @@ class PPOTrainer:
                         self.critic_warmup(data["tokens"])
                     metrics = self.run_step(data["tokens"], data["text"])
                     self.step += 1
-                    self.consumed_samples += self.num_rollout_samples
+                    self.consumed_samples += self.prompts_per_step
                     metrics.update(consumed_samples=self.consumed_samples, epoch=self.epoch,
                                    ppo_optimization_step=self.ppo_optimization_step)
                     self.logger.log_metrics(metrics, step=self.step, prefix="train/")
                     last = metrics
                     bar.update(1)
-                    bar.set_postfix(reward=f"{metrics['rewards']:.3f}", kl=f"{metrics['init_policy_kl']:.4f}",
-                                    critic=f"{metrics['critic_loss']:.3f}", refresh=False)
+                    bar.set_postfix(refresh=False, **self.progress_postfix(metrics))
                     is_end = self.step >= self.max_steps
                     if (self.val_check_interval and self.step % self.val_check_interval == 0) or is_end:
                         val = self.validate()
@@ -392,7 +403,7 @@ class PPOTrainer:
                     if (self.save_interval and self.step % self.save_interval == 0) or is_end or out_of_time:
                         self.save()
                     if out_of_time:
-                        logger.info("max_time reached after %d PPO steps; checkpoints saved, stopping", self.step)
+                        logger.info("max_time reached after %d %s steps; checkpoints saved, stopping", self.step, self.name)
                         stop = True
                         break
         finally:
@@ -400,6 +411,10 @@ class PPOTrainer:
         summary = self.summary(time.monotonic() - start)
         summary["final_train_reward"] = last.get("rewards", float("nan"))
         return summary
+
+    def progress_postfix(self, metrics: Dict[str, float]) -> Dict[str, str]:
+        return {"reward": f"{metrics['rewards']:.3f}", "kl": f"{metrics['init_policy_kl']:.4f}",
+                "critic": f"{metrics['critic_loss']:.3f}"}
 
     def summary(self, seconds: float) -> Dict[str, float]:
         return {"steps": self.step, "epochs": self.epoch, "consumed_samples": self.consumed_samples,

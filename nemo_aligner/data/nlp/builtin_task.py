@@ -201,6 +201,11 @@ class BuiltinTask:
         return paths
 
 
+def reward(prompt: str, response: str) -> float:
+    """The built-in task's rule-based reward as a plain function (``reward_fn`` for REINFORCE/RLOO)."""
+    return BuiltinTask.score(prompt, response)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out-dir", default="data/builtin")

@@ -40,12 +40,13 @@ def next_token_batch(tokens: torch.Tensor) -> Dict[str, torch.Tensor]:
 
 
 class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
-    """``model.ppo.*``: ``rollout_micro_batch_size``, ``forward_micro_batch_size``, ``entropy_bonus``,
-    ``ratio_eps``, ``offload_adam_states``, ``sampling_params``, ``length_params``."""
+    """``model.<section>.*`` (``ppo``, or ``reinforce`` for REINFORCE/RLOO): ``rollout_micro_batch_size``,
+    ``forward_micro_batch_size``, ``entropy_bonus``, ``ratio_eps``, ``offload_adam_states``,
+    ``sampling_params``, ``length_params``."""
 
-    def __init__(self, cfg, tokenizer, precision="32", trainable: bool = True):
+    def __init__(self, cfg, tokenizer, precision="32", trainable: bool = True, section: str = "ppo"):
         super().__init__(cfg, tokenizer, precision, trainable)
-        ppo = cfg.get("ppo") or {}
+        ppo = cfg.get(section) or {}
         self.micro_batch_size = int(cfg.get("micro_batch_size", 1))
         self.forward_micro_batch_size = int(ppo.get("forward_micro_batch_size") or self.micro_batch_size)
         self.entropy_bonus = float(ppo.get("entropy_bonus", 0.0) or 0.0)

@@ -1,0 +1,118 @@
+"""ReinforceTrainer: critic-free policy gradient (REINFORCE with a leave-one-out baseline, RLOO).
+
+One step::
+
+    rollouts  = generate(prompts, num_responses_per_prompt each)   # scored as they finish
+    logprobs, init_logprobs = actor(rollouts), initial_policy(rollouts)
+    r_i       = reward_i - beta * sum_t KL_t                       # KL to the initial policy
+    A_i       = r_i - mean(r_j of the same prompt, j != i)         # (or the group mean with i)
+    actor.train(clipped surrogate with A_i on every response token) ; log ; validate ; save
+
+The loop, rollouts, actor update, validation and checkpoints are PPOTrainer's; what differs is
+the reward source (a reward-model server or a Python function, no critic) and the advantages.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nemo_aligner.algorithms.ppo import PPOTrainer, Timer
+from nemo_aligner.utils import ppo_utils
+from nemo_aligner.utils.distributed import is_global_rank_zero
+
+
+def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, leave_one_out: bool = True,
+                     normalize_std: bool = False, eps: float = 1e-6) -> torch.Tensor:
+    """Sequence advantages against the other responses to the same prompt.
+
+    ``leave_one_out``: ``r_i - mean_{j != i} r_j`` (RLOO); otherwise ``r_i - mean_j r_j`` over the
+    whole group. ``normalize_std`` divides by the group's (population) standard deviation (GRPO).
+    """
+    same = (group_ids.unsqueeze(0) == group_ids.unsqueeze(1)).to(rewards.dtype)
+    size = same.sum(1)
+    group_mean = same @ rewards / size
+    baseline = ppo_utils.rloo_baseline(rewards, group_ids) if leave_one_out else group_mean
+    advantages = rewards - baseline
+    if normalize_std:
+        var = same @ (rewards - group_mean) ** 2 / size
+        advantages = advantages / (var.sqrt() + eps)
+    return advantages
+
+
+class ReinforceTrainer(PPOTrainer):
+    """REINFORCE/RLOO for an actor (``MegatronGPTActorModel``) with rewards from ``reward_source``."""
+
+    def __init__(self, cfg, model, optimizer, scheduler, train_dataloader, val_dataloader, reward_source, logger_,
+                 ckpt_callback, run_timer=None, rl_cfg=None, seed: int = 1234, name: str = "reinforce"):
+        rl_cfg = rl_cfg or {}
+        super().__init__(cfg, model, optimizer, scheduler, train_dataloader, val_dataloader, reward_source, logger_,
+                         ckpt_callback, run_timer, ppo_cfg=rl_cfg, seed=seed,
+                         responses_per_prompt=int(rl_cfg.get("num_responses_per_prompt", 4)), name=name)
+        self.leave_one_out = bool(cfg.get("use_leave_one_out_baseline", True))
+        self.normalize_rewards = bool(cfg.get("normalize_rewards", False))
+        self.critic_warmup_steps = 0
+
+    # ----------------------------------------------------------------- rollouts
+    def request_scores(self, out):
+        return self.rm_critic.score(out.tokens.numpy(), out.prompt_lengths.numpy(), out.response_lengths.numpy())
+
+    def store_answers(self, batch: Dict, answers: list) -> None:
+        batch["rewards"] = torch.tensor(np.concatenate([np.asarray(a, dtype=np.float32).reshape(-1) for a in answers]))
+
+    def make_rollout_batch(self, prompts: List[List[int]], timer: Timer, step_seed: int) -> Dict[str, torch.Tensor]:
+        """``num_responses_per_prompt`` samples of each prompt, with ``group_ids`` saying whose they are."""
+        repeated = [p for p in prompts for _ in range(self.responses_per_prompt)]
+        batch = super().make_rollout_batch(repeated, timer, step_seed)
+        batch["group_ids"] = torch.arange(len(prompts)).repeat_interleave(self.responses_per_prompt)
+        return batch
+
+    def compute_advantages(self, batch: Dict[str, torch.Tensor]) -> Dict[str, float]:
+        width = batch["tokens"].shape[1] - 1
+        mask = ppo_utils.create_mask(batch["prompt_lengths"], batch["response_lengths"], width)
+        kl = ppo_utils.calculate_kl_penalty(batch["logprobs"], batch["init_logprobs"], self.use_absolute_kl) * mask
+        sequence_kl = kl.sum(-1)
+        penalised = batch["rewards"] - self.kl_penalty * sequence_kl
+        advantages = group_advantages(penalised, batch["group_ids"], self.leave_one_out, self.normalize_rewards)
+        batch.update(mask=mask, advantages=advantages.unsqueeze(1) * mask, rewards_with_kl=penalised)
+        stats = torch.tensor([batch["rewards"].sum(), batch["rewards"].numel(), kl.sum(), mask.sum(),
+                              (batch["response_lengths"] - batch["prompt_lengths"]).float().sum(),
+                              batch["is_end"].float().sum(), penalised.sum(), advantages.abs().sum()],
+                             dtype=torch.float64)
+        dist.all_reduce(stats, group=self.dp_group)
+        n = max(float(stats[1]), 1.0)
+        return {"rewards": float(stats[0]) / n, "init_policy_kl": float(stats[2]) / max(float(stats[3]), 1.0),
+                "response_length": float(stats[4]) / n, "ended_fraction": float(stats[5]) / n,
+                "rewards_with_kl": float(stats[6]) / n, "advantage_abs_mean": float(stats[7]) / n}
+
+    # ----------------------------------------------------------------- loop
+    def run_step(self, prompts, texts) -> Dict[str, float]:
+        timer = Timer()
+        step_seed = self.seed + 1000003 * (self.step + 1) + 7919 * self.dp_rank
+        start = time.monotonic()
+        batch = self.make_rollout_batch(prompts, timer, step_seed)
+        with timer("advantages"):
+            metrics = self.compute_advantages(batch)
+        with timer("train"):
+            actor = self.train_actor(batch)
+        metrics.update({f"actor_{k}" if k in ("loss", "grad_norm", "lr") else k: v for k, v in actor.items()})
+        metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
+        metrics["time/step"] = time.monotonic() - start
+        if is_global_rank_zero():
+            texts = [t for t in texts for _ in range(self.responses_per_prompt)]
+            self.logger.log_table("train/samples", ["prompt", "response", "reward"], self.sample_rows(texts, batch, 4),
+                                  step=self.step + 1)
+        return metrics
+
+    def save(self) -> None:
+        if self.ckpt_callback is not None:
+            metrics = dict(self.last_val)
+            metrics.setdefault("val_global_rewards", float("nan"))
+            self.ckpt_callback.save(self.model, self.optimizer, self.scheduler, self.state_dict(), metrics)
+
+    def progress_postfix(self, metrics: Dict[str, float]) -> Dict[str, str]:
+        return {"reward": f"{metrics['rewards']:.3f}", "kl": f"{metrics['init_policy_kl']:.4f}"}

@@ -1,0 +1,84 @@
+"""Where critic-free RL gets its rewards: a reward-model server or a Python function.
+
+Both answer ``score(tokens, prompt_lengths, response_lengths)`` with a future whose ``result()``
+is a float32 array [B], so the trainer overlaps scoring with generation either way.
+"""
+
+from __future__ import annotations
+
+import importlib
+from concurrent.futures import Future
+from typing import Callable, Optional
+
+import numpy as np
+
+from nemo_aligner.utils.errors import ConfigError
+
+RewardFn = Callable[[str, str], float]
+
+
+def load_reward_fn(spec: str, key: str = "reward_fn") -> RewardFn:
+    """``"package.module:function"`` -> the function (called as ``fn(prompt, response) -> float``)."""
+    module_name, sep, attr = str(spec).partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{key}={spec!r} must be 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ConfigError(f"{key}={spec!r}: cannot import {module_name!r} ({err})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"{key}={spec!r}: {module_name!r} has no function {attr!r}")
+    return fn
+
+
+class FunctionRewardSource:
+    """Rewards from ``fn(prompt_text, response_text)``, computed at once (a finished future)."""
+
+    def __init__(self, fn: RewardFn, tokenizer, key: str = "reward_fn"):
+        self.fn = fn
+        self.tokenizer = tokenizer
+        self.key = key
+
+    def score(self, tokens: np.ndarray, prompt_lengths: np.ndarray, response_lengths: np.ndarray) -> Future:
+        rewards = np.zeros(len(tokens), dtype=np.float32)
+        for b in range(len(tokens)):
+            p, end = int(prompt_lengths[b]), int(response_lengths[b])
+            ids = [int(t) for t in tokens[b, p:end]]
+            if ids and ids[-1] == self.tokenizer.eos_id:
+                ids = ids[:-1]
+            prompt = self.tokenizer.ids_to_text([int(t) for t in tokens[b, :p]])
+            value = self.fn(prompt, self.tokenizer.ids_to_text(ids))
+            try:
+                rewards[b] = float(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{self.key} returned {value!r} for a response; it must return a float") from None
+        future: Future = Future()
+        future.set_result(rewards)
+        return future
+
+    def close(self) -> None:
+        pass
+
+
+class RemoteRewardSource:
+    """Rewards from the ``reward_model`` PyTriton server (``remote_rm.reward_model.{ip, port, name}``)."""
+
+    def __init__(self, cfg, pad_id: int, key: str = "remote_rm.reward_model"):
+        from nemo_aligner.servers.clients import RemoteGPTRMClient, check_reachable
+
+        rm = cfg.reward_model
+        host, port = str(rm.ip), int(rm.port)
+        check_reachable(host, port, key, wait_s=float(cfg.get("wait_for_server_s") or 0))
+        self.client = RemoteGPTRMClient(host, port, model_name=str(rm.get("name") or "reward_model"),
+                                        timeout_s=float(cfg.get("timeout_s") or 600), key=key)
+        self.pad_id = pad_id
+        self.pad_to_length: Optional[int] = cfg.get("pad_to_length")
+
+    def score(self, tokens: np.ndarray, prompt_lengths: np.ndarray, response_lengths: np.ndarray):
+        if self.pad_to_length and tokens.shape[1] < int(self.pad_to_length):
+            tokens = np.pad(tokens, ((0, 0), (0, int(self.pad_to_length) - tokens.shape[1])), constant_values=self.pad_id)
+        return self.client.infer_tokens(tokens, response_lengths)
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,87 @@
+"""REINFORCE / RLOO: the leave-one-out baseline against a hand computation, reward sources, and
+the actor job raising the built-in task's reward with a Python reward function."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import read_metrics, run_script
+from nemo_aligner.algorithms.reinforce import group_advantages
+from nemo_aligner.utils.errors import AlignerError, ConfigError
+from nemo_aligner.utils.reward_sources import FunctionRewardSource, RemoteRewardSource, load_reward_fn
+from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+
+def test_leave_one_out_baseline_excludes_the_sample_itself():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 2.0, 4.0, 3.0, 7.0])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1, 2])  # the last prompt has a single response
+    got = group_advantages(rewards, groups, leave_one_out=True)
+    expected = []
+    for i, r in enumerate(rewards.tolist()):
+        others = [rewards[j].item() for j in range(len(rewards)) if groups[j] == groups[i] and j != i]
+        expected.append(r - sum(others) / len(others) if others else 0.0)
+    assert got.tolist() == pytest.approx(expected)
+    assert got[0].item() == pytest.approx(1.0 - 0.25)  # 1 - mean(0, 0.5)
+    with_self = group_advantages(rewards, groups, leave_one_out=False)
+    assert with_self[:3].tolist() == pytest.approx([0.5, -0.5, 0.0]) and with_self[6].item() == 0.0
+    # RLOO's advantage is the group-mean one scaled by k / (k - 1)
+    assert got[:6].tolist() == pytest.approx((with_self[:6] * 3 / 2).tolist())
+    normalised = group_advantages(rewards, groups, leave_one_out=False, normalize_std=True)
+    std = torch.tensor([1.0, 0.0, 0.5]).std(unbiased=False)
+    assert normalised[:3].tolist() == pytest.approx((with_self[:3] / (std + 1e-6)).tolist())
+
+
+def test_reward_sources():
+    tok = ByteTokenizer()
+    fn = load_reward_fn("nemo_aligner.data.nlp.builtin_task:reward")
+    prompt, right, wrong = tok.text_to_ids("reverse abc = "), tok.text_to_ids("cba"), tok.text_to_ids("abc")
+    rows = [prompt + right + [tok.eos_id], prompt + wrong + [tok.eos_id, tok.eos_id]]
+    tokens = np.array([rows[0] + [tok.eos_id], rows[1]])
+    future = FunctionRewardSource(fn, tok).score(tokens, np.array([len(prompt)] * 2), np.array([len(rows[0]), len(prompt) + 4]))
+    assert future.result().tolist() == pytest.approx([1.0, 1 / 3])
+    for spec, message in (("nope", "must be 'package.module:function'"),
+                          ("no_such_module_x:f", "cannot import 'no_such_module_x'"),
+                          ("nemo_aligner.data.nlp.builtin_task:missing", "has no function 'missing'")):
+        with pytest.raises(ConfigError, match=message):
+            load_reward_fn(spec)
+    from omegaconf import OmegaConf
+
+    from conftest import free_port
+
+    port = free_port()
+    cfg = OmegaConf.create({"reward_model": {"ip": "127.0.0.1", "port": port}, "timeout_s": 5})
+    with pytest.raises(AlignerError, match=rf"127\.0\.0\.1:{port}.*remote_rm\.reward_model"):
+        RemoteRewardSource(cfg, pad_id=tok.eos_id)
+
+
+def test_rloo_raises_the_task_reward(tmp_path):
+    """From a partly trained SFT model (150 steps), 100 RLOO steps with the built-in task's reward
+    function: the mean sampled reward of the last 20 steps is above the first 20's (measured
+    ~0.60 -> ~0.67) and greedy validation does not get worse."""
+    from nemo_aligner.data.nlp.builtin_task import BuiltinTask
+
+    data = BuiltinTask(seed=0).write_all(str(tmp_path / "data"), n_train=1000, n_val=128)
+    run_script("train_gpt_sft.py", [
+        f"model.data.train_ds.file_path={data['sft_train']}", f"model.data.validation_ds.file_path={data['sft_val']}",
+        f"exp_manager.explicit_log_dir={tmp_path / 'sft'}", "trainer.sft.max_steps=150", "trainer.sft.max_epochs=100",
+        "trainer.sft.val_check_interval=150", "exp_manager.create_checkpoint_callback=True"])
+    log_dir = tmp_path / "rloo"
+    proc = run_script("train_gpt_reinforce_actor.py", [
+        f"pretrained_checkpoint.restore_from_path={tmp_path / 'sft' / 'checkpoints' / 'megatron_gpt_sft.nemo'}",
+        f"++model.data.data_prefix={{train: [{data['prompts_train']}], validation: [{data['prompts_val']}]}}",
+        "reward_fn=nemo_aligner.data.nlp.builtin_task:reward", f"exp_manager.explicit_log_dir={log_dir}",
+        "trainer.reinforce.max_steps=100", "trainer.reinforce.max_epochs=100", "trainer.reinforce.val_check_interval=100",
+        "model.reinforce.num_rollout_samples=32", "model.reinforce.num_responses_per_prompt=4",
+        "model.global_batch_size=64", "model.micro_batch_size=16", "model.reinforce.rollout_micro_batch_size=32",
+        "model.reinforce.num_val_samples=128", "model.reinforce.length_params.max_length=9",
+        "model.optim.lr=5e-5", "model.optim.sched.name=Constant"])
+    metrics = read_metrics(log_dir)
+    rewards = [r["train/rewards"] for r in metrics if "train/rewards" in r]
+    val = {r["step"]: r["val/global_rewards"] for r in metrics if "val/global_rewards" in r}
+    assert len(rewards) == 100 and sorted(val) == [0, 100]
+    first, last = np.mean(rewards[:20]), np.mean(rewards[-20:])
+    print(f"RLOO mean sampled reward: first 20 steps {first:.3f}, last 20 steps {last:.3f}; greedy validation {val}")
+    assert last > first + 0.03, (first, last)
+    assert val[100] >= val[0] - 0.01, val
+    assert all(r["train/init_policy_kl"] >= 0 for r in metrics if "train/init_policy_kl" in r)
+    assert "REINFORCE finished: 100 steps" in proc.stdout
