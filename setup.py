@@ -23,7 +23,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10,<3.12",
-    packages=find_packages(include=["nemo_aligner", "nemo_aligner.*"]),
+    packages=find_packages(include=["nemo_aligner", "nemo_aligner.*", "nemo_rl", "nemo_rl.*"]),
     include_package_data=True,
     install_requires=[
         "torch==2.13.0",

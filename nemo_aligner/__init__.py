@@ -18,3 +18,16 @@ for _message in (
 # megatron-core logs its whole config at INFO on every model and optimizer build.
 _logging.getLogger("megatron").setLevel(_logging.WARNING)
 _logging.getLogger("pytriton").setLevel(_logging.WARNING)
+
+
+_API = {"GRPOTrainer": "grpo", "SFTTrainer": "sft", "DPOTrainer": "dpo", "BaseTrainer": "base",
+        "TrainingResult": "base"}
+
+
+def __getattr__(name):
+    """``from nemo_aligner import GRPOTrainer`` etc., imported on first use (``import nemo_aligner`` stays light)."""
+    if name in _API:
+        import importlib
+
+        return getattr(importlib.import_module(f"nemo_aligner.trainers.{_API[name]}"), name)
+    raise AttributeError(f"module 'nemo_aligner' has no attribute {name!r}")

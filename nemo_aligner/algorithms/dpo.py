@@ -13,7 +13,7 @@ from nemo_aligner.models.nlp.gpt.megatron_gpt_dpo_model import MegatronGPTDPOMod
 from nemo_aligner.utils.distributed import is_global_rank_zero
 
 
-def run_dpo(cfg: DictConfig) -> Dict[str, float]:
+def run_dpo(cfg: DictConfig, callbacks=None) -> Dict[str, float]:
     """Train ``pretrained_checkpoint.restore_from_path`` on preference pairs; the reference is its start."""
     data_cfg = cfg.model.data
 
@@ -27,7 +27,7 @@ def run_dpo(cfg: DictConfig) -> Dict[str, float]:
                        pad_to_multiple_of=data_cfg.get("pad_length_to_multiple_of") or 8)
 
     summary, trainer, model = run_offline_preference(cfg, "dpo", MegatronGPTDPOModel, make_dataset, make_collate,
-                                                     "prompt/chosen_response/rejected_response")
+                                                     "prompt/chosen_response/rejected_response", callbacks)
     summary["val_accuracy"] = trainer.last_val_metrics.get("accuracy", float("nan"))
     summary["val_reward_margin"] = trainer.last_val_metrics.get("reward_margin", float("nan"))
     if is_global_rank_zero():

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 def run_offline_preference(cfg: DictConfig, name: str, model_cls, make_dataset: Callable, make_collate: Callable,
-                           data_description: str):
+                           data_description: str, callbacks=None):
     """Train ``pretrained_checkpoint.restore_from_path`` with ``trainer.<name>``; the reference
     policy is that checkpoint. ``make_dataset(paths, model, seq_length, key)`` and
     ``make_collate(model, seq_length)`` build the data. Returns ``(summary, trainer, model)``."""
@@ -60,6 +60,9 @@ def run_offline_preference(cfg: DictConfig, name: str, model_cls, make_dataset: 
                 model.num_parameters() / 1e6, len(datasets["train"]), len(datasets.get("validation", [])), max_steps)
     trainer = SupervisedTrainer(trainer_cfg, model, optimizer, scheduler, train_dl, val_dl, exp.logger,
                                 exp.checkpoint_callback, RunTimer(max_time_of(cfg, name)), name=name)
+    if callbacks is not None:
+        trainer.callbacks = callbacks
     summary = fit_and_export(trainer, model, exp)
     summary["log_dir"] = exp.log_dir
+    summary["best_checkpoint"] = exp.checkpoint_callback.best() if exp.checkpoint_callback else None
     return summary, trainer, model

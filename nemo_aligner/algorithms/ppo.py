@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from nemo_aligner.algorithms.supervised import progress_bar
 from nemo_aligner.data.nlp.builders import sampler_of
+from nemo_aligner.trainers.callbacks import CallbackList
 from nemo_aligner.utils import ppo_utils
 from nemo_aligner.utils.distributed import is_global_rank_zero
 from nemo_aligner.utils.errors import ConfigError
@@ -134,6 +135,7 @@ class PPOTrainer:
         self.ppo_optimization_step = 0
         self.last_val: Dict[str, float] = {}
         self.best_val_reward: Optional[float] = None
+        self.callbacks = CallbackList()  # the Python API sets its own
 
     # ----------------------------------------------------------------- state
     @property
@@ -272,7 +274,7 @@ class PPOTrainer:
         try:
             for begin in range(0, rows - local_gbs + 1, local_gbs):
                 part = {k: batch[k][begin : begin + local_gbs] for k in
-                        ("tokens", "logprobs", "advantages", "mask", "is_end")}
+                        ("tokens", "logprobs", "init_logprobs", "advantages", "mask", "is_end")}
                 self.model.prepare_for_training_step()
                 loss, m = self.model.get_loss_and_metrics(part, forward_only=False)
                 success, grad_norm, _ = self.optimizer.step()
@@ -376,6 +378,7 @@ class PPOTrainer:
         bar = progress_bar(self.max_steps, self.step, self.name)
         stop = False
         last: Dict[str, float] = {}
+        self.callbacks.on_train_begin()
         try:
             while self.step < self.max_steps and not stop:
                 self.sampler.consumed_samples = self.consumed_samples
@@ -384,6 +387,8 @@ class PPOTrainer:
                         break
                     if self.step == 0 and self.critic_warmup_steps:
                         self.critic_warmup(data["tokens"])
+                    self.callbacks.on_step_begin(self.step + 1)
+                    epoch_before = self.epoch
                     metrics = self.run_step(data["tokens"], data["text"])
                     self.step += 1
                     self.consumed_samples += self.prompts_per_step
@@ -394,7 +399,9 @@ class PPOTrainer:
                     bar.update(1)
                     bar.set_postfix(refresh=False, **self.progress_postfix(metrics))
                     is_end = self.step >= self.max_steps
-                    if (self.val_check_interval and self.step % self.val_check_interval == 0) or is_end:
+                    ran_val = bool((self.val_check_interval and self.step % self.val_check_interval == 0) or is_end)
+                    val = {}
+                    if ran_val:
                         val = self.validate()
                         if val and is_global_rank_zero():
                             bar.write(f"step {self.step}: train reward {metrics['rewards']:.4f}, "
@@ -402,6 +409,9 @@ class PPOTrainer:
                     out_of_time = self.timer.is_finished()
                     if (self.save_interval and self.step % self.save_interval == 0) or is_end or out_of_time:
                         self.save()
+                    self.callbacks.on_step_end(self.step, dict(metrics, **(val if ran_val else {})))
+                    if self.epoch > epoch_before:
+                        self.callbacks.on_epoch_end(epoch_before)
                     if out_of_time:
                         logger.info("max_time reached after %d %s steps; checkpoints saved, stopping", self.step, self.name)
                         stop = True
@@ -410,6 +420,7 @@ class PPOTrainer:
             bar.close()
         summary = self.summary(time.monotonic() - start)
         summary["final_train_reward"] = last.get("rewards", float("nan"))
+        self.callbacks.on_train_end(summary)
         return summary
 
     def progress_postfix(self, metrics: Dict[str, float]) -> Dict[str, str]:

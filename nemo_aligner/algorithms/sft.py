@@ -21,7 +21,7 @@ from nemo_aligner.utils.run_setup import init_run
 logger = logging.getLogger(__name__)
 
 
-def run_sft(cfg: DictConfig) -> Dict[str, float]:
+def run_sft(cfg: DictConfig, callbacks=None) -> Dict[str, float]:
     """Fine-tune ``model.restore_from_path`` (or a fresh model) on ``model.data.*``; returns a summary."""
     restore = cfg.model.get("restore_from_path")
     info = init_run(cfg, restore, "model.restore_from_path")
@@ -56,7 +56,10 @@ def run_sft(cfg: DictConfig) -> Dict[str, float]:
                 model.num_parameters() / 1e6, len(train_ds), len(val_ds), max_steps)
     trainer = SupervisedTrainer(sft_cfg, model, optimizer, scheduler, train_dl, val_dl, exp.logger,
                                 exp.checkpoint_callback, RunTimer(max_time_of(cfg, "sft")), name="sft")
+    if callbacks is not None:
+        trainer.callbacks = callbacks
     summary = fit_and_export(trainer, model, exp)
+    summary["best_checkpoint"] = exp.checkpoint_callback.best() if exp.checkpoint_callback else None
     nemo_path = summary["nemo_path"]
     if is_global_rank_zero():
         print(

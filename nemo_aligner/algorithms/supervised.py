@@ -12,6 +12,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from nemo_aligner.data.nlp.builders import limit_batches, sampler_of
+from nemo_aligner.trainers.callbacks import CallbackList
 from nemo_aligner.utils.distributed import is_global_rank_zero
 from nemo_aligner.utils.optim import current_lr
 from nemo_aligner.utils.run_control import RunTimer, compute_max_steps
@@ -94,6 +95,7 @@ class SupervisedTrainer:
             interval = max(int(self.steps_per_epoch * interval), 1)
         self.val_check_interval = int(interval)
         self.save_interval = int(cfg.get("save_interval") or 0)
+        self.callbacks = CallbackList()  # the Python API sets its own
 
     # ----------------------------------------------------------------- state
     @property
@@ -185,6 +187,7 @@ class SupervisedTrainer:
         start = time.monotonic()
         bar = progress_bar(self.max_steps, self.step, self.name)
         stop = False
+        self.callbacks.on_train_begin()
         try:
             while self.step < self.max_steps and not stop:
                 self.sampler.consumed_samples = self.consumed_samples
@@ -193,6 +196,8 @@ class SupervisedTrainer:
                     if i >= steps_left_in_epoch or self.step >= self.max_steps:
                         break
                     t0 = time.monotonic()
+                    self.callbacks.on_step_begin(self.step + 1)
+                    epoch_before = self.epoch
                     loss, metrics = self.train_single_step(batch)
                     self.step += 1
                     self.consumed_samples += self.global_batch_size
@@ -208,6 +213,7 @@ class SupervisedTrainer:
 
                     is_train_end = self.step >= self.max_steps
                     run_val = (self.val_check_interval > 0 and self.step % self.val_check_interval == 0) or is_train_end
+                    val = {}
                     if run_val:
                         val = self.validate_and_log()
                         if val and is_global_rank_zero():
@@ -216,13 +222,18 @@ class SupervisedTrainer:
                     run_save = (self.save_interval > 0 and self.step % self.save_interval == 0) or is_train_end or out_of_time
                     if run_save:
                         self.save()
+                    self.callbacks.on_step_end(self.step, dict(metrics, **{f"val_{k}": v for k, v in (val if run_val else {}).items()}))
+                    if self.epoch > epoch_before:
+                        self.callbacks.on_epoch_end(epoch_before)
                     if out_of_time:
                         logger.info("max_time reached after %d steps; checkpoint saved, stopping", self.step)
                         stop = True
                         break
         finally:
             bar.close()
-        return self.summary(time.monotonic() - start)
+        summary = self.summary(time.monotonic() - start)
+        self.callbacks.on_train_end(summary)
+        return summary
 
     def summary(self, seconds: float) -> Dict[str, float]:
         return {"steps": self.step, "epochs": self.epoch, "consumed_samples": self.consumed_samples,

@@ -51,6 +51,7 @@ def save_sharded(sharded_state_dict: dict, directory: str, content_metadata: Opt
         shutil.rmtree(tmp_dir, ignore_errors=True)
         os.makedirs(tmp_dir)
     barrier()
+    _use_in_process_results_queue()
     dist_checkpointing.save(sharded_state_dict, tmp_dir, content_metadata=content_metadata)
     if before_commit is not None:
         before_commit(tmp_dir)
@@ -58,6 +59,22 @@ def save_sharded(sharded_state_dict: dict, directory: str, content_metadata: Opt
     if get_rank() == 0:
         replace_dir_atomically(tmp_dir, directory)
     barrier()
+
+
+def _use_in_process_results_queue() -> None:
+    """Hand write results through a plain in-process queue.
+
+    megatron-core's writer collects results in a queue served by a ``spawn`` multiprocessing
+    manager, which exists for its asynchronous (persistent worker) saves. We save synchronously,
+    so results are put and taken in this process; and a spawned manager re-runs the user's
+    ``__main__`` (a Python-API script without an ``if __name__ == "__main__"`` guard trains twice).
+    """
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not isinstance(filesystem_async._results_queue, queue.Queue):
+        filesystem_async._results_queue = queue.Queue()
 
 
 def reset_checkpoint_writer() -> None:

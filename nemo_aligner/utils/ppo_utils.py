@@ -54,6 +54,13 @@ def calculate_kl_penalty(logprobs: torch.Tensor, init_logprobs: torch.Tensor, us
     return kl.abs() if use_absolute_kl else kl
 
 
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token unbiased, non-negative estimate of KL(policy || reference) from samples of the policy
+    (Schulman's k3): ``exp(ref - logp) - (ref - logp) - 1``, as GRPO puts it in the loss."""
+    delta = ref_logprobs - logprobs
+    return torch.exp(delta) - delta - 1.0
+
+
 def calculate_ppo_rewards(rewards: torch.Tensor, response_lengths: torch.Tensor, kl: torch.Tensor,
                           kl_penalty: float) -> torch.Tensor:
     """Per-token rewards: ``-kl_penalty * kl`` everywhere, plus the sequence reward on the last action."""

@@ -82,3 +82,39 @@ class RemoteRewardSource:
 
     def close(self) -> None:
         self.client.close()
+
+
+class EnvironmentRewardSource:
+    """Rewards from an :class:`EnvironmentInterface`: one ``step`` per scored micro-batch, on the
+    conversation ``[user: prompt, assistant: response]``."""
+
+    def __init__(self, environment, tokenizer):
+        self.environment = environment
+        self.tokenizer = tokenizer
+        self._warned = False
+
+    def score(self, tokens: np.ndarray, prompt_lengths: np.ndarray, response_lengths: np.ndarray) -> Future:
+        import logging
+
+        conversations = []
+        for b in range(len(tokens)):
+            p, end = int(prompt_lengths[b]), int(response_lengths[b])
+            ids = [int(t) for t in tokens[b, p:end]]
+            if ids and ids[-1] == self.tokenizer.eos_id:
+                ids = ids[:-1]
+            conversations.append([{"role": "user", "content": self.tokenizer.ids_to_text([int(t) for t in tokens[b, :p]])},
+                                  {"role": "assistant", "content": self.tokenizer.ids_to_text(ids)}])
+        result = self.environment.step(conversations)
+        rewards = np.asarray(result.rewards, dtype=np.float32).reshape(-1)
+        if len(rewards) != len(conversations):
+            raise ConfigError(f"environment.step returned {len(rewards)} rewards for {len(conversations)} conversations")
+        if not self._warned and not all(result.done):
+            self._warned = True
+            logging.getLogger(__name__).warning("the environment continues some episodes (done=False); GRPO scores "
+                                                "the first turn only")
+        future: Future = Future()
+        future.set_result(rewards)
+        return future
+
+    def close(self) -> None:
+        pass

@@ -12,8 +12,14 @@ from nemo_aligner.utils.errors import ConfigError
 
 _POSITION_EMBEDDINGS = {"rope", "learned_absolute"}
 _NORMALIZATIONS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
+def openai_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation (GPT-2's ``gelu_new``; NeMo's ``approx-gelu``)."""
+    return F.gelu(x, approximate="tanh")
+
+
 _ACTIVATIONS = {
     "gelu": (F.gelu, False),
+    "approx-gelu": (openai_gelu, False),
     "swiglu": (F.silu, True),
     "geglu": (F.gelu, True),
     "relu": (F.relu, False),

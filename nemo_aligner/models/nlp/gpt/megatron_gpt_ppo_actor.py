@@ -51,6 +51,8 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
         self.forward_micro_batch_size = int(ppo.get("forward_micro_batch_size") or self.micro_batch_size)
         self.entropy_bonus = float(ppo.get("entropy_bonus", 0.0) or 0.0)
         self.ratio_eps = float(ppo.get("ratio_eps", 0.2))
+        # GRPO: beta * KL(policy || initial) in the loss (k3 estimator) instead of in the reward.
+        self.kl_loss_coef = float(ppo.get("reference_policy_kl_penalty", 0.0) or 0.0)
         self.offload_adam_states = bool(ppo.get("offload_adam_states", True))
         self.sampling_params = SamplingParams.from_cfg(ppo.get("sampling_params"))
         self.length_params = LengthParams.from_cfg(ppo.get("length_params"))
@@ -119,16 +121,23 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
         mask = mb["mask"] * mb["is_end"].float().unsqueeze(-1)
         loss, stats = ppo_utils.ppo_actor_loss(logprobs, mb["logprobs"], mb["advantages"], mask, self.ratio_eps,
                                                entropy=entropy, entropy_bonus=self.entropy_bonus)
+        if self.kl_loss_coef:
+            kl = ppo_utils.masked_mean(ppo_utils.k3_kl(logprobs, mb["init_logprobs"]), mask)
+            loss = loss + self.kl_loss_coef * kl
+            stats["kl_loss"] = kl.detach()
         return loss, {"loss": loss.detach().clone(), **{k: v.detach() for k, v in stats.items()}}
 
     def get_loss_and_metrics(self, batch: Dict[str, torch.Tensor], forward_only: bool) -> Tuple[float, Dict[str, float]]:
         """One global batch of PPO data (``tokens``, ``logprobs``, ``advantages``, ``mask``, ``is_end``)."""
         data = dict(next_token_batch(batch["tokens"]))
         data.update({k: batch[k] for k in ("logprobs", "advantages", "mask")})
+        if self.kl_loss_coef:
+            data["init_logprobs"] = batch["init_logprobs"]
         data["is_end"] = batch["is_end"].float()
         outputs = self.forward_backward(data, self._ppo_loss, forward_only, self.micro_batch_size,
                                         forward_fn=self._ppo_forward)
-        m = self.reduce_metrics(outputs, mean_keys=("loss", "clip_fraction", "approx_kl", "entropy", "ratio_mean"))
+        keys = ("loss", "clip_fraction", "approx_kl", "entropy", "ratio_mean") + (("kl_loss",) if self.kl_loss_coef else ())
+        m = self.reduce_metrics(outputs, mean_keys=keys)
         return m["loss"], m
 
     def prepare_for_training_step(self) -> None:

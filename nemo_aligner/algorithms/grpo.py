@@ -1,0 +1,44 @@
+"""GRPO end to end from a Hydra config (``train_gpt_grpo.py``) or the Python API.
+
+GRPO is the critic-free loop of :mod:`nemo_aligner.algorithms.reinforce` with group-relative
+advantages (``normalize_rewards``: each prompt's rewards minus their group baseline, over the
+group's standard deviation) and the KL to the reference policy in the loss
+(``model.grpo.reference_policy_kl_penalty``, k3 estimator) rather than in the reward.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+from omegaconf import DictConfig
+
+from nemo_aligner.algorithms.ppo_actor_run import print_rl_summary, setup_actor
+from nemo_aligner.algorithms.reinforce import ReinforceTrainer
+from nemo_aligner.algorithms.reinforce_actor_run import build_reward_source
+from nemo_aligner.algorithms.run_helpers import fit_and_export
+from nemo_aligner.trainers.callbacks import CallbackList
+from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.utils.run_control import RunTimer, max_time_of
+
+
+def run_grpo(cfg: DictConfig, reward_source=None, callbacks: Optional[CallbackList] = None) -> Dict[str, float]:
+    """Train ``pretrained_checkpoint.restore_from_path`` with GRPO; rewards from ``reward_source``
+    (the API's reward function or environment) or, by default, ``reward_fn``/``remote_rm``."""
+    n = int(cfg.model.grpo.get("num_responses_per_prompt", 16))
+    if n < 2:
+        raise ConfigError(f"model.grpo.num_responses_per_prompt={n}: group-relative advantages need >= 2")
+    setup = setup_actor(cfg, "grpo", "megatron_gpt_grpo", responses_per_prompt=n)
+    source = reward_source or build_reward_source(cfg, setup.model.tokenizer)
+    trainer = ReinforceTrainer(cfg.trainer.grpo, setup.model, setup.optimizer, setup.scheduler, setup.train_dl,
+                               setup.val_dl, source, setup.exp.logger, setup.exp.checkpoint_callback,
+                               RunTimer(max_time_of(cfg, "grpo")), rl_cfg=cfg.model.grpo, seed=setup.seed, name="grpo")
+    if callbacks is not None:
+        trainer.callbacks = callbacks
+    try:
+        summary = fit_and_export(trainer, setup.model, setup.exp)
+    finally:
+        if reward_source is None:
+            source.close()
+    summary["best_checkpoint"] = setup.exp.checkpoint_callback.best() if setup.exp.checkpoint_callback else None
+    print_rl_summary("GRPO", summary, setup.exp.log_dir)
+    return summary

@@ -1,0 +1,341 @@
+"""Hugging Face <-> megatron-core conversion for Llama, Qwen2 and GPT-2 checkpoints.
+
+``import_hf_model(hf_dir, nemo_path)`` reads a local ``config.json`` + safetensors (or
+``pytorch_model.bin``) directory and writes a ``.nemo`` whose model gives the same logits;
+``export_to_hf(nemo_path, out_dir)`` writes the reverse, loadable by ``transformers``. Fused
+layouts: megatron-core's ``linear_qkv`` holds, per query group, that group's query heads then
+one key and one value head; ``linear_fc1`` of a gated MLP is ``[gate; up]``.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import shutil
+from typing import Dict, Tuple
+
+import torch
+
+from nemo_aligner.utils.errors import CheckpointError, ConfigError
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURES = ("llama", "qwen2", "gpt2")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
+
+
+# ----------------------------------------------------------------------------- configs
+def nemo_config_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
+    """``(architecture, model config keys)`` for an HF ``config.json``."""
+    arch = str(hf.get("model_type", "")).lower()
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"{where}: model_type={hf.get('model_type')!r} is not supported; "
+                          f"supported: {', '.join(ARCHITECTURES)}")
+    vocab = int(hf["vocab_size"])
+    common = {"make_vocab_size_divisible_by": 128, "padded_vocab_size": -(-vocab // 128) * 128,
+              "hidden_dropout": 0.0, "attention_dropout": 0.0, "ffn_dropout": 0.0,
+              "init_method_std": float(hf.get("initializer_range", 0.02)), "hf_vocab_size": vocab}
+    if arch == "gpt2":
+        act = hf.get("activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
+            raise ConfigError(f"{where}: activation_function={act!r} is not supported")
+        hidden = int(hf["n_embd"])
+        return arch, dict(common, num_layers=int(hf["n_layer"]), hidden_size=hidden,
+                          ffn_hidden_size=int(hf.get("n_inner") or 4 * hidden), num_attention_heads=int(hf["n_head"]),
+                          num_query_groups=None, max_position_embeddings=int(hf["n_positions"]),
+                          encoder_seq_length=int(hf["n_positions"]), position_embedding_type="learned_absolute",
+                          normalization="layernorm", layernorm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
+                          activation="gelu" if act == "gelu" else "approx-gelu", bias=True, qkv_bias=True,
+                          share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", True)))
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: hidden_act={hf.get('hidden_act')!r} is not supported (silu only)")
+    # transformers < 5: rope_theta / rope_scaling; >= 5: rope_parameters {rope_theta, rope_type}
+    rope = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling:
+        raise ConfigError(f"{where}: RoPE scaling {scaling} is not supported")
+    rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    head_dim = int(hf.get("head_dim") or hidden // heads)
+    qkv_bias = True if arch == "qwen2" else bool(hf.get("attention_bias", False))
+    if arch == "llama" and (hf.get("mlp_bias") or hf.get("attention_bias")):
+        raise ConfigError(f"{where}: attention_bias/mlp_bias=True is not supported")
+    return arch, dict(common, num_layers=int(hf["num_hidden_layers"]), hidden_size=hidden,
+                      ffn_hidden_size=int(hf["intermediate_size"]), num_attention_heads=heads,
+                      num_query_groups=int(hf.get("num_key_value_heads") or heads),
+                      kv_channels=head_dim if head_dim * heads != hidden else None,
+                      max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+                      encoder_seq_length=min(int(hf.get("max_position_embeddings", 2048)), 4096),
+                      position_embedding_type="rope", rotary_base=int(rope_theta),
+                      normalization="rmsnorm", layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+                      activation="swiglu", bias=False, qkv_bias=qkv_bias,
+                      share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)))
+
+
+def hf_config_from_nemo(cfg: dict) -> Tuple[str, dict]:
+    """``(architecture, config.json dict)`` for a model config, or a ConfigError naming what does not fit."""
+    norm, act, pos = cfg.get("normalization"), cfg.get("activation"), cfg.get("position_embedding_type")
+    vocab = int(cfg.get("hf_vocab_size") or cfg["padded_vocab_size"])
+    if norm == "layernorm" and act in ("approx-gelu", "gelu") and pos == "learned_absolute" and cfg.get("bias", True):
+        if cfg.get("num_query_groups") not in (None, cfg["num_attention_heads"]):
+            raise ConfigError("GPT-2 has no grouped-query attention (model.num_query_groups)")
+        return "gpt2", {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab,
+                        "n_embd": cfg["hidden_size"], "n_layer": cfg["num_layers"], "n_head": cfg["num_attention_heads"],
+                        "n_inner": cfg["ffn_hidden_size"], "n_positions": cfg["max_position_embeddings"],
+                        "layer_norm_epsilon": cfg.get("layernorm_epsilon", 1e-5),
+                        "activation_function": "gelu_new" if act == "approx-gelu" else "gelu",
+                        "tie_word_embeddings": bool(cfg.get("share_embeddings_and_output_weights", True)),
+                        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                        "initializer_range": cfg.get("init_method_std", 0.02), "torch_dtype": "float32"}
+    if norm == "rmsnorm" and act == "swiglu" and pos == "rope" and not cfg.get("bias", True):
+        qkv_bias = bool(cfg.get("qkv_bias", False))
+        arch = "qwen2" if qkv_bias else "llama"
+        heads = cfg["num_attention_heads"]
+        out = {"model_type": arch, "architectures": ["Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"],
+               "vocab_size": vocab, "hidden_size": cfg["hidden_size"], "intermediate_size": cfg["ffn_hidden_size"],
+               "num_hidden_layers": cfg["num_layers"], "num_attention_heads": heads,
+               "num_key_value_heads": cfg.get("num_query_groups") or heads,
+               "head_dim": cfg.get("kv_channels") or cfg["hidden_size"] // heads,
+               "max_position_embeddings": cfg["max_position_embeddings"], "rope_theta": float(cfg.get("rotary_base", 10000)),
+               "rope_parameters": {"rope_theta": float(cfg.get("rotary_base", 10000)), "rope_type": "default"},
+               "rms_norm_eps": cfg.get("layernorm_epsilon", 1e-5), "hidden_act": "silu",
+               "tie_word_embeddings": bool(cfg.get("share_embeddings_and_output_weights", False)),
+               "attention_dropout": 0.0, "initializer_range": cfg.get("init_method_std", 0.02), "torch_dtype": "float32"}
+        if arch == "llama":
+            out.update(attention_bias=False, mlp_bias=False)
+        return arch, out
+    raise ConfigError(f"this model (normalization={norm}, activation={act}, position_embedding_type={pos}, "
+                      f"bias={cfg.get('bias')}) matches none of {', '.join(ARCHITECTURES)}")
+
+
+# ----------------------------------------------------------------------------- weights
+def read_hf_weights(hf_dir: str) -> Dict[str, torch.Tensor]:
+    files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
+    state: Dict[str, torch.Tensor] = {}
+    if files:
+        from safetensors.torch import load_file
+
+        for path in files:
+            state.update(load_file(path))
+        return state
+    bins = sorted(glob.glob(os.path.join(hf_dir, "pytorch_model*.bin")))
+    if not bins:
+        raise CheckpointError(f"{hf_dir}: no *.safetensors or pytorch_model*.bin weights")
+    for path in bins:
+        state.update(torch.load(path, map_location="cpu", weights_only=True))
+    return state
+
+
+def _fuse_qkv(q, k, v, heads: int, groups: int, head_dim: int) -> torch.Tensor:
+    per = heads // groups
+    q = q.reshape(groups, per * head_dim, *q.shape[1:])
+    k = k.reshape(groups, head_dim, *k.shape[1:])
+    v = v.reshape(groups, head_dim, *v.shape[1:])
+    return torch.cat([q, k, v], dim=1).reshape(-1, *q.shape[2:])
+
+
+def _split_qkv(qkv, heads: int, groups: int, head_dim: int):
+    per = heads // groups
+    parts = qkv.reshape(groups, (per + 2) * head_dim, *qkv.shape[1:])
+    q = parts[:, : per * head_dim].reshape(-1, *qkv.shape[1:])
+    k = parts[:, per * head_dim : (per + 1) * head_dim].reshape(-1, *qkv.shape[1:])
+    v = parts[:, (per + 1) * head_dim :].reshape(-1, *qkv.shape[1:])
+    return q, k, v
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    out = torch.zeros(rows, *t.shape[1:], dtype=t.dtype)
+    out[: t.shape[0]] = t
+    return out
+
+
+def hf_to_mcore(hf: Dict[str, torch.Tensor], arch: str, cfg: dict) -> Dict[str, torch.Tensor]:
+    """HF state dict -> megatron-core ``GPTModel`` state dict (local layer spec names)."""
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    groups = cfg.get("num_query_groups") or heads
+    head_dim = cfg.get("kv_channels") or hidden // heads
+    padded = cfg["padded_vocab_size"]
+    out: Dict[str, torch.Tensor] = {}
+    if arch == "gpt2":
+        hf = {k[len("transformer."):] if k.startswith("transformer.") else k: v for k, v in hf.items()}
+        out["embedding.word_embeddings.weight"] = _pad_rows(hf["wte.weight"], padded)
+        out["embedding.position_embeddings.weight"] = hf["wpe.weight"]
+        for i in range(cfg["num_layers"]):
+            p, o = f"h.{i}.", f"decoder.layers.{i}."
+            w = hf[p + "attn.c_attn.weight"].t()  # Conv1D stores [in, out]
+            b = hf[p + "attn.c_attn.bias"]
+            out[o + "self_attention.linear_qkv.weight"] = _fuse_qkv(*w.split(hidden, 0), heads, heads, head_dim)
+            out[o + "self_attention.linear_qkv.bias"] = _fuse_qkv(*b.split(hidden, 0), heads, heads, head_dim)
+            out[o + "self_attention.linear_proj.weight"] = hf[p + "attn.c_proj.weight"].t()
+            out[o + "self_attention.linear_proj.bias"] = hf[p + "attn.c_proj.bias"]
+            out[o + "input_layernorm.weight"], out[o + "input_layernorm.bias"] = hf[p + "ln_1.weight"], hf[p + "ln_1.bias"]
+            out[o + "pre_mlp_layernorm.weight"], out[o + "pre_mlp_layernorm.bias"] = hf[p + "ln_2.weight"], hf[p + "ln_2.bias"]
+            out[o + "mlp.linear_fc1.weight"] = hf[p + "mlp.c_fc.weight"].t()
+            out[o + "mlp.linear_fc1.bias"] = hf[p + "mlp.c_fc.bias"]
+            out[o + "mlp.linear_fc2.weight"] = hf[p + "mlp.c_proj.weight"].t()
+            out[o + "mlp.linear_fc2.bias"] = hf[p + "mlp.c_proj.bias"]
+        out["decoder.final_layernorm.weight"], out["decoder.final_layernorm.bias"] = hf["ln_f.weight"], hf["ln_f.bias"]
+        if not cfg["share_embeddings_and_output_weights"]:
+            out["output_layer.weight"] = _pad_rows(hf["lm_head.weight"], padded)
+        return {k: v.contiguous() for k, v in out.items()}
+    out["embedding.word_embeddings.weight"] = _pad_rows(hf["model.embed_tokens.weight"], padded)
+    for i in range(cfg["num_layers"]):
+        p, o = f"model.layers.{i}.", f"decoder.layers.{i}."
+        att = p + "self_attn."
+        out[o + "self_attention.linear_qkv.weight"] = _fuse_qkv(
+            hf[att + "q_proj.weight"], hf[att + "k_proj.weight"], hf[att + "v_proj.weight"], heads, groups, head_dim)
+        if cfg.get("qkv_bias"):
+            out[o + "self_attention.linear_qkv.bias"] = _fuse_qkv(
+                hf[att + "q_proj.bias"], hf[att + "k_proj.bias"], hf[att + "v_proj.bias"], heads, groups, head_dim)
+        out[o + "self_attention.linear_proj.weight"] = hf[att + "o_proj.weight"]
+        out[o + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
+        out[o + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
+        out[o + "mlp.linear_fc1.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
+        out[o + "mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
+    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+    if not cfg["share_embeddings_and_output_weights"]:
+        out["output_layer.weight"] = _pad_rows(hf["lm_head.weight"], padded)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def mcore_to_hf(state: Dict[str, torch.Tensor], arch: str, cfg: dict) -> Dict[str, torch.Tensor]:
+    """megatron-core ``GPTModel`` state dict -> HF state dict (the padded vocabulary rows dropped)."""
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    groups = cfg.get("num_query_groups") or heads
+    head_dim = cfg.get("kv_channels") or hidden // heads
+    vocab = int(cfg.get("hf_vocab_size") or cfg["padded_vocab_size"])
+    tied = bool(cfg.get("share_embeddings_and_output_weights"))
+    out: Dict[str, torch.Tensor] = {}
+    if arch == "gpt2":
+        out["transformer.wte.weight"] = state["embedding.word_embeddings.weight"][:vocab]
+        out["transformer.wpe.weight"] = state["embedding.position_embeddings.weight"]
+        for i in range(cfg["num_layers"]):
+            o, p = f"decoder.layers.{i}.", f"transformer.h.{i}."
+            q, k, v = _split_qkv(state[o + "self_attention.linear_qkv.weight"], heads, heads, head_dim)
+            out[p + "attn.c_attn.weight"] = torch.cat([q, k, v]).t()
+            qb, kb, vb = _split_qkv(state[o + "self_attention.linear_qkv.bias"], heads, heads, head_dim)
+            out[p + "attn.c_attn.bias"] = torch.cat([qb, kb, vb])
+            out[p + "attn.c_proj.weight"] = state[o + "self_attention.linear_proj.weight"].t()
+            out[p + "attn.c_proj.bias"] = state[o + "self_attention.linear_proj.bias"]
+            for hf_name, name in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
+                out[p + hf_name + ".weight"], out[p + hf_name + ".bias"] = state[o + name + ".weight"], state[o + name + ".bias"]
+            out[p + "mlp.c_fc.weight"] = state[o + "mlp.linear_fc1.weight"].t()
+            out[p + "mlp.c_fc.bias"] = state[o + "mlp.linear_fc1.bias"]
+            out[p + "mlp.c_proj.weight"] = state[o + "mlp.linear_fc2.weight"].t()
+            out[p + "mlp.c_proj.bias"] = state[o + "mlp.linear_fc2.bias"]
+        out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = (state["decoder.final_layernorm.weight"],
+                                                                        state["decoder.final_layernorm.bias"])
+        out["lm_head.weight"] = out["transformer.wte.weight"] if tied else state["output_layer.weight"][:vocab]
+    else:
+        out["model.embed_tokens.weight"] = state["embedding.word_embeddings.weight"][:vocab]
+        for i in range(cfg["num_layers"]):
+            o, p = f"decoder.layers.{i}.", f"model.layers.{i}."
+            q, k, v = _split_qkv(state[o + "self_attention.linear_qkv.weight"], heads, groups, head_dim)
+            out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"], out[p + "self_attn.v_proj.weight"] = q, k, v
+            if o + "self_attention.linear_qkv.bias" in state:
+                qb, kb, vb = _split_qkv(state[o + "self_attention.linear_qkv.bias"], heads, groups, head_dim)
+                out[p + "self_attn.q_proj.bias"], out[p + "self_attn.k_proj.bias"], out[p + "self_attn.v_proj.bias"] = qb, kb, vb
+            out[p + "self_attn.o_proj.weight"] = state[o + "self_attention.linear_proj.weight"]
+            out[p + "input_layernorm.weight"] = state[o + "input_layernorm.weight"]
+            out[p + "post_attention_layernorm.weight"] = state[o + "pre_mlp_layernorm.weight"]
+            gate, up = state[o + "mlp.linear_fc1.weight"].chunk(2)
+            out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
+            out[p + "mlp.down_proj.weight"] = state[o + "mlp.linear_fc2.weight"]
+        out["model.norm.weight"] = state["decoder.final_layernorm.weight"]
+        if not tied:
+            out["lm_head.weight"] = state["output_layer.weight"][:vocab]
+    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+
+# ----------------------------------------------------------------------------- files
+def _ensure_single_process_parallel_state() -> None:
+    from megatron.core import parallel_state
+
+    from nemo_aligner.utils import distributed as D
+
+    D.init_distributed()
+    if not parallel_state.model_parallel_is_initialized() or \
+            parallel_state.get_tensor_model_parallel_world_size() != 1 or \
+            parallel_state.get_pipeline_model_parallel_world_size() != 1:
+        D.initialize_model_parallel(1, 1)
+
+
+def import_hf_model(hf_dir: str, nemo_path: str) -> str:
+    """Convert a local HF model directory to a ``.nemo`` (rank 0 writes; every rank waits for it)."""
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.utils.nemo_file import save_nemo
+    from nemo_aligner.utils.tokenizers import ByteTokenizer, HFTokenizer
+
+    config_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise ConfigError(f"{hf_dir}: no config.json (not a Hugging Face model directory)")
+    with open(config_path, encoding="utf-8") as f:
+        hf_cfg = json.load(f)
+    arch, cfg = nemo_config_from_hf(hf_cfg, config_path)
+    if any(os.path.isfile(os.path.join(hf_dir, n)) for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        tokenizer, tok_cfg = HFTokenizer(hf_dir), {"library": "huggingface", "type": os.path.abspath(hf_dir)}
+    else:
+        tokenizer, tok_cfg = ByteTokenizer(), {"library": "byte"}
+        if tokenizer.vocab_size > cfg["hf_vocab_size"]:
+            raise ConfigError(f"{hf_dir}: no tokenizer files, and the vocabulary ({cfg['hf_vocab_size']}) is too small "
+                              f"for the built-in byte tokenizer ({tokenizer.vocab_size})")
+        logger.warning("%s has no tokenizer files: using the built-in byte tokenizer", hf_dir)
+    if tokenizer.vocab_size > cfg["padded_vocab_size"]:
+        raise ConfigError(f"{hf_dir}: the tokenizer has {tokenizer.vocab_size} tokens, the model {cfg['hf_vocab_size']}")
+    _ensure_single_process_parallel_state()
+    model_cfg = OmegaConf.create(dict(cfg, micro_batch_size=1, tokenizer=tok_cfg))
+    model = GPTSFTModel(model_cfg, tokenizer, "32", trainable=False)
+    state = hf_to_mcore({k: v.float() for k, v in read_hf_weights(hf_dir).items()}, arch, cfg)
+    result = model.module.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"{hf_dir}: converted weights do not fit the model: missing {missing[:4]}, "
+                              f"unexpected {result.unexpected_keys[:4]}")
+    path = save_nemo(model, nemo_path)
+    if dist.is_initialized():
+        dist.barrier()
+    logger.info("imported %s (%s) to %s", hf_dir, arch, path)
+    return path
+
+
+def export_to_hf(nemo_path: str, out_dir: str) -> str:
+    """Write a ``.nemo`` as a Hugging Face directory (config.json, model.safetensors, tokenizer files)."""
+    from omegaconf import OmegaConf
+    from safetensors.torch import save_file
+
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.models.nlp.gpt.loading import load_model
+    from nemo_aligner.utils.distributed import get_rank
+
+    _ensure_single_process_parallel_state()
+    model = load_model(GPTSFTModel, OmegaConf.create({"micro_batch_size": 1, "tensor_model_parallel_size": 1,
+                                                      "pipeline_model_parallel_size": 1}),
+                       "32", nemo_path, key="nemo_file", trainable=False)
+    cfg = OmegaConf.to_container(model.cfg, resolve=True)
+    arch, hf_cfg = hf_config_from_nemo(cfg)
+    if get_rank() != 0:
+        return out_dir
+    tmp = f"{out_dir.rstrip('/')}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    state = {k: v for k, v in model.module.state_dict().items() if isinstance(v, torch.Tensor)}
+    save_file(mcore_to_hf(state, arch, cfg), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(hf_cfg, f, indent=2)
+    tokenizer = model.tokenizer
+    if getattr(tokenizer, "library", "") == "huggingface":
+        tokenizer.tokenizer.save_pretrained(tmp)
+    else:
+        logger.warning("the model uses the built-in byte tokenizer, which transformers cannot load: %s has "
+                       "weights and config only (token ids are UTF-8 bytes; see docs/hf_interop.md)", out_dir)
+    if os.path.isdir(out_dir):
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    logger.info("exported %s as %s to %s", nemo_path, arch, out_dir)
+    return out_dir
