@@ -21,10 +21,10 @@ $(STAMP): setup.py
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m nemo_aligner.demo --out-dir demo_results
+	$(PY) -m nemo_aligner.demo --out-dir results/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 clean:
-	rm -rf demo_results .pytest_cache
+	rm -rf results/demo .pytest_cache

@@ -41,6 +41,7 @@ setup(
         "wandb",
         "transformers",
         "safetensors",
+        "matplotlib",  # make demo: results/demo/report.png
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout"],

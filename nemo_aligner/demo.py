@@ -1,10 +1,9 @@
 """``make demo``: the built-in task end to end on a tiny model, on the CPU, in a few minutes.
 
-Writes the built-in data, then runs each stage with its script exactly as a user would:
-SFT of a randomly initialised tiny GPT, a reward model trained from the SFT model, a
-reward-model server queried by a client, PPO (critic server + actor) from both, and DPO
-from the SFT model. Prints what each stage achieved and where its
-.nemo was written.
+Writes the built-in data, then runs each stage as a user would: SFT of a randomly initialised
+tiny GPT, a reward model trained from the SFT model, a reward-model server queried by a client,
+PPO (critic server + actor) from both, DPO from the SFT model (all with their Hydra scripts), and
+GRPO through the Python API. Prints a summary table and writes ``report.png`` with the curves.
 """
 
 from __future__ import annotations
@@ -43,11 +42,12 @@ def loss_table(metrics_path: str) -> list:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out-dir", default="demo_results")
+    parser.add_argument("--out-dir", default=os.path.join("results", "demo"))
     parser.add_argument("--sft-steps", type=int, default=300)
     parser.add_argument("--rm-steps", type=int, default=200)
     parser.add_argument("--ppo-steps", type=int, default=10)
     parser.add_argument("--dpo-steps", type=int, default=60)
+    parser.add_argument("--grpo-steps", type=int, default=40)
     args = parser.parse_args(argv)
     out = os.path.abspath(args.out_dir)
     data = os.path.join(out, "data")
@@ -78,6 +78,81 @@ def main(argv=None) -> None:
     serve_stage(rm_nemo)
     ppo_stage(out, paths, sft_nemo, rm_nemo, args.ppo_steps)
     dpo_stage(out, paths, sft_nemo, args.dpo_steps)
+    grpo_stage(out, paths, sft_nemo, args.grpo_steps)
+    report(out)
+
+
+def read_metrics(path: str) -> list:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def series(records: list, key: str) -> tuple:
+    points = [(r["step"], r[key]) for r in records if key in r]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def report(out: str) -> None:
+    """The summary table, and ``report.png`` with every stage's curves."""
+    runs = {name: read_metrics(os.path.join(out, d, "metrics.jsonl"))
+            for name, d in (("sft", "sft"), ("rm", "rm"), ("ppo", "ppo_actor"), ("dpo", "dpo"), ("grpo", "grpo/fit_1"))}
+    first_last = lambda name, key: (series(runs[name], key)[1][0], series(runs[name], key)[1][-1])  # noqa: E731
+    rows = [
+        ("SFT validation loss", *first_last("sft", "val/loss")),
+        ("reward model accuracy (held-out pairs)", *first_last("rm", "val/accuracy")),
+        ("PPO reward (reward model, greedy, validation)", *first_last("ppo", "val/global_rewards")),
+        ("DPO preference accuracy (held-out pairs)", *first_last("dpo", "val/accuracy")),
+        ("GRPO task reward (greedy, validation)", *first_last("grpo", "val/global_rewards")),
+    ]
+    print("\n" + "=" * 72)
+    print(f"{'stage':<48} {'first':>10} {'last':>10}")
+    print("-" * 72)
+    for name, first, last in rows:
+        print(f"{name:<48} {first:>10.3f} {last:>10.3f}")
+    print("=" * 72)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("SFT", "sft", [("train/loss", "train loss"), ("val/loss", "validation loss")]),
+              ("Reward model", "rm", [("train/loss", "train loss"), ("val/accuracy", "validation accuracy")]),
+              ("PPO", "ppo", [("train/rewards", "train reward"), ("val/global_rewards", "validation reward")]),
+              ("DPO", "dpo", [("train/loss", "train loss"), ("val/accuracy", "validation accuracy")]),
+              ("GRPO (Python API)", "grpo", [("train/rewards", "train reward"), ("val/global_rewards", "validation reward")])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for ax, (title, name, keys) in zip(axes, panels):
+        for key, label in keys:
+            x, y = series(runs[name], key)
+            ax.plot(x, y, marker="o" if len(x) < 12 else None, label=label)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = os.path.join(out, "report.png")
+    fig.savefig(path + ".tmp.png", dpi=110)
+    os.replace(path + ".tmp.png", path)
+    plt.close(fig)
+    print(f"training curves: {path}")
+
+
+def grpo_stage(out: str, paths: dict, sft_nemo: str, steps: int) -> None:
+    """GRPO from the SFT model through the Python API, rewarded by the task's own scorer."""
+    from nemo_aligner import GRPOTrainer
+    from nemo_aligner.data.nlp.builtin_task import BuiltinTask as Task
+
+    grpo_dir = os.path.join(out, "grpo")
+    shutil.rmtree(grpo_dir, ignore_errors=True)
+    print("\n>>> GRPOTrainer.from_pretrained(sft_nemo, num_prompts_per_step=16, num_generations_per_prompt=8, "
+          "learning_rate=5e-5).fit(dataset=prompts_train.jsonl, reward_fn=task.score)", flush=True)
+    trainer = GRPOTrainer.from_pretrained(sft_nemo, num_prompts_per_step=16, num_generations_per_prompt=8,
+                                          learning_rate=5e-5, max_sequence_length=64, max_new_tokens=9,
+                                          global_batch_size=64, micro_batch_size=16, output_dir=grpo_dir)
+    result = trainer.fit(dataset=paths["prompts_train"], val_dataset=paths["prompts_val"],
+                         reward_fn=Task.score, max_steps=steps)
+    print(f"GRPO: {result.total_steps} steps; validation reward {result.metrics['final_val_reward']:.3f}; "
+          f"policy: {result.model_path}")
 
 
 def dpo_stage(out: str, paths: dict, sft_nemo: str, steps: int) -> None:

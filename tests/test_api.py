@@ -1,0 +1,170 @@
+"""The Python API: the README snippet on a tiny local model, callbacks, results and checkpoints,
+SFT/DPO trainers, the registry, the nemo_rl alias, and clear errors."""
+
+import json
+import os
+
+import pytest
+
+from conftest import REPO, subprocess_env
+from nemo_aligner.utils.errors import AlignerError, ConfigError
+
+
+@pytest.fixture(scope="module")
+def weak_sft(tmp_path_factory):
+    """A tiny model after 150 SFT steps through the API (room left for RL to improve it)."""
+    from nemo_aligner import SFTTrainer
+    from nemo_aligner.data.nlp.builtin_task import BuiltinTask
+
+    out = tmp_path_factory.mktemp("api")
+    data = BuiltinTask(seed=0).write_all(str(out / "data"), n_train=1000, n_val=64)
+    base = out / "base.nemo"
+    _random_model(base)
+    sft = SFTTrainer.from_pretrained(str(base), batch_size=32, learning_rate=1e-3, max_sequence_length=64,
+                                     output_dir=str(out / "sft"))
+    result = sft.fit(dataset=data["sft_train"], val_dataset=data["sft_val"], max_steps=150)
+    assert result.total_steps == 150 and result.model_path and os.path.isfile(result.model_path)
+    assert result.metrics["final_val_loss"] < result.metrics["final_train_loss"] + 0.5
+    return out, data, result.model_path
+
+
+def _random_model(path):
+    """A randomly initialised model of gpt_sft.yaml's default shape, saved as a .nemo."""
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.trainers.base import compose_config
+    from nemo_aligner.utils import distributed as D
+    from nemo_aligner.utils.nemo_file import save_nemo
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    D.init_distributed()
+    D.initialize_model_parallel(1, 1)
+    cfg = compose_config("gpt_sft", {}).model
+    save_nemo(GPTSFTModel(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)), ByteTokenizer(), trainable=False),
+              str(path))
+
+
+def test_grpo_snippet_raises_reward_with_callbacks(weak_sft):
+    from nemo_aligner import GRPOTrainer
+    from nemo_aligner.data.nlp.builtin_task import BuiltinTask
+    from nemo_aligner.trainers.callbacks import Callback
+
+    out, data, model = weak_sft
+    events = []
+
+    class Recorder(Callback):
+        def on_train_begin(self, trainer):
+            events.append(("begin", trainer.current_step))
+
+        def on_step_begin(self, trainer, step):
+            events.append(("step_begin", step))
+
+        def on_step_end(self, trainer, step, metrics):
+            events.append(("step_end", step, metrics["rewards"]))
+
+        def on_epoch_end(self, trainer, epoch):
+            events.append(("epoch_end", epoch))
+
+        def on_train_end(self, trainer, result):
+            events.append(("end",))
+
+    trainer = GRPOTrainer.from_pretrained(model, num_prompts_per_step=16, num_generations_per_prompt=8,
+                                          learning_rate=5e-5, max_sequence_length=64, max_new_tokens=9,
+                                          global_batch_size=64, micro_batch_size=16, output_dir=str(out / "grpo"))
+
+    def reward_fn(prompt: str, response: str) -> float:
+        return BuiltinTask.score(prompt, response)
+
+    result = trainer.fit(dataset=data["prompts_train"], val_dataset=data["prompts_val"], reward_fn=reward_fn,
+                         max_steps=80, callbacks=[Recorder()])
+    print(result.metrics, result.best_checkpoint_path, result.total_steps, result.total_epochs)
+    steps = [e[1] for e in events if e[0] == "step_begin"]
+    assert events[0] == ("begin", 0) and events[-1] == ("end",) and steps == list(range(1, 81))
+    order = [e[0] for e in events if e[0] in ("step_begin", "step_end")]
+    assert order == ["step_begin", "step_end"] * 80
+    assert result.total_steps == 80 == trainer.current_step and result.total_epochs == 1
+    # 1000 prompts, 16 a step: the first epoch ends with step 62
+    at = events.index(("epoch_end", 0))
+    assert events[at - 1][:2] == ("step_end", 62) and [e for e in events if e[0] == "epoch_end"] == [("epoch_end", 0)]
+    # mean sampled reward (128 responses a step) of the first and last 20 steps, and the greedy
+    # reward on the 64 held-out prompts before the first step and after the last
+    rewards = [e[2] for e in events if e[0] == "step_end"]
+    first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
+    val = [json.loads(line) for line in open(out / "grpo" / "fit_1" / "metrics.jsonl") if "val/global_rewards" in line]
+    before, after = val[0]["val/global_rewards"], val[-1]["val/global_rewards"]
+    print(f"GRPO sampled reward {first:.3f} -> {last:.3f}; greedy validation reward {before:.3f} -> {after:.3f}")
+    assert last > first + 0.02, (first, last)
+    assert after > before, (before, after)
+    assert os.path.exists(result.best_checkpoint_path)
+    # the best checkpoint loads back and becomes the current model
+    trainer.load_checkpoint(result.best_checkpoint_path)
+    saved = trainer.save_checkpoint(str(out / "saved" / "grpo.nemo"))
+    from nemo_aligner.utils.nemo_file import list_members
+
+    assert any(m.endswith("model_config.yaml") for m in list_members(saved))
+
+
+def test_dpo_trainer_and_registry(weak_sft):
+    from nemo_aligner.api import create_trainer, get_algorithm, list_algorithms
+    from nemo_aligner.trainers.dpo import DPOTrainer
+
+    out, data, model = weak_sft
+    assert {"dpo", "grpo", "sft"} <= set(list_algorithms())
+    assert get_algorithm("DPO") is DPOTrainer
+    with pytest.raises(ConfigError, match=r"unknown algorithm 'ppo2'; registered: \['dpo', 'grpo'"):
+        get_algorithm("ppo2")
+    trainer = create_trainer("dpo", model=model, batch_size=32, learning_rate=2e-4, beta=0.2,
+                             max_sequence_length=64, output_dir=str(out / "dpo"))
+    pairs = [json.loads(line) for line in open(data["dpo_train"])][:320]
+    result = trainer.fit(dataset=pairs, max_steps=10)
+    assert result.total_steps == 10 and result.metrics["final_val_loss"] < 0.69  # below log 2: learned something
+    assert trainer.config["dpo"]["beta"] == 0.2
+
+
+def test_errors_are_clear(weak_sft, tmp_path):
+    from nemo_aligner import GRPOTrainer, SFTTrainer
+    from nemo_aligner.environments import BuiltinTaskEnvironment
+
+    out, data, model = weak_sft
+    trainer = GRPOTrainer.from_pretrained(model, num_prompts_per_step=4, num_generations_per_prompt=2,
+                                          output_dir=str(tmp_path / "g"))
+    with pytest.raises(ConfigError, match="exactly one of reward_fn"):
+        trainer.fit(dataset=["reverse ab = "], reward_fn=lambda p, r: 0.0, environment=BuiltinTaskEnvironment())
+    with pytest.raises(ConfigError, match="exactly one of reward_fn"):
+        trainer.fit(dataset=["reverse ab = "])
+    with pytest.raises(ConfigError, match="not a local file or directory; datasets are not downloaded"):
+        trainer.fit(dataset="openai/gsm8k", reward_fn=lambda p, r: 0.0)
+    with pytest.raises(ConfigError, match="not a local .nemo file or Hugging Face model directory"):
+        GRPOTrainer.from_pretrained("meta-llama/Llama-3-8B").fit(dataset=["x"], reward_fn=lambda p, r: 0.0)
+    with pytest.raises(ConfigError, match=r"unknown argument\(s\) \['batch_sise'\]"):
+        SFTTrainer.from_pretrained(model, batch_sise=3)
+    with pytest.raises(AlignerError, match=r"dataset\[1\]: needs a prompt field"):
+        trainer.fit(dataset=["ok", {"question_text": "x"}], reward_fn=lambda p, r: 0.0)
+
+
+def test_direct_config_environment_and_nemo_rl_alias(weak_sft, tmp_path):
+    import subprocess
+    import sys
+
+    out, data, model = weak_sft
+    script = f"""
+from nemo_rl import GRPOTrainer
+from nemo_rl.api import list_algorithms, create_trainer
+from nemo_rl.trainers.callbacks import Callback
+from nemo_aligner.environments import BuiltinTaskEnvironment
+trainer = GRPOTrainer({{"policy": {{"model_name": {model!r}, "learning_rate": 1e-5, "max_total_sequence_length": 64,
+                                   "dtensor_cfg": {{"tensor_parallel_size": 1}}}},
+                       "grpo": {{"num_prompts_per_step": 4, "num_generations_per_prompt": 2, "max_new_tokens": 8}},
+                       "output_dir": {str(tmp_path / "alias")!r}}})
+class C(Callback):
+    def on_step_end(self, trainer, step, metrics):
+        print("STEP", step, round(metrics["rewards"], 4))
+result = trainer.fit(dataset={data["prompts_val"]!r}, environment=BuiltinTaskEnvironment(), max_steps=2, callbacks=[C()])
+print("ALGOS", list_algorithms(), "STEPS", result.total_steps)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], env=subprocess_env(), cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "STEP 1" in proc.stdout and "STEP 2" in proc.stdout
+    assert "ALGOS ['dpo', 'grpo', 'sft'] STEPS 2" in proc.stdout
