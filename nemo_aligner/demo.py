@@ -43,11 +43,12 @@ def loss_table(metrics_path: str) -> list:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out-dir", default=os.path.join("results", "demo"))
-    parser.add_argument("--sft-steps", type=int, default=300)
+    parser.add_argument("--sft-steps", type=int, default=150,
+                        help="short on purpose: a partly trained policy leaves room for PPO and GRPO to improve it")
     parser.add_argument("--rm-steps", type=int, default=200)
-    parser.add_argument("--ppo-steps", type=int, default=10)
+    parser.add_argument("--ppo-steps", type=int, default=30)
     parser.add_argument("--dpo-steps", type=int, default=60)
-    parser.add_argument("--grpo-steps", type=int, default=40)
+    parser.add_argument("--grpo-steps", type=int, default=80)
     args = parser.parse_args(argv)
     out = os.path.abspath(args.out_dir)
     data = os.path.join(out, "data")
@@ -186,14 +187,15 @@ def ppo_stage(out: str, paths: dict, sft_nemo: str, rm_nemo: str, steps: int) ->
     print("\n$ python -m nemo_aligner.launchers.ppo_local --critic ... --actor ...", flush=True)
     code = run_ppo(
         [f"pretrained_checkpoint.restore_from_path={rm_nemo}", f"exp_manager.explicit_log_dir={critic_dir}",
-         "model.global_batch_size=64", "exp_manager.resume_if_exists=False"],
+         "model.global_batch_size=64", "model.optim.lr=3e-4", "exp_manager.resume_if_exists=False"],
         [f"pretrained_checkpoint.restore_from_path={sft_nemo}",
          f"++model.data.data_prefix={{train: [{paths['prompts_train']}], validation: [{paths['prompts_val']}]}}",
          f"exp_manager.explicit_log_dir={actor_dir}", "exp_manager.resume_if_exists=False",
-         f"trainer.ppo.max_steps={steps}", "trainer.ppo.max_epochs=100", f"trainer.ppo.val_check_interval={steps}",
+         f"trainer.ppo.max_steps={steps}", "trainer.ppo.max_epochs=100",
+         f"trainer.ppo.val_check_interval={max(steps // 2, 1)}", "trainer.ppo.save_interval=0",
          "model.ppo.num_rollout_samples=128", "model.global_batch_size=64", "model.micro_batch_size=16",
          "model.ppo.rollout_micro_batch_size=32", "model.ppo.num_val_samples=64",
-         "model.ppo.length_params.max_length=12", "model.optim.lr=5e-5", "trainer.ppo.critic_warmup_steps=2"],
+         "model.ppo.length_params.max_length=12", "model.optim.lr=5e-5", "trainer.ppo.critic_warmup_steps=3"],
         critic_log=os.path.join(out, "ppo_critic_server.log"))
     if code != 0:
         raise SystemExit(f"PPO failed (status {code}); critic log: {os.path.join(out, 'ppo_critic_server.log')}")

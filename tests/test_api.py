@@ -168,3 +168,20 @@ print("ALGOS", list_algorithms(), "STEPS", result.total_steps)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "STEP 1" in proc.stdout and "STEP 2" in proc.stdout
     assert "ALGOS ['dpo', 'grpo', 'sft'] STEPS 2" in proc.stdout
+
+
+def test_from_pretrained_imports_a_hugging_face_directory(tmp_path, mcore_single):
+    """A local HF directory is converted once into the trainer's output dir and used as its model."""
+    from test_hf_interop import tiny_hf
+
+    from nemo_aligner import SFTTrainer
+    from nemo_aligner.utils.nemo_file import read_model_config
+
+    tiny_hf("llama").save_pretrained(tmp_path / "hf_llama")
+    trainer = SFTTrainer.from_pretrained(str(tmp_path / "hf_llama"), output_dir=str(tmp_path / "out"))
+    path = trainer.model_path
+    assert path == str(tmp_path / "out" / "imported" / "hf_llama.nemo") and os.path.isfile(path)
+    cfg = read_model_config(path)
+    assert cfg.normalization == "rmsnorm" and cfg.num_query_groups == 2 and cfg.rotary_base == 5000
+    result = trainer.fit(dataset=[{"input": "reverse ab =", "output": "ba"}] * 64, max_steps=2)
+    assert result.total_steps == 2 and os.path.isfile(result.model_path)
