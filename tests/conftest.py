@@ -137,6 +137,21 @@ def sft_nemo(tmp_path_factory):
     return str(out / "run" / "checkpoints" / "megatron_gpt_sft.nemo")
 
 
+@pytest.fixture(scope="session")
+def weak_policy(tmp_path_factory):
+    """A tiny GPT after only 150 SFT steps (greedy task score ~0.76): room for RL to improve it.
+    Returns ``(nemo path, built-in data paths with 1000 train / 64 val examples)``."""
+    from nemo_aligner.data.nlp.builtin_task import BuiltinTask
+
+    out = tmp_path_factory.mktemp("weak_policy")
+    data = BuiltinTask(seed=0).write_all(str(out / "data"), n_train=1000, n_val=64)
+    run_script("train_gpt_sft.py", [
+        f"model.data.train_ds.file_path={data['sft_train']}", f"model.data.validation_ds.file_path={data['sft_val']}",
+        f"exp_manager.explicit_log_dir={out / 'run'}", "trainer.sft.max_steps=150", "trainer.sft.max_epochs=100",
+        "trainer.sft.val_check_interval=150", "exp_manager.create_checkpoint_callback=True"])
+    return str(out / "run" / "checkpoints" / "megatron_gpt_sft.nemo"), data
+
+
 class ServerProcess:
     """A server script (python or torchrun) in its own session, whose output goes to a log; always stopped."""
 

@@ -11,38 +11,10 @@ from nemo_aligner.utils.errors import AlignerError, ConfigError
 
 
 @pytest.fixture(scope="module")
-def weak_sft(tmp_path_factory):
-    """A tiny model after 150 SFT steps through the API (room left for RL to improve it)."""
-    from nemo_aligner import SFTTrainer
-    from nemo_aligner.data.nlp.builtin_task import BuiltinTask
-
-    out = tmp_path_factory.mktemp("api")
-    data = BuiltinTask(seed=0).write_all(str(out / "data"), n_train=1000, n_val=64)
-    base = out / "base.nemo"
-    _random_model(base)
-    sft = SFTTrainer.from_pretrained(str(base), batch_size=32, learning_rate=1e-3, max_sequence_length=64,
-                                     output_dir=str(out / "sft"))
-    result = sft.fit(dataset=data["sft_train"], val_dataset=data["sft_val"], max_steps=150)
-    assert result.total_steps == 150 and result.model_path and os.path.isfile(result.model_path)
-    assert result.metrics["final_val_loss"] < result.metrics["final_train_loss"] + 0.5
-    return out, data, result.model_path
-
-
-def _random_model(path):
-    """A randomly initialised model of gpt_sft.yaml's default shape, saved as a .nemo."""
-    from omegaconf import OmegaConf
-
-    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
-    from nemo_aligner.trainers.base import compose_config
-    from nemo_aligner.utils import distributed as D
-    from nemo_aligner.utils.nemo_file import save_nemo
-    from nemo_aligner.utils.tokenizers import ByteTokenizer
-
-    D.init_distributed()
-    D.initialize_model_parallel(1, 1)
-    cfg = compose_config("gpt_sft", {}).model
-    save_nemo(GPTSFTModel(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)), ByteTokenizer(), trainable=False),
-              str(path))
+def weak_sft(tmp_path_factory, weak_policy):
+    """The partly trained policy (150 SFT steps), the built-in data and a scratch directory."""
+    model, data = weak_policy
+    return tmp_path_factory.mktemp("api"), data, model
 
 
 def test_grpo_snippet_raises_reward_with_callbacks(weak_sft):

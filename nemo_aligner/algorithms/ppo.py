@@ -413,7 +413,7 @@ class PPOTrainer:
                     if self.epoch > epoch_before:
                         self.callbacks.on_epoch_end(epoch_before)
                     if out_of_time:
-                        logger.info("max_time reached after %d %s steps; checkpoints saved, stopping", self.step, self.name)
+                        logger.info("%s after %d %s steps; checkpoints saved, stopping", self.timer.stop_reason, self.step, self.name)
                         stop = True
                         break
         finally:

@@ -8,9 +8,15 @@ from typing import Dict
 def fit_and_export(trainer, model, exp) -> Dict:
     """Resume from ``exp.resume_from`` if set, ``trainer.fit()``, and write ``<name>.nemo`` when training
     finished (``save_nemo_on_train_end``). Returns the trainer's summary plus ``nemo_path`` and ``log_dir``."""
-    if exp.resume_from:
-        trainer.load_checkpoint(exp.resume_from)
-    summary = trainer.fit()
+    try:
+        if exp.resume_from:
+            trainer.load_checkpoint(exp.resume_from)
+        summary = trainer.fit()
+    finally:
+        trainer.timer.close()
+    stopped = trainer.timer.stop_reason
+    if stopped:
+        summary["stopped"] = stopped
     nemo_path = None
     callback = exp.checkpoint_callback
     if callback is not None and callback.save_nemo_on_train_end and trainer.step >= trainer.max_steps:

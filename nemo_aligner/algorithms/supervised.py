@@ -226,7 +226,7 @@ class SupervisedTrainer:
                     if self.epoch > epoch_before:
                         self.callbacks.on_epoch_end(epoch_before)
                     if out_of_time:
-                        logger.info("max_time reached after %d steps; checkpoint saved, stopping", self.step)
+                        logger.info("%s after %d steps; checkpoint saved, stopping", self.timer.stop_reason, self.step)
                         stop = True
                         break
         finally:

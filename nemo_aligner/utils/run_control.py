@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import logging
+import signal
 import time
 from typing import Optional, Union
 
@@ -35,24 +37,77 @@ def parse_max_time(value: Union[None, str, int, float, dict], key: str = "max_ti
     return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
 
 
-class RunTimer:
-    """Wall-clock budget for one run; every rank agrees on when it is exhausted."""
+_TERMINATION: dict = {"signal": None, "installed": False, "previous": {}}
 
-    def __init__(self, max_seconds: Optional[float]):
+
+def _request_stop(signum, frame) -> None:
+    if _TERMINATION["signal"] is None:
+        logging.getLogger(__name__).warning("received %s: finishing this step, saving a checkpoint, then stopping",
+                                            signal.Signals(signum).name)
+    _TERMINATION["signal"] = signum
+
+
+def install_termination_handlers() -> bool:
+    """SIGTERM (Slurm preemption, ``kill``) and SIGUSR1 (Slurm's ``--signal``) ask the run to stop after
+    the current step, with a checkpoint. Only possible in the main thread; returns whether installed."""
+    import threading
+
+    if _TERMINATION["installed"]:
+        return True
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        _TERMINATION["previous"][sig] = signal.signal(sig, _request_stop)
+    _TERMINATION["installed"] = True
+    return True
+
+
+def restore_termination_handlers() -> None:
+    """Put back the handlers that were there before (a Python-API process is killable again after
+    ``fit``) and forget a signal already handled."""
+    if _TERMINATION["installed"]:
+        for sig, previous in _TERMINATION["previous"].items():
+            signal.signal(sig, previous)
+    _TERMINATION.update(signal=None, installed=False, previous={})
+
+
+def termination_requested() -> Optional[int]:
+    return _TERMINATION["signal"]
+
+
+class RunTimer:
+    """Wall-clock budget for one run, and termination signals; every rank agrees on when to stop."""
+
+    def __init__(self, max_seconds: Optional[float], handle_signals: bool = True):
         self.max_seconds = max_seconds
         self.start = time.monotonic()
+        self.watch_signals = install_termination_handlers() if handle_signals else False
+        self.stop_reason = ""
 
     def elapsed(self) -> float:
         return time.monotonic() - self.start
 
+    def close(self) -> None:
+        """The run is over: stop watching for termination signals."""
+        if self.watch_signals:
+            restore_termination_handlers()
+            self.watch_signals = False
+
     def is_finished(self) -> bool:
-        """Collective when distributed: rank 0's clock decides, so all ranks stop together."""
-        if self.max_seconds is None:
+        """Collective when distributed: rank 0 decides (its clock, or a signal any rank received), so
+        all ranks stop together."""
+        if self.max_seconds is None and not self.watch_signals:
             return False
-        done = torch.tensor([1 if self.elapsed() >= self.max_seconds else 0], dtype=torch.int32)
+        out_of_time = self.max_seconds is not None and self.elapsed() >= self.max_seconds
+        signalled = termination_requested() is not None
+        flags = torch.tensor([int(out_of_time), int(signalled)], dtype=torch.int32)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast(done, src=0)
-        return bool(done.item())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[1]:
+            self.stop_reason = "termination signal received"
+        elif flags[0]:
+            self.stop_reason = "max_time reached"
+        return bool(flags.max().item())
 
 
 def compute_max_steps(max_steps: Optional[int], max_epochs: Optional[int], steps_per_epoch: int,

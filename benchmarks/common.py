@@ -1,0 +1,98 @@
+"""Shared pieces of the benchmarks: a model in our engine and the same weights as a Hugging Face
+model, the machine's measured matmul peak, timing helpers and result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+SHAPES = {
+    "tiny": dict(num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4),
+    "small": dict(num_layers=12, hidden_size=768, ffn_hidden_size=3072, num_attention_heads=12),
+}
+
+
+def model_cfg(shape: str, seq: int) -> dict:
+    """A Llama-shaped model config (RoPE, RMSNorm, SwiGLU, untied embeddings), as the built-in models."""
+    return dict(SHAPES[shape], num_query_groups=None, encoder_seq_length=seq, max_position_embeddings=seq,
+                position_embedding_type="rope", normalization="rmsnorm", activation="swiglu", bias=False,
+                share_embeddings_and_output_weights=False, make_vocab_size_divisible_by=128, micro_batch_size=8,
+                global_batch_size=8, hidden_dropout=0.0, attention_dropout=0.0,
+                optim={"name": "fused_adam", "lr": 1e-4, "weight_decay": 0.0, "sched": {"name": "Constant"}})
+
+
+def init_single_process() -> None:
+    from nemo_aligner.utils import distributed as D
+
+    D.init_distributed()
+    D.initialize_model_parallel(1, 1)
+
+
+def build_pair(shape: str, seq: int, model_cls=None, trainable: bool = False):
+    """``(our model, the HF model with identical weights)``, float32, eval mode."""
+    import transformers
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.utils.hf_interop import hf_config_from_nemo, mcore_to_hf
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    torch.manual_seed(0)
+    ours = (model_cls or GPTSFTModel)(OmegaConf.create(model_cfg(shape, seq)), ByteTokenizer(), "32", trainable=trainable)
+    cfg = OmegaConf.to_container(ours.cfg, resolve=True)
+    arch, hf_cfg = hf_config_from_nemo(cfg)
+    hf_cfg = dict(hf_cfg, vocab_size=cfg["padded_vocab_size"])  # keep the padded rows: identical logits
+    config = transformers.AutoConfig.for_model(**hf_cfg)
+    hf = transformers.AutoModelForCausalLM.from_config(config)
+    state = {k: v for k, v in ours.module.state_dict().items() if isinstance(v, torch.Tensor)}
+    cfg_full = dict(cfg, hf_vocab_size=cfg["padded_vocab_size"])
+    missing, unexpected = hf.load_state_dict(mcore_to_hf(state, arch, cfg_full), strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    return ours, hf.eval()
+
+
+def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """Measured float32 matmul throughput of this machine (best of ``repeats``)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n ** 3 / best / 1e9
+
+
+def alternate(contenders: Dict[str, Callable[[], float]], rounds: int) -> Dict[str, List[float]]:
+    """Run each contender once per round, in turn; each call returns its measured seconds."""
+    times: Dict[str, List[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, run in contenders.items():
+            times[name].append(run())
+    return times
+
+
+def median(values: List[float]) -> float:
+    return statistics.median(values)
+
+
+def machine() -> dict:
+    return {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "cuda": torch.cuda.is_available()}
+
+
+def write_json(name: str, payload: dict, out_dir: str = None) -> str:
+    out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=2)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,47 @@
+"""Preemption: SIGTERM makes a trainer finish its step, save a checkpoint and exit 0; the same
+command resumes from that checkpoint."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import SCRIPTS, read_metrics, subprocess_env
+
+
+def test_sigterm_saves_and_the_same_command_resumes(tmp_path, builtin_data):
+    log_dir = tmp_path / "sft"
+    args = [sys.executable, os.path.join(SCRIPTS, "train_gpt_sft.py"),
+            f"model.data.train_ds.file_path={builtin_data['sft_train']}",
+            f"model.data.validation_ds.file_path={builtin_data['sft_val']}",
+            f"exp_manager.explicit_log_dir={log_dir}", "trainer.sft.max_steps=100000", "trainer.sft.max_epochs=10000",
+            "trainer.sft.val_check_interval=0", "trainer.sft.save_interval=0", "exp_manager.resume_if_exists=True",
+            "exp_manager.create_checkpoint_callback=True", "model.data.train_ds.global_batch_size=8",
+            "model.data.train_ds.micro_batch_size=8"]
+    out = open(tmp_path / "run1.log", "w+")
+    proc = subprocess.Popen(args, env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while not (log_dir / "metrics.jsonl").exists() or len(read_metrics(log_dir)) < 5:
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "run1.log").read_text()[-3000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, (tmp_path / "run1.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = (tmp_path / "run1.log").read_text()
+    assert "received SIGTERM" in text and "termination signal received after" in text
+    stopped_at = max(r["step"] for r in read_metrics(log_dir) if "train/loss" in r)
+    ckpts = [c for c in os.listdir(log_dir / "checkpoints") if f"step={stopped_at}-" in c and not c.endswith(".tmp")]
+    assert ckpts, os.listdir(log_dir / "checkpoints")
+    assert not (log_dir / "checkpoints" / "megatron_gpt_sft.nemo").exists()  # the run did not finish
+
+    # the same command, now limited to 3 more steps, resumes where it stopped
+    args = [a.replace("trainer.sft.max_steps=100000", f"trainer.sft.max_steps={stopped_at + 3}") for a in args]
+    done = subprocess.run(args, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [r["step"] for r in read_metrics(log_dir) if "train/loss" in r]
+    assert steps[-3:] == [stopped_at + 1, stopped_at + 2, stopped_at + 3]
+    assert (log_dir / "checkpoints" / "megatron_gpt_sft.nemo").is_file()
