@@ -45,3 +45,56 @@ def test_sigterm_saves_and_the_same_command_resumes(tmp_path, builtin_data):
     steps = [r["step"] for r in read_metrics(log_dir) if "train/loss" in r]
     assert steps[-3:] == [stopped_at + 1, stopped_at + 2, stopped_at + 3]
     assert (log_dir / "checkpoints" / "megatron_gpt_sft.nemo").is_file()
+
+
+def _sft_cfg(tmp_path, data, name, steps, extra=None):
+    from nemo_aligner.trainers.base import compose_config
+
+    values = {"model.data.train_ds.file_path": data["sft_train"], "model.data.validation_ds.file_path": data["sft_val"],
+              "exp_manager.explicit_log_dir": str(tmp_path / name), "trainer.sft.max_steps": steps,
+              "trainer.sft.max_epochs": 100, "trainer.sft.val_check_interval": 0,
+              "exp_manager.create_checkpoint_callback": False, "model.data.train_ds.global_batch_size": 8,
+              "model.data.train_ds.micro_batch_size": 8}
+    values.update(extra or {})
+    return compose_config("gpt_sft", values)
+
+
+def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, builtin_data, monkeypatch):
+    """A step whose loss is not finite changes no weight and is counted; N in a row stop the run with
+    a message naming the key."""
+    import math
+
+    import pytest
+    import torch
+
+    from nemo_aligner.algorithms.sft import run_sft
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.utils.errors import TrainingError
+
+    real = GPTSFTModel.get_loss_and_metrics
+    calls = {"n": 0, "poison": {3}, "weights": {}}
+
+    def poisoned(self, batch, forward_only):
+        loss, metrics = real(self, batch, forward_only)
+        if not forward_only:
+            calls["n"] += 1
+            calls["weights"][calls["n"]] = self.module.embedding.word_embeddings.weight.detach().clone()
+            if calls["n"] in calls["poison"]:
+                for p in self.module.parameters():  # what an overflow looks like: NaN loss and gradients
+                    g = getattr(p, "main_grad", None)
+                    (p.grad if g is None else g).fill_(float("nan"))
+                return float("nan"), metrics
+        return loss, metrics
+
+    monkeypatch.setattr(GPTSFTModel, "get_loss_and_metrics", poisoned)
+    run_sft(_sft_cfg(tmp_path, builtin_data, "skip", 5))
+    records = read_metrics(tmp_path / "skip")
+    skipped = [r["step"] for r in records if r.get("train/skipped_step") == 1.0]
+    assert skipped == [3]
+    assert torch.equal(calls["weights"][3], calls["weights"][4])  # the poisoned step changed nothing
+    assert not torch.equal(calls["weights"][2], calls["weights"][3])  # ordinary steps do
+    assert all(math.isfinite(v) for v in calls["weights"][5].flatten().tolist()[:100])
+
+    calls.update(n=0, poison=set(range(2, 100)), weights={})
+    with pytest.raises(TrainingError, match=r"4 consecutive steps had a non-finite loss.*trainer\.sft\.max_consecutive_nonfinite_steps"):
+        run_sft(_sft_cfg(tmp_path, builtin_data, "stop", 50, {"trainer.sft.max_consecutive_nonfinite_steps": 4}))

@@ -15,3 +15,7 @@ class DataError(AlignerError):
 
 class CheckpointError(AlignerError):
     """A checkpoint is missing, corrupt or does not match the model."""
+
+
+class TrainingError(AlignerError):
+    """Training cannot go on (e.g. too many consecutive non-finite steps)."""

@@ -116,21 +116,32 @@ class KVCacheDecoder:
         shape = (len(layers), batch, self.groups, max_len, self.head_dim)
         self.keys = torch.zeros(shape, dtype=dtype)
         self.values = torch.zeros(shape, dtype=dtype)
+        self.tp = tp
         self.rope = getattr(module, "rotary_pos_emb", None) if module.position_embedding_type == "rope" else None
-        self.freqs = self.rope(max_len).squeeze(1).squeeze(1) if self.rope is not None else None  # [max_len, rot]
+        if self.rope is not None:  # cos/sin tables once, not per layer and step
+            freqs = self.rope(max_len).squeeze(1).squeeze(1)  # [max_len, rot]
+            self.cos, self.sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
 
-    def _apply_rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``x`` [S, B, h, d], ``positions`` [S, B]."""
-        freqs = self.freqs[positions].unsqueeze(2).to(x.dtype)  # [S, B, 1, rot]
-        rot = freqs.shape[-1]
+    def _linear(self, linear, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A megatron-core parallel linear layer, bias included; a plain matmul without tensor
+        parallelism (no autograd-function and communication wrappers per token)."""
+        if self.tp == 1:
+            return F.linear(x, linear.weight if weight is None else weight, linear.bias)
+        out, bias = linear(x, weight=weight) if weight is not None else linear(x)
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` [S, B, h, d]; ``cos``/``sin`` [S, B, 1, rot]."""
+        rot = cos.shape[-1]
+        if rot == x.shape[-1]:
+            return x * cos + _rotate_half(x) * sin
         x_rot, x_pass = x[..., :rot], x[..., rot:]
-        x_rot = x_rot * freqs.cos() + _rotate_half(x_rot) * freqs.sin()
-        return torch.cat((x_rot, x_pass), dim=-1) if x_pass.shape[-1] else x_rot
+        return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
 
-    def _attention(self, layer, hidden: torch.Tensor, positions: torch.Tensor, start: int,
-                   key_mask: torch.Tensor, index: int) -> torch.Tensor:
+    def _attention(self, layer, hidden: torch.Tensor, rope, start: int, mask, index: int) -> torch.Tensor:
         attn = layer.self_attention
-        mixed, _ = attn.linear_qkv(hidden)
+        mixed = self._linear(attn.linear_qkv, hidden)
         s, b = mixed.shape[:2]
         per_group = self.heads // self.groups
         mixed = mixed.view(s, b, self.groups, (per_group + 2) * self.head_dim)
@@ -140,9 +151,9 @@ class KVCacheDecoder:
             query = attn.q_layernorm(query)
         if getattr(attn, "k_layernorm", None) is not None:
             key = attn.k_layernorm(key)
-        if self.rope is not None:
-            query = self._apply_rope(query, positions)
-            key = self._apply_rope(key, positions)
+        if rope is not None:
+            query = self._apply_rope(query, *rope)
+            key = self._apply_rope(key, *rope)
         end = start + s
         # Cache layout [B, groups, T, d]: keys are stored after rotation, once.
         self.keys[index, :, :, start:end] = key.permute(1, 2, 0, 3)
@@ -153,25 +164,22 @@ class KVCacheDecoder:
             keys = keys.repeat_interleave(per_group, dim=1)
             values = values.repeat_interleave(per_group, dim=1)
         q = query.permute(1, 2, 0, 3)  # [B, heads, S, d]
-        causal = torch.ones(s, end, dtype=torch.bool).tril(diagonal=start)
-        mask = causal.unsqueeze(0) & key_mask[:, None, :end]  # [B, S, T]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.unsqueeze(1), scale=self.scale)
+        if mask is None and s > 1:  # no padding: a plain causal prefill
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scale)
+        else:  # mask None here: one new token sees every cached slot
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
-        out, bias = attn.linear_proj(out)
-        return out + bias if bias is not None else out
+        return self._linear(attn.linear_proj, out)
 
     def _mlp(self, layer, hidden: torch.Tensor) -> torch.Tensor:
         mlp = layer.mlp
-        x, bias = mlp.linear_fc1(hidden)
-        if bias is not None:
-            x = x + bias
+        x = self._linear(mlp.linear_fc1, hidden)
         if self.config.gated_linear_unit:
             gate, up = torch.chunk(x, 2, dim=-1)
             x = self.config.activation_func(gate) * up
         else:
             x = self.config.activation_func(x)
-        x, bias = mlp.linear_fc2(x)
-        return x + bias if bias is not None else x
+        return self._linear(mlp.linear_fc2, x)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, start: int, key_mask: torch.Tensor):
@@ -185,10 +193,20 @@ class KVCacheDecoder:
         else:
             hidden = torch.empty(tokens.shape[1], tokens.shape[0], self.config.hidden_size, dtype=self.keys.dtype)
             dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
-        pos = positions.t()  # [S, B]
+        s = tokens.shape[1]
+        end = start + s
+        rope = None
+        if self.rope is not None:
+            pos = positions.t()  # [S, B]
+            rope = (self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2))  # [S, B, 1, rot]
+        mask = None
+        padded = not bool(key_mask[:, :end].all())
+        if padded or (s > 1 and start > 0):
+            causal = torch.ones(s, end, dtype=torch.bool).tril(diagonal=start)
+            mask = (causal.unsqueeze(0) & key_mask[:, None, :end]).unsqueeze(1)  # [B, 1, S, T]
         for index, layer in enumerate(module.decoder.layers):
             residual = hidden
-            hidden = residual + self._attention(layer, layer.input_layernorm(hidden), pos, start, key_mask, index)
+            hidden = residual + self._attention(layer, layer.input_layernorm(hidden), rope, start, mask, index)
             residual = hidden
             hidden = residual + self._mlp(layer, layer.pre_mlp_layernorm(hidden))
         if not self.last_stage:
@@ -196,7 +214,7 @@ class KVCacheDecoder:
             return None
         hidden = module.decoder.final_layernorm(hidden[-1:])
         weight = module.shared_embedding_or_output_weight() if module.share_embeddings_and_output_weights else None
-        logits, _ = module.output_layer(hidden, weight=weight)
+        logits = self._linear(module.output_layer, hidden, weight=weight)
         return _gather_vocab(logits[0].float())
 
 

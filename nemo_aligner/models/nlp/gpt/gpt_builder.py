@@ -142,9 +142,14 @@ def layer_spec(cfg, config):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=bool(_get(cfg, "qk_layernorm", False))
         )
-    return gpt_layer_specs.get_gpt_layer_local_spec(
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
         normalization=normalization, qk_layernorm=bool(_get(cfg, "qk_layernorm", False))
     )
+    if bool(_get(cfg, "use_sdpa_attention", True)):
+        from nemo_aligner.models.nlp.gpt.sdpa_attention import SDPADotProductAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
+    return spec
 
 
 def build_gpt_model(cfg, vocab_size: int, precision="32", pre_process: Optional[bool] = None,

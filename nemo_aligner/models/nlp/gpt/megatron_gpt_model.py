@@ -246,6 +246,23 @@ class MegatronGPTModel:
         dist.all_reduce(stats, group=group)
         return {key: float(stats[i]) for i, key in enumerate(keys)}
 
+    def grads_are_finite(self) -> bool:
+        """Whether every gradient on every rank is finite (collective over the world)."""
+        import torch.distributed as dist
+
+        grads = []
+        for p in self.module.parameters():
+            g = getattr(p, "main_grad", None)
+            g = p.grad if g is None else g
+            if g is not None:
+                grads.append(g)
+        finite = torch.ones(1)
+        if grads:
+            finite[0] = float(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        return bool(finite.item())
+
     # ----------------------------------------------------------------- checkpoints
     def sharded_state_dict(self, prefix: str = "model.") -> dict:
         """megatron-core sharded state dict with NeMo's key names (``model.decoder.layers...``)."""
