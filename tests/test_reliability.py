@@ -98,3 +98,52 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, builtin_data, 
     calls.update(n=0, poison=set(range(2, 100)), weights={})
     with pytest.raises(TrainingError, match=r"4 consecutive steps had a non-finite loss.*trainer\.sft\.max_consecutive_nonfinite_steps"):
         run_sft(_sft_cfg(tmp_path, builtin_data, "stop", 50, {"trainer.sft.max_consecutive_nonfinite_steps": 4}))
+
+
+def test_crafted_nemo_archives_are_refused(tmp_path):
+    """A .nemo whose members escape the extraction directory (absolute path, '..', links) is an
+    error naming the file; nothing is written outside."""
+    import io
+    import tarfile
+
+    import pytest
+
+    from nemo_aligner.utils.errors import CheckpointError
+    from nemo_aligner.utils.nemo_file import extracted
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+
+    def archive(name, add):
+        path = tmp_path / f"{name}.nemo"
+        with tarfile.open(path, "w") as tar:
+            data = b"num_layers: 1\n"
+            info = tarfile.TarInfo("./model_config.yaml")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+            add(tar)
+        return path
+
+    def member(path):
+        def add(tar):
+            info = tarfile.TarInfo(path)
+            info.size = 4
+            tar.addfile(info, io.BytesIO(b"evil"))
+        return add
+
+    def link(target, kind):
+        def add(tar):
+            info = tarfile.TarInfo("./model_weights")
+            info.type = kind
+            info.linkname = target
+            tar.addfile(info)
+        return add
+
+    cases = {"absolute": member(str(outside / "abs.txt")), "dotdot": member("../../outside/dotdot.txt"),
+             "symlink": link(str(outside), tarfile.SYMTYPE), "hardlink": link("/etc/passwd", tarfile.LNKTYPE)}
+    for name, add in cases.items():
+        path = archive(name, add)
+        with pytest.raises(CheckpointError, match=rf"{name}\.nemo: refusing to extract an unsafe archive member"):
+            with extracted(str(path), "model.restore_from_path"):
+                pass
+    assert list(outside.iterdir()) == []

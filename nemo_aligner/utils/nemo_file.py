@@ -92,6 +92,13 @@ def _extract_dir_for(path: str) -> str:
     return os.path.join(tempfile.gettempdir(), f"nemo_aligner_{os.getuid()}_{digest}_{job}")
 
 
+def _unsafe_member(member: tarfile.TarInfo) -> bool:
+    """A .nemo holds plain files and directories with relative names; anything else is refused."""
+    name = member.name.replace("\\", "/")
+    return (name.startswith("/") or ".." in name.split("/") or member.issym() or member.islnk()
+            or not (member.isfile() or member.isdir()))
+
+
 @contextmanager
 def extracted(path: str, key: str = "restore_from_path") -> Iterator[str]:
     """Yield a directory with the .nemo's content; extracted once per node and removed afterwards."""
@@ -106,7 +113,12 @@ def extracted(path: str, key: str = "restore_from_path") -> Iterator[str]:
             shutil.rmtree(target, ignore_errors=True)
             os.makedirs(target)
             with tarfile.open(path, "r:") as tar:
-                tar.extractall(target, filter="data")
+                unsafe = next((m.name for m in tar.getmembers() if _unsafe_member(m)), None)
+                if unsafe is not None:
+                    raise tarfile.FilterError(f"member {unsafe!r}: absolute path, '..' or a link")
+                tar.extractall(target, filter="data")  # and the standard library's own checks
+        except tarfile.FilterError as err:
+            error = f"{key}={path}: refusing to extract an unsafe archive member ({err})"
         except (tarfile.TarError, OSError) as err:
             error = f"{key}={path}: cannot extract ({err}); the file may be truncated"
     barrier()

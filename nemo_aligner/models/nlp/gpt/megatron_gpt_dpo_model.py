@@ -105,13 +105,3 @@ class MegatronGPTDPOModel(ReferencePolicyMixin, MegatronGPTModel, SupervisedInte
             "accuracy": m["correct"] / pairs, "rewards_chosen_mean": chosen, "rewards_rejected_mean": rejected,
             "reward_margin": chosen - rejected, "pairs": m["pairs"],
         }
-
-    def prepare_for_training_step(self) -> None:
-        self.train()
-        self.zero_grad()
-
-    def prepare_for_validation_step(self) -> None:
-        self.eval()
-
-    def finish_validation_step(self) -> None:
-        self.train()

@@ -82,13 +82,3 @@ class MegatronGPTKTOModel(ReferencePolicyMixin, MegatronGPTModel, SupervisedInte
         return m["loss"], {"loss": m["loss_sum"] / max(m["samples"], 1.0), "kl": float(z),
                            "rewards_desirable_mean": desirable, "rewards_undesirable_mean": undesirable,
                            "reward_margin": desirable - undesirable, "samples": m["samples"]}
-
-    def prepare_for_training_step(self) -> None:
-        self.train()
-        self.zero_grad()
-
-    def prepare_for_validation_step(self) -> None:
-        self.eval()
-
-    def finish_validation_step(self) -> None:
-        self.train()

@@ -246,6 +246,17 @@ class MegatronGPTModel:
         dist.all_reduce(stats, group=group)
         return {key: float(stats[i]) for i, key in enumerate(keys)}
 
+    # Step hooks of SupervisedInterface: train mode with fresh gradients, eval mode to validate.
+    def prepare_for_training_step(self) -> None:
+        self.train()
+        self.zero_grad()
+
+    def prepare_for_validation_step(self) -> None:
+        self.eval()
+
+    def finish_validation_step(self) -> None:
+        self.train()
+
     def grads_are_finite(self) -> bool:
         """Whether every gradient on every rank is finite (collective over the world)."""
         import torch.distributed as dist

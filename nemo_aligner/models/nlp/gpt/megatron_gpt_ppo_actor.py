@@ -139,7 +139,3 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
         keys = ("loss", "clip_fraction", "approx_kl", "entropy", "ratio_mean") + (("kl_loss",) if self.kl_loss_coef else ())
         m = self.reduce_metrics(outputs, mean_keys=keys)
         return m["loss"], m
-
-    def prepare_for_training_step(self) -> None:
-        self.train()
-        self.zero_grad()

@@ -157,16 +157,6 @@ class MegatronGPTRewardModel(MegatronGPTModel, SupervisedInterface, Inferrable):
             return list(STEERLM_ATTRIBUTES)
         return [f"attr{i}" for i in range(self.num_attributes)]
 
-    def prepare_for_training_step(self) -> None:
-        self.train()
-        self.zero_grad()
-
-    def prepare_for_validation_step(self) -> None:
-        self.eval()
-
-    def finish_validation_step(self) -> None:
-        self.train()
-
     # ----------------------------------------------------------------- inference
     def prepare_for_inference(self) -> None:
         self.eval()
