@@ -147,3 +147,29 @@ def test_crafted_nemo_archives_are_refused(tmp_path):
             with extracted(str(path), "model.restore_from_path"):
                 pass
     assert list(outside.iterdir()) == []
+
+
+def test_a_wandb_key_never_reaches_logs_or_files(tmp_path, builtin_data):
+    """With WANDB_API_KEY set (offline mode, no network), the key appears in no printed output and
+    no file the run writes (hparams, metrics, TensorBoard, wandb's offline run)."""
+    secret = "0123456789abcdef0123456789abcdefSECRET00"
+    env = subprocess_env()
+    env.update(WANDB_API_KEY=secret, WANDB_MODE="offline", WANDB_DIR=str(tmp_path / "wandb_dir"))
+    (tmp_path / "wandb_dir").mkdir()
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "train_gpt_sft.py"),
+                           f"model.data.train_ds.file_path={builtin_data['sft_train']}",
+                           f"model.data.validation_ds.file_path={builtin_data['sft_val']}",
+                           f"exp_manager.explicit_log_dir={tmp_path / 'run'}", "trainer.sft.max_steps=2",
+                           "exp_manager.create_wandb_logger=True", "exp_manager.create_checkpoint_callback=False"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert secret not in proc.stdout + proc.stderr
+    leaked = []
+    for root, _, files in os.walk(tmp_path):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                if secret.encode() in f.read():
+                    leaked.append(path)
+    assert not leaked, leaked
+    assert any("offline-run" in root for root, _, files in os.walk(tmp_path) if files)  # wandb did run
