@@ -173,3 +173,46 @@ def test_a_wandb_key_never_reaches_logs_or_files(tmp_path, builtin_data):
                     leaked.append(path)
     assert not leaked, leaked
     assert any("offline-run" in root for root, _, files in os.walk(tmp_path) if files)  # wandb did run
+
+
+def test_nonfinite_actor_updates_are_skipped_then_the_run_stops(tmp_path, builtin_data, base_nemo, monkeypatch):
+    """The RL actor update (PPO/REINFORCE/GRPO share it) skips a non-finite update, and stops after
+    N in a row naming the key."""
+    import pytest
+
+    from nemo_aligner.algorithms.grpo import run_grpo
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_ppo_actor import MegatronGPTActorModel
+    from nemo_aligner.trainers.base import compose_config
+    from nemo_aligner.utils.errors import TrainingError
+
+    nemo = base_nemo[0] if isinstance(base_nemo, tuple) else base_nemo
+    real = MegatronGPTActorModel.get_loss_and_metrics
+    calls = {"n": 0, "poison": {2}}
+
+    def poisoned(self, batch, forward_only):
+        loss, metrics = real(self, batch, forward_only)
+        calls["n"] += 1
+        return (float("nan"), metrics) if calls["n"] in calls["poison"] else (loss, metrics)
+
+    monkeypatch.setattr(MegatronGPTActorModel, "get_loss_and_metrics", poisoned)
+
+    def cfg(name, steps, extra=None):
+        values = {"pretrained_checkpoint.restore_from_path": nemo,
+                  "model.data.data_prefix": {"train": [builtin_data["prompts_train"]],
+                                             "validation": [builtin_data["prompts_val"]]},
+                  "reward_fn": "nemo_aligner.data.nlp.builtin_task:reward", "exp_manager.explicit_log_dir": str(tmp_path / name),
+                  "trainer.grpo.max_steps": steps, "trainer.grpo.max_epochs": 100, "trainer.grpo.val_at_start": False,
+                  "model.grpo.num_rollout_samples": 4, "model.grpo.num_responses_per_prompt": 2,
+                  "model.global_batch_size": 8, "model.micro_batch_size": 4, "model.grpo.num_val_samples": 4,
+                  "model.grpo.length_params.max_length": 4, "exp_manager.create_checkpoint_callback": False}
+        values.update(extra or {})
+        return compose_config("gpt_grpo", values)
+
+    run_grpo(cfg("skip", 3))
+    rows = [r for r in read_metrics(tmp_path / "skip") if "train/rewards" in r]
+    assert [r.get("train/skipped_updates", 0.0) for r in rows] == [0.0, 1.0, 0.0]
+    assert [r["train/ppo_optimization_step"] for r in rows] == [1, 1, 2]  # the skipped update did not count
+
+    calls.update(n=0, poison=set(range(1, 100)))
+    with pytest.raises(TrainingError, match=r"3 consecutive actor updates.*trainer\.grpo\.max_consecutive_nonfinite_steps"):
+        run_grpo(cfg("stop", 10, {"trainer.grpo.max_consecutive_nonfinite_steps": 3}))

@@ -13,6 +13,7 @@ One step::
 from __future__ import annotations
 
 import logging
+import math
 import time
 from contextlib import contextmanager
 from typing import Dict, List, Optional
@@ -26,7 +27,7 @@ from nemo_aligner.data.nlp.builders import sampler_of
 from nemo_aligner.trainers.callbacks import CallbackList
 from nemo_aligner.utils import ppo_utils
 from nemo_aligner.utils.distributed import is_global_rank_zero
-from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.utils.errors import ConfigError, TrainingError
 from nemo_aligner.utils.generation import SamplingParams
 from nemo_aligner.utils.optim import current_lr
 from nemo_aligner.utils.run_control import RunTimer, compute_max_steps
@@ -136,6 +137,8 @@ class PPOTrainer:
         self.last_val: Dict[str, float] = {}
         self.best_val_reward: Optional[float] = None
         self.callbacks = CallbackList()  # the Python API sets its own
+        self.consecutive_skips = 0
+        self.skipped_updates = 0
 
     # ----------------------------------------------------------------- state
     @property
@@ -277,6 +280,10 @@ class PPOTrainer:
                         ("tokens", "logprobs", "init_logprobs", "advantages", "mask", "is_end")}
                 self.model.prepare_for_training_step()
                 loss, m = self.model.get_loss_and_metrics(part, forward_only=False)
+                if not (math.isfinite(loss) and self.model.grads_are_finite()):
+                    metrics.append(self._skip_nonfinite_update())
+                    continue
+                self.consecutive_skips = 0
                 success, grad_norm, _ = self.optimizer.step()
                 if success:
                     self.scheduler.step(increment=1)
@@ -285,7 +292,22 @@ class PPOTrainer:
                 metrics.append(m)
         finally:
             self.model.finish_training()
-        return {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]} if metrics else {}
+        keys = dict.fromkeys(k for m in metrics for k in m)
+        return {k: float(np.mean([m[k] for m in metrics if k in m])) for k in keys}
+
+    def _skip_nonfinite_update(self) -> Dict[str, float]:
+        """Drop an actor update whose loss or gradients are not finite; stop after too many in a row."""
+        self.optimizer.zero_grad()
+        self.consecutive_skips += 1
+        self.skipped_updates += 1
+        limit = int(self.cfg.get("max_consecutive_nonfinite_steps", 10) or 0)
+        logger.warning("step %d: non-finite actor loss or gradients, update skipped (%d in a row, %d in all)",
+                       self.step + 1, self.consecutive_skips, self.skipped_updates)
+        if limit and self.consecutive_skips >= limit:
+            raise TrainingError(f"{self.consecutive_skips} consecutive actor updates had a non-finite loss or "
+                                f"gradients (step {self.step + 1}); stopping. Lower the learning rate or check the "
+                                f"rewards; the last good checkpoint is kept (trainer.{self.name}.max_consecutive_nonfinite_steps)")
+        return {"skipped_updates": 1.0}
 
     # ----------------------------------------------------------------- validation
     @torch.no_grad()
