@@ -107,6 +107,7 @@ class PPOTrainer:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.sampler = sampler_of(train_dataloader)
         self.name = name
+        self.has_critic = True  # critic-free subclasses (REINFORCE, GRPO) set False
         self.prompts_per_step = self.sampler.global_batch_size
         self.responses_per_prompt = int(responses_per_prompt)
         self.num_rollout_samples = self.prompts_per_step * self.responses_per_prompt
@@ -350,7 +351,7 @@ class PPOTrainer:
 
     # ----------------------------------------------------------------- checkpoints
     def save(self) -> None:
-        critic_future = self.rm_critic.save() if dist.get_rank() == 0 else None
+        critic_future = self.rm_critic.save() if self.has_critic and dist.get_rank() == 0 else None
         if self.ckpt_callback is not None:
             metrics = dict(self.last_val)
             metrics.setdefault("val_global_rewards", float("nan"))
@@ -366,16 +367,20 @@ class PPOTrainer:
         batch = self.make_rollout_batch(prompts, timer, step_seed)
         with timer("advantages"):
             metrics = self.compute_advantages(batch)
-        with timer("critic_train_send"):
-            critic_future = self.send_critic_train(batch)
+        critic_future = None
+        if self.has_critic:
+            with timer("critic_train_send"):
+                critic_future = self.send_critic_train(batch)
         with timer("train"):
             actor = self.train_actor(batch)
-        with timer("critic_train_wait"):
-            metrics["critic_loss"] = self.critic_loss(critic_future)
+        if self.has_critic:
+            with timer("critic_train_wait"):
+                metrics["critic_loss"] = self.critic_loss(critic_future)
         metrics.update({f"actor_{k}" if k in ("loss", "grad_norm", "lr") else k: v for k, v in actor.items()})
         metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
         metrics["time/step"] = time.monotonic() - start
         if is_global_rank_zero():
+            texts = [t for t in texts for _ in range(self.responses_per_prompt)]  # rows of the rollout batch
             self.logger.log_table("train/samples", ["prompt", "response", "reward"], self.sample_rows(texts, batch, 4),
                                   step=self.step + 1)
         return metrics

@@ -14,7 +14,6 @@ the reward source (a reward-model server or a Python function, no critic) and th
 
 from __future__ import annotations
 
-import time
 from typing import Dict, List
 
 import numpy as np
@@ -23,7 +22,6 @@ import torch.distributed as dist
 
 from nemo_aligner.algorithms.ppo import PPOTrainer, Timer
 from nemo_aligner.utils import ppo_utils
-from nemo_aligner.utils.distributed import is_global_rank_zero
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, leave_one_out: bool = True,
@@ -56,6 +54,7 @@ class ReinforceTrainer(PPOTrainer):
         self.leave_one_out = bool(cfg.get("use_leave_one_out_baseline", True))
         self.normalize_rewards = bool(cfg.get("normalize_rewards", False))
         self.critic_warmup_steps = 0
+        self.has_critic = False
 
     # ----------------------------------------------------------------- rollouts
     def request_scores(self, out):
@@ -88,31 +87,6 @@ class ReinforceTrainer(PPOTrainer):
         return {"rewards": float(stats[0]) / n, "init_policy_kl": float(stats[2]) / max(float(stats[3]), 1.0),
                 "response_length": float(stats[4]) / n, "ended_fraction": float(stats[5]) / n,
                 "rewards_with_kl": float(stats[6]) / n, "advantage_abs_mean": float(stats[7]) / n}
-
-    # ----------------------------------------------------------------- loop
-    def run_step(self, prompts, texts) -> Dict[str, float]:
-        timer = Timer()
-        step_seed = self.seed + 1000003 * (self.step + 1) + 7919 * self.dp_rank
-        start = time.monotonic()
-        batch = self.make_rollout_batch(prompts, timer, step_seed)
-        with timer("advantages"):
-            metrics = self.compute_advantages(batch)
-        with timer("train"):
-            actor = self.train_actor(batch)
-        metrics.update({f"actor_{k}" if k in ("loss", "grad_norm", "lr") else k: v for k, v in actor.items()})
-        metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
-        metrics["time/step"] = time.monotonic() - start
-        if is_global_rank_zero():
-            texts = [t for t in texts for _ in range(self.responses_per_prompt)]
-            self.logger.log_table("train/samples", ["prompt", "response", "reward"], self.sample_rows(texts, batch, 4),
-                                  step=self.step + 1)
-        return metrics
-
-    def save(self) -> None:
-        if self.ckpt_callback is not None:
-            metrics = dict(self.last_val)
-            metrics.setdefault("val_global_rewards", float("nan"))
-            self.ckpt_callback.save(self.model, self.optimizer, self.scheduler, self.state_dict(), metrics)
 
     def progress_postfix(self, metrics: Dict[str, float]) -> Dict[str, str]:
         return {"reward": f"{metrics['rewards']:.3f}", "kl": f"{metrics['init_policy_kl']:.4f}"}

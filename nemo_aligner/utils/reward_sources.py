@@ -32,6 +32,16 @@ def load_reward_fn(spec: str, key: str = "reward_fn") -> RewardFn:
     return fn
 
 
+def decode_rollouts(tokenizer, tokens: np.ndarray, prompt_lengths: np.ndarray, response_lengths: np.ndarray):
+    """``(prompt text, response text)`` per row of right-padded rollouts (the response's EOS dropped)."""
+    for b in range(len(tokens)):
+        p, end = int(prompt_lengths[b]), int(response_lengths[b])
+        ids = [int(t) for t in tokens[b, p:end]]
+        if ids and ids[-1] == tokenizer.eos_id:
+            ids = ids[:-1]
+        yield tokenizer.ids_to_text([int(t) for t in tokens[b, :p]]), tokenizer.ids_to_text(ids)
+
+
 class FunctionRewardSource:
     """Rewards from ``fn(prompt_text, response_text)``, computed at once (a finished future)."""
 
@@ -42,13 +52,8 @@ class FunctionRewardSource:
 
     def score(self, tokens: np.ndarray, prompt_lengths: np.ndarray, response_lengths: np.ndarray) -> Future:
         rewards = np.zeros(len(tokens), dtype=np.float32)
-        for b in range(len(tokens)):
-            p, end = int(prompt_lengths[b]), int(response_lengths[b])
-            ids = [int(t) for t in tokens[b, p:end]]
-            if ids and ids[-1] == self.tokenizer.eos_id:
-                ids = ids[:-1]
-            prompt = self.tokenizer.ids_to_text([int(t) for t in tokens[b, :p]])
-            value = self.fn(prompt, self.tokenizer.ids_to_text(ids))
+        for b, (prompt, response) in enumerate(decode_rollouts(self.tokenizer, tokens, prompt_lengths, response_lengths)):
+            value = self.fn(prompt, response)
             try:
                 rewards[b] = float(value)
             except (TypeError, ValueError):
@@ -96,14 +101,8 @@ class EnvironmentRewardSource:
     def score(self, tokens: np.ndarray, prompt_lengths: np.ndarray, response_lengths: np.ndarray) -> Future:
         import logging
 
-        conversations = []
-        for b in range(len(tokens)):
-            p, end = int(prompt_lengths[b]), int(response_lengths[b])
-            ids = [int(t) for t in tokens[b, p:end]]
-            if ids and ids[-1] == self.tokenizer.eos_id:
-                ids = ids[:-1]
-            conversations.append([{"role": "user", "content": self.tokenizer.ids_to_text([int(t) for t in tokens[b, :p]])},
-                                  {"role": "assistant", "content": self.tokenizer.ids_to_text(ids)}])
+        conversations = [[{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+                         for prompt, response in decode_rollouts(self.tokenizer, tokens, prompt_lengths, response_lengths)]
         result = self.environment.step(conversations)
         rewards = np.asarray(result.rewards, dtype=np.float32).reshape(-1)
         if len(rewards) != len(conversations):
