@@ -28,3 +28,26 @@ test: $(STAMP)
 
 clean:
 	rm -rf results/demo .pytest_cache
+
+# make bench-venv : .venv-bench, a separate venv for benchmarks/bench_grpo.py. TRL (via datasets,
+# pyarrow, pandas) needs numpy>=2 and nvidia-pytriton pins numpy<2, so it cannot go into .venv.
+# torch CPU first, then the pinned deps + TRL, then this package without its deps (pip check
+# then reports nvidia-pytriton missing and numpy 2 vs setup.py's numpy<2: expected, the benchmark
+# uses neither pin).
+BENCH_VENV := .venv-bench
+BENCH_PY := $(BENCH_VENV)/bin/python
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+
+.PHONY: bench-venv
+bench-venv: $(BENCH_VENV)/.installed
+
+$(BENCH_VENV)/.installed: benchmarks/requirements-trl.txt setup.py
+	test -x $(BENCH_PY) || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_PY) -m pip install -q --upgrade pip
+	$(BENCH_PY) -m pip install -q torch==$(TORCH_VERSION) --index-url $(TORCH_INDEX)
+	$(BENCH_PY) -m pip install -q -r benchmarks/requirements-trl.txt
+	$(BENCH_PY) -m pip install -q --no-deps -e .
+	cd benchmarks && $(abspath $(BENCH_PY)) -c "import numpy, torch, nemo_aligner, megatron.core, trl, datasets; \
+		assert int(numpy.__version__.split('.')[0]) >= 2; \
+		print('bench venv: numpy', numpy.__version__, 'torch', torch.__version__, 'trl', trl.__version__)"
+	touch $@

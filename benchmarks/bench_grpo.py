@@ -1,14 +1,21 @@
 """GRPO step time and its phases, ours vs TRL's ``GRPOTrainer`` on the same model (identical
-weights), prompts, group size and lengths, in one process. Needs ``pip install trl`` (the
-``[bench]`` extra).
+weights), prompts, group size and lengths, in one process. Needs TRL, which cannot live in the
+project's venv (TRL's datasets/pyarrow/pandas need numpy>=2, nvidia-pytriton pins numpy<2): build
+the separate venv with ``make bench-venv`` (pins in ``benchmarks/requirements-trl.txt``), then
 
-    python benchmarks/bench_grpo.py [--shape tiny] [--prompts 8] [--generations 8] [--steps 4]
+    cd benchmarks && ../.venv-bench/bin/python bench_grpo.py [--shape tiny] [--prompts 8] [--generations 8] [--steps 4]
+
+Both sides: fp32, no vLLM, the same prompts, group size, learning rate (constant), KL coefficient
+(0.01), exactly ``--new-tokens`` new tokens per response (EOS refused before that; our end strings
+off, TRL ``min_new_tokens``), vocabulary padding rows never sampled, all of a step's rollouts
+generated in one batch, the same training micro-batch and one optimizer step per GRPO step.
+Times are per step, averaged over ``--steps`` steps after one warm-up step on each side.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
 import tempfile
 import time
@@ -59,9 +66,9 @@ def main(argv=None) -> dict:
 
     try:
         import trl
+        from datasets import Dataset
     except ImportError:
-        raise SystemExit("bench_grpo.py needs TRL: pip install trl (or pip install -e .[bench])")
-    from datasets import Dataset
+        raise SystemExit("bench_grpo.py needs TRL and datasets: make bench-venv, then run it with .venv-bench/bin/python")
 
     from nemo_aligner.data.nlp.builtin_task import BuiltinTask
 
@@ -70,29 +77,80 @@ def main(argv=None) -> dict:
     ours, hf = build_pair(args.shape, 128)
     prompts = [BuiltinTask.prompt_text(i) for i, _ in BuiltinTask(seed=0).examples(args.prompts * (args.steps + 2))]
     rollouts = args.prompts * args.generations
+    micro = math.gcd(rollouts, 16)  # the training micro-batch, both sides
 
     def reward(prompt: str, response: str) -> float:
         return BuiltinTask.score(prompt, response)
 
-    # ---- TRL
-    tok_dir = byte_tokenizer_dir(os.path.join(work, "tok"))
-    from transformers import AutoTokenizer
+    # ---- TRL. GRPOTrainer builds its reference model from the policy's path, so it gets the HF weights
+    # from a directory (policy and reference both load them: the same weights as ours).
+    hf_dir = os.path.join(work, "hf")
+    hf.save_pretrained(hf_dir)
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    vocab = ByteTokenizer().vocab_size  # rows past it are padding: never sampled (ours masks them too)
+    padded_vocab = hf.config.vocab_size
+    del hf
+    tok_dir = byte_tokenizer_dir(hf_dir)
+    from transformers import AutoTokenizer, TrainerCallback
 
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    config = trl.GRPOConfig(output_dir=os.path.join(work, "trl"), per_device_train_batch_size=rollouts,
-                            num_generations=args.generations, max_completion_length=args.new_tokens,
-                            learning_rate=1e-6, max_steps=args.steps, logging_steps=1, report_to=[], use_cpu=True,
-                            bf16=False, beta=0.01, save_strategy="no", gradient_accumulation_steps=1,
-                            temperature=1.0, dataloader_num_workers=0, seed=0)
+    # One optimizer step per GRPO step: the step's rollouts are generated in one batch
+    # (generation_batch_size = micro batch x accumulation) and trained in micro-batches of `micro`.
+    config = trl.GRPOConfig(output_dir=os.path.join(work, "trl"), per_device_train_batch_size=micro,
+                            gradient_accumulation_steps=rollouts // micro, num_generations=args.generations,
+                            max_completion_length=args.new_tokens,
+                            generation_kwargs={"min_new_tokens": args.new_tokens,  # as our min_length
+                                               "suppress_tokens": list(range(vocab, padded_vocab))},
+                            learning_rate=1e-6, lr_scheduler_type="constant", max_steps=args.steps + 1,
+                            logging_steps=1, report_to="none", use_cpu=True, bf16=False, fp16=False, beta=0.01,
+                            save_strategy="no", temperature=1.0, dataloader_num_workers=0, seed=0,
+                            model_init_kwargs={"dtype": "float32"})
 
     def trl_reward(prompts, completions, **kwargs):
         return [reward(p, c) for p, c in zip(prompts, completions)]
 
-    trainer = trl.GRPOTrainer(model=hf, reward_funcs=trl_reward, args=config, processing_class=tokenizer,
-                              train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]))
-    start = time.perf_counter()
-    trainer.train()
-    trl_step = (time.perf_counter() - start) / args.steps
+    class StepTimes(TrainerCallback):
+        """Each optimizer step's wall time (generation, scoring, logprobs, forward/backward, update)."""
+
+        def __init__(self):
+            self.seconds, self.start = [], None
+
+        def on_step_begin(self, args_, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args_, state, control, **kwargs):
+            self.seconds.append(time.perf_counter() - self.start)
+
+    # TRL times its phases (generate, logprobs, loss, rewards) with ProfilingContext, which only reports
+    # them to wandb/mlflow/trackio: catch them here, by step, to report TRL's phases too.
+    from trl.extras import profiling
+
+    trl_blocks = []  # (step index, block name, seconds)
+    timer = StepTimes()
+    original_log = profiling.ProfilingContext._log_metrics
+
+    def record(context, duration):
+        trl_blocks.append((len(timer.seconds), context.name.split(".", 1)[-1], duration))
+        original_log(context, duration)
+
+    profiling.ProfilingContext._log_metrics = record
+    trainer = trl.GRPOTrainer(model=hf_dir, reward_funcs=trl_reward, args=config, processing_class=tokenizer,
+                              train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
+                              callbacks=[timer])
+    try:
+        trainer.train()
+    finally:
+        profiling.ProfilingContext._log_metrics = original_log
+    timed = timer.seconds[1:]  # the first step includes start-up work
+    trl_step = sum(timed) / len(timed)
+    trl_phases = {}
+    for step, name, seconds in trl_blocks:
+        if step >= 1:
+            trl_phases[name] = trl_phases.get(name, 0.0) + seconds / len(timed)
+    trl_lengths = [float(h["completions/mean_length"]) for h in trainer.state.log_history
+                   if "completions/mean_length" in h][1:]
+    del trainer
 
     # ---- ours (the same weights: build_pair gave both the same initialisation)
     from nemo_aligner.algorithms.reinforce import ReinforceTrainer  # noqa: F401  (the loop timed below)
@@ -102,31 +160,45 @@ def main(argv=None) -> dict:
     from nemo_aligner.utils.nemo_file import save_nemo
 
     save_nemo(ours, nemo)
-    phases = {}
+    phases, lengths = {}, []
 
     from nemo_aligner.trainers.callbacks import Callback
 
     class Phases(Callback):
         def on_step_end(self, trainer, step, metrics):
             if step > 1:  # the first step includes start-up work
+                lengths.append(metrics.get("response_length", float("nan")))
                 for k, v in metrics.items():
                     if k.startswith("time/"):
                         phases.setdefault(k[5:], []).append(v)
 
     api = GRPOTrainer.from_pretrained(nemo, num_prompts_per_step=args.prompts, num_generations_per_prompt=args.generations,
                                       learning_rate=1e-6, max_sequence_length=128, max_new_tokens=args.new_tokens,
-                                      global_batch_size=rollouts, micro_batch_size=min(rollouts, 16),
+                                      global_batch_size=rollouts, micro_batch_size=micro,
+                                      rollout_micro_batch_size=rollouts, kl_penalty=0.01, temperature=1.0,
                                       output_dir=os.path.join(work, "ours"),
                                       overrides={"trainer.grpo.val_at_start": False,
-                                                 "model.grpo.length_params.min_length": args.new_tokens})
+                                                 "model.grpo.length_params.min_length": args.new_tokens,
+                                                 # TRL stops only at EOS: no end strings, so every
+                                                 # response has exactly --new-tokens tokens on both sides
+                                                 "model.grpo.sampling_params.end_strings": []})
     api.fit(dataset=prompts, reward_fn=reward, max_steps=args.steps + 1, callbacks=[Phases()])
     ours_step = sum(phases["step"]) / len(phases["step"])
-    row = {"shape": args.shape, "rollouts_per_step": rollouts, "trl_step_s": trl_step, "ours_step_s": ours_step,
-           "ratio": ours_step / trl_step, "ours_phases_s": {k: sum(v) / len(v) for k, v in phases.items()}}
+    row = {"shape": args.shape, "rollouts_per_step": rollouts, "micro_batch": micro, "trl_step_s": trl_step,
+           "ours_step_s": ours_step, "ratio": ours_step / trl_step, "trl_steps_s": timed, "ours_steps_s": phases["step"],
+           "ours_phases_s": {k: sum(v) / len(v) for k, v in phases.items()},
+           "trl_profiled_blocks_s": trl_phases,
+           "mean_new_tokens": {"trl": sum(trl_lengths) / max(len(trl_lengths), 1),
+                               "ours": sum(lengths) / max(len(lengths), 1)}}
     print(f"\nGRPO step, {args.prompts} prompts x {args.generations} responses, up to {args.new_tokens} new tokens, "
           f"{args.shape} model, fp32, {torch.get_num_threads()} threads")
-    print(f"TRL {trl.__version__}: {trl_step:.2f} s/step; ours: {ours_step:.2f} s/step; ratio {row['ratio']:.2f}")
+    print(f"TRL {trl.__version__}: {trl_step:.2f} s/step; ours: {ours_step:.2f} s/step; "
+          f"ratio (ours/TRL time) {row['ratio']:.2f}")
+    print(f"mean new tokens per response: TRL {row['mean_new_tokens']['trl']:.1f}, "
+          f"ours {row['mean_new_tokens']['ours']:.1f}")
     print("ours by phase: " + ", ".join(f"{k} {v:.2f}s" for k, v in row["ours_phases_s"].items()))
+    print("TRL profiled blocks per step (nested, they overlap): "
+          + ", ".join(f"{k} {v:.2f}s" for k, v in sorted(trl_phases.items())))
     payload = {"benchmark": "grpo", "machine": machine(), "args": vars(args), "trl_version": trl.__version__,
                "rows": [row]}
     print("written", write_json("grpo", payload))

@@ -145,6 +145,14 @@ def layer_spec(cfg, config):
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         normalization=normalization, qk_layernorm=bool(_get(cfg, "qk_layernorm", False))
     )
+    from nemo_aligner.models.nlp.gpt import lean_ops
+
+    lean_ops.install()
+    if config.gated_linear_unit and config.activation_func is F.silu:
+        # The MLP calls a spec-built activation module on fc1's whole output when this flag is
+        # set (megatron-core's hook for Transformer Engine activations).
+        config.use_te_activation_func = True
+        spec.submodules.mlp.submodules.activation_func = lean_ops.SwiGLU
     if bool(_get(cfg, "use_sdpa_attention", True)):
         from nemo_aligner.models.nlp.gpt.sdpa_attention import SDPADotProductAttention
 

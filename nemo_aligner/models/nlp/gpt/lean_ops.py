@@ -1,0 +1,124 @@
+"""Memory-lean RoPE and SwiGLU for megatron-core's local layer spec, as autograd functions.
+
+On a CPU the elementwise parts of a training step are memory-bound, so each saved tensor and
+each copy costs about as much as the arithmetic.
+
+RoPE: megatron-core's unfused RoPE (``rope_utils._apply_rotary_pos_emb_bshd``) recomputes cos/sin in
+every layer, builds ``rotate_half`` with a negation and a concatenation, concatenates the
+(usually empty) pass-through part back on, and lets autograd save the inputs of each of those
+ops. On a CPU these memory-bound copies were ~15% of a training step. ``RotaryEmbedding``
+computes the same values on the two halves directly and saves only cos/sin for backward.
+
+``install()`` routes the common case (half-split, not interleaved, no multi-latent attention)
+through it and leaves every other case to megatron-core. Transformer Engine's fused RoPE is
+untouched: it is used through ``apply_rope_fusion`` on the TE spec.
+
+SwiGLU: the local MLP chunks fc1's output and multiplies ``silu(gate) * up``; autograd then
+concatenates the two halves' gradients (a full copy per layer). ``SwiGLU`` writes both halves
+of the gradient into one buffer and saves only fc1's output. It is plugged in as the MLP's
+activation module (``MLPSubmodules.activation_func``), the hook megatron-core provides for
+Transformer Engine's activations.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_original = None
+
+
+def _halves(freqs: torch.Tensor, mscale: float, dtype: torch.dtype):
+    """cos/sin of the first half of ``freqs`` (megatron-core repeats the angles in both halves)."""
+    half = freqs[..., : freqs.shape[-1] // 2]
+    cos, sin = torch.cos(half), torch.sin(half)
+    if mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
+    return cos.to(dtype), sin.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    """``[x1*cos - sign*x2*sin, x2*cos + sign*x1*sin]`` over the last dimension's halves."""
+    x1, x2 = x.chunk(2, dim=-1)
+    out = torch.empty_like(x)
+    o1, o2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=o1)
+    o1.addcmul_(x2, sin, value=-sign)
+    torch.mul(x2, cos, out=o2)
+    o2.addcmul_(x1, sin, value=sign)
+    return out
+
+
+class RotaryEmbedding(torch.autograd.Function):
+    """``t`` [..., rot] rotated by ``cos``/``sin`` [..., rot/2] (broadcast); backward rotates back."""
+
+    @staticmethod
+    def forward(ctx, t, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotate(t, cos, sin, 1.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad.contiguous(), cos, sin, -1.0), None, None
+
+
+def apply_rotary(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> torch.Tensor:
+    """RoPE on the first ``freqs.shape[-1]`` channels of ``t`` (the rest pass through)."""
+    rot = freqs.shape[-1]
+    cos, sin = _halves(freqs, mscale, t.dtype)
+    if rot == t.shape[-1]:
+        return RotaryEmbedding.apply(t, cos, sin)
+    return torch.cat((RotaryEmbedding.apply(t[..., :rot], cos, sin), t[..., rot:]), dim=-1)
+
+
+def _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved: bool = False, multi_latent_attention: bool = False,
+                               mscale: float = 1.0):
+    if rotary_interleaved or multi_latent_attention or freqs.shape[-1] % 2:
+        return _original(t, freqs, rotary_interleaved=rotary_interleaved,
+                         multi_latent_attention=multi_latent_attention, mscale=mscale)
+    return apply_rotary(t, freqs, mscale)
+
+
+def install() -> None:
+    """Make megatron-core's unfused RoPE use ``apply_rotary`` (idempotent)."""
+    global _original
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if _original is None:
+        _original = rope_utils._apply_rotary_pos_emb_bshd
+        rope_utils._apply_rotary_pos_emb_bshd = _apply_rotary_pos_emb_bshd
+
+
+class _SwiGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        gate, up = x.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        gate, up = x.chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        out = torch.empty_like(x)
+        grad_gate, grad_up = out.chunk(2, dim=-1)
+        torch.mul(grad, silu, out=grad_up)
+        # d silu(g)/dg = sig * (1 + g * (1 - sig)) = sig + silu * (1 - sig)
+        torch.mul(grad * up, sig + silu * (1 - sig), out=grad_gate)
+        return out
+
+
+class SwiGLU(torch.nn.Module):
+    """``silu(x1) * x2`` over the halves of the last dimension (megatron-core's ``swiglu``)."""
+
+    def __init__(self, config=None):
+        super().__init__()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SwiGLUFunction.apply(x)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
+        """No parameters: nothing in the (megatron-core) distributed checkpoint."""
+        return {}

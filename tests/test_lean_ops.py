@@ -1,0 +1,53 @@
+"""The local spec's lean RoPE and SwiGLU equal megatron-core's own (values and gradients)."""
+
+import torch
+
+from nemo_aligner.models.nlp.gpt import lean_ops
+
+
+def _reference_rope(t, freqs, mscale):
+    cos, sin = torch.cos(freqs) * mscale, torch.sin(freqs) * mscale
+    rot = freqs.shape[-1]
+    x, rest = t[..., :rot], t[..., rot:]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x * cos + torch.cat((-x2, x1), dim=-1) * sin, rest), dim=-1)
+
+
+def test_rope_matches_megatron_core_values_and_gradients():
+    from megatron.core.models.common.embeddings import rope_utils
+
+    lean_ops.install()
+    original = lean_ops._original  # megatron-core's own implementation, kept by install()
+    assert original is not None and rope_utils._apply_rotary_pos_emb_bshd is lean_ops._apply_rotary_pos_emb_bshd
+    torch.manual_seed(0)
+    for rot, mscale in [(64, 1.0), (32, 0.7)]:  # full and partial rotation, YaRN-style scale
+        t = torch.randn(12, 3, 4, 64, dtype=torch.float64, requires_grad=True)
+        half = torch.randn(12, 1, 1, rot // 2, dtype=torch.float64)
+        freqs = torch.cat((half, half), dim=-1)
+        ours = lean_ops.apply_rotary(t, freqs, mscale)
+        for ref in (original(t, freqs, mscale=mscale), _reference_rope(t, freqs, mscale)):
+            grad = torch.randn_like(ref)
+            g_ours, = torch.autograd.grad(ours, t, grad, retain_graph=True)
+            g_ref, = torch.autograd.grad(ref, t, grad)
+            torch.testing.assert_close(ours, ref, rtol=0, atol=1e-12)
+            torch.testing.assert_close(g_ours, g_ref, rtol=0, atol=1e-12)
+
+
+def test_rope_leaves_interleaved_to_megatron_core():
+    torch.manual_seed(1)
+    t = torch.randn(4, 2, 2, 8, dtype=torch.float64)
+    freqs = torch.randn(4, 1, 1, 8, dtype=torch.float64)
+    lean_ops.install()
+    out = lean_ops._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=True)
+    torch.testing.assert_close(out, lean_ops._original(t, freqs, rotary_interleaved=True))
+
+
+def test_swiglu_matches_chunked_silu_and_passes_gradcheck():
+    torch.manual_seed(2)
+    x = torch.randn(6, 2, 10, dtype=torch.float64, requires_grad=True)
+    gate, up = x.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    ours = lean_ops.SwiGLU()(x)
+    torch.testing.assert_close(ours, ref)
+    assert torch.autograd.gradcheck(lean_ops.SwiGLU(), (x,))
+    assert lean_ops.SwiGLU().sharded_state_dict("mlp.") == {}
