@@ -83,3 +83,36 @@ def test_update_follows_the_advantage(mcore_single, sign):
     assert sign * change.item() > 0.01, change
     # Positions outside the mask (prompt, padding) carry no gradient signal of their own.
     assert metrics["clip_fraction"] == 0.0
+
+
+def test_update_without_rollout_logprobs_equals_one_with_them(mcore_single):
+    """One update per rollout batch: skipping the rollouts' log-prob pass (old = this forward,
+    detached) gives the same loss and gradients, and reports the KL to the initial policy."""
+    from nemo_aligner.utils.ppo_utils import calculate_kl_penalty, create_mask
+
+    model = build_actor(lr=3e-3)
+    out = rollouts(model)
+    with torch.no_grad():
+        for p in model.module.parameters():
+            p.add_(0.01 * torch.randn_like(p))  # away from the initial policy: a non-zero KL
+    mask = create_mask(out.prompt_lengths, out.response_lengths, out.tokens.shape[1] - 1)
+    advantages = torch.randn(4, 1) * mask
+    init = model.get_init_policy_logprobs(out.tokens)
+    old = model.get_logprobs(out.tokens)
+    base = {"tokens": out.tokens, "init_logprobs": init, "advantages": advantages, "mask": mask,
+            "is_end": torch.ones(4, dtype=torch.bool)}
+    results = []
+    for logprobs in (old, None):
+        model.prepare_for_training_step()
+        loss, metrics = model.get_loss_and_metrics(dict(base, logprobs=logprobs), forward_only=False)
+        grads = [p.main_grad.clone() if getattr(p, "main_grad", None) is not None else p.grad.clone()
+                 for p in model.module.parameters()]
+        results.append((loss, metrics, grads))
+    (loss_a, _, grads_a), (loss_b, metrics_b, grads_b) = results
+    assert loss_b == pytest.approx(loss_a, abs=1e-6)
+    assert sum(float(g.abs().sum()) for g in grads_b) > 0
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    expected = float((calculate_kl_penalty(old, init, True) * mask).sum() / mask.sum())
+    assert expected > 1e-4
+    assert metrics_b["init_policy_kl"] == pytest.approx(expected, rel=0.3)  # mean of per-micro-batch means

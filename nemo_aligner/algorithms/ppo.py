@@ -3,7 +3,8 @@
 One step::
 
     rollouts  = generate(prompts)                     # micro-batches, each sent to the critic at once
-    logprobs  = actor.logprobs(rollouts)              # training forward
+    logprobs  = actor.logprobs(rollouts)              # training forward (skipped with one update per
+                                                      #   rollout batch and no KL in the reward)
     init_lp   = actor.init_policy_logprobs(rollouts)  # initial weights swapped in from the CPU
     rewards, values = futures.result()
     advantages, returns = GAE(rewards - beta * KL, values)
@@ -128,6 +129,9 @@ class PPOTrainer:
         self.critic_warmup_steps = int(cfg.get("critic_warmup_steps", 0) or 0)
         self.val_at_start = bool(cfg.get("val_at_start", True))
         self.kl_penalty = float(cfg.get("initial_policy_kl_penalty", 0.01))
+        # One optimizer step per rollout batch and no KL in the reward: the rollouts' log-probs
+        # equal the training forward's (same weights), so that forward pass is skipped.
+        self.rollout_logprobs_needed = self.num_rollout_samples != self.global_batch_size or self.kl_penalty != 0.0
         self.use_absolute_kl = bool(cfg.get("use_absolute_kl", True))
         self.discount = float(cfg.get("discount_factor", 1.0))
         self.gae_lambda = float(cfg.get("gae_lambda", 0.95))
@@ -204,8 +208,10 @@ class PPOTrainer:
         self.model.prepare_for_inference()
         try:
             batch = self.generate_rollouts(prompts, self.rollout_micro_batch_size, step_seed, None, timer)
-            with timer("logprobs"):
-                batch["logprobs"] = self.model.get_logprobs(batch["tokens"])
+            batch["logprobs"] = None
+            if self.rollout_logprobs_needed:
+                with timer("logprobs"):
+                    batch["logprobs"] = self.model.get_logprobs(batch["tokens"])
             with timer("init_logprobs"):
                 batch["init_logprobs"] = self.model.get_init_policy_logprobs(batch["tokens"])
             self.resolve_rewards(batch, timer)
@@ -213,12 +219,19 @@ class PPOTrainer:
             self.model.finish_inference()
         return batch
 
+    def rollout_kl(self, batch: Dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+        """Per-token KL of the rollout policy to the initial one (zeros when the rollouts' log-probs
+        were skipped: then no reward uses it and the actor update reports the metric)."""
+        if batch["logprobs"] is None:
+            return torch.zeros_like(mask)
+        return ppo_utils.calculate_kl_penalty(batch["logprobs"], batch["init_logprobs"], self.use_absolute_kl) * mask
+
     def compute_advantages(self, batch: Dict[str, torch.Tensor]) -> Dict[str, float]:
         """KL-penalised per-token rewards, GAE advantages and returns, masks (DESIGN section 4, step 5)."""
         width = batch["tokens"].shape[1] - 1
         mask = ppo_utils.create_mask(batch["prompt_lengths"], batch["response_lengths"], width)
         values = batch["values"][:, :width] * mask
-        kl = ppo_utils.calculate_kl_penalty(batch["logprobs"], batch["init_logprobs"], self.use_absolute_kl) * mask
+        kl = self.rollout_kl(batch, mask)
         rewards = ppo_utils.calculate_ppo_rewards(batch["rewards"], batch["response_lengths"], kl, self.kl_penalty)
         advantages, returns = ppo_utils.calculate_advantages_and_returns(values, rewards, self.discount,
                                                                          self.gae_lambda, mask)
@@ -277,10 +290,10 @@ class PPOTrainer:
         self.model.prepare_for_training()
         try:
             for begin in range(0, rows - local_gbs + 1, local_gbs):
-                part = {k: batch[k][begin : begin + local_gbs] for k in
+                part = {k: None if batch[k] is None else batch[k][begin : begin + local_gbs] for k in
                         ("tokens", "logprobs", "init_logprobs", "advantages", "mask", "is_end")}
                 self.model.prepare_for_training_step()
-                loss, m = self.model.get_loss_and_metrics(part, forward_only=False)
+                loss, m = self.model.get_loss_and_metrics(part, forward_only=False, use_absolute_kl=self.use_absolute_kl)
                 if not (math.isfinite(loss) and self.model.grads_are_finite()):
                     metrics.append(self._skip_nonfinite_update())
                     continue

@@ -73,7 +73,7 @@ class ReinforceTrainer(PPOTrainer):
     def compute_advantages(self, batch: Dict[str, torch.Tensor]) -> Dict[str, float]:
         width = batch["tokens"].shape[1] - 1
         mask = ppo_utils.create_mask(batch["prompt_lengths"], batch["response_lengths"], width)
-        kl = ppo_utils.calculate_kl_penalty(batch["logprobs"], batch["init_logprobs"], self.use_absolute_kl) * mask
+        kl = self.rollout_kl(batch, mask)
         sequence_kl = kl.sum(-1)
         penalised = batch["rewards"] - self.kl_penalty * sequence_kl
         advantages = group_advantages(penalised, batch["group_ids"], self.leave_one_out, self.normalize_rewards)

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from nemo_aligner.models.nlp.gpt.lean_ops import rotate
+
 
 
 @dataclass
@@ -85,11 +87,6 @@ def _gather_vocab(logits: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = torch.chunk(x, 2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def _pack_linear_weights(module, batch: int) -> dict:
     """MKL-packed copies of a CPU float32 model's 2-D weights for ``batch``-row matmuls, keyed by
     ``id(weight)``; empty where MKL's packed GEMM is unavailable.
@@ -150,8 +147,9 @@ class KVCacheDecoder:
         self.packed_batch = batch
         self.rope = getattr(module, "rotary_pos_emb", None) if module.position_embedding_type == "rope" else None
         if self.rope is not None:  # cos/sin tables once, not per layer and step
-            freqs = self.rope(max_len).squeeze(1).squeeze(1)  # [max_len, rot]
-            self.cos, self.sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+            freqs = self.rope(max_len).squeeze(1).squeeze(1)  # [max_len, rot]: one half's angles, repeated
+            half = freqs[:, : freqs.shape[-1] // 2]
+            self.cos, self.sin = half.cos().to(dtype), half.sin().to(dtype)
 
     def _linear(self, linear, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A megatron-core parallel linear layer, bias included; a plain matmul without tensor
@@ -167,12 +165,11 @@ class KVCacheDecoder:
 
     @staticmethod
     def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x`` [S, B, h, d]; ``cos``/``sin`` [S, B, 1, rot]."""
-        rot = cos.shape[-1]
+        """``x`` [S, B, h, d]; ``cos``/``sin`` [S, B, 1, rot/2] (the angles of one half)."""
+        rot = 2 * cos.shape[-1]
         if rot == x.shape[-1]:
-            return x * cos + _rotate_half(x) * sin
-        x_rot, x_pass = x[..., :rot], x[..., rot:]
-        return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+            return rotate(x, cos, sin)
+        return torch.cat((rotate(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
 
     def _attention(self, layer, hidden: torch.Tensor, rope, start: int, mask, index: int) -> torch.Tensor:
         attn = layer.self_attention
@@ -268,8 +265,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: Optional[tor
         drop = probs.cumsum(dim=-1) - probs >= params.top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return _inverse_cdf_sample(torch.softmax(logits, dim=-1), generator)
+
+
+def _inverse_cdf_sample(probs: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """One draw per row of ``probs`` [B, V]: the first index whose cumulative probability exceeds a
+    uniform draw. One random number per row (``torch.multinomial`` draws one per vocabulary entry,
+    the largest cost of a CPU decode step after the matmuls and attention); zero-probability
+    entries are never chosen."""
+    cdf = probs.cumsum(dim=-1)
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(-1)
 
 
 def _ends_with_end_string(tokenizer, ids: Sequence[int], end_strings: Sequence[str]) -> bool:

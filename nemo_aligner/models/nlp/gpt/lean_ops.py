@@ -36,7 +36,7 @@ def _halves(freqs: torch.Tensor, mscale: float, dtype: torch.dtype):
     return cos.to(dtype), sin.to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
     """``[x1*cos - sign*x2*sin, x2*cos + sign*x1*sin]`` over the last dimension's halves."""
     x1, x2 = x.chunk(2, dim=-1)
     out = torch.empty_like(x)
@@ -54,12 +54,12 @@ class RotaryEmbedding(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, cos, sin):
         ctx.save_for_backward(cos, sin)
-        return _rotate(t, cos, sin, 1.0)
+        return rotate(t, cos, sin, 1.0)
 
     @staticmethod
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
-        return _rotate(grad.contiguous(), cos, sin, -1.0), None, None
+        return rotate(grad.contiguous(), cos, sin, -1.0), None, None
 
 
 def apply_rotary(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> torch.Tensor:

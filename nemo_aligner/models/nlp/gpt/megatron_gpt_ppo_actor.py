@@ -119,23 +119,40 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
         entropy = vocab_parallel_entropy(logits) if self.entropy_bonus else None
         logprobs = -vocab_parallel_cross_entropy(logits.clone(), mb["labels"][:, :-1])
         mask = mb["mask"] * mb["is_end"].float().unsqueeze(-1)
-        loss, stats = ppo_utils.ppo_actor_loss(logprobs, mb["logprobs"], mb["advantages"], mask, self.ratio_eps,
+        # Without rollout log-probs the rollouts are trained on once, in this one optimizer step,
+        # by the weights that generated them: the old policy's log-probs are these (ratio 1).
+        old = mb["logprobs"] if "logprobs" in mb else logprobs.detach()
+        loss, stats = ppo_utils.ppo_actor_loss(logprobs, old, mb["advantages"], mask, self.ratio_eps,
                                                entropy=entropy, entropy_bonus=self.entropy_bonus)
         if self.kl_loss_coef:
             kl = ppo_utils.masked_mean(ppo_utils.k3_kl(logprobs, mb["init_logprobs"]), mask)
             loss = loss + self.kl_loss_coef * kl
             stats["kl_loss"] = kl.detach()
+        if "logprobs" not in mb:  # the rollout-time KL metric, from this forward instead
+            kl = ppo_utils.calculate_kl_penalty(logprobs.detach(), mb["init_logprobs"], self._absolute_kl)
+            stats["init_policy_kl"] = ppo_utils.masked_mean(kl, mb["mask"])
         return loss, {"loss": loss.detach().clone(), **{k: v.detach() for k, v in stats.items()}}
 
-    def get_loss_and_metrics(self, batch: Dict[str, torch.Tensor], forward_only: bool) -> Tuple[float, Dict[str, float]]:
-        """One global batch of PPO data (``tokens``, ``logprobs``, ``advantages``, ``mask``, ``is_end``)."""
+    def get_loss_and_metrics(self, batch: Dict[str, torch.Tensor], forward_only: bool,
+                             use_absolute_kl: bool = True) -> Tuple[float, Dict[str, float]]:
+        """One global batch of PPO data (``tokens``, ``logprobs``, ``advantages``, ``mask``, ``is_end``).
+
+        ``logprobs`` None: the rollouts' own log-probs were not computed (one update per rollout
+        batch); the old policy is this forward's detached log-probs, and the KL-to-initial-policy
+        metric (``init_policy_kl``, absolute when ``use_absolute_kl``) is measured here.
+        """
         data = dict(next_token_batch(batch["tokens"]))
-        data.update({k: batch[k] for k in ("logprobs", "advantages", "mask")})
-        if self.kl_loss_coef:
+        data.update({k: batch[k] for k in ("advantages", "mask")})
+        reuse = batch.get("logprobs") is None
+        self._absolute_kl = bool(use_absolute_kl)
+        if not reuse:
+            data["logprobs"] = batch["logprobs"]
+        if self.kl_loss_coef or reuse:
             data["init_logprobs"] = batch["init_logprobs"]
         data["is_end"] = batch["is_end"].float()
         outputs = self.forward_backward(data, self._ppo_loss, forward_only, self.micro_batch_size,
                                         forward_fn=self._ppo_forward)
-        keys = ("loss", "clip_fraction", "approx_kl", "entropy", "ratio_mean") + (("kl_loss",) if self.kl_loss_coef else ())
+        keys = (("loss", "clip_fraction", "approx_kl", "entropy", "ratio_mean") + (("kl_loss",) if self.kl_loss_coef else ())
+                + (("init_policy_kl",) if reuse else ()))
         m = self.reduce_metrics(outputs, mean_keys=keys)
         return m["loss"], m
