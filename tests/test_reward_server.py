@@ -3,6 +3,7 @@ model in this process, concurrent clients, bad requests, unreachable servers, cl
 and TP=2 / DP=2 serving."""
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -106,17 +107,36 @@ def test_eight_concurrent_clients(server, rm_nemo_and_rewards):
             np.testing.assert_allclose(answer, [expected[t] for t in texts], rtol=1e-5, atol=1e-5)
 
 
-def test_bad_request_then_good_one(server, rm_nemo_and_rewards):
+BAD_REQUESTS = {
+    "wrong-dtype": (dict(tokens=np.ones((1, 4), dtype=np.float32), sequence_lengths=np.array([[4]])),
+                    r"FP32.*INT64"),
+    "wrong-rank": (dict(tokens=np.ones((2, 3, 4), dtype=np.int64), sequence_lengths=np.array([[4], [4]])),
+                   r"shape|dims|rank"),
+    "batch-too-large": (dict(tokens=np.ones((65, 4), dtype=np.int64), sequence_lengths=np.full((65, 1), 4)),
+                        r"batch|65|64"),
+    "missing-input": (dict(tokens=np.ones((2, 4), dtype=np.int64)), r"sequence_lengths"),
+    "empty-batch": (dict(tokens=np.ones((0, 4), dtype=np.int64), sequence_lengths=np.ones((0, 1), dtype=np.int64)),
+                    r"byte size mismatch|empty"),
+    "lengths-beyond-width": (dict(tokens=np.ones((1, 3), dtype=np.int64), sequence_lengths=np.array([[9]])),
+                             r"sequence_lengths must be within 1\.\.3"),
+    "lengths-rows-mismatch": (dict(tokens=np.ones((2, 3), dtype=np.int64), sequence_lengths=np.array([[3]])),
+                              r"sequence_lengths|shape|batch"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_is_answered_and_the_server_keeps_serving(server, rm_nemo_and_rewards, case):
     from nemo_aligner.servers.clients import RemoteServerError
 
     _, expected = rm_nemo_and_rewards
+    inputs, message = BAD_REQUESTS[case]
     with client(server.port) as c:
-        with pytest.raises(RemoteServerError, match=r"127\.0\.0\.1:\d+.*FP32.*INT64"):
-            c.send("rewards", tokens=np.ones((1, 4), dtype=np.float32), sequence_lengths=np.array([[4]])).result()
-        with pytest.raises(RemoteServerError, match=r"sequence_lengths must be within 1\.\.3"):
-            c.infer_tokens(np.ones((1, 3), dtype=np.int64), [9]).result()
+        with pytest.raises(RemoteServerError, match=r"127\.0\.0\.1:\d+") as err:
+            c.send("rewards", **inputs).result()
+        assert re.search(message, str(err.value), re.IGNORECASE), str(err.value)
         np.testing.assert_allclose(c.infer_texts(TEXTS[:2]).result(), [expected[t] for t in TEXTS[:2]], rtol=1e-5,
                                    atol=1e-5)
+    assert server.proc.poll() is None
 
 
 def test_closed_port_fails_fast():

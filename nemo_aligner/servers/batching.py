@@ -10,10 +10,19 @@ import torch
 import torch.distributed as dist
 
 from nemo_aligner.utils.distributed import broadcast_object
+from nemo_aligner.utils.errors import ConfigError
 
 
 class BadRequest(ValueError):
     """A request whose tensors are inconsistent; reported to the client, the server keeps serving."""
+
+
+def check_batch_limits(max_batch_size, micro_batch_size: int, dp: int, max_key: str, micro_key: str) -> None:
+    """A server's largest batch must hold one micro-batch per data-parallel rank: the dynamic
+    batcher could otherwise never fill a round, and every request would be padded past its limit."""
+    if max_batch_size is not None and int(max_batch_size) < int(micro_batch_size) * dp:
+        raise ConfigError(f"{max_key}={max_batch_size} is smaller than {micro_key}={micro_batch_size} x data "
+                          f"parallel size {dp} = {int(micro_batch_size) * dp}; raise {max_key} or lower {micro_key}")
 
 
 def check_request(tokens: np.ndarray, lengths: np.ndarray, max_seq_length: Optional[int] = None):

@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from nemo_aligner.servers.batching import check_request, data_parallel_apply, pad_request
+from nemo_aligner.servers.batching import check_batch_limits, check_request, data_parallel_apply, pad_request
 from nemo_aligner.servers.signals import ServerSignal, broadcast_signal, follow
 from nemo_aligner.servers.triton_host import ServerAddress, serve_forever
 from nemo_aligner.utils.distributed import broadcast_object, get_rank
@@ -196,6 +196,13 @@ def serve_ppo_critic(cfg) -> None:
     address = server_address(ppo, "trainer.ppo")
     init_run(cfg, restore, "pretrained_checkpoint.restore_from_path",
              timeout_minutes=int(ppo.get("dist_timeout_minutes") or 7 * 24 * 60))
+    mbs = ppo.get("inference_micro_batch_size") or cfg.model.get("forward_micro_batch_size") or cfg.model.micro_batch_size
+    if not isinstance(mbs, int):
+        mbs = int(list(mbs)[0])
+    from megatron.core import parallel_state
+
+    check_batch_limits(ppo.get("max_batch_size"), mbs, parallel_state.get_data_parallel_world_size(),
+                       "trainer.ppo.max_batch_size", "trainer.ppo.inference_micro_batch_size")
     if get_rank() == 0:
         check_ports_free(address, "trainer.ppo")
     exp = exp_manager(cfg.get("exp_manager"), cfg, default_name="megatron_gpt_critic")
@@ -209,9 +216,6 @@ def serve_ppo_critic(cfg) -> None:
                                   int(cfg.model.global_batch_size))
     if exp.resume_from:
         trainer.load_checkpoint(exp.resume_from)
-    mbs = ppo.get("inference_micro_batch_size") or cfg.model.get("forward_micro_batch_size") or cfg.model.micro_batch_size
-    if not isinstance(mbs, int):
-        mbs = int(list(mbs)[0])
     server = CriticServer(
         model, trainer, address, combine_rm_and_critic=combine, micro_batch_size=int(mbs),
         max_queue_delay_us=int(ppo.get("max_queue_delay_microseconds") or 0),

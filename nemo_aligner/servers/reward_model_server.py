@@ -8,7 +8,7 @@ from typing import Optional
 
 import numpy as np
 
-from nemo_aligner.servers.batching import check_request, data_parallel_apply, pad_request
+from nemo_aligner.servers.batching import check_batch_limits, check_request, data_parallel_apply, pad_request
 from nemo_aligner.servers.signals import ServerSignal, broadcast_signal, follow
 from nemo_aligner.servers.triton_host import ServerAddress, check_ports_free, serve_forever
 from nemo_aligner.utils.distributed import get_rank
@@ -121,6 +121,11 @@ def serve_reward_model(cfg) -> None:
     inference = cfg.inference
     address = server_address(inference, "inference")
     init_run(cfg, path, "rm_model_file", timeout_minutes=int(inference.get("dist_timeout_minutes") or 7 * 24 * 60))
+    from megatron.core import parallel_state
+
+    check_batch_limits(inference.get("max_batch_size"), int(inference.get("micro_batch_size") or 4),
+                       parallel_state.get_data_parallel_world_size(), "inference.max_batch_size",
+                       "inference.micro_batch_size")
     setup_console_logging()
     if get_rank() == 0:
         check_ports_free(address, "inference")

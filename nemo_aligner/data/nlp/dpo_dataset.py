@@ -91,7 +91,7 @@ class DPOPairDataset(torch.utils.data.Dataset):
             path = record.get("__file__", str(paths))
             where = f"{path}:{record['__line__']}"
             require_fields(record, ["prompt"], path, types=(str, list))
-            require_fields(record, ["chosen_response", "rejected_response"], path)
+            require_fields(record, ["chosen_response", "rejected_response"], path, non_empty=True)
             prompt = prompt_text(record, where, chat_tokens)
             rewards = []
             for field, default in (("chosen_reward", default_chosen_reward), ("rejected_reward", default_rejected_reward)):

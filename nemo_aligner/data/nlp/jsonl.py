@@ -21,8 +21,13 @@ def read_jsonl(path: str) -> List[Dict[str, Any]]:
     if os.path.isdir(path):
         raise DataError(f"{path}: is a directory, expected a .jsonl file")
     records = []
-    with open(path, "r", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path}:{line_no}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
+                                f"{err.start + 1}); re-encode the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -57,8 +62,9 @@ def read_jsonl_files(paths, key: str) -> List[Dict[str, Any]]:
     return records
 
 
-def require_fields(record: Dict[str, Any], fields: Sequence[str], path: str, types=(str,)) -> None:
-    """Raise if a required field is missing or has the wrong type."""
+def require_fields(record: Dict[str, Any], fields: Sequence[str], path: str, types=(str,),
+                   non_empty: bool = False) -> None:
+    """Raise if a required field is missing or has the wrong type (or, with ``non_empty``, is empty)."""
     path = record.get("__file__", path)
     for field in fields:
         if field not in record:
@@ -69,6 +75,8 @@ def require_fields(record: Dict[str, Any], fields: Sequence[str], path: str, typ
                 f"{path}:{record.get('__line__', '?')}: field {field!r} must be "
                 f"{' or '.join(t.__name__ for t in types)}, got {type(record[field]).__name__}"
             )
+        if non_empty and isinstance(record[field], (str, list)) and not record[field]:
+            raise DataError(f"{path}:{record.get('__line__', '?')}: field {field!r} is empty")
 
 
 def write_jsonl(path: str, records: Iterable[Dict[str, Any]]) -> None:

@@ -32,6 +32,7 @@ class KTODataset(torch.utils.data.Dataset):
             where = f"{path}:{record['__line__']}"
             require_fields(record, ["prompt"], path, types=(str, list))
             require_fields(record, ["response", "preference"], path)
+            require_fields(record, ["response"], path, non_empty=True)
             preference = record["preference"]
             if preference not in PREFERENCE_VALUES:
                 raise DataError(f"{where}: field 'preference' must be \"chosen\" or \"rejected\", got {preference!r}")

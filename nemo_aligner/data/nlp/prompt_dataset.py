@@ -22,7 +22,7 @@ class PromptDataset(torch.utils.data.Dataset):
         self.items: List[Dict] = []
         truncated = 0
         for record in records:
-            require_fields(record, [text_key], record.get("__file__", str(paths)))
+            require_fields(record, [text_key], record.get("__file__", str(paths)), non_empty=True)
             ids = tokenizer.text_to_ids(record[text_key])
             if len(ids) > max_prompt_length:
                 truncated += 1

@@ -61,7 +61,7 @@ class RewardComparisonDataset(torch.utils.data.Dataset):
         self.pairs = []
         for path, rows in by_file.items():
             for record in rows:
-                require_fields(record, ["text"], path)
+                require_fields(record, ["text"], path, non_empty=True)
             if len(rows) % 2:
                 raise DataError(
                     f"{path}:{rows[-1]['__line__']}: odd number of records ({len(rows)}); comparisons come in "
@@ -132,7 +132,7 @@ class RegressionRewardDataset(torch.utils.data.Dataset):
         self.items = []
         for record in records:
             path = record.get("__file__", str(paths))
-            require_fields(record, ["text"], path)
+            require_fields(record, ["text"], path, non_empty=True)
             require_fields(record, ["label"], path, types=(list, str, int, float))
             where = f"{path}:{record['__line__']}"
             if isinstance(record["label"], str) and len(names) != self.num_attributes:

@@ -62,9 +62,19 @@ class GPTSFTDataset(torch.utils.data.Dataset):
         self.records = records if records is not None else read_jsonl(file_path)
         for record in self.records:
             require_fields(record, self.fields, file_path)
+            require_fields(record, [label_key], file_path, non_empty=True)  # no answer: nothing to learn
 
     def __len__(self) -> int:
         return len(self.records)
+
+    def _warn_truncated(self, record: Dict, overflow: int) -> None:
+        """Over-long records are truncated (documented in docs/sft.md); the first one is named."""
+        if not getattr(self, "_warned", False):
+            self._warned = True
+            logger.warning("%s:%s: %d tokens longer than max_seq_length=%d; truncated (%s side of the context, "
+                           "then the answer); further truncations in this file are not reported",
+                           record.get("__file__", self.file_path), record.get("__line__", "?"), overflow,
+                           self.max_seq_length, self.truncation_method)
 
     def __getitem__(self, idx: int) -> Dict:
         if idx < 0:  # padding sample of a partial validation batch: no loss
@@ -80,6 +90,7 @@ class GPTSFTDataset(torch.utils.data.Dataset):
         budget = self.max_seq_length + 1 - len(prefix) - len(suffix)
         overflow = len(ctx_ids) + len(ans_ids) - budget
         if overflow > 0:
+            self._warn_truncated(record, overflow)
             cut = min(overflow, max(len(ctx_ids) - 1, 0))
             ctx_ids = truncate(ctx_ids, cut, self.truncation_method)
             ans_ids = ans_ids[: max(budget - len(ctx_ids), 0)]
@@ -116,7 +127,7 @@ class GPTSFTChatDataset(torch.utils.data.Dataset):
         self._warned_empty = False
         self.records = records if records is not None else read_jsonl(file_path)
         for record in self.records:
-            require_fields(record, ["conversations"], file_path, types=(list,))
+            require_fields(record, ["conversations"], file_path, types=(list,), non_empty=True)
             line = record["__line__"]
             for turn_no, turn in enumerate(record["conversations"]):
                 if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:

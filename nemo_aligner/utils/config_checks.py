@@ -1,0 +1,68 @@
+"""Type and range checks of a run's config values, so a mistake names its key before anything runs.
+
+Hydra passes a command-line value it cannot parse as a number through as a string
+(``model.micro_batch_size=eight``); without this check the first ``int(...)`` deep inside a
+trainer fails with a traceback that names no key. Keys are matched by their last component,
+wherever they sit in the tree (``model.micro_batch_size``, ``model.data.train_ds.micro_batch_size``,
+``trainer.ppo.inference_micro_batch_size`` ...).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Tuple
+
+from omegaconf import DictConfig, ListConfig
+
+from nemo_aligner.utils.errors import ConfigError
+
+POSITIVE_INTS = frozenset({
+    "micro_batch_size", "global_batch_size", "num_layers", "hidden_size", "ffn_hidden_size",
+    "num_attention_heads", "encoder_seq_length", "max_position_embeddings", "max_seq_length", "seq_length",
+    "devices", "num_nodes", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+    "rollout_micro_batch_size", "forward_micro_batch_size", "val_rollout_micro_batch_size",
+    "inference_micro_batch_size", "num_rollout_samples", "num_val_samples", "num_responses_per_prompt",
+    "num_generations_per_prompt", "max_batch_size", "make_vocab_size_divisible_by",
+})
+NON_NEGATIVE_INTS = frozenset({
+    "save_interval", "critic_warmup_steps", "num_workers",
+    "max_consecutive_nonfinite_steps", "min_length", "top_k",
+})
+NON_NEGATIVE_NUMBERS = frozenset({
+    "val_check_interval", "lr", "min_lr", "weight_decay", "gradient_clip_val", "temperature", "warmup_steps", "timeout_s",
+    "hidden_dropout", "attention_dropout",
+})
+# ``max_steps``/``max_epochs`` allow -1 or null for "no limit" and are checked where they are used.
+
+
+def _leaves(node, prefix: str) -> Iterator[Tuple[str, object]]:
+    if isinstance(node, DictConfig):
+        for key in node.keys():
+            path = f"{prefix}.{key}" if prefix else str(key)
+            try:
+                value = node[key]
+            except Exception:  # a missing value ('???') or an interpolation that cannot resolve yet
+                continue
+            yield from _leaves(value, path)
+    elif not isinstance(node, ListConfig):
+        yield prefix, node
+
+
+def check_config_values(cfg: DictConfig) -> None:
+    """Raise ``ConfigError`` naming the first key whose value has the wrong type or range."""
+    for path, value in _leaves(cfg, ""):
+        name = path.rsplit(".", 1)[-1]
+        if value is None:
+            continue
+        if name in POSITIVE_INTS or name in NON_NEGATIVE_INTS:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{path}={value!r} must be an integer, got {type(value).__name__}")
+            if name in POSITIVE_INTS and value <= 0:
+                raise ConfigError(f"{path}={value} must be > 0")
+            if name in NON_NEGATIVE_INTS and value < 0:
+                raise ConfigError(f"{path}={value} must be >= 0")
+        elif name in NON_NEGATIVE_NUMBERS:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{path}={value!r} must be a number, got {type(value).__name__}")
+            if value < 0:
+                raise ConfigError(f"{path}={value} must be >= 0")
+
