@@ -1,0 +1,270 @@
+"""The bad-input catalogue, in process (fast): each case raises the project's error type with a
+message that names the file and line, the config key, or the checkpoint and the mismatch, and
+leaves every file already on disk (the input itself, an earlier run's checkpoint) unchanged.
+
+Whole-script versions of the common cases (one `error:` line, exit status 1, no traceback) are in
+tests/test_bad_input.py; server request errors are in tests/test_reward_server.py."""
+
+import hashlib
+import logging
+import os
+import tarfile
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import TINY_ARCH, TINY_GPT2_ARCH
+from nemo_aligner.utils.errors import CheckpointError, ConfigError, DataError
+from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+
+def snapshot(root):
+    """Path -> sha256 of every file under ``root``."""
+    out = {}
+    for base, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(base, name)
+            with open(path, "rb") as f:
+                out[path] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    """A directory holding an earlier run's checkpoint; every case must leave it (and its own input) as it was."""
+    ckpt = tmp_path / "earlier_run" / "checkpoints" / "step=2"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text('{"step": 2}')
+    (ckpt / "weights.bin").write_bytes(os.urandom(256))
+    return tmp_path
+
+
+def check(workdir, error, pattern, fn):
+    before = snapshot(workdir)
+    with pytest.raises(error, match=pattern):
+        fn()
+    assert snapshot(workdir) == before
+
+
+def write(workdir, name, text=None, data=None):
+    path = workdir / name
+    if data is not None:
+        path.write_bytes(data)
+    else:
+        path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+# ----------------------------------------------------------------- jsonl files
+def sft(path, **kw):
+    from nemo_aligner.data.nlp.sft_dataset import GPTSFTDataset
+
+    return GPTSFTDataset(path, ByteTokenizer(), 32, **kw)
+
+
+def chat(path):
+    from nemo_aligner.data.nlp.sft_dataset import GPTSFTChatDataset
+
+    return GPTSFTChatDataset(path, ByteTokenizer(), 32)
+
+
+def rm(path):
+    from nemo_aligner.data.nlp.reward_datasets import RewardComparisonDataset
+
+    return RewardComparisonDataset(path, ByteTokenizer(), 32)
+
+
+def regression(path):
+    from nemo_aligner.data.nlp.reward_datasets import RegressionRewardDataset
+
+    return RegressionRewardDataset(path, ByteTokenizer(), 32, num_attributes=9)
+
+
+def dpo(path):
+    from nemo_aligner.data.nlp.dpo_dataset import DPOPairDataset
+
+    return DPOPairDataset(path, ByteTokenizer(), 32)
+
+
+def kto(path):
+    from nemo_aligner.data.nlp.kto_dataset import KTODataset
+
+    return KTODataset(path, ByteTokenizer(), 32)
+
+
+def prompts(path):
+    from nemo_aligner.data.nlp.prompt_dataset import PromptDataset
+
+    return PromptDataset(path, ByteTokenizer(), 16)
+
+
+GOOD_PAIR = '{"text": "reverse abc = cba"}\n{"text": "reverse abc = bca"}\n'
+JSONL_CASES = {
+    "sft-non-utf8": (sft, None, b'{"input": "a =", "output": "b"}\n{"input": "\xff\xfe", "output": "c"}\n',
+                     r"bad\.jsonl:2: not UTF-8 text \(byte 0xff at column 12\)"),
+    "sft-empty-answer": (sft, '{"input": "a =", "output": ""}\n', None, r"bad\.jsonl:1: field 'output' is empty"),
+    "sft-missing-template-field": (lambda p: sft(p, prompt_template="{question} {output}"),
+                                   '{"input": "a =", "output": "b"}\n', None,
+                                   r"bad\.jsonl:1: missing field 'question' \(found \['input', 'output'\]\)"),
+    "sft-directory": (lambda p: sft(os.path.dirname(p)), "{}\n", None, r"is a directory, expected a \.jsonl file"),
+    "chat-empty-conversation": (chat, '{"system": "", "conversations": []}\n', None,
+                                r"bad\.jsonl:1: field 'conversations' is empty"),
+    "rm-odd-number-of-lines": (rm, GOOD_PAIR + '{"text": "sort ba = ab"}\n', None,
+                               r"bad\.jsonl:3: odd number of records \(3\); comparisons come in pairs"),
+    "rm-chosen-rejected-mismatch": (rm, '{"text": "reverse abc = cba"}\n{"text": "sort hgfe = efgh"}\n', None,
+                                    r"bad\.jsonl:2: this rejected text does not start with the prompt of the "
+                                    r"chosen text on line 1"),
+    "rm-empty-text": (rm, '{"text": "reverse abc = cba"}\n{"text": ""}\n', None, r"bad\.jsonl:2: field 'text' is empty"),
+    "rm-text-wrong-type": (rm, '{"text": ["reverse"]}\n{"text": "x"}\n', None,
+                           r"bad\.jsonl:1: field 'text' must be str, got list"),
+    "regression-bad-label": (regression, '{"text": "a", "label": "quality:x"}\n', None, r"bad\.jsonl:1"),
+    "dpo-without-rejected": (dpo, '{"prompt": "p", "chosen_response": "a"}\n', None,
+                             r"bad\.jsonl:1: missing field 'rejected_response'"),
+    "dpo-empty-chosen": (dpo, '{"prompt": "p", "chosen_response": "", "rejected_response": "b"}\n', None,
+                         r"bad\.jsonl:1: field 'chosen_response' is empty"),
+    "dpo-reward-not-a-number": (dpo, '{"prompt": "p", "chosen_response": "a", "rejected_response": "b", '
+                                     '"chosen_reward": "high"}\n', None,
+                                r"bad\.jsonl:1: field 'chosen_reward' must be a number, got str"),
+    "kto-empty-response": (kto, '{"prompt": "p", "response": "", "preference": "desired"}\n', None,
+                           r"bad\.jsonl:1: field 'response' is empty"),
+    "ppo-empty-prompt": (prompts, '{"text": ""}\n', None, r"bad\.jsonl:1: field 'text' is empty"),
+    "blank-lines-only": (sft, "\n   \n\n", None, r"bad\.jsonl: file is empty \(no JSON records\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(JSONL_CASES))
+def test_bad_jsonl(workdir, case):
+    build, text, data, pattern = JSONL_CASES[case]
+    path = write(workdir, "bad.jsonl", text, data)
+    check(workdir, DataError, pattern, lambda: build(path))
+
+
+def test_overlong_record_is_truncated_with_a_warning_naming_it(workdir, caplog):
+    path = write(workdir, "long.jsonl", '{"input": "a =", "output": "b"}\n{"input": "' + "x" * 500 + ' =", "output": "y"}\n')
+    before = snapshot(workdir)
+    dataset = sft(path)
+    with caplog.at_level(logging.WARNING):
+        short, long = dataset[0], dataset[1]
+    assert len(short["input_ids"]) < 10 and len(long["input_ids"]) == 33  # max_seq_length + 1 (the shifted label)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "long.jsonl:2:" in warnings[0] and "max_seq_length=32" in warnings[0], warnings
+    assert snapshot(workdir) == before
+
+
+# ----------------------------------------------------------------- config
+def sft_config(**overrides):
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "examples", "nlp", "gpt", "conf", "gpt_sft.yaml"))
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key, value, force_add=False)
+    return cfg
+
+
+def config_values(**overrides):
+    from nemo_aligner.utils.config_checks import check_config_values
+
+    return lambda: check_config_values(sft_config(**overrides))
+
+
+def parallel(world, tp, pp, heads, groups, layers):
+    from nemo_aligner.utils.distributed import check_parallel_sizes
+
+    return lambda: check_parallel_sizes(world, tp, pp, heads, groups, layers)
+
+
+def server_limits():
+    from nemo_aligner.servers.batching import check_batch_limits
+
+    return lambda: check_batch_limits(8, 4, 4, "trainer.ppo.max_batch_size", "trainer.ppo.inference_micro_batch_size")
+
+
+def missing_data_path():
+    from nemo_aligner.data.nlp.jsonl import read_jsonl_files
+
+    return lambda: read_jsonl_files("???", "model.data.data_prefix.train")
+
+
+CONFIG_CASES = {
+    "wrong-type-int": (config_values(**{"model.micro_batch_size": "eight"}),
+                       r"model\.micro_batch_size='eight' must be an integer, got str"),
+    "wrong-type-float": (config_values(**{"model.optim.lr": "fast"}), r"model\.optim\.lr='fast' must be a number"),
+    "bool-for-int": (config_values(**{"model.data.train_ds.micro_batch_size": True}),
+                     r"model\.data\.train_ds\.micro_batch_size=True must be an integer"),
+    "zero-size": (config_values(**{"model.global_batch_size": 0}), r"model\.global_batch_size=0 must be > 0"),
+    "negative-size": (config_values(**{"model.num_layers": -2}), r"model\.num_layers=-2 must be > 0"),
+    "negative-lr": (config_values(**{"model.optim.lr": -0.1}), r"model\.optim\.lr=-0\.1 must be >= 0"),
+    "negative-interval": (config_values(**{"trainer.sft.save_interval": -5}),
+                          r"trainer\.sft\.save_interval=-5 must be >= 0"),
+    "tp-does-not-divide-query-groups": (parallel(2, 2, 1, 4, 3, 2),
+                                        r"model\.tensor_model_parallel_size=2 does not divide model\.num_query_groups=3"),
+    "pp-does-not-divide-layers": (parallel(2, 1, 2, 4, None, 3), r"model\.pipeline_model_parallel_size=2.*num_layers=3"),
+    "world-not-divisible-by-tp-pp": (parallel(3, 2, 1, 4, None, 2), r"tensor_model_parallel_size=2"),
+    "server-batch-below-micro-x-dp": (server_limits(),
+                                      r"trainer\.ppo\.max_batch_size=8 is smaller than "
+                                      r"trainer\.ppo\.inference_micro_batch_size=4 x data parallel size 4"),
+    "missing-data-path": (missing_data_path(), r"model\.data\.data_prefix\.train is required"),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIG_CASES))
+def test_bad_config(workdir, case):
+    fn, pattern = CONFIG_CASES[case]
+    check(workdir, ConfigError, pattern, fn)
+
+
+def test_every_shipped_config_passes_the_value_checks():
+    from nemo_aligner.utils.config_checks import check_config_values
+
+    conf = os.path.join(os.path.dirname(__file__), "..", "examples", "nlp", "gpt", "conf")
+    for name in sorted(os.listdir(conf)):
+        check_config_values(OmegaConf.load(os.path.join(conf, name)))
+
+
+# ----------------------------------------------------------------- checkpoints
+@pytest.fixture(scope="module")
+def saved_nemo(tmp_path_factory, mcore_single):
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.utils.nemo_file import save_nemo
+
+    cfg = OmegaConf.create(dict(TINY_ARCH, micro_batch_size=2, encoder_seq_length=32))
+    return save_nemo(GPTSFTModel(cfg, ByteTokenizer()), str(tmp_path_factory.mktemp("nemo") / "model.nemo"))
+
+
+def repack(src, dst, drop=None):
+    with tarfile.open(src) as tin, tarfile.open(dst, "w") as tout:
+        for member in tin.getmembers():
+            if drop and member.name.lstrip("./") == drop:
+                continue
+            tout.addfile(member, tin.extractfile(member) if member.isfile() else None)
+    return str(dst)
+
+
+def test_nemo_without_model_config(workdir, saved_nemo):
+    from nemo_aligner.utils.nemo_file import read_model_config
+
+    broken = repack(saved_nemo, workdir / "no_config.nemo", drop="model_config.yaml")
+    check(workdir, CheckpointError, r"model\.restore_from_path=.*no_config\.nemo: the archive has no model_config\.yaml",
+          lambda: read_model_config(broken, "model.restore_from_path"))
+
+
+def test_nemo_that_is_not_a_tar(workdir):
+    from nemo_aligner.utils.nemo_file import check_exists
+
+    path = write(workdir, "random.nemo", data=os.urandom(4096))
+    check(workdir, CheckpointError, r"model\.restore_from_path=.*random\.nemo: not a \.nemo file",
+          lambda: check_exists(path, "model.restore_from_path"))
+
+
+def test_nemo_from_a_different_architecture(workdir, mcore_single):
+    """GPT-2-style weights (learned positions, LayerNorm with biases) into a Llama-style model."""
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.utils import nemo_file
+
+    gpt2 = GPTSFTModel(OmegaConf.create(dict(TINY_GPT2_ARCH, micro_batch_size=2, encoder_seq_length=32)), ByteTokenizer())
+    path = nemo_file.save_nemo(gpt2, str(workdir / "gpt2.nemo"))
+    other = GPTSFTModel(OmegaConf.create(dict(TINY_ARCH, micro_batch_size=2, encoder_seq_length=32)), ByteTokenizer())
+    before = snapshot(workdir)
+    with nemo_file.extracted(path) as directory:
+        with pytest.raises(CheckpointError, match=r"model\.restore_from_path=.*gpt2\.nemo .*has shape .* in the "
+                                                  r"checkpoint but .* in the model built from the config"):
+            other.load_weights(nemo_file.weights_dir(directory), what=f"model.restore_from_path={path}")
+    assert snapshot(workdir) == before
