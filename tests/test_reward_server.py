@@ -207,3 +207,40 @@ def test_request_padding_and_trimming():
         check_request(tokens, np.array([1, 2]))
     with pytest.raises(BadRequest, match=r"longer than the model's 8"):
         check_request(tokens, np.array([9, 2, 2]), max_seq_length=8)
+
+
+@pytest.fixture
+def slow_server(tmp_path):
+    """A server whose first two requests take 5 s each (one at a time), then answers at once."""
+    from conftest import WORKERS
+
+    srv = ServerProcess(tmp_path, os.path.join(WORKERS, "slow_server.py"), "slow server ready")
+    srv.start(["--port", str(srv.port), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
+               "--workspace", str(srv.workspace), "--delay", "5", "--slow-calls", "2"])
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+        srv.cleanup()
+
+
+def test_slow_server_is_retried_then_given_up_on(slow_server, caplog):
+    """A request unanswered within timeout_s is sent again up to max_retries times, then given up on."""
+    from nemo_aligner.servers.clients import RemoteGPTRMClient, RemoteServerError
+
+    tokens, lengths = np.array([[1, 2, 3]], dtype=np.int64), [3]
+    start = time.time()
+    with RemoteGPTRMClient("127.0.0.1", slow_server.port, timeout_s=3, retries=0, settings_key="remote_rm") as c:
+        with pytest.raises(RemoteServerError, match=r"127\.0\.0\.1:\d+ did not answer within 3s; check it is alive, "
+                                                    r"or raise remote_rm\.timeout_s or remote_rm\.max_retries"):
+            c.infer_tokens(tokens, lengths).result()
+    assert time.time() - start < 10
+    time.sleep(max(0.0, start + 5.5 - time.time()))  # the server finishes the abandoned slow request
+    # Request 2 is slow too (5 s > 3 s): it is sent again, and the second send is answered.
+    with RemoteGPTRMClient("127.0.0.1", slow_server.port, timeout_s=3, retries=2, settings_key="remote_rm") as c:
+        with caplog.at_level("WARNING"):
+            np.testing.assert_allclose(c.infer_tokens(tokens, lengths).result(), [6.0])
+    retries = [r.getMessage() for r in caplog.records if "sending the request again" in r.getMessage()]
+    assert len(retries) == 1 and "retry 1 of 2, remote_rm.max_retries" in retries[0], retries
+    assert slow_server.proc.poll() is None

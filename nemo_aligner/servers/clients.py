@@ -38,55 +38,91 @@ def check_reachable(host: str, port: int, key: str, timeout_s: float = 3.0, wait
             ) from None
 
 
-class ServerFuture:
-    """The pending answer of one request; ``result()`` returns the output array or raises RemoteServerError."""
+def _is_timeout(err: BaseException) -> bool:
+    import concurrent.futures
 
-    def __init__(self, future, output: str, where: str, key: str, timeout_s: float):
+    from pytriton.client.exceptions import PyTritonClientTimeoutError
+
+    return isinstance(err, (concurrent.futures.TimeoutError, PyTritonClientTimeoutError))
+
+
+class ServerFuture:
+    """The pending answer of one request; ``result()`` returns the output array or raises RemoteServerError.
+
+    A request that gets no answer within the timeout is sent again, up to ``retries`` times (a
+    slow server, e.g. one busy training), before giving up; ``resend`` makes the new request.
+    Errors the server answered with, and refused connections (a dead server), are not retried.
+    """
+
+    def __init__(self, future, output, where: str, key: str, timeout_s: float, resend=None, retries: int = 0,
+                 settings_key: Optional[str] = None):
         self._future = future
         self._output = output
         self._where = where
         self._key = key
+        self._settings_key = settings_key or key
         self._timeout_s = timeout_s
+        self._resend = resend
+        self._retries = int(retries) if resend is not None else 0
 
     def done(self) -> bool:
         return self._future.done()
 
     def result(self, timeout: Optional[float] = None) -> np.ndarray:
-        import concurrent.futures
-
-        try:
-            outputs = self._future.result(timeout=timeout if timeout is not None else self._timeout_s + 5)
-        except concurrent.futures.TimeoutError:
-            raise RemoteServerError(f"the server at {self._where} did not answer within {self._timeout_s:.0f}s; "
-                                    f"check it is alive or raise {self._key}.timeout") from None
-        except Exception as err:  # PyTriton client errors: connection closed, server-side error, timeout
-            raise RemoteServerError(f"request to the server at {self._where} failed: {type(err).__name__}: {err} "
-                                    f"(config: {self._key})") from None
+        attempt = 0
+        while True:
+            try:
+                outputs = self._future.result(timeout=timeout if timeout is not None else self._timeout_s + 5)
+                break
+            except Exception as err:  # PyTriton client errors: connection closed, server-side error, timeout
+                if not _is_timeout(err):
+                    raise RemoteServerError(f"request to the server at {self._where} failed: {type(err).__name__}: "
+                                            f"{err} (config: {self._key})") from None
+                if attempt >= self._retries:
+                    tries = f" (tried {attempt + 1} times)" if attempt else ""
+                    raise RemoteServerError(
+                        f"the server at {self._where} did not answer within {self._timeout_s:.0f}s{tries}; check it is "
+                        f"alive, or raise {self._settings_key}.timeout_s or {self._settings_key}.max_retries "
+                        f"(config: {self._key})") from None
+                attempt += 1
+                logger.warning("no answer from the server at %s within %.0fs; sending the request again (retry %d "
+                               "of %d, %s.max_retries)", self._where, self._timeout_s, attempt, self._retries,
+                               self._settings_key)
+                self._future = self._resend()
         if isinstance(self._output, str):
             return outputs[self._output]
         return tuple(outputs[name] for name in self._output)
 
 
 class TritonModelClient:
-    """One PyTriton model on a server, called asynchronously; close it (or use ``with``)."""
+    """One PyTriton model on a server, called asynchronously; close it (or use ``with``).
+
+    ``retries``: how many times a request without an answer within ``timeout_s`` is sent again
+    (``send(..., retry=False)`` for requests that must not run twice, such as a training step).
+    ``settings_key`` is the config section holding ``timeout_s``/``max_retries``, for messages.
+    """
 
     def __init__(self, host: str, port: int, model_name: str, key: str, timeout_s: float = 60.0,
-                 check: bool = True, wait_s: float = 0.0):
+                 check: bool = True, wait_s: float = 0.0, retries: int = 0, settings_key: Optional[str] = None):
         from pytriton.client import FuturesModelClient
 
         self.where = f"{host}:{port}"
         self.key = key
+        self.settings_key = settings_key or key
         self.timeout_s = float(timeout_s)
+        self.retries = int(retries)
         if check:
             check_reachable(host, port, key, wait_s=wait_s)
         self._client = FuturesModelClient(self.where, model_name, init_timeout_s=self.timeout_s,
                                           inference_timeout_s=self.timeout_s)
 
-    def send(self, output, batched: bool = True, **inputs) -> ServerFuture:
+    def send(self, output, batched: bool = True, retry: bool = True, **inputs) -> ServerFuture:
         """Send one request; ``output`` names the output to return (or a tuple of names).
         ``batched=False`` for models without batching (the whole arrays are one sample)."""
         call = self._client.infer_batch if batched else self._client.infer_sample
-        return ServerFuture(call(**inputs), output, self.where, self.key, self.timeout_s)
+        return ServerFuture(call(**inputs), output, self.where, self.key, self.timeout_s,
+                            resend=lambda: call(**inputs), retries=self.retries if retry else 0,
+                            settings_key=self.settings_key)
 
     def close(self) -> None:
         if self._client is not None:
@@ -114,8 +150,8 @@ class RemoteGPTRMClient(TritonModelClient):
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 5555, tokenizer=None, model_name: str = "reward_model",
-                 timeout_s: float = 60.0, key: str = "remote_rm"):
-        super().__init__(host, port, model_name, key, timeout_s)
+                 timeout_s: float = 60.0, key: str = "remote_rm", retries: int = 0, settings_key: Optional[str] = None):
+        super().__init__(host, port, model_name, key, timeout_s, retries=retries, settings_key=settings_key)
         self.tokenizer = tokenizer
 
     def infer_tokens(self, tokens, lengths) -> "RewardFuture":
@@ -174,7 +210,9 @@ class RemoteGPTRMCriticClient:
     Configured by ``remote_critic_rm``: ``combine_rm_and_critic_server``, ``pad_to_length``
     (requests padded to one width so the server can batch them), ``critic.{ip, port,
     name.{infer, train, save}}``, ``reward_model.{ip, port, name}``, ``timeout_s`` (every
-    request) and ``wait_for_server_s`` (how long to wait at start for a server still starting).
+    request), ``max_retries`` (inference requests without an answer within ``timeout_s`` are sent
+    again this many times; ``critic_train`` never is: it would train twice) and
+    ``wait_for_server_s`` (how long to wait at start for a server still starting).
     """
 
     def __init__(self, cfg, pad_id: int):
@@ -184,21 +222,23 @@ class RemoteGPTRMCriticClient:
         self.pad_to_length = cfg.get("pad_to_length")
         timeout = float(cfg.get("timeout_s") or 600)
         wait = float(cfg.get("wait_for_server_s") or 0)
+        common = dict(retries=int(cfg.get("max_retries") or 0), settings_key="remote_critic_rm")
         critic = cfg.critic
         names = critic.get("name") or {}
         host, port = str(critic.get("ip") or "127.0.0.1"), int(critic.port)
         key = "remote_critic_rm.critic"
         self.infer_client = TritonModelClient(host, port, names.get("infer", "critic_infer"), key, timeout,
-                                              wait_s=wait)
+                                              wait_s=wait, **common)
         self.train_client = TritonModelClient(host, port, names.get("train", "critic_train"), key, timeout,
-                                              check=False)
-        self.save_client = TritonModelClient(host, port, names.get("save", "critic_save"), key, timeout, check=False)
+                                              check=False, **common)
+        self.save_client = TritonModelClient(host, port, names.get("save", "critic_save"), key, timeout, check=False,
+                                             **common)
         self.rm_client = None
         if not self.combine:
             rm = cfg.reward_model
             self.rm_client = TritonModelClient(str(rm.get("ip") or "127.0.0.1"), int(rm.port),
                                                rm.get("name", "reward_model"), "remote_critic_rm.reward_model", timeout,
-                                               wait_s=wait)
+                                               wait_s=wait, **common)
 
     def infer_rm_critic(self, tokens, lengths) -> RMCriticFuture:
         tokens = np.asarray(tokens, dtype=np.int64)
@@ -214,7 +254,7 @@ class RemoteGPTRMCriticClient:
         return RMCriticFuture(values, rewards, width)
 
     def train(self, tokens, returns, prev_values, mask) -> ServerFuture:
-        return self.train_client.send("loss_mean", batched=False, tokens=np.asarray(tokens, np.int64),
+        return self.train_client.send("loss_mean", batched=False, retry=False, tokens=np.asarray(tokens, np.int64),
                                       returns=np.asarray(returns, np.float32),
                                       prev_values=np.asarray(prev_values, np.float32),
                                       mask=np.asarray(mask, np.float32))

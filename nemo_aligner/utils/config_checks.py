@@ -25,7 +25,7 @@ POSITIVE_INTS = frozenset({
 })
 NON_NEGATIVE_INTS = frozenset({
     "save_interval", "critic_warmup_steps", "num_workers",
-    "max_consecutive_nonfinite_steps", "min_length", "top_k",
+    "max_consecutive_nonfinite_steps", "min_length", "top_k", "max_retries",
 })
 NON_NEGATIVE_NUMBERS = frozenset({
     "val_check_interval", "lr", "min_lr", "weight_decay", "gradient_clip_val", "temperature", "warmup_steps", "timeout_s",

@@ -76,7 +76,8 @@ class RemoteRewardSource:
         host, port = str(rm.ip), int(rm.port)
         check_reachable(host, port, key, wait_s=float(cfg.get("wait_for_server_s") or 0))
         self.client = RemoteGPTRMClient(host, port, model_name=str(rm.get("name") or "reward_model"),
-                                        timeout_s=float(cfg.get("timeout_s") or 600), key=key)
+                                        timeout_s=float(cfg.get("timeout_s") or 600), key=key,
+                                        retries=int(cfg.get("max_retries") or 0), settings_key=key.rsplit(".", 1)[0])
         self.pad_id = pad_id
         self.pad_to_length: Optional[int] = cfg.get("pad_to_length")
 
