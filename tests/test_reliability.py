@@ -7,6 +7,10 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+import pytest
+import torch
+
 from conftest import SCRIPTS, read_metrics, subprocess_env
 
 
@@ -189,8 +193,8 @@ def test_nonfinite_actor_updates_are_skipped_then_the_run_stops(tmp_path, builti
     real = MegatronGPTActorModel.get_loss_and_metrics
     calls = {"n": 0, "poison": {2}}
 
-    def poisoned(self, batch, forward_only):
-        loss, metrics = real(self, batch, forward_only)
+    def poisoned(self, batch, forward_only, **kwargs):
+        loss, metrics = real(self, batch, forward_only, **kwargs)
         calls["n"] += 1
         return (float("nan"), metrics) if calls["n"] in calls["poison"] else (loss, metrics)
 
@@ -216,3 +220,52 @@ def test_nonfinite_actor_updates_are_skipped_then_the_run_stops(tmp_path, builti
     calls.update(n=0, poison=set(range(1, 100)))
     with pytest.raises(TrainingError, match=r"3 consecutive actor updates.*trainer\.grpo\.max_consecutive_nonfinite_steps"):
         run_grpo(cfg("stop", 10, {"trainer.grpo.max_consecutive_nonfinite_steps": 3}))
+
+
+def test_critic_server_trainer_skips_nonfinite_steps_then_stops(mcore_single):
+    """The critic (trained by the PPO critic server) drops a non-finite step without touching its
+    weights or step count, trains normally on the next good batch, and stops after N in a row."""
+    from omegaconf import OmegaConf
+
+    from conftest import TINY_ARCH
+    from nemo_aligner.algorithms.critic_server_trainer import CriticServerTrainer
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_critic import MegatronGPTCriticModel
+    from nemo_aligner.utils.errors import TrainingError
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    class Log:
+        def __init__(self):
+            self.rows = []
+
+        def log_metrics(self, metrics, step, prefix=""):
+            self.rows.append({f"{prefix}{k}": v for k, v in metrics.items()})
+
+    torch.manual_seed(3)
+    cfg = OmegaConf.create(dict(TINY_ARCH, micro_batch_size=2, global_batch_size=4, encoder_seq_length=16,
+                                optim={"name": "fused_adam", "lr": 1e-3, "weight_decay": 0.0,
+                                       "sched": {"name": "Constant"}}))
+    model = MegatronGPTCriticModel(cfg, ByteTokenizer())
+    optimizer, scheduler = model.setup_optimization(max_steps=10, clip_grad=1.0)
+    log = Log()
+    trainer = CriticServerTrainer(model, optimizer, scheduler, log, None, global_batch_size=4,
+                                  max_consecutive_nonfinite_steps=3)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, 200, size=(4, 9)).astype(np.int64)
+    good = (tokens, rng.normal(size=(4, 8)).astype(np.float32), np.zeros((4, 8), np.float32), np.ones((4, 8), np.float32))
+    bad_returns = good[1].copy()
+    bad_returns[1, 3] = np.nan
+    bad = (tokens, bad_returns, good[2], good[3])
+    weights = lambda: {k: v.clone() for k, v in model.module.state_dict().items() if isinstance(v, torch.Tensor)}
+
+    before = weights()
+    trainer.train(*bad)
+    assert trainer.step == 0 and log.rows[-1]["critic/skipped_step"] == 1.0
+    assert all(torch.equal(before[k], v) for k, v in weights().items())
+    assert np.isfinite(trainer.train(*good)) and trainer.step == 1  # a good batch trains and resets the count
+    assert any(not torch.equal(before[k], v) for k, v in weights().items())
+    trainer.train(*bad)
+    trainer.train(*bad)
+    with pytest.raises(TrainingError, match=r"3 consecutive critic steps had a non-finite loss or gradients.*"
+                                            r"trainer\.ppo\.max_consecutive_nonfinite_steps \(critic\)"):
+        trainer.train(*bad)
+    assert trainer.step == 1 and trainer.nonfinite.total == 4

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Dict, Optional
 
 import numpy as np
 import torch
 
+from nemo_aligner.utils.errors import TrainingError
 from nemo_aligner.utils.optim import current_lr
+from nemo_aligner.utils.run_control import NonFiniteGuard
 from nemo_aligner.utils.train_checkpoint import load_train_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -23,7 +26,8 @@ class CriticServerTrainer:
     optimizer step. Collective: every rank calls ``train`` with the same (broadcast) data.
     """
 
-    def __init__(self, model, optimizer, scheduler, logger_, ckpt_callback, global_batch_size: int):
+    def __init__(self, model, optimizer, scheduler, logger_, ckpt_callback, global_batch_size: int,
+                 max_consecutive_nonfinite_steps: int = 10):
         from megatron.core import parallel_state
 
         self.model = model
@@ -39,6 +43,9 @@ class CriticServerTrainer:
 
             raise ConfigError(f"model.global_batch_size={self.global_batch_size} is not a multiple of data parallel "
                               f"{self.dp} x model.micro_batch_size={model.micro_batch_size}")
+        self.nonfinite = NonFiniteGuard(max_consecutive_nonfinite_steps,
+                                        "trainer.ppo.max_consecutive_nonfinite_steps (critic)", what="critic steps",
+                                        advice="check the returns the actor sends")
         self.step = 0  # optimizer steps
         self.consumed_samples = 0
         self.train_calls = 0
@@ -81,6 +88,16 @@ class CriticServerTrainer:
                      "mask": torch.from_numpy(mask[shard]).float()}
             self.model.prepare_for_training_step()
             loss, metrics = self.model.get_loss_and_metrics(batch, forward_only=False)
+            if not (math.isfinite(loss) and self.model.grads_are_finite()):
+                try:
+                    self.nonfinite.skip(self.optimizer, self.step + 1)
+                except TrainingError:
+                    self.model.finish_training()
+                    raise
+                self.logger.log_metrics({"skipped_step": 1.0, "skipped_steps": float(self.nonfinite.total)},
+                                        step=self.step + 1, prefix="critic/")
+                continue
+            self.nonfinite.passed()
             success, grad_norm, _ = self.optimizer.step()
             if success:
                 self.scheduler.step(increment=1)

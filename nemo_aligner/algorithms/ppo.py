@@ -28,10 +28,10 @@ from nemo_aligner.data.nlp.builders import sampler_of
 from nemo_aligner.trainers.callbacks import CallbackList
 from nemo_aligner.utils import ppo_utils
 from nemo_aligner.utils.distributed import is_global_rank_zero
-from nemo_aligner.utils.errors import ConfigError, TrainingError
+from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.generation import SamplingParams
 from nemo_aligner.utils.optim import current_lr
-from nemo_aligner.utils.run_control import RunTimer, compute_max_steps
+from nemo_aligner.utils.run_control import NonFiniteGuard, RunTimer, compute_max_steps
 from nemo_aligner.utils.train_checkpoint import load_train_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -142,8 +142,9 @@ class PPOTrainer:
         self.last_val: Dict[str, float] = {}
         self.best_val_reward: Optional[float] = None
         self.callbacks = CallbackList()  # the Python API sets its own
-        self.consecutive_skips = 0
-        self.skipped_updates = 0
+        self.nonfinite = NonFiniteGuard(cfg.get("max_consecutive_nonfinite_steps", 10),
+                                        f"trainer.{name}.max_consecutive_nonfinite_steps", what="actor updates",
+                                        advice="check the rewards")
 
     # ----------------------------------------------------------------- state
     @property
@@ -297,7 +298,7 @@ class PPOTrainer:
                 if not (math.isfinite(loss) and self.model.grads_are_finite()):
                     metrics.append(self._skip_nonfinite_update())
                     continue
-                self.consecutive_skips = 0
+                self.nonfinite.passed()
                 success, grad_norm, _ = self.optimizer.step()
                 if success:
                     self.scheduler.step(increment=1)
@@ -311,16 +312,7 @@ class PPOTrainer:
 
     def _skip_nonfinite_update(self) -> Dict[str, float]:
         """Drop an actor update whose loss or gradients are not finite; stop after too many in a row."""
-        self.optimizer.zero_grad()
-        self.consecutive_skips += 1
-        self.skipped_updates += 1
-        limit = int(self.cfg.get("max_consecutive_nonfinite_steps", 10) or 0)
-        logger.warning("step %d: non-finite actor loss or gradients, update skipped (%d in a row, %d in all)",
-                       self.step + 1, self.consecutive_skips, self.skipped_updates)
-        if limit and self.consecutive_skips >= limit:
-            raise TrainingError(f"{self.consecutive_skips} consecutive actor updates had a non-finite loss or "
-                                f"gradients (step {self.step + 1}); stopping. Lower the learning rate or check the "
-                                f"rewards; the last good checkpoint is kept (trainer.{self.name}.max_consecutive_nonfinite_steps)")
+        self.nonfinite.skip(self.optimizer, self.step + 1)
         return {"skipped_updates": 1.0}
 
     # ----------------------------------------------------------------- validation

@@ -14,10 +14,9 @@ from tqdm import tqdm
 
 from nemo_aligner.data.nlp.builders import limit_batches, sampler_of
 from nemo_aligner.trainers.callbacks import CallbackList
-from nemo_aligner.utils.errors import TrainingError
 from nemo_aligner.utils.distributed import is_global_rank_zero
 from nemo_aligner.utils.optim import current_lr
-from nemo_aligner.utils.run_control import RunTimer, compute_max_steps
+from nemo_aligner.utils.run_control import NonFiniteGuard, RunTimer, compute_max_steps
 from nemo_aligner.utils.train_checkpoint import load_train_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -98,8 +97,8 @@ class SupervisedTrainer:
         self.val_check_interval = int(interval)
         self.save_interval = int(cfg.get("save_interval") or 0)
         self.callbacks = CallbackList()  # the Python API sets its own
-        self.consecutive_skips = 0
-        self.skipped_steps = 0
+        self.nonfinite = NonFiniteGuard(cfg.get("max_consecutive_nonfinite_steps", 10),
+                                        f"trainer.{self.name}.max_consecutive_nonfinite_steps")
 
     # ----------------------------------------------------------------- state
     @property
@@ -124,7 +123,7 @@ class SupervisedTrainer:
         self.model.finish_training_step()
         if not (math.isfinite(loss) and self.model.grads_are_finite()):
             return loss, self._skip_nonfinite_step(metrics)
-        self.consecutive_skips = 0
+        self.nonfinite.passed()
         success, grad_norm, _ = self.optimizer.step()
         if success:
             self.scheduler.step(increment=1)
@@ -187,18 +186,9 @@ class SupervisedTrainer:
 
     def _skip_nonfinite_step(self, metrics: Dict[str, float]) -> Dict[str, float]:
         """Drop this step's gradients (no optimizer or scheduler step); stop after too many in a row."""
-        self.optimizer.zero_grad()
-        self.consecutive_skips += 1
-        self.skipped_steps += 1
-        limit = int(self.cfg.get("max_consecutive_nonfinite_steps", 10) or 0)
-        logger.warning("step %d: non-finite loss or gradients, step skipped (%d in a row, %d in all)",
-                       self.step + 1, self.consecutive_skips, self.skipped_steps)
-        if limit and self.consecutive_skips >= limit:
-            raise TrainingError(f"{self.consecutive_skips} consecutive steps had a non-finite loss or gradients "
-                                f"(up to step {self.step + 1}); stopping. Lower the learning rate or check the data; "
-                                f"the last good checkpoint is kept (trainer.{self.name}.max_consecutive_nonfinite_steps)")
+        self.nonfinite.skip(self.optimizer, self.step + 1)
         metrics = {k: v for k, v in dict(metrics).items() if isinstance(v, (int, float)) and math.isfinite(v)}
-        metrics.update(skipped_step=1.0, skipped_steps=float(self.skipped_steps), lr=current_lr(self.optimizer))
+        metrics.update(skipped_step=1.0, skipped_steps=float(self.nonfinite.total), lr=current_lr(self.optimizer))
         return metrics
 
     # ----------------------------------------------------------------- loop

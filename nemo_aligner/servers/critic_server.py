@@ -18,6 +18,7 @@ from nemo_aligner.servers.batching import check_batch_limits, check_request, dat
 from nemo_aligner.servers.signals import ServerSignal, broadcast_signal, follow
 from nemo_aligner.servers.triton_host import ServerAddress, serve_forever
 from nemo_aligner.utils.distributed import broadcast_object, get_rank
+from nemo_aligner.utils.errors import TrainingError
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,13 @@ class CriticServer:
 
     def _train(self, data=None) -> float:
         data = broadcast_object(data)
-        return self.trainer.train(*data)
+        try:
+            return self.trainer.train(*data)
+        except TrainingError as err:  # every rank stops training alike; rank 0 answers the actor with it
+            if get_rank() == 0:
+                raise
+            logger.error("critic training stopped: %s", err)
+            return float("nan")
 
     def _save(self) -> None:
         self.trainer.save()
@@ -213,7 +220,8 @@ def serve_ppo_critic(cfg) -> None:
     max_steps = int(ppo.get("max_steps") or 10000)
     optimizer, scheduler = model.setup_optimization(max_steps, clip_grad=ppo.get("gradient_clip_val", 1.0))
     trainer = CriticServerTrainer(model, optimizer, scheduler, exp.logger, exp.checkpoint_callback,
-                                  int(cfg.model.global_batch_size))
+                                  int(cfg.model.global_batch_size),
+                                  max_consecutive_nonfinite_steps=int(ppo.get("max_consecutive_nonfinite_steps", 10)))
     if exp.resume_from:
         trainer.load_checkpoint(exp.resume_from)
     server = CriticServer(

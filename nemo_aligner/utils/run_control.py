@@ -132,3 +132,38 @@ def max_time_of(cfg: DictConfig, algo: str):
         if seconds is not None:
             return seconds
     return None
+
+
+class NonFiniteGuard:
+    """Counts training steps skipped for a non-finite loss or gradients; stops the run after
+    ``limit`` in a row (0: never), naming ``key`` (``trainer.<algo>.max_consecutive_nonfinite_steps``).
+
+    The caller checks the loss and ``model.grads_are_finite()`` (collective, so every rank
+    decides alike), then calls ``skip(...)`` instead of the optimizer step, or ``passed()``.
+    """
+
+    def __init__(self, limit: int, key: str, what: str = "steps", advice: str = "check the data"):
+        self.limit = int(limit or 0)
+        self.key = key
+        self.what = what
+        self.advice = advice
+        self.consecutive = 0
+        self.total = 0
+
+    def passed(self) -> None:
+        self.consecutive = 0
+
+    def skip(self, optimizer, step: int) -> None:
+        """Drop the step's gradients and count it; raise ``TrainingError`` after too many in a row."""
+        from nemo_aligner.utils.errors import TrainingError
+
+        optimizer.zero_grad()
+        self.consecutive += 1
+        self.total += 1
+        logging.getLogger(__name__).warning(
+            "step %d: non-finite loss or gradients, %s skipped (%d in a row, %d in all)", step,
+            self.what.rstrip("s"), self.consecutive, self.total)
+        if self.limit and self.consecutive >= self.limit:
+            raise TrainingError(f"{self.consecutive} consecutive {self.what} had a non-finite loss or gradients "
+                                f"(up to step {step}); stopping. Lower the learning rate or {self.advice}; the last "
+                                f"good checkpoint is kept ({self.key})")
