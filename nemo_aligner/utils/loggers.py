@@ -38,7 +38,10 @@ class MetricLogger:
         if not self.enabled:
             return
         os.makedirs(log_dir, exist_ok=True)
-        self._jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a", encoding="utf-8")
+        path = os.path.join(log_dir, "metrics.jsonl")
+        self._jsonl = open(path, "a", encoding="utf-8")
+        if _ends_mid_line(path):  # a run killed mid-write: keep its torn line apart from ours
+            self._jsonl.write("\n")
         if create_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -98,3 +101,12 @@ class MetricLogger:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+
+
+def _ends_mid_line(path: str) -> bool:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
