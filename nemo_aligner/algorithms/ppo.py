@@ -461,6 +461,7 @@ class PPOTrainer:
 
     def summary(self, seconds: float) -> Dict[str, float]:
         return {"steps": self.step, "epochs": self.epoch, "consumed_samples": self.consumed_samples,
+                "final_train_reward": float("nan"),  # set by fit() after a step
                 "final_val_reward": self.last_val.get("val_global_rewards", float("nan")),
                 "best_val_reward": self.best_val_reward if self.best_val_reward is not None else float("nan"),
                 "seconds": seconds}

@@ -133,7 +133,10 @@ def list_checkpoints(dirpath: str) -> List[tuple]:
         path = os.path.join(dirpath, name)
         if name.endswith(".tmp") or ".old." in name or not os.path.isdir(path):
             continue
-        state = read_trainer_state(path)
+        try:
+            state = read_trainer_state(path)
+        except (OSError, ValueError):  # being removed by another process's pruning, or not ours
+            continue
         if state is not None and os.path.isfile(os.path.join(path, "metadata.json")):
             found.append((path, state))
     return found

@@ -45,11 +45,18 @@ def env() -> dict:
 
 
 def free_port() -> int:
+    """A free port below Linux's ephemeral range, so no process's own outgoing or rendezvous socket
+    (a torch.distributed store picks an ephemeral port) can take it before the server binds it."""
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    while True:
+        port = random.randint(20000, 32000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
 
 
 class Proc:
@@ -311,8 +318,11 @@ class PPORun:
                 "remote_critic_rm.max_retries=0", "remote_critic_rm.wait_for_server_s=120"]
 
     def start_critic(self) -> Proc:
+        """Start the server and wait until it serves (its checkpoint loaded, its ports bound)."""
         self.port = free_port()
         self.critic = Proc(self.critic_command(), os.path.join(self.work, "ppo_critic.log"))
+        if not wait_for(lambda: "critic server ready" in self.critic.text().split("=====")[-1], self.critic, 300, 0.2):
+            raise RuntimeError(f"the critic server did not start; see {self.critic.log_path}")
         return self.critic
 
     def stop_critic(self) -> None:
@@ -381,7 +391,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sft-kills", type=int, default=10)
     parser.add_argument("--ppo-kills", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=400, help="SFT steps (~10 per second; PPO: a tenth)")
+    parser.add_argument("--steps", type=int, default=400, help="SFT steps (~10 per second; PPO: a fifth, ~2 per second)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", default=None, help="keep everything here (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="also write the results here")
@@ -399,7 +409,7 @@ def main(argv=None) -> int:
     if args.sft_kills:
         loss_diff = run_sft(work, data, args.sft_kills, args.steps, rng, tally)
     if args.ppo_kills:
-        run_ppo(work, data, args.ppo_kills, max(args.steps // 10, 3 * args.ppo_kills), rng, tally)
+        run_ppo(work, data, args.ppo_kills, max(args.steps // 5, 8 * args.ppo_kills), rng, tally)
     print(f"\nkill -9 fault injection ({time.monotonic() - start:.0f}s; logs and checkpoints in {work})")
     print(f"{'target':<20} {'kills':>6} {'resumed':>8} {'checkpoints lost':>17}")
     for target, row in tally.rows.items():
