@@ -107,6 +107,7 @@ class TritonModelClient:
         from pytriton.client import FuturesModelClient
 
         self.where = f"{host}:{port}"
+        self.host, self.port = host, int(port)
         self.key = key
         self.settings_key = settings_key or key
         self.timeout_s = float(timeout_s)
@@ -120,9 +121,13 @@ class TritonModelClient:
         """Send one request; ``output`` names the output to return (or a tuple of names).
         ``batched=False`` for models without batching (the whole arrays are one sample)."""
         call = self._client.infer_batch if batched else self._client.infer_sample
-        return ServerFuture(call(**inputs), output, self.where, self.key, self.timeout_s,
-                            resend=lambda: call(**inputs), retries=self.retries if retry else 0,
-                            settings_key=self.settings_key)
+
+        def resend():
+            check_reachable(self.host, self.port, self.key)  # a dead server: give up now, not after every retry
+            return call(**inputs)
+
+        return ServerFuture(call(**inputs), output, self.where, self.key, self.timeout_s, resend=resend,
+                            retries=self.retries if retry else 0, settings_key=self.settings_key)
 
     def close(self) -> None:
         if self._client is not None:

@@ -223,8 +223,8 @@ def run_sft(work: str, data: dict, kills: int, steps: int, rng: random.Random, t
         if not proc.alive():
             tally.problems.append(f"SFT kill {i + 1}: the run ended before the kill (raise --steps); see {log_path}")
             break
-        during_save = saving_now(ckpt_dir)
         before = newest_step(ckpt_dir)
+        during_save = saving_now(ckpt_dir)
         proc.kill9()
         lost = check_after_kill(ckpt_dir, before, f"SFT kill {i + 1} ({mode})", tally)
         resumed, proc = restart_and_check(log_dir, ckpt_dir, "train/loss", start, tally, f"SFT kill {i + 1}", log_path)
