@@ -12,11 +12,20 @@ BASE = ["model.encoder_seq_length=32", "model.data.train_ds.micro_batch_size=4",
 
 
 def run_bad(tmp_path, train, val, extra=(), nproc=1):
+    """Run the SFT script on a bad input, in a log directory holding an earlier run's files: those
+    must come out intact (appended to at most)."""
     log_dir = tmp_path / "logs"
+    earlier = {log_dir / "metrics.jsonl": '{"step": 1, "train/loss": 2.5}\n',
+               log_dir / "checkpoints" / "notes.txt": "an earlier run's file\n"}
+    for path, text in earlier.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
     overrides = BASE + [f"model.data.train_ds.file_path={train}", f"model.data.validation_ds.file_path={val}",
                         f"exp_manager.explicit_log_dir={log_dir}", *extra]
     proc = run_script("train_gpt_sft.py", overrides, nproc=nproc, check=False)
     assert proc.returncode != 0, proc.stdout[-2000:]
+    for path, text in earlier.items():
+        assert path.read_text().startswith(text), path
     return proc
 
 
