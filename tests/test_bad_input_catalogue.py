@@ -177,6 +177,25 @@ def server_limits():
     return lambda: check_batch_limits(8, 4, 4, "trainer.ppo.max_batch_size", "trainer.ppo.inference_micro_batch_size")
 
 
+def rollout_batch_below_critic_round():
+    """The actor's requests against a critic server batching 4 rows per rank x 2 data-parallel ranks."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from pytriton.model_config import DynamicBatcher
+
+    from nemo_aligner.servers.clients import RemoteGPTRMCriticClient
+
+    config = Future()
+    config.set_result(SimpleNamespace(batcher=DynamicBatcher(preferred_batch_size=[8, 64])))
+    client = object.__new__(RemoteGPTRMCriticClient)
+    client.infer_client = SimpleNamespace(_client=SimpleNamespace(model_config=lambda: config), timeout_s=5,
+                                          where="127.0.0.1:5567")
+    client.check_request_sizes({"model.ppo.rollout_micro_batch_size": 8})  # one full round: fine
+    return lambda: client.check_request_sizes({"model.ppo.rollout_micro_batch_size": 8,
+                                               "model.ppo.val_rollout_micro_batch_size": 4})
+
+
 def missing_data_path():
     from nemo_aligner.data.nlp.jsonl import read_jsonl_files
 
@@ -202,6 +221,10 @@ CONFIG_CASES = {
                                       r"trainer\.ppo\.max_batch_size=8 is smaller than "
                                       r"trainer\.ppo\.inference_micro_batch_size=4 x data parallel size 4"),
     "missing-data-path": (missing_data_path(), r"model\.data\.data_prefix\.train is required"),
+    "ppo-rollout-batch-below-critic-round": (rollout_batch_below_critic_round(),
+                                             r"model\.ppo\.val_rollout_micro_batch_size=4 is smaller than the critic "
+                                             r"server's trainer\.ppo\.inference_micro_batch_size x data parallel = 8 "
+                                             r"\(127\.0\.0\.1:5567\)"),
 }
 
 

@@ -105,10 +105,14 @@ def run_ppo_actor(cfg: DictConfig) -> Dict[str, float]:
     """The PPO actor job against a critic (+ reward model) server."""
     setup = setup_actor(cfg, "ppo", "megatron_gpt_ppo_actor")
     client = RemoteGPTRMCriticClient(cfg.remote_critic_rm, pad_id=setup.model.tokenizer.eos_id)
-    trainer = PPOTrainer(cfg.trainer.ppo, setup.model, setup.optimizer, setup.scheduler, setup.train_dl, setup.val_dl,
-                         client, setup.exp.logger, setup.exp.checkpoint_callback, RunTimer(max_time_of(cfg, "ppo")),
-                         ppo_cfg=cfg.model.ppo, seed=setup.seed)
+    ppo = cfg.model.ppo
     try:
+        client.check_request_sizes({"model.ppo.rollout_micro_batch_size": ppo.rollout_micro_batch_size,
+                                    "model.ppo.val_rollout_micro_batch_size":
+                                        ppo.get("val_rollout_micro_batch_size") or ppo.rollout_micro_batch_size})
+        trainer = PPOTrainer(cfg.trainer.ppo, setup.model, setup.optimizer, setup.scheduler, setup.train_dl,
+                             setup.val_dl, client, setup.exp.logger, setup.exp.checkpoint_callback,
+                             RunTimer(max_time_of(cfg, "ppo")), ppo_cfg=cfg.model.ppo, seed=setup.seed)
         summary = fit_and_export(trainer, setup.model, setup.exp)
     finally:
         client.close()

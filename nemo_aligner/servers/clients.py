@@ -245,6 +245,29 @@ class RemoteGPTRMCriticClient:
                                                rm.get("name", "reward_model"), "remote_critic_rm.reward_model", timeout,
                                                wait_s=wait, **common)
 
+    def check_request_sizes(self, sizes: dict) -> None:
+        """Each ``{config key: rows per request}`` must fill at least one of the critic server's rounds
+        (its ``inference_micro_batch_size`` x data parallel, the smallest batch its dynamic batcher
+        prefers); smaller requests would each be padded up to a full round."""
+        from nemo_aligner.utils.errors import ConfigError
+
+        try:
+            config = self.infer_client._client.model_config().result(timeout=self.infer_client.timeout_s)
+        except Exception as err:  # the request path reports an unreachable server with its own message
+            logger.warning("could not read the critic server's batch sizes (%s); not checked", err)
+            return
+        preferred = [int(b) for b in (getattr(config.batcher, "preferred_batch_size", None) or [])] \
+            if getattr(config, "batcher", None) is not None else []
+        if not preferred:
+            return
+        round_size = min(preferred)
+        for key, rows in sizes.items():
+            if int(rows) < round_size:
+                raise ConfigError(
+                    f"{key}={rows} is smaller than the critic server's trainer.ppo.inference_micro_batch_size x "
+                    f"data parallel = {round_size} ({self.infer_client.where}); every request would be padded to "
+                    f"{round_size} rows: raise {key} or lower the server's inference_micro_batch_size")
+
     def infer_rm_critic(self, tokens, lengths) -> RMCriticFuture:
         tokens = np.asarray(tokens, dtype=np.int64)
         width = tokens.shape[1]
