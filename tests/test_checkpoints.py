@@ -162,3 +162,17 @@ def test_hf_tokenizer_travels_inside_the_nemo(tmp_path, mcore_single):
     restored = load_model(GPTSFTModel, OmegaConf.create({"micro_batch_size": 2}), "32", path)
     assert restored.tokenizer.text_to_ids("reverse abc = cba") == ids
     assert restored.tokenizer.eos_id == 2
+
+
+def test_interrupted_saves_are_tidied_before_resuming(tmp_path):
+    """A kill mid-save leaves ``<name>.tmp`` (never committed: removed) or, during the final swap,
+    ``<name>.old.<pid>`` without ``<name>`` (the previous version: put back)."""
+    from nemo_aligner.utils.checkpoint_io import recover_interrupted_saves
+
+    for name in ("step=3.tmp", "step=2.old.77", "step=1", "step=1.old.12"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "trainer_state.json").write_text(json.dumps({"name": name}))
+    recover_interrupted_saves(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["step=1", "step=2"]
+    assert json.loads((tmp_path / "step=2" / "trainer_state.json").read_text()) == {"name": "step=2.old.77"}
+    assert json.loads((tmp_path / "step=1" / "trainer_state.json").read_text()) == {"name": "step=1"}

@@ -286,4 +286,4 @@ def test_chaos_short_run(tmp_path):
     result = json.loads(out.read_text())
     assert result["total"] == {"kills": 2, "resumed": 2, "checkpoints lost": 0}, result
     assert result["sft_max_loss_diff"] <= 1e-5 and not result["problems"]
-    assert "kills  resumed  checkpoints lost" in proc.stdout and "(save, during a save)" in proc.stdout
+    assert "kills  resumed  checkpoints lost" in proc.stdout and "SFT kill 1/2 (save" in proc.stdout

@@ -16,7 +16,7 @@ from nemo_aligner.data.nlp.builders import limit_batches, sampler_of
 from nemo_aligner.trainers.callbacks import CallbackList
 from nemo_aligner.utils.distributed import is_global_rank_zero
 from nemo_aligner.utils.optim import current_lr
-from nemo_aligner.utils.run_control import NonFiniteGuard, RunTimer, compute_max_steps
+from nemo_aligner.utils.run_control import NonFiniteGuard, RunTimer, compute_max_steps, interval_steps
 from nemo_aligner.utils.train_checkpoint import load_train_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -90,12 +90,8 @@ class SupervisedTrainer:
         self.max_steps, self.steps_per_epoch = plan_max_steps(cfg, train_dataloader, name)
         self.sampler.max_batches_per_epoch = self.steps_per_epoch
         self.global_batch_size = self.sampler.global_batch_size
-        interval = cfg.get("val_check_interval") or 0
-        # Lightning's float form: a fraction of an epoch.
-        if isinstance(interval, float) and 0 < interval <= 1.0:
-            interval = max(int(self.steps_per_epoch * interval), 1)
-        self.val_check_interval = int(interval)
-        self.save_interval = int(cfg.get("save_interval") or 0)
+        self.val_check_interval = interval_steps(cfg.get("val_check_interval"), self.steps_per_epoch)
+        self.save_interval = interval_steps(cfg.get("save_interval"), self.steps_per_epoch)
         self.callbacks = CallbackList()  # the Python API sets its own
         self.nonfinite = NonFiniteGuard(cfg.get("max_consecutive_nonfinite_steps", 10),
                                         f"trainer.{self.name}.max_consecutive_nonfinite_steps")

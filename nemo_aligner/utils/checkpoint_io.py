@@ -36,6 +36,26 @@ def replace_dir_atomically(tmp_dir: str, final_dir: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def recover_interrupted_saves(directory: str) -> None:
+    """Tidy ``directory`` after a process was killed mid-save (call on one rank, before resuming):
+    a ``<name>.tmp`` write never committed is removed; a ``<name>.old.<pid>`` whose replacement was
+    never renamed in is put back as ``<name>`` (else removed)."""
+    if not os.path.isdir(directory):
+        return
+    for entry in sorted(os.listdir(directory)):
+        path = os.path.join(directory, entry)
+        if entry.endswith(".tmp") and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            logger.warning("removed %s: a checkpoint save that was interrupted", path)
+        elif ".old." in entry and os.path.isdir(path):
+            final = os.path.join(directory, entry.rsplit(".old.", 1)[0])
+            if os.path.exists(final):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.replace(path, final)
+                logger.warning("restored %s: its replacement was interrupted before it was renamed in", final)
+
+
 def save_sharded(sharded_state_dict: dict, directory: str, content_metadata: Optional[dict] = None,
                  before_commit: Optional[Callable[[str], None]] = None) -> None:
     """Save a sharded state dict to ``directory`` as torch_dist; a crash mid-save leaves any old copy intact.

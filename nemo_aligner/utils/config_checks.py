@@ -24,11 +24,11 @@ POSITIVE_INTS = frozenset({
     "num_generations_per_prompt", "max_batch_size", "make_vocab_size_divisible_by",
 })
 NON_NEGATIVE_INTS = frozenset({
-    "save_interval", "critic_warmup_steps", "num_workers",
+    "critic_warmup_steps", "num_workers",
     "max_consecutive_nonfinite_steps", "min_length", "top_k", "max_retries",
 })
 NON_NEGATIVE_NUMBERS = frozenset({
-    "val_check_interval", "lr", "min_lr", "weight_decay", "gradient_clip_val", "temperature", "warmup_steps", "timeout_s",
+    "val_check_interval", "save_interval", "lr", "min_lr", "weight_decay", "gradient_clip_val", "temperature", "warmup_steps", "timeout_s",
     "hidden_dropout", "attention_dropout",
 })
 # ``max_steps``/``max_epochs`` allow -1 or null for "no limit" and are checked where they are used.

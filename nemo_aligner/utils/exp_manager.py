@@ -11,6 +11,7 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 
 from nemo_aligner.utils.checkpoint_callback import CheckpointCallback, latest_checkpoint
+from nemo_aligner.utils.checkpoint_io import recover_interrupted_saves
 from nemo_aligner.utils.distributed import barrier, get_rank, is_global_rank_zero
 from nemo_aligner.utils.errors import CheckpointError
 from nemo_aligner.utils.loggers import MetricLogger
@@ -68,10 +69,11 @@ def exp_manager(exp_cfg: DictConfig, full_cfg: DictConfig, default_name: str = "
     name = str(exp_cfg.get("name") or full_cfg.get("name") or default_name)
     log_dir = _log_dir(exp_cfg, name)
     checkpoint_dir = os.path.join(log_dir, "checkpoints")
+    setup_console_logging(log_dir)
     if is_global_rank_zero():
         os.makedirs(checkpoint_dir, exist_ok=True)
+        recover_interrupted_saves(checkpoint_dir)
     barrier()
-    setup_console_logging(log_dir)
 
     resume_from = None
     if exp_cfg.get("resume_if_exists", False):

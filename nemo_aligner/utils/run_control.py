@@ -110,6 +110,14 @@ class RunTimer:
         return bool(flags.max().item())
 
 
+def interval_steps(value, steps_per_epoch: int) -> int:
+    """Steps between validations or saves: an int, or Lightning's float form (a fraction of an epoch:
+    ``1.0`` is once per epoch); 0 or None is never."""
+    if isinstance(value, float) and 0 < value <= 1.0:
+        return max(int(steps_per_epoch * value), 1)
+    return int(value or 0)
+
+
 def compute_max_steps(max_steps: Optional[int], max_epochs: Optional[int], steps_per_epoch: int,
                       key: str = "trainer.sft") -> int:
     """Lightning's rule: the smaller of ``max_steps`` and ``max_epochs * steps_per_epoch`` (-1/None: no limit)."""

@@ -217,18 +217,19 @@ def run_sft(work: str, data: dict, kills: int, steps: int, rng: random.Random, t
     proc = start()
     for i in range(kills):
         mode = "save" if i % 2 == 0 else "step"
-        if mode == "save":  # the moment a checkpoint write starts
+        before = newest_step(ckpt_dir)  # a lower bound of what the kill must not lose
+        if mode == "save":  # the moment a checkpoint write starts: kill at once
             wait_for(lambda: saving_now(ckpt_dir), proc, 180, poll_s=0.002)
         else:  # a random moment after the next logged step
             rows = len(train_steps(log_dir, "train/loss"))
             wait_for(lambda: len(train_steps(log_dir, "train/loss")) > rows, proc, 180)
             time.sleep(rng.uniform(0.0, 1.5))
+            before = newest_step(ckpt_dir)
         if not proc.alive():
             tally.problems.append(f"SFT kill {i + 1}: the run ended before the kill (raise --steps); see {log_path}")
             break
-        before = newest_step(ckpt_dir)
-        during_save = saving_now(ckpt_dir)
         proc.kill9()
+        during_save = saving_now(ckpt_dir)  # the killed writer's .tmp is left behind
         lost = check_after_kill(ckpt_dir, before, f"SFT kill {i + 1} ({mode})", tally)
         resumed, proc = restart_and_check(log_dir, ckpt_dir, "train/loss", start, tally, f"SFT kill {i + 1}", log_path)
         print(f"SFT kill {i + 1}/{kills} ({mode}{', during a save' if during_save else ''}): resumed={resumed} "
@@ -350,6 +351,7 @@ def run_ppo(work: str, data: dict, kills: int, steps: int, rng: random.Random, t
     try:
         for i in range(kills):
             mode = modes[i % len(modes)]
+            save_before = newest_step(ckpt)
             if mode == "save":
                 wait_for(lambda: saving_now(ckpt), actor, 300, poll_s=0.002)
             else:  # the actor is mostly generating: a random moment after its next logged step
@@ -359,7 +361,7 @@ def run_ppo(work: str, data: dict, kills: int, steps: int, rng: random.Random, t
             if not actor.alive():
                 tally.problems.append(f"PPO kill {i + 1}: the actor ended before the kill; see {actor_log}")
                 break
-            before, critic_before = newest_step(ckpt), newest_step(critic_ckpt)
+            before, critic_before = newest_step(ckpt) if mode != "save" else save_before, newest_step(critic_ckpt)
             if mode == "critic":
                 run.critic.kill9()
                 # The actor notices on its next request and stops by itself, naming the server's key.
@@ -374,6 +376,8 @@ def run_ppo(work: str, data: dict, kills: int, steps: int, rng: random.Random, t
                 run.critic = None
             else:
                 actor.kill9()
+            if mode == "save" and saving_now(ckpt):
+                mode = "save, during a save"
             lost = check_after_kill(ckpt, before, f"PPO kill {i + 1} ({mode}): actor", tally)
             lost += check_after_kill(critic_ckpt, critic_before, f"PPO kill {i + 1} ({mode}): critic", tally)
             if run.critic is None:
