@@ -39,11 +39,8 @@ def write(path, text):
     [
         ('{"input": "a =", "output": "b"}\n{"input": "c =", "output": \n', r"bad\.jsonl:2: malformed JSON"),
         ('{"input": "a =", "output": "b"}\n\n{"input": "c ="}\n', r"bad\.jsonl:3: missing field 'output'"),
-        ('{"input": "a =", "output": 5}\n', r"bad\.jsonl:1: field 'output' must be str, got int"),
-        ('["input", "output"]\n', r"bad\.jsonl:1: expected a JSON object"),
-        ("\n\n", r"bad\.jsonl: file is empty"),
     ],
-    ids=["malformed", "missing-field", "wrong-type", "not-an-object", "empty"],
+    ids=["malformed", "missing-field"],  # the other jsonl cases: tests/test_bad_input_catalogue.py (in process)
 )
 def test_bad_training_file(tmp_path, builtin_data, content, expected):
     bad = write(tmp_path / "bad.jsonl", content)

@@ -129,6 +129,8 @@ JSONL_CASES = {
                            r"bad\.jsonl:1: field 'response' is empty"),
     "ppo-empty-prompt": (prompts, '{"text": ""}\n', None, r"bad\.jsonl:1: field 'text' is empty"),
     "blank-lines-only": (sft, "\n   \n\n", None, r"bad\.jsonl: file is empty \(no JSON records\)"),
+    "sft-wrong-type": (sft, '{"input": "a =", "output": 5}\n', None, r"bad\.jsonl:1: field 'output' must be str, got int"),
+    "sft-not-an-object": (sft, '["input", "output"]\n', None, r"bad\.jsonl:1: expected a JSON object, got list"),
 }
 
 
