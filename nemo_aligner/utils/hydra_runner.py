@@ -33,6 +33,14 @@ def report_user_error(err: Exception) -> None:
     sys.exit(1)
 
 
+def run_cli(main: Callable[[], object]) -> None:
+    """Run an argparse script's ``main()``; a user error becomes one ``error:`` line and exit status 1."""
+    try:
+        main()
+    except AlignerError as err:
+        report_user_error(err)
+
+
 def hydra_runner(config_path: str, config_name: str) -> Callable:
     """Decorate ``main(cfg)``; call it with no argument to parse the command line with Hydra,
     or with a ``DictConfig`` to run it directly (tests, Python API)."""

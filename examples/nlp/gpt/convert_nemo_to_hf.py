@@ -5,8 +5,7 @@
 
 import argparse
 
-from nemo_aligner.utils.errors import AlignerError
-from nemo_aligner.utils.hydra_runner import report_user_error
+from nemo_aligner.utils.hydra_runner import run_cli
 
 
 def main(argv=None):
@@ -20,7 +19,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except AlignerError as err:
-        report_user_error(err)
+    run_cli(main)

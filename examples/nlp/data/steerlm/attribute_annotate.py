@@ -6,11 +6,7 @@
 """
 
 from nemo_aligner.data.nlp.steerlm_annotate import main
-from nemo_aligner.utils.errors import AlignerError
-from nemo_aligner.utils.hydra_runner import report_user_error
+from nemo_aligner.utils.hydra_runner import run_cli
 
 if __name__ == "__main__":
-    try:
-        main()
-    except AlignerError as err:
-        report_user_error(err)
+    run_cli(main)
