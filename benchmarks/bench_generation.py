@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from common import alternate, build_pair, init_single_process, machine, median, write_json
+from common import build_pair, init_single_process, machine, race, write_json
 
 
 def main(argv=None) -> dict:
@@ -55,13 +55,8 @@ def main(argv=None) -> dict:
             outputs["hf"] = out[:, args.prompt :]
             return elapsed
 
-        run_ours(), run_hf()  # warm-up
-        times = alternate({"ours": run_ours, "hf": run_hf}, args.rounds)
-        new = args.batch * args.new_tokens
-        same = bool(torch.equal(outputs["ours"], outputs["hf"])) if not args.sample else None
-        row = {"shape": shape, "hf_tok_s": new / median(times["hf"]), "ours_tok_s": new / median(times["ours"]),
-               "hf_s": times["hf"], "ours_s": times["ours"], "identical_greedy_tokens": same}
-        row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
+        row = dict(shape=shape, **race(run_ours, run_hf, args.rounds, args.batch * args.new_tokens))
+        row["identical_greedy_tokens"] = bool(torch.equal(outputs["ours"], outputs["hf"])) if not args.sample else None
         rows.append(row)
         del ours, hf
     print(f"\nGeneration, batch {args.batch}, prompt {args.prompt}, {args.new_tokens} new tokens, "

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from common import alternate, build_pair, init_single_process, machine, matmul_peak_gflops, median, write_json
+from common import build_pair, init_single_process, machine, matmul_peak_gflops, race, write_json
 
 
 def model_flops_per_token(cfg: dict, seq: int, params: int) -> float:
@@ -63,15 +63,11 @@ def main(argv=None) -> dict:
                 hf_opt.step()
             return time.perf_counter() - start
 
-        run_ours(), run_hf()  # warm-up
-        times = alternate({"ours": run_ours, "hf": run_hf}, args.rounds)
         cfg = OmegaConf.to_container(ours.cfg, resolve=True)
         params = sum(p.numel() for p in hf.parameters())
         flops = model_flops_per_token(cfg, args.seq, params)
-        n = args.batch * args.seq * args.steps
-        row = {"shape": shape, "params_M": params / 1e6, "hf_tok_s": n / median(times["hf"]),
-               "ours_tok_s": n / median(times["ours"]), "hf_s": times["hf"], "ours_s": times["ours"]}
-        row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
+        row = dict(shape=shape, params_M=params / 1e6,
+                   **race(run_ours, run_hf, args.rounds, args.batch * args.seq * args.steps))
         row["hf_mfu"] = row["hf_tok_s"] * flops / 1e9 / peak
         row["ours_mfu"] = row["ours_tok_s"] * flops / 1e9 / peak
         rows.append(row)

@@ -78,6 +78,17 @@ def alternate(contenders: Dict[str, Callable[[], float]], rounds: int) -> Dict[s
     return times
 
 
+def race(run_ours: Callable[[], float], run_hf: Callable[[], float], rounds: int, units: float) -> dict:
+    """Warm each up once, alternate ``rounds`` runs, and report ``units`` per second from the median
+    time of each (``ours_tok_s``, ``hf_tok_s``), the raw times and ``ratio`` = ours / HF."""
+    run_ours(), run_hf()
+    times = alternate({"ours": run_ours, "hf": run_hf}, rounds)
+    row = {"hf_tok_s": units / median(times["hf"]), "ours_tok_s": units / median(times["ours"]),
+           "hf_s": times["hf"], "ours_s": times["ours"]}
+    row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
+    return row
+
+
 def median(values: List[float]) -> float:
     return statistics.median(values)
 

@@ -2,11 +2,12 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from nemo_aligner.utils.ports import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "examples", "nlp", "gpt")
@@ -24,12 +25,6 @@ TINY_GPT2_ARCH = {
     "max_position_embeddings": 32, "position_embedding_type": "learned_absolute", "normalization": "layernorm",
     "activation": "gelu", "bias": True, "share_embeddings_and_output_weights": True,
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def subprocess_env() -> dict:
@@ -123,33 +118,30 @@ def mcore_single():
     D.destroy()
 
 
+def train_builtin_sft(out, n_train: int, steps: int):
+    """SFT of the default tiny GPT on freshly written built-in data under ``out``; returns
+    ``(the final .nemo, the data paths)``."""
+    from nemo_aligner.data.nlp.builtin_task import BuiltinTask
+
+    data = BuiltinTask(seed=0).write_all(str(out / "data"), n_train=n_train, n_val=64)
+    run_script("train_gpt_sft.py", [
+        f"model.data.train_ds.file_path={data['sft_train']}", f"model.data.validation_ds.file_path={data['sft_val']}",
+        f"exp_manager.explicit_log_dir={out / 'run'}", f"trainer.sft.max_steps={steps}", "trainer.sft.max_epochs=100",
+        f"trainer.sft.val_check_interval={steps}", "exp_manager.create_checkpoint_callback=True"])
+    return str(out / "run" / "checkpoints" / "megatron_gpt_sft.nemo"), data
+
+
 @pytest.fixture(scope="session")
 def sft_nemo(tmp_path_factory):
     """A tiny GPT fine-tuned on the built-in task (the default gpt_sft.yaml shape), as later stages start."""
-    from nemo_aligner.data.nlp.builtin_task import BuiltinTask
-
-    out = tmp_path_factory.mktemp("sft_model")
-    paths = BuiltinTask(seed=0).write_all(str(out / "data"), n_train=2000, n_val=64)
-    run_script("train_gpt_sft.py", [
-        f"model.data.train_ds.file_path={paths['sft_train']}", f"model.data.validation_ds.file_path={paths['sft_val']}",
-        f"exp_manager.explicit_log_dir={out / 'run'}", "trainer.sft.max_steps=400", "trainer.sft.max_epochs=100",
-        "trainer.sft.val_check_interval=400", "exp_manager.create_checkpoint_callback=True"])
-    return str(out / "run" / "checkpoints" / "megatron_gpt_sft.nemo")
+    return train_builtin_sft(tmp_path_factory.mktemp("sft_model"), n_train=2000, steps=400)[0]
 
 
 @pytest.fixture(scope="session")
 def weak_policy(tmp_path_factory):
     """A tiny GPT after only 150 SFT steps (greedy task score ~0.76): room for RL to improve it.
     Returns ``(nemo path, built-in data paths with 1000 train / 64 val examples)``."""
-    from nemo_aligner.data.nlp.builtin_task import BuiltinTask
-
-    out = tmp_path_factory.mktemp("weak_policy")
-    data = BuiltinTask(seed=0).write_all(str(out / "data"), n_train=1000, n_val=64)
-    run_script("train_gpt_sft.py", [
-        f"model.data.train_ds.file_path={data['sft_train']}", f"model.data.validation_ds.file_path={data['sft_val']}",
-        f"exp_manager.explicit_log_dir={out / 'run'}", "trainer.sft.max_steps=150", "trainer.sft.max_epochs=100",
-        "trainer.sft.val_check_interval=150", "exp_manager.create_checkpoint_callback=True"])
-    return str(out / "run" / "checkpoints" / "megatron_gpt_sft.nemo"), data
+    return train_builtin_sft(tmp_path_factory.mktemp("weak_policy"), n_train=1000, steps=150)
 
 
 class ServerProcess:
@@ -220,3 +212,15 @@ class ServerProcess:
         import shutil
 
         shutil.rmtree(self.workspace, ignore_errors=True)
+
+    def __enter__(self):
+        """``with srv.start([...]) as srv``: ready inside the block, stopped and cleaned up after it."""
+        try:
+            return self.wait_ready()
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *exc):
+        self.stop()
+        self.cleanup()

@@ -213,12 +213,8 @@ def test_critic_server_two_processes_match_one(tmp_path, rm_nemo, critic_batch):
                    f"trainer.ppo.port={srv.port}", f"trainer.ppo.grpc_port={free_port()}",
                    f"trainer.ppo.metrics_port={free_port()}", f"trainer.ppo.workspace_dir={srv.workspace}",
                    "model.micro_batch_size=2", "model.global_batch_size=4", "model.optim.sched.warmup_steps=0", *extra])
-        try:
-            srv.wait_ready()
+        with srv:
             results[tag] = query_critic(srv.port, critic_batch)
-        finally:
-            srv.stop()
-            srv.cleanup()
         assert "]: Traceback" not in srv.text() and "Traceback (most recent call last):\n  File \"/work" not in srv.text()
         assert any("step=" in c for c in os.listdir(tmp_path / tag / "checkpoints")), tag  # critic_save wrote one
     one = results["one"]

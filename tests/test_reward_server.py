@@ -59,13 +59,8 @@ class Server(ServerProcess):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, rm_nemo_and_rewards):
     nemo, _ = rm_nemo_and_rewards
-    srv = Server(tmp_path_factory.mktemp("srv"), nemo)
-    try:
-        srv.wait_ready()
+    with Server(tmp_path_factory.mktemp("srv"), nemo) as srv:
         yield srv
-    finally:
-        srv.stop()
-        srv.cleanup()
 
 
 def client(port, **kwargs):
@@ -177,15 +172,9 @@ def test_shutdown_leaves_nothing_behind(tmp_path, rm_nemo_and_rewards):
 @pytest.mark.parametrize("layout", [["model.tensor_model_parallel_size=2"], []], ids=["tp2", "dp2"])
 def test_two_process_serving(tmp_path, rm_nemo_and_rewards, layout):
     nemo, expected = rm_nemo_and_rewards
-    srv = Server(tmp_path, nemo, nproc=2, extra=layout)
-    try:
-        srv.wait_ready()
-        with client(srv.port) as c:
-            got = c.infer_texts(TEXTS).result()
-            got_small = c.infer_texts(TEXTS[:1]).result()
-    finally:
-        srv.stop()
-        srv.cleanup()
+    with Server(tmp_path, nemo, nproc=2, extra=layout) as srv, client(srv.port) as c:
+        got = c.infer_texts(TEXTS).result()
+        got_small = c.infer_texts(TEXTS[:1]).result()
     np.testing.assert_allclose(got, [expected[t] for t in TEXTS], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got_small, [expected[TEXTS[0]]], rtol=1e-5, atol=1e-5)
     # torchrun itself exits non-zero (with its own traceback) on SIGTERM; the workers must stop cleanly.
@@ -217,12 +206,8 @@ def slow_server(tmp_path):
     srv = ServerProcess(tmp_path, os.path.join(WORKERS, "slow_server.py"), "slow server ready")
     srv.start(["--port", str(srv.port), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
                "--workspace", str(srv.workspace), "--delay", "5", "--slow-calls", "2"])
-    try:
-        srv.wait_ready()
+    with srv:
         yield srv
-    finally:
-        srv.stop()
-        srv.cleanup()
 
 
 def test_slow_server_is_retried_then_given_up_on(slow_server, caplog):

@@ -85,8 +85,7 @@ def test_attribute_annotate_labels_from_the_server(tmp_path, mcore_single):
     server = ServerProcess(tmp_path, "serve_reward_model.py", "reward model server ready")
     server.start([f"rm_model_file={nemo}", f"inference.port={server.port}", f"inference.grpc_port={free_port()}",
                   f"inference.metrics_port={free_port()}", f"inference.workspace_dir={server.workspace}"])
-    try:
-        server.wait_ready()
+    with server:
         out = tmp_path / "labelled.jsonl"
         script = os.path.join(REPO, "examples", "nlp", "data", "steerlm", "attribute_annotate.py")
         run = subprocess.run([sys.executable, script, "--input-file", str(source), "--output-file", str(out),
@@ -104,9 +103,6 @@ def test_attribute_annotate_labels_from_the_server(tmp_path, mcore_single):
                                env=subprocess_env(), capture_output=True, text=True, timeout=120)
         assert wrong.returncode == 1 and "names 1 attributes (quality) but the server returns 2" in wrong.stderr
         assert not (tmp_path / "x.jsonl").exists()
-    finally:
-        server.stop()
-        server.cleanup()
 
 
 def test_attribute_value_in_the_prompt_steers_generation(tmp_path, sft_nemo):

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Dict, Optional
 
 import numpy as np
 import torch
 
-from nemo_aligner.utils.errors import TrainingError
 from nemo_aligner.utils.optim import current_lr
 from nemo_aligner.utils.run_control import NonFiniteGuard
 from nemo_aligner.utils.train_checkpoint import load_train_checkpoint
@@ -80,32 +78,29 @@ class CriticServerTrainer:
         self.model.prepare_for_training()
         local = self.global_batch_size // self.dp
         losses = []
-        for begin in range(0, tokens.shape[0], self.global_batch_size):
-            shard = slice(begin + self.dp_rank * local, begin + (self.dp_rank + 1) * local)
-            batch = {"tokens": torch.from_numpy(tokens[shard]).long(),
-                     "returns": torch.from_numpy(returns[shard]).float(),
-                     "prev_values": torch.from_numpy(prev_values[shard]).float(),
-                     "mask": torch.from_numpy(mask[shard]).float()}
-            self.model.prepare_for_training_step()
-            loss, metrics = self.model.get_loss_and_metrics(batch, forward_only=False)
-            if not (math.isfinite(loss) and self.model.grads_are_finite()):
-                try:
+        try:
+            for begin in range(0, tokens.shape[0], self.global_batch_size):
+                shard = slice(begin + self.dp_rank * local, begin + (self.dp_rank + 1) * local)
+                batch = {"tokens": torch.from_numpy(tokens[shard]).long(),
+                         "returns": torch.from_numpy(returns[shard]).float(),
+                         "prev_values": torch.from_numpy(prev_values[shard]).float(),
+                         "mask": torch.from_numpy(mask[shard]).float()}
+                self.model.prepare_for_training_step()
+                loss, metrics = self.model.get_loss_and_metrics(batch, forward_only=False)
+                if not self.nonfinite.check(loss, self.model):
                     self.nonfinite.skip(self.optimizer, self.step + 1)
-                except TrainingError:
-                    self.model.finish_training()
-                    raise
-                self.logger.log_metrics({"skipped_step": 1.0, "skipped_steps": float(self.nonfinite.total)},
-                                        step=self.step + 1, prefix="critic/")
-                continue
-            self.nonfinite.passed()
-            success, grad_norm, _ = self.optimizer.step()
-            if success:
-                self.scheduler.step(increment=1)
-            self.step += 1
-            losses.append(loss)
-            self.logger.log_metrics({"loss": loss, "lr": current_lr(self.optimizer),
-                                     "grad_norm": float(grad_norm or 0.0)}, step=self.step, prefix="critic/")
-        self.model.finish_training()
+                    self.logger.log_metrics({"skipped_step": 1.0, "skipped_steps": float(self.nonfinite.total)},
+                                            step=self.step + 1, prefix="critic/")
+                    continue
+                success, grad_norm, _ = self.optimizer.step()
+                if success:
+                    self.scheduler.step(increment=1)
+                self.step += 1
+                losses.append(loss)
+                self.logger.log_metrics({"loss": loss, "lr": current_lr(self.optimizer),
+                                         "grad_norm": float(grad_norm or 0.0)}, step=self.step, prefix="critic/")
+        finally:
+            self.model.finish_training()
         self.consumed_samples += rows
         self.train_calls += 1
         mean = float(np.mean(losses)) if losses else 0.0

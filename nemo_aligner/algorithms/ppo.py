@@ -14,7 +14,6 @@ One step::
 from __future__ import annotations
 
 import logging
-import math
 import time
 from contextlib import contextmanager
 from typing import Dict, List, Optional
@@ -295,10 +294,9 @@ class PPOTrainer:
                         ("tokens", "logprobs", "init_logprobs", "advantages", "mask", "is_end")}
                 self.model.prepare_for_training_step()
                 loss, m = self.model.get_loss_and_metrics(part, forward_only=False, use_absolute_kl=self.use_absolute_kl)
-                if not (math.isfinite(loss) and self.model.grads_are_finite()):
+                if not self.nonfinite.check(loss, self.model):
                     metrics.append(self._skip_nonfinite_update())
                     continue
-                self.nonfinite.passed()
                 success, grad_norm, _ = self.optimizer.step()
                 if success:
                     self.scheduler.step(increment=1)

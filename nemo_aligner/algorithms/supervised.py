@@ -117,9 +117,8 @@ class SupervisedTrainer:
         self.model.prepare_for_training_step()
         loss, metrics = self.model.get_loss_and_metrics(batch=batch, forward_only=False)
         self.model.finish_training_step()
-        if not (math.isfinite(loss) and self.model.grads_are_finite()):
+        if not self.nonfinite.check(loss, self.model):
             return loss, self._skip_nonfinite_step(metrics)
-        self.nonfinite.passed()
         success, grad_norm, _ = self.optimizer.step()
         if success:
             self.scheduler.step(increment=1)

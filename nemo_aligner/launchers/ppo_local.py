@@ -15,22 +15,17 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from typing import List, Optional
 
+from nemo_aligner.utils.ports import free_port
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(REPO, "examples", "nlp", "gpt")
 READY = "critic server ready"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def command(script: str, nproc: int, overrides: List[str]) -> List[str]:

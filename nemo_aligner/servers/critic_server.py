@@ -201,14 +201,12 @@ def serve_ppo_critic(cfg) -> None:
         raise ConfigError("trainer.ppo.combine_rm_and_critic_server=True needs pretrained_checkpoint.restore_from_path "
                           "(the reward model .nemo the critic starts from and that scores rollouts)")
     address = server_address(ppo, "trainer.ppo")
-    init_run(cfg, restore, "pretrained_checkpoint.restore_from_path",
-             timeout_minutes=int(ppo.get("dist_timeout_minutes") or 7 * 24 * 60))
+    parallel = init_run(cfg, restore, "pretrained_checkpoint.restore_from_path",
+                        timeout_minutes=int(ppo.get("dist_timeout_minutes") or 7 * 24 * 60))
     mbs = ppo.get("inference_micro_batch_size") or cfg.model.get("forward_micro_batch_size") or cfg.model.micro_batch_size
     if not isinstance(mbs, int):
         mbs = int(list(mbs)[0])
-    from megatron.core import parallel_state
-
-    check_batch_limits(ppo.get("max_batch_size"), mbs, parallel_state.get_data_parallel_world_size(),
+    check_batch_limits(ppo.get("max_batch_size"), mbs, parallel.dp,
                        "trainer.ppo.max_batch_size", "trainer.ppo.inference_micro_batch_size")
     if get_rank() == 0:
         check_ports_free(address, "trainer.ppo")

@@ -120,12 +120,10 @@ def serve_reward_model(cfg) -> None:
         raise ConfigError("rm_model_file is required: the reward-model .nemo to serve")
     inference = cfg.inference
     address = server_address(inference, "inference")
-    init_run(cfg, path, "rm_model_file", timeout_minutes=int(inference.get("dist_timeout_minutes") or 7 * 24 * 60))
-    from megatron.core import parallel_state
-
-    check_batch_limits(inference.get("max_batch_size"), int(inference.get("micro_batch_size") or 4),
-                       parallel_state.get_data_parallel_world_size(), "inference.max_batch_size",
-                       "inference.micro_batch_size")
+    parallel = init_run(cfg, path, "rm_model_file",
+                        timeout_minutes=int(inference.get("dist_timeout_minutes") or 7 * 24 * 60))
+    check_batch_limits(inference.get("max_batch_size"), int(inference.get("micro_batch_size") or 4), parallel.dp,
+                       "inference.max_batch_size", "inference.micro_batch_size")
     setup_console_logging()
     if get_rank() == 0:
         check_ports_free(address, "inference")

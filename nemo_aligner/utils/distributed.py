@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import socket
 from dataclasses import dataclass
 from typing import Optional
 
@@ -13,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.utils.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +43,6 @@ def first_host_of_nodelist(nodelist: str) -> str:
         return prefix
     first = ranges.split(",")[0].split("-")[0]
     return prefix + first
-
-
-def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def read_launch_info(environ=None) -> LaunchInfo:

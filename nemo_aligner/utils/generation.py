@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nemo_aligner.models.nlp.gpt.lean_ops import rotate
+from nemo_aligner.models.nlp.gpt.lean_ops import rotary_from_tables
 
 
 
@@ -163,14 +163,6 @@ class KVCacheDecoder:
         out, bias = linear(x, weight=weight) if weight is not None else linear(x)
         return out + bias if bias is not None else out
 
-    @staticmethod
-    def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x`` [S, B, h, d]; ``cos``/``sin`` [S, B, 1, rot/2] (the angles of one half)."""
-        rot = 2 * cos.shape[-1]
-        if rot == x.shape[-1]:
-            return rotate(x, cos, sin)
-        return torch.cat((rotate(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
-
     def _attention(self, layer, hidden: torch.Tensor, rope, start: int, mask, index: int) -> torch.Tensor:
         attn = layer.self_attention
         mixed = self._linear(attn.linear_qkv, hidden)
@@ -184,8 +176,8 @@ class KVCacheDecoder:
         if getattr(attn, "k_layernorm", None) is not None:
             key = attn.k_layernorm(key)
         if rope is not None:
-            query = self._apply_rope(query, *rope)
-            key = self._apply_rope(key, *rope)
+            query = rotary_from_tables(query, *rope)  # rope: cos/sin [S, B, 1, rot/2]
+            key = rotary_from_tables(key, *rope)
         end = start + s
         # Cache layout [B, groups, T, d]: keys are stored after rotation, once.
         self.keys[index, :, :, start:end] = key.permute(1, 2, 0, 3)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import re
 import logging
+import math
+import re
 import signal
 import time
 from typing import Optional, Union
@@ -146,8 +147,8 @@ class NonFiniteGuard:
     """Counts training steps skipped for a non-finite loss or gradients; stops the run after
     ``limit`` in a row (0: never), naming ``key`` (``trainer.<algo>.max_consecutive_nonfinite_steps``).
 
-    The caller checks the loss and ``model.grads_are_finite()`` (collective, so every rank
-    decides alike), then calls ``skip(...)`` instead of the optimizer step, or ``passed()``.
+    The caller asks ``check(loss, model)`` after backward (collective: every rank decides alike)
+    and calls ``skip(...)`` instead of the optimizer step when it says no.
     """
 
     def __init__(self, limit: int, key: str, what: str = "steps", advice: str = "check the data"):
@@ -158,8 +159,13 @@ class NonFiniteGuard:
         self.consecutive = 0
         self.total = 0
 
-    def passed(self) -> None:
-        self.consecutive = 0
+    def check(self, loss: float, model) -> bool:
+        """Whether the loss and every gradient are finite (``model.grads_are_finite()`` is collective);
+        a finite step ends a run of skips."""
+        finite = math.isfinite(loss) and model.grads_are_finite()
+        if finite:
+            self.consecutive = 0
+        return finite
 
     def skip(self, optimizer, step: int) -> None:
         """Drop the step's gradients and count it; raise ``TrainingError`` after too many in a row."""

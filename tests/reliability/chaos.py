@@ -31,6 +31,9 @@ from typing import Callable, Dict, List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(REPO, "examples", "nlp", "gpt")
+sys.path.insert(0, REPO)
+from nemo_aligner.utils.ports import free_port  # noqa: E402
+
 TINY = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4, "num_query_groups": 2,
         "max_position_embeddings": 64, "position_embedding_type": "rope", "normalization": "rmsnorm",
         "activation": "swiglu", "bias": False, "share_embeddings_and_output_weights": False}
@@ -42,21 +45,6 @@ def env() -> dict:
     out.setdefault("WANDB_MODE", "offline")
     out["OMP_NUM_THREADS"] = out.get("OMP_NUM_THREADS", "1")
     return out
-
-
-def free_port() -> int:
-    """A free port below Linux's ephemeral range, so no process's own outgoing or rendezvous socket
-    (a torch.distributed store picks an ephemeral port) can take it before the server binds it."""
-    import socket
-
-    while True:
-        port = random.randint(20000, 32000)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
 
 
 class Proc:
@@ -403,7 +391,6 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", default=None, help="keep everything here (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
-    sys.path.insert(0, REPO)
     from nemo_aligner.data.nlp.builtin_task import BuiltinTask
 
     work = args.workdir or tempfile.mkdtemp(prefix="chaos_")

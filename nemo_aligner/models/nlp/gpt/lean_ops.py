@@ -62,13 +62,18 @@ class RotaryEmbedding(torch.autograd.Function):
         return rotate(grad.contiguous(), cos, sin, -1.0), None, None
 
 
-def apply_rotary(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> torch.Tensor:
-    """RoPE on the first ``freqs.shape[-1]`` channels of ``t`` (the rest pass through)."""
-    rot = freqs.shape[-1]
-    cos, sin = _halves(freqs, mscale, t.dtype)
+def rotary_from_tables(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first ``2 * cos.shape[-1]`` channels of ``t`` (the rest pass through), from
+    ``cos``/``sin`` of one half's angles; differentiable. The decode loop passes tables it built once."""
+    rot = 2 * cos.shape[-1]
     if rot == t.shape[-1]:
         return RotaryEmbedding.apply(t, cos, sin)
     return torch.cat((RotaryEmbedding.apply(t[..., :rot], cos, sin), t[..., rot:]), dim=-1)
+
+
+def apply_rotary(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> torch.Tensor:
+    """RoPE on the first ``freqs.shape[-1]`` channels of ``t`` (the rest pass through)."""
+    return rotary_from_tables(t, *_halves(freqs, mscale, t.dtype))
 
 
 def _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved: bool = False, multi_latent_attention: bool = False,

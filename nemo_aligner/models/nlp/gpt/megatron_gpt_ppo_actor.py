@@ -4,6 +4,8 @@ are swapped in when its log-probs are needed, so there is never a second copy on
 
 from __future__ import annotations
 
+import functools
+
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -112,7 +114,7 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
     def _ppo_forward(self, model, mb):
         return model(mb["tokens"], mb["position_ids"], None)  # logits [B, T, V/TP] on the last stage
 
-    def _ppo_loss(self, mb, logits):
+    def _ppo_loss(self, mb, logits, absolute_kl: bool = True):
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         logits = logits[:, :-1].float()
@@ -129,7 +131,7 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
             loss = loss + self.kl_loss_coef * kl
             stats["kl_loss"] = kl.detach()
         if "logprobs" not in mb:  # the rollout-time KL metric, from this forward instead
-            kl = ppo_utils.calculate_kl_penalty(logprobs.detach(), mb["init_logprobs"], self._absolute_kl)
+            kl = ppo_utils.calculate_kl_penalty(logprobs.detach(), mb["init_logprobs"], absolute_kl)
             stats["init_policy_kl"] = ppo_utils.masked_mean(kl, mb["mask"])
         return loss, {"loss": loss.detach().clone(), **{k: v.detach() for k, v in stats.items()}}
 
@@ -144,13 +146,13 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
         data = dict(next_token_batch(batch["tokens"]))
         data.update({k: batch[k] for k in ("advantages", "mask")})
         reuse = batch.get("logprobs") is None
-        self._absolute_kl = bool(use_absolute_kl)
         if not reuse:
             data["logprobs"] = batch["logprobs"]
         if self.kl_loss_coef or reuse:
             data["init_logprobs"] = batch["init_logprobs"]
         data["is_end"] = batch["is_end"].float()
-        outputs = self.forward_backward(data, self._ppo_loss, forward_only, self.micro_batch_size,
+        loss_fn = functools.partial(self._ppo_loss, absolute_kl=bool(use_absolute_kl))
+        outputs = self.forward_backward(data, loss_fn, forward_only, self.micro_batch_size,
                                         forward_fn=self._ppo_forward)
         keys = (("loss", "clip_fraction", "approx_kl", "entropy", "ratio_mean") + (("kl_loss",) if self.kl_loss_coef else ())
                 + (("init_policy_kl",) if reuse else ()))
