@@ -116,11 +116,25 @@ def _pack_linear_weights(module, batch: int) -> dict:
     return packed
 
 
+def _direct_norm(norm):
+    """``norm`` as a direct functional call when it is torch's own RMSNorm/LayerNorm (no module
+    call per token); any other norm module is called as is."""
+    if type(norm) is torch.nn.RMSNorm:
+        shape, weight, eps = tuple(norm.normalized_shape), norm.weight, norm.eps
+        return lambda x: F.rms_norm(x, shape, weight, eps)
+    if type(norm) is torch.nn.LayerNorm:
+        shape, weight, bias, eps = tuple(norm.normalized_shape), norm.weight, norm.bias, norm.eps
+        return lambda x: F.layer_norm(x, shape, weight, bias, eps)
+    return norm
+
+
 class KVCacheDecoder:
     """Runs this rank's pipeline stage of a megatron-core ``GPTModel`` step by step (any TP and PP).
 
     With pipeline parallelism each stage receives the previous stage's hidden states, runs its
     layers against its own part of the cache, and sends them on; only the last stage returns logits.
+    Each layer's norms and linear layers are resolved once into direct calls (a decode step runs
+    a few hundred small ops, so per-call overhead is a large share of its time).
     """
 
     def __init__(self, module, batch: int, max_len: int):
@@ -150,34 +164,57 @@ class KVCacheDecoder:
             freqs = self.rope(max_len).squeeze(1).squeeze(1)  # [max_len, rot]: one half's angles, repeated
             half = freqs[:, : freqs.shape[-1] // 2]
             self.cos, self.sin = half.cos().to(dtype), half.sin().to(dtype)
+        self.layers = [self._plan(layer) for layer in layers]
+        if getattr(module, "post_process", False):
+            self.final_norm = _direct_norm(module.decoder.final_layernorm)
+            weight = module.shared_embedding_or_output_weight() if module.share_embeddings_and_output_weights else None
+            self.output = self._linear(module.output_layer, weight)
 
-    def _linear(self, linear, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """A megatron-core parallel linear layer, bias included; a plain matmul without tensor
-        parallelism (no autograd-function and communication wrappers per token)."""
-        if self.tp == 1:
-            weight = linear.weight if weight is None else weight
-            packed = self.packed.get(id(weight))
-            if packed is not None:
-                return torch.ops.mkl._mkl_linear(x, packed, weight, linear.bias, self.packed_batch)
-            return F.linear(x, weight, linear.bias)
-        out, bias = linear(x, weight=weight) if weight is not None else linear(x)
-        return out + bias if bias is not None else out
+    def _linear(self, linear, weight: Optional[torch.Tensor] = None):
+        """A megatron-core parallel linear layer (bias included) as a callable; without tensor
+        parallelism a plain (MKL-packed where possible) matmul, with no autograd-function and
+        communication wrappers per token."""
+        if self.tp > 1:
+            def call(x):
+                out, bias = linear(x, weight=weight) if weight is not None else linear(x)
+                return out + bias if bias is not None else out
+            return call
+        weight = linear.weight if weight is None else weight
+        bias = linear.bias
+        packed = self.packed.get(id(weight))
+        if packed is not None:
+            mkl_linear, batch = torch.ops.mkl._mkl_linear, self.packed_batch
+            return lambda x: mkl_linear(x, packed, weight, bias, batch)
+        return lambda x: F.linear(x, weight, bias)
 
-    def _attention(self, layer, hidden: torch.Tensor, rope, start: int, mask, index: int) -> torch.Tensor:
-        attn = layer.self_attention
-        mixed = self._linear(attn.linear_qkv, hidden)
+    def _plan(self, layer) -> dict:
+        attn, mlp = layer.self_attention, layer.mlp
+        q_norm, k_norm = getattr(attn, "q_layernorm", None), getattr(attn, "k_layernorm", None)
+        identity = lambda m: m is None or type(m).__name__ == "IdentityOp"
+        return dict(norm1=_direct_norm(layer.input_layernorm), qkv=self._linear(attn.linear_qkv),
+                    proj=self._linear(attn.linear_proj), norm2=_direct_norm(layer.pre_mlp_layernorm),
+                    fc1=self._linear(mlp.linear_fc1), fc2=self._linear(mlp.linear_fc2),
+                    q_norm=None if identity(q_norm) else q_norm, k_norm=None if identity(k_norm) else k_norm)
+
+    def _attention(self, plan: dict, x: torch.Tensor, rope, start: int, mask, index: int) -> torch.Tensor:
+        mixed = plan["qkv"](x)
         s, b = mixed.shape[:2]
         per_group = self.heads // self.groups
-        mixed = mixed.view(s, b, self.groups, (per_group + 2) * self.head_dim)
-        query, key, value = torch.split(mixed, [per_group * self.head_dim, self.head_dim, self.head_dim], dim=3)
-        query = query.reshape(s, b, self.heads, self.head_dim)
-        if getattr(attn, "q_layernorm", None) is not None:
-            query = attn.q_layernorm(query)
-        if getattr(attn, "k_layernorm", None) is not None:
-            key = attn.k_layernorm(key)
-        if rope is not None:
-            query = rotary_from_tables(query, *rope)  # rope: cos/sin [S, B, 1, rot/2]
-            key = rotary_from_tables(key, *rope)
+        # Per query group: its queries, then one key and one value head.
+        mixed = mixed.view(s, b, self.groups, per_group + 2, self.head_dim)
+        value = mixed[:, :, :, per_group + 1]
+        if plan["q_norm"] is None and plan["k_norm"] is None:
+            query_key = mixed[:, :, :, : per_group + 1]
+            if rope is not None:  # queries and keys rotated in one call
+                query_key = rotary_from_tables(query_key, rope[0].unsqueeze(3), rope[1].unsqueeze(3))
+            query = query_key[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
+            key = query_key[:, :, :, per_group]
+        else:
+            query = plan["q_norm"](mixed[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)) \
+                if plan["q_norm"] is not None else mixed[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
+            key = plan["k_norm"](mixed[:, :, :, per_group]) if plan["k_norm"] is not None else mixed[:, :, :, per_group]
+            if rope is not None:
+                query, key = rotary_from_tables(query, *rope), rotary_from_tables(key, *rope)
         end = start + s
         # Cache layout [B, groups, T, d]: keys are stored after rotation, once.
         self.keys[index, :, :, start:end] = key.permute(1, 2, 0, 3)
@@ -192,23 +229,23 @@ class KVCacheDecoder:
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scale)
         else:  # mask None here: one new token sees every cached slot
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
-        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
-        return self._linear(attn.linear_proj, out)
+        return plan["proj"](out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
 
-    def _mlp(self, layer, hidden: torch.Tensor) -> torch.Tensor:
-        mlp = layer.mlp
-        x = self._linear(mlp.linear_fc1, hidden)
+    def _mlp(self, plan: dict, x: torch.Tensor) -> torch.Tensor:
+        x = plan["fc1"](x)
         if self.config.gated_linear_unit:
             gate, up = torch.chunk(x, 2, dim=-1)
-            x = self.config.activation_func(gate) * up
+            x = self.config.activation_func(gate).mul_(up)
         else:
             x = self.config.activation_func(x)
-        return self._linear(mlp.linear_fc2, x)
+        return plan["fc2"](x)
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, start: int, key_mask: torch.Tensor):
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, start: int, key_mask: torch.Tensor,
+                padded: Optional[bool] = None):
         """Feed ``tokens`` [B, S] at cache slots ``start..start+S``; returns the last slot's logits [B, V]
-        on the last pipeline stage (None on the others)."""
+        on the last pipeline stage (None on the others). ``padded``: whether any of ``key_mask`` is
+        False (computed here when not given)."""
         from megatron.core import parallel_state
 
         module = self.module
@@ -222,23 +259,22 @@ class KVCacheDecoder:
         rope = None
         if self.rope is not None:
             pos = positions.t()  # [S, B]
-            rope = (self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2))  # [S, B, 1, rot]
+            rope = (self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2))  # [S, B, 1, rot/2]
         mask = None
-        padded = not bool(key_mask[:, :end].all())
-        if padded or (s > 1 and start > 0):
+        if padded is None:
+            padded = not bool(key_mask[:, :end].all())
+        if s == 1 and padded:  # one new token: every real cached slot, no causal part
+            mask = key_mask[:, None, None, :end]
+        elif padded or (s > 1 and start > 0):
             causal = torch.ones(s, end, dtype=torch.bool).tril(diagonal=start)
             mask = (causal.unsqueeze(0) & key_mask[:, None, :end]).unsqueeze(1)  # [B, 1, S, T]
-        for index, layer in enumerate(module.decoder.layers):
-            residual = hidden
-            hidden = residual + self._attention(layer, layer.input_layernorm(hidden), rope, start, mask, index)
-            residual = hidden
-            hidden = residual + self._mlp(layer, layer.pre_mlp_layernorm(hidden))
+        for index, plan in enumerate(self.layers):
+            hidden = self._attention(plan, plan["norm1"](hidden), rope, start, mask, index).add_(hidden)
+            hidden = self._mlp(plan, plan["norm2"](hidden)).add_(hidden)
         if not self.last_stage:
             dist.send(hidden.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
             return None
-        hidden = module.decoder.final_layernorm(hidden[-1:])
-        weight = module.shared_embedding_or_output_weight() if module.share_embeddings_and_output_weights else None
-        logits = self._linear(module.output_layer, hidden, weight=weight)
+        logits = self.output(self.final_norm(hidden[-1:]))
         return _gather_vocab(logits[0].float())
 
 
@@ -315,12 +351,13 @@ def generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Samp
     done = torch.zeros(batch, dtype=torch.bool)
     is_end = torch.zeros(batch, dtype=torch.bool)
     generated = torch.zeros(batch, dtype=torch.long)
-    logits = decoder.forward(tokens[:, :longest], positions[:, :longest], 0, key_mask)
+    padded = not bool(key_mask.all())
+    logits = decoder.forward(tokens[:, :longest], positions[:, :longest], 0, key_mask, padded)
     for step in range(new_tokens):
         if last_stage:
+            logits = logits[:, : tokenizer.vocab_size]  # vocabulary padding rows are never sampled
             if step < length.min_length:
                 logits[:, tokenizer.eos_id] = float("-inf")
-            logits[:, tokenizer.vocab_size:] = float("-inf")  # vocabulary padding rows are never sampled
             token = sample(logits, sampling, generator)
             if tp > 1:
                 dist.broadcast(token, src=tp_rank0, group=_tp_group())
@@ -344,7 +381,7 @@ def generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Samp
         done |= hit_eos | hit_end
         if bool(done.all()) or step == new_tokens - 1:
             break
-        logits = decoder.forward(token.unsqueeze(1), positions[:, slot : slot + 1], slot, key_mask)
+        logits = decoder.forward(token.unsqueeze(1), positions[:, slot : slot + 1], slot, key_mask, padded)
 
     # Back to right padding: [prompt][response][eos padding].
     out = torch.full((batch, total), tokenizer.eos_id, dtype=torch.long)

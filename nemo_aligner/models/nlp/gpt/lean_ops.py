@@ -66,9 +66,11 @@ def rotary_from_tables(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     """RoPE on the first ``2 * cos.shape[-1]`` channels of ``t`` (the rest pass through), from
     ``cos``/``sin`` of one half's angles; differentiable. The decode loop passes tables it built once."""
     rot = 2 * cos.shape[-1]
+    # Without autograd (decoding) the function's bookkeeping is pure overhead.
+    fn = RotaryEmbedding.apply if torch.is_grad_enabled() and t.requires_grad else rotate
     if rot == t.shape[-1]:
-        return RotaryEmbedding.apply(t, cos, sin)
-    return torch.cat((RotaryEmbedding.apply(t[..., :rot], cos, sin), t[..., rot:]), dim=-1)
+        return fn(t, cos, sin)
+    return torch.cat((fn(t[..., :rot], cos, sin), t[..., rot:]), dim=-1)
 
 
 def apply_rotary(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> torch.Tensor:
