@@ -221,14 +221,12 @@ class KVCacheDecoder:
         self.values[index, :, :, start:end] = value.permute(1, 2, 0, 3)
         keys = self.keys[index, :, :, :end]
         values = self.values[index, :, :, :end]
-        if per_group > 1:
-            keys = keys.repeat_interleave(per_group, dim=1)
-            values = values.repeat_interleave(per_group, dim=1)
-        q = query.permute(1, 2, 0, 3)  # [B, heads, S, d]
+        q = query.permute(1, 2, 0, 3)  # [B, heads, S, d]; a group's query heads are adjacent
+        gqa = per_group > 1  # SDPA maps query head h to key/value head h // per_group: no copied cache
         if mask is None and s > 1:  # no padding: a plain causal prefill
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scale)
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scale, enable_gqa=gqa)
         else:  # mask None here: one new token sees every cached slot
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
         return plan["proj"](out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
 
     def _mlp(self, plan: dict, x: torch.Tensor) -> torch.Tensor:
