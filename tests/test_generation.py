@@ -12,7 +12,8 @@ from conftest import TINY_ARCH, TINY_GPT2_ARCH, WORKERS, run_python
 from nemo_aligner.utils.generation import LengthParams, SamplingParams, generate, sample
 from nemo_aligner.utils.tokenizers import ByteTokenizer
 
-PROMPTS = ["reverse abc = ", "sort hgfedcba = ", "x", "reverse abcdefgh = "]
+# Repeated prompts (as in GRPO groups) are prefilled once; each row must still match.
+PROMPTS = ["reverse abc = ", "sort hgfedcba = ", "x", "reverse abcdefgh = ", "x", "reverse abc = "]
 
 
 def build(arch, seed=0):

@@ -157,6 +157,7 @@ class KVCacheDecoder:
         self.keys = torch.zeros(shape, dtype=dtype)
         self.values = torch.zeros(shape, dtype=dtype)
         self.tp = tp
+        self._rows = None  # see forward()
         self.packed = _pack_linear_weights(module, batch) if tp == 1 else {}
         self.packed_batch = batch
         self.rope = getattr(module, "rotary_pos_emb", None) if module.position_embedding_type == "rope" else None
@@ -216,11 +217,15 @@ class KVCacheDecoder:
             if rope is not None:
                 query, key = rotary_from_tables(query, *rope), rotary_from_tables(key, *rope)
         end = start + s
+        key, value = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)  # [rows fed, groups, S, d]
+        rows = self._rows
         # Cache layout [B, groups, T, d]: keys are stored after rotation, once.
-        self.keys[index, :, :, start:end] = key.permute(1, 2, 0, 3)
-        self.values[index, :, :, start:end] = value.permute(1, 2, 0, 3)
-        keys = self.keys[index, :, :, :end]
-        values = self.values[index, :, :, :end]
+        self.keys[index, :, :, start:end] = key if rows is None else key.index_select(0, rows)
+        self.values[index, :, :, start:end] = value if rows is None else value.index_select(0, rows)
+        if rows is None:
+            keys, values = self.keys[index, :, :, :end], self.values[index, :, :, :end]
+        else:  # a prefill of distinct prompts attends to its own keys
+            keys, values = key, value
         q = query.permute(1, 2, 0, 3)  # [B, heads, S, d]; a group's query heads are adjacent
         gqa = per_group > 1  # SDPA maps query head h to key/value head h // per_group: no copied cache
         if mask is None and s > 1:  # no padding: a plain causal prefill
@@ -240,11 +245,20 @@ class KVCacheDecoder:
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, start: int, key_mask: torch.Tensor,
-                padded: Optional[bool] = None):
+                padded: Optional[bool] = None, rows: Optional[torch.Tensor] = None):
         """Feed ``tokens`` [B, S] at cache slots ``start..start+S``; returns the last slot's logits [B, V]
         on the last pipeline stage (None on the others). ``padded``: whether any of ``key_mask`` is
-        False (computed here when not given)."""
+        False (computed here when not given).
+
+        ``rows`` (a prefill, ``start`` 0): ``tokens``, ``positions`` and ``key_mask`` hold only distinct
+        prompts and cache row ``b`` gets fed row ``rows[b]`` (GRPO/RLOO groups repeat each prompt: it is
+        run once); the logits come back for all cache rows.
+        """
         from megatron.core import parallel_state
+
+        if rows is not None and start != 0:
+            raise ValueError("rows: only a prefill (start 0) can feed distinct prompts")
+        self._rows = rows
 
         module = self.module
         if self.first_stage:
@@ -272,8 +286,10 @@ class KVCacheDecoder:
         if not self.last_stage:
             dist.send(hidden.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
             return None
-        logits = self.output(self.final_norm(hidden[-1:]))
-        return _gather_vocab(logits[0].float())
+        logits = self.output(self.final_norm(hidden[-1:]))[0]
+        if rows is not None:
+            logits = logits.index_select(0, rows)
+        return _gather_vocab(logits.float())
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator] = None) -> torch.Tensor:
@@ -350,7 +366,15 @@ def generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Samp
     is_end = torch.zeros(batch, dtype=torch.bool)
     generated = torch.zeros(batch, dtype=torch.long)
     padded = not bool(key_mask.all())
-    logits = decoder.forward(tokens[:, :longest], positions[:, :longest], 0, key_mask, padded)
+    # GRPO/RLOO repeat each prompt per response: prefill each distinct prompt once.
+    distinct = {}
+    rows = torch.tensor([distinct.setdefault(tuple(p), b) for b, p in enumerate(prompts)], dtype=torch.long)
+    if len(distinct) < batch:
+        fed = torch.tensor(sorted(distinct.values()), dtype=torch.long)
+        rows = torch.searchsorted(fed, rows)  # cache row -> its prompt's row among those fed
+        logits = decoder.forward(tokens[fed, :longest], positions[fed, :longest], 0, key_mask[fed], padded, rows)
+    else:
+        logits = decoder.forward(tokens[:, :longest], positions[:, :longest], 0, key_mask, padded)
     for step in range(new_tokens):
         if last_stage:
             logits = logits[:, : tokenizer.vocab_size]  # vocabulary padding rows are never sampled

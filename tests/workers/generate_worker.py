@@ -25,7 +25,7 @@ def main():
     model = load_model(GPTSFTModel, OmegaConf.create({"micro_batch_size": 1}), "32", args.nemo, trainable=False)
     model.eval()
     tok = model.tokenizer
-    prompts = [tok.text_to_ids(p) for p in ["reverse abc = ", "sort hgfedcba = ", "x"]]
+    prompts = [tok.text_to_ids(p) for p in ["reverse abc = ", "sort hgfedcba = ", "x", "reverse abc = "]]
     greedy = generate(model.module, tok, prompts, SamplingParams(use_greedy=True), LengthParams(max_length=8))
     sampled = generate(model.module, tok, prompts, SamplingParams(temperature=1.0, top_k=20), LengthParams(max_length=8),
                        seed=7)
