@@ -119,10 +119,10 @@ def _pack_linear_weights(module, batch: int) -> dict:
 def _direct_norm(norm):
     """``norm`` as a direct functional call when it is torch's own RMSNorm/LayerNorm (no module
     call per token); any other norm module is called as is."""
-    if type(norm) is torch.nn.RMSNorm:
+    if isinstance(norm, torch.nn.RMSNorm) and len(norm.normalized_shape) == 1:
         shape, weight, eps = tuple(norm.normalized_shape), norm.weight, norm.eps
         return lambda x: F.rms_norm(x, shape, weight, eps)
-    if type(norm) is torch.nn.LayerNorm:
+    if type(norm) is torch.nn.LayerNorm and len(norm.normalized_shape) == 1:
         shape, weight, bias, eps = tuple(norm.normalized_shape), norm.weight, norm.bias, norm.eps
         return lambda x: F.layer_norm(x, shape, weight, bias, eps)
     return norm

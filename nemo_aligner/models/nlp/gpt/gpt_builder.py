@@ -190,4 +190,7 @@ def build_gpt_model(cfg, vocab_size: int, precision="32", pre_process: Optional[
         seq_len_interpolation_factor=_get(cfg, "seq_len_interpolation_factor"),
         **extra,
     )
+    from nemo_aligner.models.nlp.gpt import lean_ops
+
+    lean_ops.use_lean_norms(model)  # torch's RMSNorm only exists in the local spec
     return model

@@ -18,6 +18,11 @@ concatenates the two halves' gradients (a full copy per layer). ``SwiGLU`` write
 of the gradient into one buffer and saves only fc1's output. It is plugged in as the MLP's
 activation module (``MLPSubmodules.activation_func``), the hook megatron-core provides for
 Transformer Engine's activations.
+
+RMSNorm: torch's ``rms_norm`` has no fused CPU kernel; autograd differentiates its composite
+(power, mean, reciprocal square root, two products), ~10 passes over the activations per norm.
+``RMSNorm`` (a ``torch.nn.RMSNorm`` with the same parameters and state) computes the float32
+backward directly in ~6; ``use_lean_norms`` switches a built model's norms to it.
 """
 
 from __future__ import annotations
@@ -128,3 +133,49 @@ class SwiGLU(torch.nn.Module):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
         """No parameters: nothing in the (megatron-core) distributed checkpoint."""
         return {}
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dimension; saves ``x`` and ``rstd``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        h = x.shape[-1]
+        rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True).pow_(2).div_(h).add_(eps).rsqrt_()
+        ctx.save_for_backward(x, weight, rstd)
+        return torch.mul(x, rstd).mul_(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        h = x.shape[-1]
+        grad = grad.contiguous()
+        normed = x * rstd
+        grad_weight = (grad * normed).view(-1, h).sum(0)
+        grad_normed = grad * weight
+        # d/dx of x * rstd: rstd * (g - normed * mean(g * normed))
+        mean = torch.linalg.vecdot(grad_normed, normed).unsqueeze(-1).div_(h)
+        grad_x = grad_normed.addcmul_(normed, mean, value=-1).mul_(rstd)
+        return grad_x, grad_weight, None
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` whose float32 training forward/backward runs through ``_RMSNormFunction``
+    (no-grad calls and other dtypes use torch's own)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if (weight is not None and x.dtype == torch.float32 and weight.dtype == torch.float32
+                and len(self.normalized_shape) == 1 and torch.is_grad_enabled()
+                and (x.requires_grad or weight.requires_grad)):
+            eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+            return _RMSNormFunction.apply(x, weight, eps)
+        return super().forward(x)
+
+
+def use_lean_norms(module: torch.nn.Module) -> None:
+    """Switch every ``torch.nn.RMSNorm`` in ``module`` (megatron-core's local spec builds them) to
+    :class:`RMSNorm`, in place; parameters and checkpoints are unchanged."""
+    for m in module.modules():
+        if type(m) is torch.nn.RMSNorm:
+            m.__class__ = RMSNorm
