@@ -8,7 +8,8 @@ the separate venv with ``make bench-venv`` (pins in ``benchmarks/requirements-tr
 Both sides: fp32, no vLLM, the same prompts, group size, learning rate (constant), KL coefficient
 (0.01), exactly ``--new-tokens`` new tokens per response (EOS refused before that; our end strings
 off, TRL ``min_new_tokens``), vocabulary padding rows never sampled, all of a step's rollouts
-generated in one batch, the same training micro-batch and one optimizer step per GRPO step.
+generated in one batch, the same micro-batch for training and for the reference log-prob pass, and one
+optimizer step per GRPO step.
 Times are per step, averaged over ``--steps`` steps after one warm-up step on each side.
 """
 
@@ -181,7 +182,9 @@ def main(argv=None) -> dict:
                                                  "model.grpo.length_params.min_length": args.new_tokens,
                                                  # TRL stops only at EOS: no end strings, so every
                                                  # response has exactly --new-tokens tokens on both sides
-                                                 "model.grpo.sampling_params.end_strings": []})
+                                                 "model.grpo.sampling_params.end_strings": [],
+                                                 # TRL's log-prob passes run in training micro-batches
+                                                 "model.grpo.forward_micro_batch_size": micro})
     api.fit(dataset=prompts, reward_fn=reward, max_steps=args.steps + 1, callbacks=[Phases()])
     ours_step = sum(phases["step"]) / len(phases["step"])
     row = {"shape": args.shape, "rollouts_per_step": rollouts, "micro_batch": micro, "trl_step_s": trl_step,

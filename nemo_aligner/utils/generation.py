@@ -156,6 +156,7 @@ class KVCacheDecoder:
         shape = (len(layers), batch, self.groups, max_len, self.head_dim)
         self.keys = torch.zeros(shape, dtype=dtype)
         self.values = torch.zeros(shape, dtype=dtype)
+        self.layer_keys, self.layer_values = list(self.keys.unbind(0)), list(self.values.unbind(0))
         self.tp = tp
         self._rows = None  # see forward()
         self.packed = _pack_linear_weights(module, batch) if tp == 1 else {}
@@ -207,7 +208,7 @@ class KVCacheDecoder:
         if plan["q_norm"] is None and plan["k_norm"] is None:
             query_key = mixed[:, :, :, : per_group + 1]
             if rope is not None:  # queries and keys rotated in one call
-                query_key = rotary_from_tables(query_key, rope[0].unsqueeze(3), rope[1].unsqueeze(3))
+                query_key = rotary_from_tables(query_key, *rope)
             query = query_key[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
             key = query_key[:, :, :, per_group]
         else:
@@ -215,15 +216,17 @@ class KVCacheDecoder:
                 if plan["q_norm"] is not None else mixed[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
             key = plan["k_norm"](mixed[:, :, :, per_group]) if plan["k_norm"] is not None else mixed[:, :, :, per_group]
             if rope is not None:
-                query, key = rotary_from_tables(query, *rope), rotary_from_tables(key, *rope)
+                cos, sin = rope[0].squeeze(3), rope[1].squeeze(3)
+                query, key = rotary_from_tables(query, cos, sin), rotary_from_tables(key, cos, sin)
         end = start + s
         key, value = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)  # [rows fed, groups, S, d]
         rows = self._rows
         # Cache layout [B, groups, T, d]: keys are stored after rotation, once.
-        self.keys[index, :, :, start:end] = key if rows is None else key.index_select(0, rows)
-        self.values[index, :, :, start:end] = value if rows is None else value.index_select(0, rows)
+        layer_keys, layer_values = self.layer_keys[index], self.layer_values[index]
+        layer_keys[:, :, start:end] = key if rows is None else key.index_select(0, rows)
+        layer_values[:, :, start:end] = value if rows is None else value.index_select(0, rows)
         if rows is None:
-            keys, values = self.keys[index, :, :, :end], self.values[index, :, :, :end]
+            keys, values = layer_keys[:, :, :end], layer_values[:, :, :end]
         else:  # a prefill of distinct prompts attends to its own keys
             keys, values = key, value
         q = query.permute(1, 2, 0, 3)  # [B, heads, S, d]; a group's query heads are adjacent
@@ -271,7 +274,7 @@ class KVCacheDecoder:
         rope = None
         if self.rope is not None:
             pos = positions.t()  # [S, B]
-            rope = (self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2))  # [S, B, 1, rot/2]
+            rope = (self.cos[pos][:, :, None, None], self.sin[pos][:, :, None, None])  # [S, B, 1, 1, rot/2]
         mask = None
         if padded is None:
             padded = not bool(key_mask[:, :end].all())
