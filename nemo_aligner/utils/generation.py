@@ -299,7 +299,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: Optional[tor
     """One token per row from [B, V] logits."""
     if params.use_greedy:
         return logits.argmax(dim=-1)
-    logits = logits / max(params.temperature, 1e-6)
+    if params.temperature != 1.0:
+        logits = logits / max(params.temperature, 1e-6)
     if params.top_k and params.top_k > 0:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
