@@ -1,4 +1,4 @@
-"""Launcher environment parsing, LR schedules, max_time, checkpoint naming, tokenizers."""
+"""Launcher environment parsing, LR schedules, max_time, checkpoint naming, tokenizers, CPU clipping ops."""
 
 import pytest
 import torch
@@ -106,3 +106,29 @@ def test_checkpoint_pruning_keeps_top_k_and_newest(tmp_path):
     maximize = CheckpointCallback(str(tmp_path), "ck-{step}", monitor="acc", mode="max", save_top_k=1)
     maximize.prune()
     assert sorted(p for p in os.listdir(tmp_path) if not p.endswith(".tmp")) == ["ck-step=5"]
+
+
+def test_cpu_gradient_clipping_ops_match_megatron_fallbacks():
+    """The foreach norm/scale used for clipping on a CPU equal megatron-core's per-tensor fallbacks,
+    and clipping goes through them once the CPU patches are applied."""
+    from megatron.core import utils as mutils
+    from megatron.core.optimizer import clip_grads
+
+    from nemo_aligner.utils import cpu_compat
+
+    cpu_compat.apply_cpu_patches()
+    assert clip_grads.l2_norm_impl is cpu_compat._foreach_l2_norm
+    assert clip_grads.multi_tensor_scale_impl is cpu_compat._foreach_scale
+    torch.manual_seed(0)
+    grads = [torch.randn(5, 3), torch.randn(7), torch.randn(2, 2, 2)]
+    ours, _ = cpu_compat._foreach_l2_norm(0, None, [grads], False)
+    ref, _ = mutils.local_multi_tensor_l2_norm(0, None, [grads], False)
+    torch.testing.assert_close(ours, ref.reshape(1))
+    expected = [g * 0.3 for g in grads]
+    copies = [g.clone() for g in grads]
+    cpu_compat._foreach_scale(0, None, [copies, copies], 0.3)  # in place, as clipping calls it
+    out = [torch.empty_like(g) for g in grads]
+    cpu_compat._foreach_scale(0, None, [grads, out], 0.3)
+    for a, b, c in zip(copies, out, expected):
+        torch.testing.assert_close(a, c)
+        torch.testing.assert_close(b, c)

@@ -264,6 +264,35 @@ def _patch_tensor_checks():
     tp_data.broadcast_data = _scoped(tp_data.broadcast_data)
 
 
+def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """``amp_C.multi_tensor_l2norm`` in one foreach pass (megatron-core's local fallback takes each
+    tensor's norm to a Python float)."""
+    norms = torch._foreach_norm(tensor_lists[0])
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1).float(), None
+
+
+def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """``amp_C.multi_tensor_scale``: ``dst = src * scale`` in foreach passes."""
+    src, dst = tensor_lists
+    if all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def _patch_multi_tensor_ops():
+    """Gradient clipping without apex or Transformer Engine: megatron-core falls back to per-tensor
+    Python loops (a norm and a ``.item()`` per gradient, a product and a copy per gradient)."""
+    from megatron.core import utils as mutils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    if getattr(clip_grads, "l2_norm_impl", None) is mutils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = _foreach_l2_norm
+    for module in (clip_grads, optimizer):
+        if getattr(module, "multi_tensor_scale_impl", None) is mutils.local_multi_tensor_scale:
+            module.multi_tensor_scale_impl = _foreach_scale
+
+
 def apply_cpu_patches() -> bool:
     """Apply every patch once when CUDA is absent. Returns True if patches are active."""
     global _APPLIED
@@ -287,5 +316,6 @@ def apply_cpu_patches() -> bool:
 
     _patch_rng_tracker()
     _patch_tensor_checks()
+    _patch_multi_tensor_ops()
     _APPLIED = True
     return True

@@ -15,7 +15,8 @@ untouched: it is used through ``apply_rope_fusion`` on the TE spec.
 
 SwiGLU: the local MLP chunks fc1's output and multiplies ``silu(gate) * up``; autograd then
 concatenates the two halves' gradients (a full copy per layer). ``SwiGLU`` writes both halves
-of the gradient into one buffer and saves only fc1's output. It is plugged in as the MLP's
+of the gradient into one buffer, saves fc1's output and ``silu(gate)`` (what autograd saves
+too) and uses aten's fused silu derivative. It is plugged in as the MLP's
 activation module (``MLPSubmodules.activation_func``), the hook megatron-core provides for
 Transformer Engine's activations.
 
@@ -104,17 +105,20 @@ def install() -> None:
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        ctx.save_for_backward(x)
         gate, up = x.chunk(2, dim=-1)
-        return torch.nn.functional.silu(gate).mul_(up)
+        activated = torch.nn.functional.silu(gate)
+        # silu(gate) is kept (as autograd keeps it for silu(gate) * up): recomputing it in
+        # backward costs a pass of exponentials per layer.
+        ctx.save_for_backward(x, activated)
+        return activated * up
 
     @staticmethod
     def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
+        x, activated = ctx.saved_tensors
         gate, up = x.chunk(2, dim=-1)
         out = torch.empty_like(x)
         grad_gate, grad_up = out.chunk(2, dim=-1)
-        torch.mul(grad, torch.nn.functional.silu(gate), out=grad_up)
+        torch.mul(grad, activated, out=grad_up)
         # aten's fused silu derivative, sigmoid(g) * (1 + g * (1 - sigmoid(g))), in one pass
         # (written out it took six elementwise passes over the activations).
         torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
