@@ -293,6 +293,31 @@ def _patch_multi_tensor_ops():
             module.multi_tensor_scale_impl = _foreach_scale
 
 
+class _WgradAccumulation:
+    """CPU stand-in for megatron-core's ``fused_weight_gradient_mlp_cuda`` extension (gradient
+    accumulation fusion): ``main_grad += grad_output^T @ input`` as one GEMM with beta=1, instead of
+    a weight gradient in a fresh buffer that DDP then adds to ``main_grad`` (a full extra pass
+    over every weight per micro-batch)."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
+        # bf16/fp16 activations with float32 main_grad: accumulate in main_grad's precision, as the
+        # CUDA kernel does.
+        main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))
+
+    wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32
+
+
+def _patch_wgrad_accumulation():
+    """Let megatron-core's linear layers accumulate weight gradients in place
+    (``gradient_accumulation_fusion``; trainable models turn it on, see ``MegatronGPTModel``)."""
+    from megatron.core.tensor_parallel import layers
+
+    if not layers._grad_accum_fusion_available:
+        layers.fused_weight_gradient_mlp_cuda = _WgradAccumulation
+        layers._grad_accum_fusion_available = True
+
+
 def apply_cpu_patches() -> bool:
     """Apply every patch once when CUDA is absent. Returns True if patches are active."""
     global _APPLIED
@@ -317,5 +342,6 @@ def apply_cpu_patches() -> bool:
     _patch_rng_tracker()
     _patch_tensor_checks()
     _patch_multi_tensor_ops()
+    _patch_wgrad_accumulation()
     _APPLIED = True
     return True

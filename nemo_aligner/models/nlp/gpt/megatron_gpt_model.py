@@ -69,6 +69,10 @@ class MegatronGPTModel:
                 f"vocabulary ({tokenizer.vocab_size})"
             )
         self.transformer_config = transformer_config_from_cfg(cfg, precision)
+        if trainable and not torch.cuda.is_available():
+            # Weight gradients accumulate straight into DDP's main_grad buffers (one GEMM with
+            # beta=1; cpu_compat provides megatron-core's fused kernel on the CPU).
+            self.transformer_config.gradient_accumulation_fusion = True
         module = self.build_module()
         if self.dtype != torch.float32:
             from megatron.core.transformer.module import Float16Module
