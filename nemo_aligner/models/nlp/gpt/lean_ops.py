@@ -140,21 +140,22 @@ class SwiGLU(torch.nn.Module):
 
 
 class _RMSNormFunction(torch.autograd.Function):
-    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dimension; saves ``x`` and ``rstd``."""
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dimension; saves the normalised input
+    (instead of the input: the same memory, one pass less in backward) and ``rstd``."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
         h = x.shape[-1]
         rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True).pow_(2).div_(h).add_(eps).rsqrt_()
-        ctx.save_for_backward(x, weight, rstd)
-        return torch.mul(x, rstd).mul_(weight)
+        normed = x * rstd
+        ctx.save_for_backward(normed, weight, rstd)
+        return normed * weight
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, rstd = ctx.saved_tensors
-        h = x.shape[-1]
+        normed, weight, rstd = ctx.saved_tensors
+        h = normed.shape[-1]
         grad = grad.contiguous()
-        normed = x * rstd
         grad_weight = (grad * normed).view(-1, h).sum(0)
         grad_normed = grad * weight
         # d/dx of x * rstd: rstd * (g - normed * mean(g * normed))
