@@ -3,14 +3,15 @@ weights), prompts, group size and lengths, in one process. Needs TRL, which cann
 project's venv (TRL's datasets/pyarrow/pandas need numpy>=2, nvidia-pytriton pins numpy<2): build
 the separate venv with ``make bench-venv`` (pins in ``benchmarks/requirements-trl.txt``), then
 
-    cd benchmarks && ../.venv-bench/bin/python bench_grpo.py [--shape tiny] [--prompts 8] [--generations 8] [--steps 4]
+    cd benchmarks && ../.venv-bench/bin/python bench_grpo.py [--shape tiny] [--prompts 8] [--generations 8] [--steps 4] [--rounds 3]
 
 Both sides: fp32, no vLLM, the same prompts, group size, learning rate (constant), KL coefficient
 (0.01), exactly ``--new-tokens`` new tokens per response (EOS refused before that; our end strings
 off, TRL ``min_new_tokens``), vocabulary padding rows never sampled, all of a step's rollouts
 generated in one batch, the same micro-batch for training and for the reference log-prob pass, and one
 optimizer step per GRPO step.
-Times are per step, averaged over ``--steps`` steps after one warm-up step on each side.
+Times are per step, averaged over ``--steps`` steps after one warm-up step on each side, in ``--rounds``
+alternating runs of each side; the ratio is the median of the rounds' ratios.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import tempfile
 import time
 
@@ -62,7 +64,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
     parser.add_argument("--generations", type=int, default=8, help="responses per prompt")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per run (after one warm-up step)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating runs of each side")
     args = parser.parse_args(argv)
 
     try:
@@ -98,15 +101,16 @@ def main(argv=None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     # One optimizer step per GRPO step: the step's rollouts are generated in one batch
     # (generation_batch_size = micro batch x accumulation) and trained in micro-batches of `micro`.
-    config = trl.GRPOConfig(output_dir=os.path.join(work, "trl"), per_device_train_batch_size=micro,
-                            gradient_accumulation_steps=rollouts // micro, num_generations=args.generations,
-                            max_completion_length=args.new_tokens,
-                            generation_kwargs={"min_new_tokens": args.new_tokens,  # as our min_length
-                                               "suppress_tokens": list(range(vocab, padded_vocab))},
-                            learning_rate=1e-6, lr_scheduler_type="constant", max_steps=args.steps + 1,
-                            logging_steps=1, report_to="none", use_cpu=True, bf16=False, fp16=False, beta=0.01,
-                            save_strategy="no", temperature=1.0, dataloader_num_workers=0, seed=0,
-                            model_init_kwargs={"dtype": "float32"})
+    def trl_config(run: int):
+        return trl.GRPOConfig(output_dir=os.path.join(work, f"trl{run}"), per_device_train_batch_size=micro,
+                              gradient_accumulation_steps=rollouts // micro, num_generations=args.generations,
+                              max_completion_length=args.new_tokens,
+                              generation_kwargs={"min_new_tokens": args.new_tokens,  # as our min_length
+                                                 "suppress_tokens": list(range(vocab, padded_vocab))},
+                              learning_rate=1e-6, lr_scheduler_type="constant", max_steps=args.steps + 1,
+                              logging_steps=1, report_to="none", use_cpu=True, bf16=False, fp16=False, beta=0.01,
+                              save_strategy="no", temperature=1.0, dataloader_num_workers=0, seed=0,
+                              model_init_kwargs={"dtype": "float32"})
 
     def trl_reward(prompts, completions, **kwargs):
         return [reward(p, c) for p, c in zip(prompts, completions)]
@@ -127,76 +131,95 @@ def main(argv=None) -> dict:
     # them to wandb/mlflow/trackio: catch them here, by step, to report TRL's phases too.
     from trl.extras import profiling
 
-    trl_blocks = []  # (step index, block name, seconds)
-    timer = StepTimes()
-    original_log = profiling.ProfilingContext._log_metrics
+    def run_trl(run: int):
+        """One TRL training run: its step times after the first, phases per step, response lengths."""
+        blocks = []  # (step index, block name, seconds)
+        timer = StepTimes()
+        original_log = profiling.ProfilingContext._log_metrics
 
-    def record(context, duration):
-        trl_blocks.append((len(timer.seconds), context.name.split(".", 1)[-1], duration))
-        original_log(context, duration)
+        def record(context, duration):
+            blocks.append((len(timer.seconds), context.name.split(".", 1)[-1], duration))
+            original_log(context, duration)
 
-    profiling.ProfilingContext._log_metrics = record
-    trainer = trl.GRPOTrainer(model=hf_dir, reward_funcs=trl_reward, args=config, processing_class=tokenizer,
-                              train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
-                              callbacks=[timer])
-    try:
-        trainer.train()
-    finally:
-        profiling.ProfilingContext._log_metrics = original_log
-    timed = timer.seconds[1:]  # the first step includes start-up work
-    trl_step = sum(timed) / len(timed)
-    trl_phases = {}
-    for step, name, seconds in trl_blocks:
-        if step >= 1:
-            trl_phases[name] = trl_phases.get(name, 0.0) + seconds / len(timed)
-    trl_lengths = [float(h["completions/mean_length"]) for h in trainer.state.log_history
+        profiling.ProfilingContext._log_metrics = record
+        trainer = trl.GRPOTrainer(model=hf_dir, reward_funcs=trl_reward, args=trl_config(run), processing_class=tokenizer,
+                                  train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
+                                  callbacks=[timer])
+        try:
+            trainer.train()
+        finally:
+            profiling.ProfilingContext._log_metrics = original_log
+        timed = timer.seconds[1:]  # the first step includes start-up work
+        phases = {}
+        for step, name, seconds in blocks:
+            if step >= 1:
+                phases[name] = phases.get(name, 0.0) + seconds / len(timed)
+        lengths = [float(h["completions/mean_length"]) for h in trainer.state.log_history
                    if "completions/mean_length" in h][1:]
-    del trainer
+        return timed, phases, lengths
 
     # ---- ours (the same weights: build_pair gave both the same initialisation)
-    from nemo_aligner.algorithms.reinforce import ReinforceTrainer  # noqa: F401  (the loop timed below)
+    from nemo_aligner.trainers.callbacks import Callback
     from nemo_aligner.trainers.grpo import GRPOTrainer
-
-    nemo = os.path.join(work, "ours.nemo")
     from nemo_aligner.utils.nemo_file import save_nemo
 
+    nemo = os.path.join(work, "ours.nemo")
     save_nemo(ours, nemo)
-    phases, lengths = {}, []
 
-    from nemo_aligner.trainers.callbacks import Callback
+    def run_ours(run: int):
+        """One run of ours: its step times after the first, phases per step, response lengths."""
+        phases, lengths = {}, []
 
-    class Phases(Callback):
-        def on_step_end(self, trainer, step, metrics):
-            if step > 1:  # the first step includes start-up work
-                lengths.append(metrics.get("response_length", float("nan")))
-                for k, v in metrics.items():
-                    if k.startswith("time/"):
-                        phases.setdefault(k[5:], []).append(v)
+        class Phases(Callback):
+            def on_step_end(self, trainer, step, metrics):
+                if step > 1:  # the first step includes start-up work
+                    lengths.append(metrics.get("response_length", float("nan")))
+                    for k, v in metrics.items():
+                        if k.startswith("time/"):
+                            phases.setdefault(k[5:], []).append(v)
 
-    api = GRPOTrainer.from_pretrained(nemo, num_prompts_per_step=args.prompts, num_generations_per_prompt=args.generations,
-                                      learning_rate=1e-6, max_sequence_length=128, max_new_tokens=args.new_tokens,
-                                      global_batch_size=rollouts, micro_batch_size=micro,
-                                      rollout_micro_batch_size=rollouts, kl_penalty=0.01, temperature=1.0,
-                                      output_dir=os.path.join(work, "ours"),
-                                      overrides={"trainer.grpo.val_at_start": False,
-                                                 "model.grpo.length_params.min_length": args.new_tokens,
-                                                 # TRL stops only at EOS: no end strings, so every
-                                                 # response has exactly --new-tokens tokens on both sides
-                                                 "model.grpo.sampling_params.end_strings": [],
-                                                 # TRL's log-prob passes run in training micro-batches
-                                                 "model.grpo.forward_micro_batch_size": micro})
-    api.fit(dataset=prompts, reward_fn=reward, max_steps=args.steps + 1, callbacks=[Phases()])
-    ours_step = sum(phases["step"]) / len(phases["step"])
+        api = GRPOTrainer.from_pretrained(nemo, num_prompts_per_step=args.prompts,
+                                          num_generations_per_prompt=args.generations, learning_rate=1e-6,
+                                          max_sequence_length=128, max_new_tokens=args.new_tokens,
+                                          global_batch_size=rollouts, micro_batch_size=micro,
+                                          rollout_micro_batch_size=rollouts, kl_penalty=0.01, temperature=1.0,
+                                          output_dir=os.path.join(work, f"ours{run}"),
+                                          overrides={"trainer.grpo.val_at_start": False,
+                                                     "model.grpo.length_params.min_length": args.new_tokens,
+                                                     # TRL stops only at EOS: no end strings, so every
+                                                     # response has exactly --new-tokens tokens on both sides
+                                                     "model.grpo.sampling_params.end_strings": [],
+                                                     # TRL's log-prob passes run in training micro-batches
+                                                     "model.grpo.forward_micro_batch_size": micro})
+        api.fit(dataset=prompts, reward_fn=reward, max_steps=args.steps + 1, callbacks=[Phases()])
+        return phases.pop("step"), {k: sum(v) / len(v) for k, v in phases.items()}, lengths
+
+    # Alternate whole runs: this shared VM's speed drifts by ~10% within minutes, so each round's
+    # ratio compares runs that were minutes apart at most.
+    rounds = []
+    for run in range(args.rounds):
+        trl_steps, trl_phases, trl_lengths = run_trl(run)
+        ours_steps, ours_phases, lengths = run_ours(run)
+        rounds.append({"trl_steps_s": trl_steps, "ours_steps_s": ours_steps, "trl_profiled_blocks_s": trl_phases,
+                       "ours_phases_s": ours_phases, "trl_lengths": trl_lengths, "ours_lengths": lengths,
+                       "ratio": statistics.mean(ours_steps) / statistics.mean(trl_steps)})
+    trl_step = statistics.median(statistics.mean(r["trl_steps_s"]) for r in rounds)
+    ours_step = statistics.median(statistics.mean(r["ours_steps_s"]) for r in rounds)
+    mean_of = lambda key: {k: statistics.mean(r[key][k] for r in rounds) for k in rounds[0][key]}
+    all_of = lambda key: [x for r in rounds for x in r[key]]
     row = {"shape": args.shape, "rollouts_per_step": rollouts, "micro_batch": micro, "trl_step_s": trl_step,
-           "ours_step_s": ours_step, "ratio": ours_step / trl_step, "trl_steps_s": timed, "ours_steps_s": phases["step"],
-           "ours_phases_s": {k: sum(v) / len(v) for k, v in phases.items()},
-           "trl_profiled_blocks_s": trl_phases,
-           "mean_new_tokens": {"trl": sum(trl_lengths) / max(len(trl_lengths), 1),
-                               "ours": sum(lengths) / max(len(lengths), 1)}}
+           "ours_step_s": ours_step, "ratio": statistics.median(r["ratio"] for r in rounds),
+           "round_ratios": [r["ratio"] for r in rounds], "trl_steps_s": all_of("trl_steps_s"),
+           "ours_steps_s": all_of("ours_steps_s"), "ours_phases_s": mean_of("ours_phases_s"),
+           "trl_profiled_blocks_s": mean_of("trl_profiled_blocks_s"),
+           "mean_new_tokens": {"trl": statistics.mean(all_of("trl_lengths") or [float("nan")]),
+                               "ours": statistics.mean(all_of("ours_lengths") or [float("nan")])}}
+    trl_phases = row["trl_profiled_blocks_s"]
     print(f"\nGRPO step, {args.prompts} prompts x {args.generations} responses, up to {args.new_tokens} new tokens, "
           f"{args.shape} model, fp32, {torch.get_num_threads()} threads")
     print(f"TRL {trl.__version__}: {trl_step:.2f} s/step; ours: {ours_step:.2f} s/step; "
-          f"ratio (ours/TRL time) {row['ratio']:.2f}")
+          f"ratio (ours/TRL time, median of {args.rounds} alternating rounds) {row['ratio']:.2f} "
+          f"(rounds: {', '.join(f'{r:.2f}' for r in row['round_ratios'])})")
     print(f"mean new tokens per response: TRL {row['mean_new_tokens']['trl']:.1f}, "
           f"ours {row['mean_new_tokens']['ours']:.1f}")
     print("ours by phase: " + ", ".join(f"{k} {v:.2f}s" for k, v in row["ours_phases_s"].items()))
