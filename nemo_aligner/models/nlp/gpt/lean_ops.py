@@ -1,4 +1,4 @@
-"""Memory-lean RoPE and SwiGLU for megatron-core's local layer spec, as autograd functions.
+"""Memory-lean RoPE, SwiGLU and RMSNorm for megatron-core's local layer spec, as autograd functions.
 
 On a CPU the elementwise parts of a training step are memory-bound, so each saved tensor and
 each copy costs about as much as the arithmetic.
