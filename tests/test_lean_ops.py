@@ -1,4 +1,4 @@
-"""The local spec's lean RoPE and SwiGLU equal megatron-core's own (values and gradients)."""
+"""The local spec's lean RoPE, SwiGLU and RMSNorm equal megatron-core's and torch's own (values and gradients)."""
 
 import torch
 
