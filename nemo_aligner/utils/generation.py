@@ -158,7 +158,6 @@ class KVCacheDecoder:
         self.values = torch.zeros(shape, dtype=dtype)
         self.layer_keys, self.layer_values = list(self.keys.unbind(0)), list(self.values.unbind(0))
         self.tp = tp
-        self._rows = None  # see forward()
         self.packed = _pack_linear_weights(module, batch) if tp == 1 else {}
         self.packed_batch = batch
         self.rope = getattr(module, "rotary_pos_emb", None) if module.position_embedding_type == "rope" else None
@@ -198,7 +197,8 @@ class KVCacheDecoder:
                     fc1=self._linear(mlp.linear_fc1), fc2=self._linear(mlp.linear_fc2),
                     q_norm=None if identity(q_norm) else q_norm, k_norm=None if identity(k_norm) else k_norm)
 
-    def _attention(self, plan: dict, x: torch.Tensor, rope, start: int, mask, index: int) -> torch.Tensor:
+    def _attention(self, plan: dict, x: torch.Tensor, rope, start: int, mask, index: int,
+                   rows: Optional[torch.Tensor]) -> torch.Tensor:
         mixed = plan["qkv"](x)
         s, b = mixed.shape[:2]
         per_group = self.heads // self.groups
@@ -212,15 +212,17 @@ class KVCacheDecoder:
             query = query_key[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
             key = query_key[:, :, :, per_group]
         else:
-            query = plan["q_norm"](mixed[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)) \
-                if plan["q_norm"] is not None else mixed[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
-            key = plan["k_norm"](mixed[:, :, :, per_group]) if plan["k_norm"] is not None else mixed[:, :, :, per_group]
+            query = mixed[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
+            key = mixed[:, :, :, per_group]
+            if plan["q_norm"] is not None:
+                query = plan["q_norm"](query)
+            if plan["k_norm"] is not None:
+                key = plan["k_norm"](key)
             if rope is not None:
                 cos, sin = rope[0].squeeze(3), rope[1].squeeze(3)
                 query, key = rotary_from_tables(query, cos, sin), rotary_from_tables(key, cos, sin)
         end = start + s
         key, value = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)  # [rows fed, groups, S, d]
-        rows = self._rows
         # Cache layout [B, groups, T, d]: keys are stored after rotation, once.
         layer_keys, layer_values = self.layer_keys[index], self.layer_values[index]
         layer_keys[:, :, start:end] = key if rows is None else key.index_select(0, rows)
@@ -261,7 +263,6 @@ class KVCacheDecoder:
 
         if rows is not None and start != 0:
             raise ValueError("rows: only a prefill (start 0) can feed distinct prompts")
-        self._rows = rows
 
         module = self.module
         if self.first_stage:
@@ -280,11 +281,11 @@ class KVCacheDecoder:
             padded = not bool(key_mask[:, :end].all())
         if s == 1 and padded:  # one new token: every real cached slot, no causal part
             mask = key_mask[:, None, None, :end]
-        elif padded or (s > 1 and start > 0):
+        elif padded or start > 0:
             causal = torch.ones(s, end, dtype=torch.bool).tril(diagonal=start)
             mask = (causal.unsqueeze(0) & key_mask[:, None, :end]).unsqueeze(1)  # [B, 1, S, T]
         for index, plan in enumerate(self.layers):
-            hidden = self._attention(plan, plan["norm1"](hidden), rope, start, mask, index).add_(hidden)
+            hidden = self._attention(plan, plan["norm1"](hidden), rope, start, mask, index, rows).add_(hidden)
             hidden = self._mlp(plan, plan["norm2"](hidden)).add_(hidden)
         if not self.last_stage:
             dist.send(hidden.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
@@ -372,13 +373,12 @@ def generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Samp
     padded = not bool(key_mask.all())
     # GRPO/RLOO repeat each prompt per response: prefill each distinct prompt once.
     distinct = {}
-    rows = torch.tensor([distinct.setdefault(tuple(p), b) for b, p in enumerate(prompts)], dtype=torch.long)
+    first = torch.tensor([distinct.setdefault(tuple(p), b) for b, p in enumerate(prompts)], dtype=torch.long)
+    fed, rows = slice(None), None
     if len(distinct) < batch:
         fed = torch.tensor(sorted(distinct.values()), dtype=torch.long)
-        rows = torch.searchsorted(fed, rows)  # cache row -> its prompt's row among those fed
-        logits = decoder.forward(tokens[fed, :longest], positions[fed, :longest], 0, key_mask[fed], padded, rows)
-    else:
-        logits = decoder.forward(tokens[:, :longest], positions[:, :longest], 0, key_mask, padded)
+        rows = torch.searchsorted(fed, first)  # cache row -> its prompt's row among those fed
+    logits = decoder.forward(tokens[fed, :longest], positions[fed, :longest], 0, key_mask[fed], padded, rows)
     for step in range(new_tokens):
         if last_stage:
             logits = logits[:, : tokenizer.vocab_size]  # vocabulary padding rows are never sampled
