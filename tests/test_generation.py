@@ -52,11 +52,13 @@ def test_cached_greedy_equals_uncached(mcore_single, arch):
         assert int(out.prompt_lengths[b]) == len(prompt)
 
 
-def test_cached_logits_equal_forward(mcore_single):
-    """Not only the argmax: the decoder's logits at every step equal the full forward's."""
+@pytest.mark.parametrize("qk_layernorm", [False, True], ids=["plain", "qk_layernorm"])
+def test_cached_logits_equal_forward(mcore_single, qk_layernorm):
+    """Not only the argmax: the decoder's logits at every step equal the full forward's (also with
+    query/key layer norms, which take the decoder's separate query and key path)."""
     from nemo_aligner.utils.generation import KVCacheDecoder
 
-    model = build(TINY_ARCH, seed=3)
+    model = build(dict(TINY_ARCH, qk_layernorm=qk_layernorm), seed=3)
     tok = model.tokenizer
     a, b = tok.text_to_ids("reverse abc = cba"), tok.text_to_ids("sort ab = ab")
     longest = max(len(a), len(b))
