@@ -34,11 +34,13 @@ def full_logits(model, ids):
     return logits[0, -1].float()
 
 
-@pytest.mark.parametrize("arch", [TINY_ARCH, TINY_GPT2_ARCH], ids=["llama", "gpt2"])
-def test_cached_greedy_equals_uncached(mcore_single, arch):
+@pytest.mark.parametrize("arch,texts", [(TINY_ARCH, PROMPTS), (TINY_GPT2_ARCH, PROMPTS),
+                                         (TINY_ARCH, ["sort cba = ", "sort abc = "])],  # equal lengths: no padding mask
+                         ids=["llama", "gpt2", "llama-unpadded"])
+def test_cached_greedy_equals_uncached(mcore_single, arch, texts):
     model = build(arch)
     tok = model.tokenizer
-    prompts = [tok.text_to_ids(p) for p in PROMPTS]
+    prompts = [tok.text_to_ids(p) for p in texts]
     out = generate(model.module, tok, prompts, SamplingParams(use_greedy=True), LengthParams(max_length=8, min_length=8))
     for b, prompt in enumerate(prompts):
         ids = list(prompt)

@@ -279,8 +279,8 @@ class KVCacheDecoder:
         mask = None
         if padded is None:
             padded = not bool(key_mask[:, :end].all())
-        if s == 1 and padded:  # one new token: every real cached slot, no causal part
-            mask = key_mask[:, None, None, :end]
+        if s == 1:  # one new token sees every real cached slot: no causal part, no mask without padding
+            mask = key_mask[:, None, None, :end] if padded else None
         elif padded or start > 0:
             causal = torch.ones(s, end, dtype=torch.bool).tril(diagonal=start)
             mask = (causal.unsqueeze(0) & key_mask[:, None, :end]).unsqueeze(1)  # [B, 1, S, T]
