@@ -10,8 +10,46 @@ import argparse
 import time
 
 import torch
+import torch.nn.functional as F
 
-from common import build_pair, init_single_process, machine, race, write_json
+from common import build_pair, init_single_process, machine, median, race, write_json
+
+
+def kernel_floor(module, prompts: torch.Tensor, new_tokens: int, rounds: int = 3) -> dict:
+    """A lower bound for our generation on this machine's kernels: ``prefill_s``, our prefill of
+    ``prompts`` [B, P]; ``decode_step_s``, one decode step's unskippable work run back to back with
+    nothing else (every layer's matmuls through the decode loop's own MKL-packed callables, one query
+    per row attending over a separate per-layer cache at its mean length, the output layer).
+    Medians of ``rounds``."""
+    from nemo_aligner.utils.generation import KVCacheDecoder
+
+    batch, prompt = prompts.shape
+    decoder = KVCacheDecoder(module, batch, prompt + new_tokens // 2)
+    positions = torch.arange(prompt).expand(batch, prompt)
+    key_mask = torch.ones(batch, prompt + new_tokens // 2, dtype=torch.bool)
+    x = torch.randn(1, batch, module.config.hidden_size)
+    inner = torch.randn(1, batch, module.decoder.layers[0].mlp.linear_fc2.weight.shape[1])
+    q = torch.randn(batch, decoder.heads, 1, decoder.head_dim)
+    gqa = decoder.heads != decoder.groups
+
+    def decode_step():
+        for plan, keys, values in zip(decoder.layers, decoder.layer_keys, decoder.layer_values):
+            plan["qkv"](x), plan["proj"](x), plan["fc1"](x), plan["fc2"](inner)
+            F.scaled_dot_product_attention(q, keys, values, scale=decoder.scale, enable_gqa=gqa)
+        decoder.output(x)
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return median(times)
+
+    with torch.no_grad():
+        return {"prefill_s": timed(lambda: decoder.forward(prompts, positions, 0, key_mask, False)),
+                "decode_step_s": timed(decode_step)}
 
 
 def main(argv=None) -> dict:
@@ -57,14 +95,27 @@ def main(argv=None) -> dict:
 
         row = dict(shape=shape, **race(run_ours, run_hf, args.rounds, args.batch * args.new_tokens))
         row["identical_greedy_tokens"] = bool(torch.equal(outputs["ours"], outputs["hf"])) if not args.sample else None
+        # How far the decode loop is from its kernels: HF's time over our prefill plus new-tokens steps
+        # that ran only their matmuls and attention.
+        floor = kernel_floor(ours.module, prompts, args.new_tokens)
+        floor_s = floor["prefill_s"] + args.new_tokens * floor["decode_step_s"]
+        ours_s = median(row["ours_s"])
+        row.update(prefill_ms=floor["prefill_s"] * 1e3, decode_floor_ms=floor["decode_step_s"] * 1e3,
+                   ours_decode_step_ms=(ours_s - floor["prefill_s"]) / args.new_tokens * 1e3,
+                   ratio_at_floor=median(row["hf_s"]) / floor_s)
         rows.append(row)
         del ours, hf
     print(f"\nGeneration, batch {args.batch}, prompt {args.prompt}, {args.new_tokens} new tokens, "
           f"{'sampling' if args.sample else 'greedy'}, fp32, {torch.get_num_threads()} threads; median of {args.rounds}")
-    print(f"{'shape':<8} {'HF tok/s':>10} {'ours tok/s':>11} {'ratio':>7} {'same tokens':>12}")
+    print(f"{'shape':<8} {'HF tok/s':>10} {'ours tok/s':>11} {'ratio':>7} {'same tokens':>12} "
+          f"{'prefill ms':>11} {'decode step ms':>15} {'floor step ms':>14} {'ratio at floor':>15}")
     for r in rows:
         print(f"{r['shape']:<8} {r['hf_tok_s']:>10.0f} {r['ours_tok_s']:>11.0f} {r['ratio']:>7.2f} "
-              f"{str(r['identical_greedy_tokens']):>12}")
+              f"{str(r['identical_greedy_tokens']):>12} {r['prefill_ms']:>11.0f} {r['ours_decode_step_ms']:>15.2f} "
+              f"{r['decode_floor_ms']:>14.2f} {r['ratio_at_floor']:>15.2f}")
+    print("decode step: ours, (median time - prefill) / new tokens; floor step: its matmuls and attention alone, "
+          "cache at its mean length;\nratio at floor: HF's time over (prefill + new tokens x floor step), "
+          "the most any decode loop on these kernels could reach")
     payload = {"benchmark": "generation", "machine": machine(), "args": vars(args), "rows": rows}
     print("written", write_json("generation" + ("_sample" if args.sample else ""), payload))
     return payload
