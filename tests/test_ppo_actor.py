@@ -9,7 +9,7 @@ from conftest import TINY_ARCH
 from nemo_aligner.utils.tokenizers import ByteTokenizer
 
 
-def build_actor(seed=0, lr=1e-2):
+def build_actor(seed=0, lr=1e-2, precision="32"):
     from nemo_aligner.models.nlp.gpt.megatron_gpt_ppo_actor import MegatronGPTActorModel
 
     torch.manual_seed(seed)
@@ -18,7 +18,7 @@ def build_actor(seed=0, lr=1e-2):
         ppo={"rollout_micro_batch_size": 4, "forward_micro_batch_size": 2, "entropy_bonus": 0.0, "ratio_eps": 0.2,
              "sampling_params": {"use_greedy": False, "temperature": 1.0}, "length_params": {"max_length": 6}},
         optim={"name": "fused_adam", "lr": lr, "weight_decay": 0.0, "sched": {"name": "Constant"}}))
-    model = MegatronGPTActorModel(cfg, ByteTokenizer())
+    model = MegatronGPTActorModel(cfg, ByteTokenizer(), precision=precision)
     model.setup_optimization(max_steps=10, clip_grad=1.0)
     model.snapshot_initial_policy()
     return model
@@ -116,3 +116,36 @@ def test_update_without_rollout_logprobs_equals_one_with_them(mcore_single):
     expected = float((calculate_kl_penalty(old, init, True) * mask).sum() / mask.sum())
     assert expected > 1e-4
     assert metrics_b["init_policy_kl"] == pytest.approx(expected, rel=0.3)  # mean of per-micro-batch means
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16"])
+def test_optimizer_offload_moves_states_not_model_parameters(mcore_single, precision):
+    """``model.ppo.offload_adam_states`` (on a GPU) frees Adam's moments and master weights for
+    generation. megatron-core's own ``offload_to_cpu`` moves every tensor of the optimizer's
+    parameter groups, which in float32 are the model's parameters; ours must leave those in place.
+    Offloading to the meta device shows what moved without a GPU."""
+    from nemo_aligner.utils.ppo_utils import create_mask
+
+    model = build_actor(precision=precision)
+    out = rollouts(model)
+    mask = create_mask(out.prompt_lengths, out.response_lengths, out.tokens.shape[1] - 1)
+    batch = {"tokens": out.tokens, "logprobs": model.get_logprobs(out.tokens), "advantages": mask, "mask": mask,
+             "is_end": torch.ones(4, dtype=torch.bool)}
+    model.prepare_for_training_step()
+    model.get_loss_and_metrics(batch, forward_only=False)
+    model.optimizer.step()  # Adam's states exist from here
+    params = {id(p): (p.device, p.data_ptr()) for p in model.module.parameters()}
+    inner = model.optimizer.optimizer
+    states = [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    group_tensors = [p for g in inner.param_groups for p in g["params"]]
+    masters = model.optimizer_offload.master_weights()
+    assert states and not any(id(p) in params for p in masters)
+    if precision == "32":  # the optimizer's groups hold the model's own parameters: nothing to move
+        assert group_tensors and all(id(p) in params for p in group_tensors) and not masters
+    else:  # float32 master copies of the bf16 weights
+        assert masters and len(masters) == len(group_tensors)
+        return  # a CPU tensor's data cannot be swapped for a meta tensor's: the states' move is checked in float32
+    model.optimizer_offload.offload(torch.device("meta"))
+    assert {id(p): (p.device, p.data_ptr()) for p in model.module.parameters()} == params
+    moved = [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    assert len(moved) == len(states) and all(v.is_meta for v in moved)

@@ -26,6 +26,7 @@ from nemo_aligner.algorithms.supervised import progress_bar
 from nemo_aligner.data.nlp.builders import sampler_of
 from nemo_aligner.trainers.callbacks import CallbackList
 from nemo_aligner.utils import ppo_utils
+from nemo_aligner.utils.distributed import comm_device, host_all_reduce
 from nemo_aligner.utils.distributed import is_global_rank_zero
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.generation import SamplingParams
@@ -242,7 +243,7 @@ class PPOTrainer:
         stats = torch.tensor([batch["rewards"].sum(), batch["rewards"].numel(), (kl * mask).sum(), mask.sum(),
                               (batch["response_lengths"] - batch["prompt_lengths"]).float().sum(),
                               batch["is_end"].float().sum(), (values * mask).sum()], dtype=torch.float64)
-        dist.all_reduce(stats, group=self.dp_group)
+        stats = host_all_reduce(stats, group=self.dp_group)
         n = max(float(stats[1]), 1.0)
         return {"rewards": float(stats[0]) / n, "init_policy_kl": float(stats[2]) / max(float(stats[3]), 1.0),
                 "response_length": float(stats[4]) / n, "ended_fraction": float(stats[5]) / n,
@@ -278,6 +279,7 @@ class PPOTrainer:
         if future is not None:
             value[0] = float(np.asarray(future.result()).reshape(-1)[0])
         if dist.get_world_size() > 1:
+            value = value.to(comm_device())
             dist.broadcast(value, src=0)
         return float(value[0])
 
@@ -335,7 +337,7 @@ class PPOTrainer:
                     table = self.sample_rows(data["text"], batch, 4)
         finally:
             self.model.finish_inference()
-        dist.all_reduce(total, group=self.dp_group)
+        total = host_all_reduce(total, group=self.dp_group)
         reward = float(total[0] / max(float(total[1]), 1.0))
         self.logger.log_metrics({"global_rewards": reward}, step=self.step, prefix="val/")
         if table:

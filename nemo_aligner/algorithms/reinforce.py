@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from nemo_aligner.algorithms.ppo import PPOTrainer, Timer
 from nemo_aligner.utils import ppo_utils
+from nemo_aligner.utils.distributed import host_all_reduce
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, leave_one_out: bool = True,
@@ -82,7 +83,7 @@ class ReinforceTrainer(PPOTrainer):
                               (batch["response_lengths"] - batch["prompt_lengths"]).float().sum(),
                               batch["is_end"].float().sum(), penalised.sum(), advantages.abs().sum()],
                              dtype=torch.float64)
-        dist.all_reduce(stats, group=self.dp_group)
+        stats = host_all_reduce(stats, group=self.dp_group)
         n = max(float(stats[1]), 1.0)
         return {"rewards": float(stats[0]) / n, "init_policy_kl": float(stats[2]) / max(float(stats[3]), 1.0),
                 "response_length": float(stats[4]) / n, "ended_fraction": float(stats[5]) / n,

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from nemo_aligner.data.nlp.builders import limit_batches, sampler_of
 from nemo_aligner.trainers.callbacks import CallbackList
-from nemo_aligner.utils.distributed import is_global_rank_zero
+from nemo_aligner.utils.distributed import host_all_reduce, is_global_rank_zero
 from nemo_aligner.utils.optim import current_lr
 from nemo_aligner.utils.run_control import NonFiniteGuard, RunTimer, compute_max_steps, interval_steps
 from nemo_aligner.utils.train_checkpoint import load_train_checkpoint
@@ -158,7 +158,7 @@ class SupervisedTrainer:
             local = sum(batch[k].numel() for k in ("tokens", "chosen", "rejected") if k in batch)
         count = torch.tensor([float(local)])
         if dist.is_initialized():
-            dist.all_reduce(count, group=parallel_state.get_data_parallel_group())
+            count = host_all_reduce(count, group=parallel_state.get_data_parallel_group())
         return float(count.item())
 
     def validate_and_log(self) -> Dict[str, float]:

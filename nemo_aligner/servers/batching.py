@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nemo_aligner.utils.distributed import broadcast_object
+from nemo_aligner.utils.distributed import broadcast_object, comm_device
 from nemo_aligner.utils.errors import ConfigError
 
 
@@ -73,6 +73,7 @@ def data_parallel_apply(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     out = fn(torch.from_numpy(tokens[shard]), torch.from_numpy(lengths[shard])).float().contiguous()
     if dp == 1:
         return out
+    out = out.to(comm_device())  # NCCL gathers device tensors
     gathered = [torch.empty_like(out) for _ in range(dp)]
     dist.all_gather(gathered, out, group=parallel_state.get_data_parallel_group())
-    return torch.cat(gathered, dim=0)
+    return torch.cat(gathered, dim=0).cpu()

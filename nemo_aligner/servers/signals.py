@@ -8,6 +8,8 @@ from typing import Any, Callable, Dict
 import torch
 import torch.distributed as dist
 
+from nemo_aligner.utils.distributed import comm_device
+
 
 class ServerSignal(enum.IntEnum):
     """What rank 0 asks the other ranks to do next."""
@@ -21,11 +23,11 @@ class ServerSignal(enum.IntEnum):
 def broadcast_signal(signal: ServerSignal) -> None:
     """Rank 0: tell every rank what comes next (no-op with one process)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast(torch.tensor([int(signal)], dtype=torch.long), src=0)
+        dist.broadcast(torch.tensor([int(signal)], dtype=torch.long, device=comm_device()), src=0)
 
 
 def receive_signal() -> ServerSignal:
-    value = torch.zeros(1, dtype=torch.long)
+    value = torch.zeros(1, dtype=torch.long, device=comm_device())
     dist.broadcast(value, src=0)
     return ServerSignal(int(value.item()))
 

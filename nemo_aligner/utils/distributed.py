@@ -16,6 +16,9 @@ from nemo_aligner.utils.ports import free_port
 
 logger = logging.getLogger(__name__)
 
+# This rank's GPU once NCCL is started (see comm_device); None: the CPU, or not started by us.
+_comm_device: Optional[torch.device] = None
+
 
 @dataclass
 class LaunchInfo:
@@ -123,9 +126,11 @@ def init_distributed(devices=None, num_nodes=1, timeout_minutes: int = 30) -> La
     else:
         os.environ.setdefault("MASTER_ADDR", info.master_addr)
         os.environ.setdefault("MASTER_PORT", str(info.master_port))
+    global _comm_device
     use_cuda = torch.cuda.is_available()
     if use_cuda:
-        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        _comm_device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(_comm_device)
     from datetime import timedelta
 
     dist.init_process_group(
@@ -170,7 +175,10 @@ def seed_everything(seed: int) -> None:
 
 def destroy() -> None:
     """Tear down megatron-core parallel state and the process group (tests, API)."""
+    global _comm_device
     from megatron.core import parallel_state
+
+    _comm_device = None
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -200,14 +208,25 @@ def broadcast_object(obj, src: int = 0):
     return holder[0]
 
 
-def all_reduce_mean_dp(values: torch.Tensor) -> torch.Tensor:
-    """Mean over the data-parallel group (metrics)."""
-    from megatron.core import parallel_state
+def comm_device() -> torch.device:
+    """Where tensors handed to collectives must live: this rank's GPU under NCCL, else the CPU.
 
-    group = parallel_state.get_data_parallel_group()
-    values = values.clone()
-    dist.all_reduce(values, group=group)
-    return values / dist.get_world_size(group)
+    Stored when the process group starts, because the CUDA current device is per thread (PyTriton
+    answers requests on its own threads)."""
+    if _comm_device is not None:
+        return _comm_device
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def host_all_reduce(values: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    """All-reduce ``values`` (metrics, counts: kept on the host) over ``group`` through the
+    collective's device; returns the result on ``values``' device (``values`` itself is updated
+    in place when it already lives there, as on the CPU)."""
+    on_comm = values.to(comm_device())
+    dist.all_reduce(on_comm, op=op, group=group)
+    return on_comm.to(values.device)
 
 
 def broadcast_from_last_stage(values: torch.Tensor) -> torch.Tensor:
@@ -218,6 +237,6 @@ def broadcast_from_last_stage(values: torch.Tensor) -> torch.Tensor:
         return values
     src = parallel_state.get_pipeline_model_parallel_last_rank()
     group = parallel_state.get_pipeline_model_parallel_group()
-    values = values.contiguous()
-    dist.broadcast(values, src=src, group=group)
-    return values
+    on_comm = values.to(comm_device()).contiguous()
+    dist.broadcast(on_comm, src=src, group=group)
+    return on_comm.to(values.device)  # each stage gets it where it passed it

@@ -153,9 +153,10 @@ class KVCacheDecoder:
         self.scale = cfg.softmax_scale or 1.0 / math.sqrt(self.head_dim)
         layers = module.decoder.layers
         dtype = next(module.parameters()).dtype
+        self.device = next(module.parameters()).device
         shape = (len(layers), batch, self.groups, max_len, self.head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype)
-        self.values = torch.zeros(shape, dtype=dtype)
+        self.keys = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.values = torch.zeros(shape, dtype=dtype, device=self.device)
         self.layer_keys, self.layer_values = list(self.keys.unbind(0)), list(self.values.unbind(0))
         self.tp = tp
         self.packed = _pack_linear_weights(module, batch) if tp == 1 else {}
@@ -175,7 +176,9 @@ class KVCacheDecoder:
         """A megatron-core parallel linear layer (bias included) as a callable; without tensor
         parallelism a plain (MKL-packed where possible) matmul, with no autograd-function and
         communication wrappers per token."""
-        if self.tp > 1:
+        direct = type(linear).__module__ == "megatron.core.tensor_parallel.layers"
+        # Transformer Engine's linears (some with the layer norm fused in) are called as modules.
+        if self.tp > 1 or not direct:
             def call(x):
                 out, bias = linear(x, weight=weight) if weight is not None else linear(x)
                 return out + bias if bias is not None else out
@@ -263,12 +266,16 @@ class KVCacheDecoder:
 
         if rows is not None and start != 0:
             raise ValueError("rows: only a prefill (start 0) can feed distinct prompts")
+        device = self.device  # inputs may come from the host; on the CPU these are no-ops
+        tokens, positions, key_mask = tokens.to(device), positions.to(device), key_mask.to(device)
+        rows = rows.to(device) if rows is not None else None
 
         module = self.module
         if self.first_stage:
             hidden = module.embedding(input_ids=tokens, position_ids=positions)  # [S, B, H]
         else:
-            hidden = torch.empty(tokens.shape[1], tokens.shape[0], self.config.hidden_size, dtype=self.keys.dtype)
+            hidden = torch.empty(tokens.shape[1], tokens.shape[0], self.config.hidden_size, dtype=self.keys.dtype,
+                                 device=device)
             dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
         s = tokens.shape[1]
         end = start + s
@@ -282,7 +289,7 @@ class KVCacheDecoder:
         if s == 1:  # one new token sees every real cached slot: no causal part, no mask without padding
             mask = key_mask[:, None, None, :end] if padded else None
         elif padded or start > 0:
-            causal = torch.ones(s, end, dtype=torch.bool).tril(diagonal=start)
+            causal = torch.ones(s, end, dtype=torch.bool, device=device).tril(diagonal=start)
             mask = (causal.unsqueeze(0) & key_mask[:, None, :end]).unsqueeze(1)  # [B, 1, S, T]
         for index, plan in enumerate(self.layers):
             hidden = self._attention(plan, plan["norm1"](hidden), rope, start, mask, index, rows).add_(hidden)
@@ -361,7 +368,8 @@ def generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Samp
     positions = (slots - pad.unsqueeze(1)).clamp(min=0)
     key_mask = slots >= pad.unsqueeze(1)  # padding slots are never attended to
     decoder = KVCacheDecoder(module, batch, total)
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    # Sampling runs where the logits are; the bookkeeping below stays on the host.
+    generator = torch.Generator(device=decoder.device).manual_seed(seed) if seed is not None else None
     tp_rank0 = parallel_state.get_tensor_model_parallel_src_rank()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -388,10 +396,11 @@ def generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Samp
             if tp > 1:
                 dist.broadcast(token, src=tp_rank0, group=_tp_group())
         else:
-            token = torch.zeros(batch, dtype=torch.long)
+            token = torch.zeros(batch, dtype=torch.long, device=decoder.device)
         if pp > 1:  # every stage needs the new tokens (the first embeds them, all track the ends)
             dist.broadcast(token, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                            group=parallel_state.get_pipeline_model_parallel_group())
+        token = token.cpu()
         token = torch.where(done, torch.full_like(token, tokenizer.eos_id), token)
         slot = longest + step
         tokens[:, slot] = token

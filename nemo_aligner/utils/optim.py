@@ -143,3 +143,51 @@ def current_lr(optimizer) -> float:
     for group in optimizer.param_groups:
         return float(group["lr"])
     return 0.0
+
+
+class OptimizerOffload:
+    """Moves an optimizer's states (Adam's moments) and its master weights off the GPU while a model
+    generates, and back before it trains (``model.ppo.offload_adam_states``).
+
+    megatron-core's ``offload_to_cpu`` moves every tensor in the optimizer's parameter groups: in
+    float32 those are the model's own parameters (and a bf16 model's float32 head), which would
+    then run generation on the CPU. Here the model's parameters never move.
+    """
+
+    def __init__(self, optimizer, model_parameters):
+        self.optimizer = optimizer
+        self.keep = {id(p) for p in model_parameters}
+        self.moved = []  # (holder, key, original device): put back by restore()
+
+    def _inner(self):
+        chained = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
+        return [o.optimizer for o in chained if getattr(o, "optimizer", None) is not None]
+
+    def master_weights(self) -> list:
+        """The parameter-group tensors that are not the model's own (bf16/fp16 master copies)."""
+        return [p for inner in self._inner() for group in inner.param_groups for p in group["params"]
+                if id(p) not in self.keep]
+
+    def offload(self, device=torch.device("cpu")) -> None:
+        """Move the states and master weights to ``device`` (idempotent)."""
+        if self.moved:
+            return
+        for p in self.master_weights():
+            if p.device != device:
+                self.moved.append((p, None, p.device))
+                p.data = p.data.to(device)
+        for inner in self._inner():
+            for state in inner.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.device != device:
+                        self.moved.append((state, key, value.device))
+                        state[key] = value.to(device)
+
+    def restore(self) -> None:
+        """Put everything ``offload`` moved back where it was."""
+        for holder, key, device in self.moved:
+            if key is None:
+                holder.data = holder.data.to(device)
+            else:
+                holder[key] = holder[key].to(device)
+        self.moved = []

@@ -13,6 +13,8 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from nemo_aligner.utils.distributed import host_all_reduce
+
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
     """Mean of ``values`` where ``mask`` is 1 (0 when the mask is empty)."""
@@ -28,7 +30,7 @@ def masked_global_mean_var(values: torch.Tensor, mask: torch.Tensor,
     mask = mask.to(values.dtype)
     stats = torch.stack([(values * mask).sum(), mask.sum(), (values * values * mask).sum()]).double()
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(stats, group=group)
+        stats = host_all_reduce(stats, group=group)
     count = stats[1].clamp(min=1.0)
     mean = stats[0] / count
     var = (stats[2] / count - mean * mean).clamp(min=0.0)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from nemo_aligner.utils.distributed import host_all_reduce
 from nemo_aligner.utils.errors import ConfigError
 
 
@@ -103,7 +104,7 @@ class RunTimer:
         signalled = termination_requested() is not None
         flags = torch.tensor([int(out_of_time), int(signalled)], dtype=torch.int32)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            flags = host_all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[1]:
             self.stop_reason = "termination signal received"
         elif flags[0]:

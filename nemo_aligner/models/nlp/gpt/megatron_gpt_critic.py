@@ -70,7 +70,7 @@ class MegatronGPTCriticModel(MegatronGPTRewardModel, CriticModelInterface):
         outputs = self.forward_backward(batch, None, True, mbs, forward_fn=self._single_forward)
         values = torch.zeros(tokens.shape[0], seq, dtype=torch.float32)
         if parallel_state.is_pipeline_last_stage():
-            values = torch.cat([o.float().reshape(o.shape[0], seq) for o in outputs], dim=0)
+            values = torch.cat([o.float().reshape(o.shape[0], seq) for o in outputs], dim=0).cpu()  # on the host
         return broadcast_from_last_stage(values)
 
     def infer_rm_critic(self, tokens: torch.Tensor, lengths: torch.Tensor, micro_batch_size: Optional[int] = None):
@@ -84,12 +84,12 @@ class MegatronGPTCriticModel(MegatronGPTRewardModel, CriticModelInterface):
 
     # ----------------------------------------------------------------- training
     def prepare_for_training(self) -> None:
-        if self.offload_adam_states and torch.cuda.is_available() and self.optimizer is not None:
-            self.optimizer.restore_from_cpu()
+        if self.offload_adam_states and self.device.type == "cuda" and self.optimizer is not None:
+            self.optimizer_offload.restore()
 
     def finish_training(self) -> None:
-        if self.offload_adam_states and torch.cuda.is_available() and self.optimizer is not None:
-            self.optimizer.offload_to_cpu()
+        if self.offload_adam_states and self.device.type == "cuda" and self.optimizer is not None:
+            self.optimizer_offload.offload()
 
     def _critic_loss(self, mb, output):
         values = output.float().reshape(output.shape[0], -1)[:, :-1]

@@ -11,6 +11,7 @@ from nemo_aligner.models.alignable_interface import SupervisedInterface
 from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
 from nemo_aligner.models.nlp.gpt.megatron_gpt_ppo_actor import next_token_batch
 from nemo_aligner.models.nlp.gpt.reference_policy import ReferencePolicyMixin
+from nemo_aligner.utils.distributed import host_all_reduce
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.preference_losses import kto_loss, sequence_logps
 
@@ -46,7 +47,7 @@ class MegatronGPTKTOModel(ReferencePolicyMixin, MegatronGPTModel, SupervisedInte
         reference = self.token_logps(batch["kl_tokens"], rows, reference=True)
         per_row = sequence_logps(policy - reference, batch["kl_mask"], self.average)
         stats = torch.stack([(per_row * batch["kl_weight"]).sum(), batch["kl_weight"].sum()]).double()
-        dist.all_reduce(stats, group=parallel_state.get_data_parallel_group())
+        stats = host_all_reduce(stats, group=parallel_state.get_data_parallel_group())
         return (stats[0] / stats[1].clamp(min=1.0)).float().clamp(min=0.0)
 
     def _loss(self, mb, per_token_ce):

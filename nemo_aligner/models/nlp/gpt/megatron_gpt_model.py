@@ -16,8 +16,9 @@ from nemo_aligner.models.nlp.gpt.gpt_builder import (
     precision_dtype,
     transformer_config_from_cfg,
 )
+from nemo_aligner.utils.distributed import broadcast_from_last_stage, host_all_reduce
 from nemo_aligner.utils.errors import ConfigError
-from nemo_aligner.utils.optim import build_optimizer, build_scheduler, uses_distributed_optimizer
+from nemo_aligner.utils.optim import OptimizerOffload, build_optimizer, build_scheduler, uses_distributed_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ class MegatronGPTModel:
         if optim_cfg is None:
             raise ConfigError("model.optim is required for training")
         self.optimizer = build_optimizer(optim_cfg, self.model, self.dtype, clip_grad)
+        self.optimizer_offload = OptimizerOffload(self.optimizer, self.module.parameters())
         self.scheduler = build_scheduler(self.optimizer, optim_cfg, max_steps)
         # fp16 loss scaling is applied inside the schedules through this hook.
         self.transformer_config.grad_scale_func = self.optimizer.scale_loss
@@ -131,6 +133,11 @@ class MegatronGPTModel:
         from megatron.core.utils import unwrap_model
 
         return unwrap_model(self.model[0])
+
+    @property
+    def device(self) -> torch.device:
+        """Where this stage's parameters live (its GPU, or the CPU): micro-batches are moved there."""
+        return next(self.module.parameters()).device
 
     @property
     def vocab_size(self) -> int:
@@ -152,8 +159,7 @@ class MegatronGPTModel:
                 continue  # tied output layer on the last stage: a copy of the embedding
             if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
                 local += p.numel()
-        total = torch.tensor([local], dtype=torch.long)
-        torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
+        total = host_all_reduce(torch.tensor([local], dtype=torch.long), group=parallel_state.get_model_parallel_group())
         return int(total.item())
 
     def train(self):
@@ -205,9 +211,13 @@ class MegatronGPTModel:
 
         micro_batches = split_micro_batches(batch, micro_batch_size)
         forward_fn = forward_fn or (lambda model, mb: self.gpt_forward(model, mb, labels=mb.get("labels")))
+        device = self.device
 
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
+            # Batches are built on the host; each micro-batch moves to the model's device here
+            # (a no-op on the CPU), so forward and loss functions see one device.
+            mb = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                  for k, v in next(data_iterator).items()}
             output = forward_fn(model, mb)
             if loss_fn is None:
                 return output, lambda out, non_loss_data=False: out
@@ -236,19 +246,18 @@ class MegatronGPTModel:
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        from nemo_aligner.utils.distributed import broadcast_from_last_stage
-
         keys = list(sum_keys) + list(mean_keys)
         stats = torch.zeros(len(keys), dtype=torch.float64)
         group = parallel_state.get_data_parallel_group()
         dp = dist.get_world_size(group)
-        if parallel_state.is_pipeline_last_stage() and outputs:
-            for i, key in enumerate(keys):
+        if parallel_state.is_pipeline_last_stage() and outputs and keys:
+            per_key = []
+            for key in keys:
                 values = torch.stack([o[key].detach().double().reshape(()) for o in outputs])
-                stats[i] = values.sum() if key in sum_keys else values.mean() / dp
-        stats = broadcast_from_last_stage(stats)
-        dist.all_reduce(stats, group=group)
-        return {key: float(stats[i]) for i, key in enumerate(keys)}
+                per_key.append(values.sum() if key in sum_keys else values.mean() / dp)
+            stats = torch.stack(per_key).cpu()  # one copy back from the device
+        stats = host_all_reduce(broadcast_from_last_stage(stats), group=group)
+        return dict(zip(keys, stats.tolist()))
 
     # Step hooks of SupervisedInterface: train mode with fresh gradients, eval mode to validate.
     def prepare_for_training_step(self) -> None:
@@ -275,7 +284,7 @@ class MegatronGPTModel:
         if grads:
             finite[0] = float(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+            finite = host_all_reduce(finite, op=dist.ReduceOp.MIN)
         return bool(finite.item())
 
     # ----------------------------------------------------------------- checkpoints

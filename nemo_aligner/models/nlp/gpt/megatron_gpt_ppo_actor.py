@@ -68,15 +68,15 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
     # ----------------------------------------------------------------- inference
     def prepare_for_inference(self) -> None:
         self.eval()
-        if self.offload_adam_states and torch.cuda.is_available() and self.optimizer is not None:
-            self.optimizer.offload_to_cpu()
+        if self.offload_adam_states and self.device.type == "cuda" and self.optimizer is not None:
+            self.optimizer_offload.offload()
 
     def finish_inference(self) -> None:
         self.train()
 
     def prepare_for_training(self) -> None:
-        if self.offload_adam_states and torch.cuda.is_available() and self.optimizer is not None:
-            self.optimizer.restore_from_cpu()
+        if self.offload_adam_states and self.device.type == "cuda" and self.optimizer is not None:
+            self.optimizer_offload.restore()
 
     def finish_training(self) -> None:
         pass
@@ -100,7 +100,7 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
         outputs = self.forward_backward(batch, None, True, mbs)
         result = torch.zeros(tokens.shape[0], tokens.shape[1], dtype=torch.float32)
         if parallel_state.is_pipeline_last_stage():
-            result = -torch.cat([o.float() for o in outputs], dim=0)
+            result = -torch.cat([o.float() for o in outputs], dim=0).cpu()  # results live on the host
         return broadcast_from_last_stage(result)[:, :-1].contiguous()
 
     def get_init_policy_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:

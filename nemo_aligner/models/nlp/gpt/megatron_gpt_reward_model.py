@@ -182,7 +182,7 @@ class MegatronGPTRewardModel(MegatronGPTModel, SupervisedInterface, Inferrable):
         outputs = self.forward_backward(batch, None, True, mbs, forward_fn=self._single_forward)
         rewards = torch.zeros(tokens.shape[0], self.output_width, dtype=torch.float32)
         if parallel_state.is_pipeline_last_stage():
-            rewards = torch.cat([o.float().reshape(o.shape[0], -1) for o in outputs], dim=0)
+            rewards = torch.cat([o.float().reshape(o.shape[0], -1) for o in outputs], dim=0).cpu()  # on the host
         rewards = broadcast_from_last_stage(rewards)
         if self.standardize:
             rewards = (rewards - self.reward_mean) / self.reward_std

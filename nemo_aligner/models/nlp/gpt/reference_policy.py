@@ -40,5 +40,5 @@ class ReferencePolicyMixin:
             self.train()
         result = torch.zeros(tokens.shape, dtype=torch.float32)
         if parallel_state.is_pipeline_last_stage():
-            result = -torch.cat([o.float() for o in outputs])
+            result = -torch.cat([o.float() for o in outputs]).cpu()  # results live on the host
         return broadcast_from_last_stage(result)[:, :-1].contiguous()
