@@ -1,7 +1,8 @@
 """Rollout generation: new tokens/s of our KV-cache decode loop vs Hugging Face ``generate`` on a
-model with identical weights, same prompts and sampling, alternating runs in one process.
+model with identical weights, same prompts and sampling, alternating runs in one process. On a GPU
+both run there in bf16 (bf16 weights on both sides).
 
-    python benchmarks/bench_generation.py [--shapes tiny small] [--rounds 3] [--sample]
+    python benchmarks/bench_generation.py [--shapes tiny small] [--rounds 3] [--sample] [--precision 32|bf16]
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common import build_pair, init_single_process, machine, median, race, write_json
+from common import (bench_device, build_pair, default_precision, init_single_process, machine, median, race,
+                    synchronize, write_json)
 
 
 def kernel_floor(module, prompts: torch.Tensor, new_tokens: int, rounds: int = 3) -> dict:
@@ -27,9 +29,10 @@ def kernel_floor(module, prompts: torch.Tensor, new_tokens: int, rounds: int = 3
     decoder = KVCacheDecoder(module, batch, prompt + new_tokens // 2)
     positions = torch.arange(prompt).expand(batch, prompt)
     key_mask = torch.ones(batch, prompt + new_tokens // 2, dtype=torch.bool)
-    x = torch.randn(1, batch, module.config.hidden_size)
-    inner = torch.randn(1, batch, module.decoder.layers[0].mlp.linear_fc2.weight.shape[1])
-    q = torch.randn(batch, decoder.heads, 1, decoder.head_dim)
+    like = dict(dtype=decoder.keys.dtype, device=decoder.device)
+    x = torch.randn(1, batch, module.config.hidden_size, **like)
+    inner = torch.randn(1, batch, module.decoder.layers[0].mlp.linear_fc2.weight.shape[1], **like)
+    q = torch.randn(batch, decoder.heads, 1, decoder.head_dim, **like)
     gqa = decoder.heads != decoder.groups
 
     def decode_step():
@@ -40,10 +43,12 @@ def kernel_floor(module, prompts: torch.Tensor, new_tokens: int, rounds: int = 3
 
     def timed(fn) -> float:
         fn()
+        synchronize()
         times = []
         for _ in range(rounds):
             start = time.perf_counter()
             fn()
+            synchronize()
             times.append(time.perf_counter() - start)
         return median(times)
 
@@ -60,6 +65,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sample", action="store_true", help="temperature 1.0 sampling instead of greedy")
+    parser.add_argument("--precision", choices=["32", "bf16"], default=default_precision(),
+                        help="bf16 on a GPU, 32 on the CPU by default")
     args = parser.parse_args(argv)
 
     from nemo_aligner.utils.generation import LengthParams, SamplingParams, generate
@@ -67,11 +74,14 @@ def main(argv=None) -> dict:
     init_single_process()
     rows = []
     for shape in args.shapes:
-        ours, hf = build_pair(shape, args.prompt + args.new_tokens)
+        ours, hf = build_pair(shape, args.prompt + args.new_tokens, precision=args.precision)
+        if args.precision == "bf16":
+            hf = hf.to(torch.bfloat16)
         ours.eval()
         tok = ours.tokenizer
         g = torch.Generator().manual_seed(1)
         prompts = torch.randint(3, tok.vocab_size, (args.batch, args.prompt), generator=g)
+        hf_prompts = prompts.to(bench_device())
         sampling = SamplingParams(use_greedy=not args.sample, temperature=1.0)
         length = LengthParams(max_length=args.new_tokens, min_length=args.new_tokens)
         outputs = {}
@@ -79,6 +89,7 @@ def main(argv=None) -> dict:
         def run_ours():
             start = time.perf_counter()
             out = generate(ours.module, tok, prompts.tolist(), sampling, length, seed=0)
+            synchronize()
             elapsed = time.perf_counter() - start
             outputs["ours"] = out.tokens[:, args.prompt : args.prompt + args.new_tokens]
             return elapsed
@@ -86,11 +97,12 @@ def main(argv=None) -> dict:
         def run_hf():
             start = time.perf_counter()
             with torch.no_grad():
-                out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=args.new_tokens,
+                out = hf.generate(hf_prompts, attention_mask=torch.ones_like(hf_prompts), max_new_tokens=args.new_tokens,
                                   min_new_tokens=args.new_tokens, do_sample=args.sample, temperature=1.0, top_k=0,
                                   top_p=1.0, eos_token_id=tok.eos_id, pad_token_id=tok.eos_id)
+            synchronize()
             elapsed = time.perf_counter() - start
-            outputs["hf"] = out[:, args.prompt :]
+            outputs["hf"] = out[:, args.prompt :].cpu()
             return elapsed
 
         row = dict(shape=shape, **race(run_ours, run_hf, args.rounds, args.batch * args.new_tokens))
@@ -105,8 +117,10 @@ def main(argv=None) -> dict:
                    ratio_at_floor=median(row["hf_s"]) / floor_s)
         rows.append(row)
         del ours, hf
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
     print(f"\nGeneration, batch {args.batch}, prompt {args.prompt}, {args.new_tokens} new tokens, "
-          f"{'sampling' if args.sample else 'greedy'}, fp32, {torch.get_num_threads()} threads; median of {args.rounds}")
+          f"{'sampling' if args.sample else 'greedy'}, {'bf16' if args.precision == 'bf16' else 'fp32'}, {where}; "
+          f"median of {args.rounds}")
     print(f"{'shape':<8} {'HF tok/s':>10} {'ours tok/s':>11} {'ratio':>7} {'same tokens':>12} "
           f"{'prefill ms':>11} {'decode step ms':>15} {'floor step ms':>14} {'ratio at floor':>15}")
     for r in rows:
@@ -117,7 +131,8 @@ def main(argv=None) -> dict:
           "cache at its mean length;\nratio at floor: HF's time over (prefill + new tokens x floor step), "
           "the most any decode loop on these kernels could reach")
     payload = {"benchmark": "generation", "machine": machine(), "args": vars(args), "rows": rows}
-    print("written", write_json("generation" + ("_sample" if args.sample else ""), payload))
+    name = "generation" + ("_sample" if args.sample else "") + ("_bf16" if args.precision == "bf16" else "")
+    print("written", write_json(name, payload))
     return payload
 
 

@@ -76,6 +76,8 @@ def main(argv=None) -> dict:
 
     from nemo_aligner.data.nlp.builtin_task import BuiltinTask
 
+    if torch.cuda.is_available():  # TRL is configured for the CPU below; a GPU comparison is not written yet
+        raise SystemExit("bench_grpo.py compares on the CPU only: run it with CUDA_VISIBLE_DEVICES= (empty)")
     init_single_process()
     work = tempfile.mkdtemp(prefix="bench_grpo_")
     ours, hf = build_pair(args.shape, 128)

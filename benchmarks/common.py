@@ -1,5 +1,8 @@
 """Shared pieces of the benchmarks: a model in our engine and the same weights as a Hugging Face
-model, the machine's measured matmul peak, timing helpers and result files."""
+model, the machine's measured matmul peak, timing helpers and result files.
+
+On a machine with a GPU everything runs there (our model through its own device placement, the HF
+model moved to it), and timings wait for the GPU (``synchronize``)."""
 
 from __future__ import annotations
 
@@ -34,8 +37,26 @@ def init_single_process() -> None:
     D.initialize_model_parallel(1, 1)
 
 
-def build_pair(shape: str, seq: int, model_cls=None, trainable: bool = False):
-    """``(our model, the HF model with identical weights)``, float32, eval mode."""
+def bench_device() -> torch.device:
+    """The GPU when there is one, else the CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def synchronize() -> None:
+    """Wait for queued GPU work (timings end here); nothing on the CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def default_precision() -> str:
+    """bf16 on a GPU (what runs there), float32 on the CPU (this CPU's bf16 matmuls are slower)."""
+    return "bf16" if torch.cuda.is_available() else "32"
+
+
+def build_pair(shape: str, seq: int, model_cls=None, trainable: bool = False, precision: str = "32"):
+    """``(our model, the HF model with identical weights)`` in eval mode, on ``bench_device()``.
+    ``precision`` is ours (bf16: bf16 weights); the HF model keeps float32 weights (callers use
+    autocast or cast it)."""
     import transformers
     from omegaconf import OmegaConf
 
@@ -44,27 +65,33 @@ def build_pair(shape: str, seq: int, model_cls=None, trainable: bool = False):
     from nemo_aligner.utils.tokenizers import ByteTokenizer
 
     torch.manual_seed(0)
-    ours = (model_cls or GPTSFTModel)(OmegaConf.create(model_cfg(shape, seq)), ByteTokenizer(), "32", trainable=trainable)
+    ours = (model_cls or GPTSFTModel)(OmegaConf.create(model_cfg(shape, seq)), ByteTokenizer(), precision,
+                                      trainable=trainable)
     cfg = OmegaConf.to_container(ours.cfg, resolve=True)
     arch, hf_cfg = hf_config_from_nemo(cfg)
     hf_cfg = dict(hf_cfg, vocab_size=cfg["padded_vocab_size"])  # keep the padded rows: identical logits
     config = transformers.AutoConfig.for_model(**hf_cfg)
     hf = transformers.AutoModelForCausalLM.from_config(config)
-    state = {k: v for k, v in ours.module.state_dict().items() if isinstance(v, torch.Tensor)}
+    state = {k: v.float().cpu() for k, v in ours.module.state_dict().items() if isinstance(v, torch.Tensor)}
     cfg_full = dict(cfg, hf_vocab_size=cfg["padded_vocab_size"])
     missing, unexpected = hf.load_state_dict(mcore_to_hf(state, arch, cfg_full), strict=False)
     assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
-    return ours, hf.eval()
+    return ours, hf.to(bench_device()).eval()
 
 
-def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
-    """Measured float32 matmul throughput of this machine (best of ``repeats``)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_peak_gflops(n: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """Measured ``dtype`` matmul throughput of ``bench_device()`` (best of ``repeats``; n x n x n,
+    8192 on a GPU)."""
+    device = bench_device()
+    n = 8192 if device.type == "cuda" else n
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     torch.mm(a, b)
+    synchronize()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         torch.mm(a, b)
+        synchronize()
         best = min(best, time.perf_counter() - start)
     return 2 * n ** 3 / best / 1e9
 
@@ -95,7 +122,8 @@ def median(values: List[float]) -> float:
 
 def machine() -> dict:
     return {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "cuda": torch.cuda.is_available()}
+            "torch": torch.__version__, "cuda": torch.cuda.is_available(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
 def write_json(name: str, payload: dict, out_dir: str = None) -> str:

@@ -176,3 +176,32 @@ def test_interrupted_saves_are_tidied_before_resuming(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["step=1", "step=2"]
     assert json.loads((tmp_path / "step=2" / "trainer_state.json").read_text()) == {"name": "step=2.old.77"}
     assert json.loads((tmp_path / "step=1" / "trainer_state.json").read_text()) == {"name": "step=1"}
+
+
+def test_rng_state_written_on_the_other_device_kind_keeps_the_tracker(mcore_single, caplog):
+    """A training checkpoint from a GPU run resumed on the CPU (or back): the megatron-core tracker's
+    CUDA states do not fit the CPU tracker, so its streams are kept (with a warning) while Python,
+    NumPy and torch's generators are restored; from the same kind of device everything is restored."""
+    import logging
+
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    from nemo_aligner.utils.train_checkpoint import rng_state, set_rng_state
+
+    state = rng_state()
+    assert state["tracker_device"] == "cpu"
+    expected = torch.rand(3)
+    tracker = get_cuda_rng_tracker()
+    kept = {k: v.clone() for k, v in tracker.get_states().items()}
+    foreign = dict(state, tracker_device="cuda", tracker={k: torch.zeros(16, dtype=torch.uint8) for k in kept})
+    with caplog.at_level(logging.WARNING, logger="nemo_aligner.utils.train_checkpoint"):
+        set_rng_state(foreign)
+    assert torch.equal(torch.rand(3), expected)
+    assert all(torch.equal(tracker.get_states()[k], v) for k, v in kept.items())
+    assert "written on cuda, resuming on cpu" in caplog.text
+
+    with tracker.fork():
+        torch.rand(5)  # advances the tracker's stream
+    assert any(not torch.equal(tracker.get_states()[k], v) for k, v in kept.items())
+    set_rng_state(dict(state, tracker=kept))
+    assert all(torch.equal(tracker.get_states()[k], v) for k, v in kept.items())

@@ -132,3 +132,28 @@ def test_cpu_gradient_clipping_ops_match_megatron_fallbacks():
     for a, b, c in zip(copies, out, expected):
         torch.testing.assert_close(a, c)
         torch.testing.assert_close(b, c)
+
+
+def test_accelerator_must_match_the_machine(monkeypatch):
+    """``trainer.accelerator`` names what the run will use: a GPU request without one, or a CPU
+    request where a GPU is visible (everything would follow the GPU), is refused naming the key."""
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.utils.run_setup import check_accelerator
+
+    def check(value):
+        check_accelerator(OmegaConf.create({"accelerator": value}))
+
+    with pytest.raises(ConfigError, match="trainer.accelerator='tpu' must be auto, cpu or gpu"):
+        check("tpu")
+    for gpu_visible in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu_visible)
+        check("auto")
+        if gpu_visible:
+            check("gpu")
+            with pytest.raises(ConfigError, match="trainer.accelerator=cpu but a GPU is visible"):
+                check("cpu")
+        else:
+            check("cpu")
+            with pytest.raises(ConfigError, match="trainer.accelerator=gpu but no GPU is visible"):
+                check("gpu")

@@ -266,7 +266,7 @@ def _ensure_single_process_parallel_state() -> None:
 def import_hf_model(hf_dir: str, nemo_path: str) -> str:
     """Convert a local HF model directory to a ``.nemo`` (rank 0 writes; every rank waits for it)."""
     import torch.distributed as dist
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
 
     from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
     from nemo_aligner.utils.nemo_file import save_nemo
@@ -289,8 +289,12 @@ def import_hf_model(hf_dir: str, nemo_path: str) -> str:
     if tokenizer.vocab_size > cfg["padded_vocab_size"]:
         raise ConfigError(f"{hf_dir}: the tokenizer has {tokenizer.vocab_size} tokens, the model {cfg['hf_vocab_size']}")
     _ensure_single_process_parallel_state()
-    model_cfg = OmegaConf.create(dict(cfg, micro_batch_size=1, tokenizer=tok_cfg))
+    # The local spec's parameter names are the ones converted here (Transformer Engine's fuse the layer
+    # norms into the linears); the .nemo's sharded checkpoint loads into either spec.
+    model_cfg = OmegaConf.create(dict(cfg, micro_batch_size=1, tokenizer=tok_cfg, force_local_spec=True))
     model = GPTSFTModel(model_cfg, tokenizer, "32", trainable=False)
+    with open_dict(model.cfg):
+        model.cfg.pop("force_local_spec", None)
     state = hf_to_mcore({k: v.float() for k, v in read_hf_weights(hf_dir).items()}, arch, cfg)
     result = model.module.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
@@ -315,7 +319,8 @@ def export_to_hf(nemo_path: str, out_dir: str) -> str:
 
     _ensure_single_process_parallel_state()
     model = load_model(GPTSFTModel, OmegaConf.create({"micro_batch_size": 1, "tensor_model_parallel_size": 1,
-                                                      "pipeline_model_parallel_size": 1}),
+                                                      "pipeline_model_parallel_size": 1,
+                                                      "force_local_spec": True}),  # the names converted here
                        "32", nemo_path, key="nemo_file", trainable=False)
     cfg = OmegaConf.to_container(model.cfg, resolve=True)
     arch, hf_cfg = hf_config_from_nemo(cfg)
@@ -324,7 +329,7 @@ def export_to_hf(nemo_path: str, out_dir: str) -> str:
     tmp = f"{out_dir.rstrip('/')}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    state = {k: v for k, v in model.module.state_dict().items() if isinstance(v, torch.Tensor)}
+    state = {k: v.cpu() for k, v in model.module.state_dict().items() if isinstance(v, torch.Tensor)}
     save_file(mcore_to_hf(state, arch, cfg), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
         json.dump(hf_cfg, f, indent=2)

@@ -109,7 +109,7 @@ def ppo_actor_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
         loss = masked_mean(surrogate, mask)
     else:
         loss = (surrogate * 0.0).sum()
-    mean_entropy = masked_mean(entropy, mask) if entropy is not None else torch.zeros((), dtype=loss.dtype)
+    mean_entropy = masked_mean(entropy, mask) if entropy is not None else torch.zeros((), dtype=loss.dtype, device=loss.device)
     if entropy is not None and entropy_bonus:
         loss = loss - entropy_bonus * mean_entropy
     with torch.no_grad():
@@ -134,7 +134,7 @@ def rloo_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, valid: Optiona
     """
     valid = torch.ones_like(rewards) if valid is None else valid.to(rewards.dtype)
     same = (group_ids.unsqueeze(0) == group_ids.unsqueeze(1)).to(rewards.dtype)
-    others = same - torch.eye(len(rewards), dtype=rewards.dtype)
+    others = same - torch.eye(len(rewards), dtype=rewards.dtype, device=rewards.device)
     count = others @ valid
     total = others @ (rewards * valid)
     return torch.where(count > 0, total / count.clamp(min=1.0), rewards)

@@ -44,6 +44,10 @@ def check_accelerator(trainer_cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.accelerator={accelerator!r} must be auto, cpu or gpu")
     if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         raise ConfigError("trainer.accelerator=gpu but no GPU is visible; use trainer.accelerator=auto or cpu")
+    if accelerator == "cpu" and torch.cuda.is_available():
+        # Everything follows torch.cuda.is_available() (NCCL, parameters on the GPU): hide the GPUs instead.
+        raise ConfigError("trainer.accelerator=cpu but a GPU is visible; run with CUDA_VISIBLE_DEVICES= (empty) "
+                          "to train on the CPU, or use trainer.accelerator=auto")
 
 
 def init_run(cfg: DictConfig, restore_path: Optional[str] = None,

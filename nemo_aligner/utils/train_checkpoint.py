@@ -39,13 +39,22 @@ def rng_state() -> dict:
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
         "tracker": get_cuda_rng_tracker().get_states(),
+        "tracker_device": _tracker_device(),
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
+def _tracker_device() -> str:
+    # megatron-core's tracker holds CUDA generator states on a GPU, CPU ones (cpu_compat) otherwise.
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def set_rng_state(state: dict) -> None:
+    """Restore ``rng_state()``'s generators. A checkpoint written on the other kind of device (CPU
+    vs GPU) cannot restore the model-parallel tracker's streams (dropout): they restart from the
+    run's seed, with a warning."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     random.setstate(state["python"])
@@ -53,7 +62,12 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
+    written_on = state.get("tracker_device", "cpu")  # checkpoints before this key: CPU only
+    if written_on == _tracker_device():
+        get_cuda_rng_tracker().set_states(state["tracker"])
+    else:
+        logger.warning("checkpoint written on %s, resuming on %s: dropout random streams restart from the seed",
+                       written_on, _tracker_device())
 
 
 def _optimizer_sharded(model, optimizer, model_sd: dict, is_loading: bool):

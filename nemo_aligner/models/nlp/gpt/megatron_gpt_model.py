@@ -255,7 +255,7 @@ class MegatronGPTModel:
             for key in keys:
                 values = torch.stack([o[key].detach().double().reshape(()) for o in outputs])
                 per_key.append(values.sum() if key in sum_keys else values.mean() / dp)
-            stats = torch.stack(per_key).cpu()  # one copy back from the device
+            stats = torch.stack([v.cpu() for v in per_key])  # metrics may come from either device
         stats = host_all_reduce(broadcast_from_last_stage(stats), group=group)
         return dict(zip(keys, stats.tolist()))
 
