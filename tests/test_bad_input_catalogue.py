@@ -204,6 +204,22 @@ def missing_data_path():
     return lambda: read_jsonl_files("???", "model.data.data_prefix.train")
 
 
+def sequence_parallel(role):
+    """A role whose sequence-parallel path is known to be wrong, given model.sequence_parallel=True."""
+    from types import SimpleNamespace
+
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_ppo_actor import MegatronGPTActorModel
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import MegatronGPTRewardModel
+    from nemo_aligner.utils.generation import LengthParams, SamplingParams, generate
+
+    cfg = OmegaConf.create(dict(TINY_ARCH, sequence_parallel=True, micro_batch_size=1, encoder_seq_length=32))
+    if role == "generation":
+        module = SimpleNamespace(config=SimpleNamespace(sequence_parallel=True))
+        return lambda: generate(module, ByteTokenizer(), [[1, 2]], SamplingParams(), LengthParams(max_length=2))
+    cls = {"actor": MegatronGPTActorModel, "reward": MegatronGPTRewardModel}[role]
+    return lambda: cls(cfg, ByteTokenizer())
+
+
 CONFIG_CASES = {
     "wrong-type-int": (config_values(**{"model.micro_batch_size": "eight"}),
                        r"model\.micro_batch_size='eight' must be an integer, got str"),
@@ -227,6 +243,12 @@ CONFIG_CASES = {
                                              r"model\.ppo\.val_rollout_micro_batch_size=4 is smaller than the critic "
                                              r"server's trainer\.ppo\.inference_micro_batch_size x data parallel = 8 "
                                              r"\(127\.0\.0\.1:5567\)"),
+    "sequence-parallel-actor": (sequence_parallel("actor"),
+                                r"model\.sequence_parallel=True is not supported by MegatronGPTActorModel yet"),
+    "sequence-parallel-reward-model": (sequence_parallel("reward"),
+                                       r"model\.sequence_parallel=True is not supported by MegatronGPTRewardModel yet"),
+    "sequence-parallel-generation": (sequence_parallel("generation"),
+                                     r"model\.sequence_parallel=True is not supported for generation yet"),
 }
 
 

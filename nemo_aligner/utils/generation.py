@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nemo_aligner.models.nlp.gpt.lean_ops import rotary_from_tables
+from nemo_aligner.utils.errors import ConfigError
 
 
 
@@ -350,6 +351,8 @@ def generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Samp
     """
     from megatron.core import parallel_state
 
+    if module.config.sequence_parallel:
+        raise ConfigError("model.sequence_parallel=True is not supported for generation yet; set it to False")
     batch = len(prompts)
     prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
     if (prompt_lengths < 1).any():

@@ -42,9 +42,16 @@ def split_micro_batches(batch: Dict[str, torch.Tensor], micro_batch_size: int) -
 class MegatronGPTModel:
     """A megatron-core ``GPTModel`` stage with DDP, optimizer and scheduler, built from ``cfg`` (``model.*``)."""
 
+    # Roles whose sequence-parallel path is known to be wrong (reward heads on scattered hidden
+    # states, decoding one token at a time) refuse model.sequence_parallel=True.
+    supports_sequence_parallel = True
+
     def __init__(self, cfg: DictConfig, tokenizer, precision="32", trainable: bool = True):
         from megatron.core import parallel_state
 
+        if bool(cfg.get("sequence_parallel", False)) and not self.supports_sequence_parallel:
+            raise ConfigError(f"model.sequence_parallel=True is not supported by {type(self).__name__} yet; "
+                              "set it to False")
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.precision = precision

@@ -46,6 +46,8 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
     ``forward_micro_batch_size``, ``entropy_bonus``, ``ratio_eps``, ``offload_adam_states``,
     ``sampling_params``, ``length_params``."""
 
+    supports_sequence_parallel = False  # generation decodes one token at a time
+
     def __init__(self, cfg, tokenizer, precision="32", trainable: bool = True, section: str = "ppo"):
         super().__init__(cfg, tokenizer, precision, trainable)
         ppo = cfg.get(section) or {}

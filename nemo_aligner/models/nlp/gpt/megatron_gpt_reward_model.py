@@ -41,6 +41,8 @@ class MegatronGPTRewardModel(MegatronGPTModel, SupervisedInterface, Inferrable):
     ``model.reward_standardization.{enable, mean, std}`` rescales rewards at inference.
     """
 
+    supports_sequence_parallel = False  # the head would see sequence-scattered hidden states
+
     def __init__(self, cfg, tokenizer, precision="32", trainable: bool = True):
         self.reward_model_type = str(cfg.get("reward_model_type", "binary_ranking") or "binary_ranking")
         if self.reward_model_type not in REWARD_MODEL_TYPES:
