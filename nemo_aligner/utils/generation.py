@@ -252,11 +252,11 @@ class KVCacheDecoder:
             x = self.config.activation_func(x)
         return plan["fc2"](x)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, start: int, key_mask: torch.Tensor,
                 padded: Optional[bool] = None, rows: Optional[torch.Tensor] = None):
         """Feed ``tokens`` [B, S] at cache slots ``start..start+S``; returns the last slot's logits [B, V]
-        on the last pipeline stage (None on the others). ``padded``: whether any of ``key_mask`` is
+        (inference-mode tensors) on the last pipeline stage (None on the others). ``padded``: whether any of ``key_mask`` is
         False (computed here when not given).
 
         ``rows`` (a prefill, ``start`` 0): ``tokens``, ``positions`` and ``key_mask`` hold only distinct
@@ -340,7 +340,6 @@ def _ends_with_end_string(tokenizer, ids: Sequence[int], end_strings: Sequence[s
     return any(tail.endswith(s) for s in end_strings)
 
 
-@torch.no_grad()
 def generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: SamplingParams, length: LengthParams,
              max_sequence_length: Optional[int] = None, seed: Optional[int] = None) -> GenerationOutput:
     """Generate up to ``length.max_length`` tokens after each prompt (token id lists).
@@ -349,6 +348,16 @@ def generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Samp
     sampled tokens come from TP rank 0 of the last pipeline stage. A row stops at EOS or when its decoded tail ends with
     one of ``sampling.end_strings``; EOS is refused before ``length.min_length`` tokens.
     """
+    # Inference mode skips autograd's per-op bookkeeping (a decode step is a few hundred small ops);
+    # its tensors cannot enter autograd later, so the outputs (training inputs) are copied out of it.
+    with torch.inference_mode():
+        out = _generate(module, tokenizer, prompts, sampling, length, max_sequence_length, seed)
+    return GenerationOutput(out.tokens.clone(), out.prompt_lengths.clone(), out.response_lengths.clone(),
+                            out.is_end.clone())
+
+
+def _generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: SamplingParams, length: LengthParams,
+              max_sequence_length: Optional[int], seed: Optional[int]) -> GenerationOutput:
     from megatron.core import parallel_state
 
     if module.config.sequence_parallel:
