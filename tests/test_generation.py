@@ -93,6 +93,45 @@ def test_stops_at_eos_and_end_strings(mcore_single):
     assert int(short.response_lengths[0]) == len(prompts[0]) + 1 and not bool(short.is_end[0])
 
 
+class _WordPieces:
+    """A tokenizer whose lone tokens decode differently than in context (SentencePiece-like leading
+    spaces dropped), with special tokens that decode to nothing."""
+
+    pieces = ["▁a", "b", "▁c", "!", "▁<end>", "", "d\n", "\n"]
+
+    def ids_to_text(self, ids):
+        text = "".join(self.pieces[i] for i in ids).replace("▁", " ")
+        return text[1:] if text.startswith(" ") else text
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "pieces"])
+def test_end_string_matcher_equals_decoding_every_tail(tokenizer):
+    """The matcher skips decoding when the newest token cannot end an end string; on every prefix of
+    random responses it must agree with decoding the tail each time (multi-token, multi-byte and
+    newline end strings, special tokens that decode to nothing)."""
+    from nemo_aligner.utils.generation import EndStringMatcher
+
+    if tokenizer == "bytes":
+        tok = ByteTokenizer()
+        alphabet = list(b"ab!\n") + list("é」".encode()) + [tok.eos_id, 256 + 1]
+        ends = ["b!", "é", "」", "\n\n", "<extra_id_1>"]
+    else:
+        tok = _WordPieces()
+        alphabet = list(range(len(tok.pieces)))
+        ends = ["a b", "<end>", "c!", "\n\n"]
+    matcher = EndStringMatcher(tok, ends)
+    g = torch.Generator().manual_seed(0)
+    hits = 0
+    for _ in range(300):
+        ids = [alphabet[i] for i in torch.randint(0, len(alphabet), (24,), generator=g).tolist()]
+        for n in range(1, len(ids) + 1):
+            tail = tok.ids_to_text(ids[:n][-16:])
+            expected = any(tail.endswith(s) for s in ends)
+            assert matcher.ended(ids[:n]) == expected, (ids[:n], tail)
+            hits += expected
+    assert hits > 100  # the end strings do occur: both answers are exercised
+
+
 def test_sampling_settings():
     torch.manual_seed(0)
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]]).repeat(2000, 1)

@@ -333,11 +333,38 @@ def _inverse_cdf_sample(probs: torch.Tensor, generator: Optional[torch.Generator
     return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(-1)
 
 
-def _ends_with_end_string(tokenizer, ids: Sequence[int], end_strings: Sequence[str]) -> bool:
-    if not end_strings:
-        return False
-    tail = tokenizer.ids_to_text(list(ids[-16:]))
-    return any(tail.endswith(s) for s in end_strings)
+class EndStringMatcher:
+    """Whether a response's decoded tail (its last ``TAIL`` tokens) ends with one of ``end_strings``.
+
+    Decoding every row's tail at every step costs more than the rest of a small model's decode
+    step, so the tail is decoded only when the newest token could end an end string: its own text
+    ends with an end string's last character, or it decodes alone to nothing or to part of a
+    character (where decoding in context may differ). Any other token cannot end one.
+    """
+
+    TAIL = 16
+
+    def __init__(self, tokenizer, end_strings: Sequence[str]):
+        self.tokenizer = tokenizer
+        self.end_strings = list(end_strings)
+        self.last_chars = {s[-1] for s in self.end_strings if s}
+        self.any_empty = any(not s for s in self.end_strings)
+        self._could_end = {}  # token id -> bool, filled as tokens appear
+
+    def could_end(self, token: int) -> bool:
+        hit = self._could_end.get(token)
+        if hit is None:
+            text = self.tokenizer.ids_to_text([token])
+            hit = self.any_empty or not text or "\ufffd" in text or text[-1] in self.last_chars
+            self._could_end[token] = hit
+        return hit
+
+    def ended(self, ids: Sequence[int]) -> bool:
+        """Whether the response ``ids`` (at least its last ``TAIL`` tokens) ends with an end string."""
+        if not self.end_strings or not len(ids) or not self.could_end(int(ids[-1])):
+            return False
+        tail = self.tokenizer.ids_to_text(list(ids[-self.TAIL:]))
+        return any(tail.endswith(s) for s in self.end_strings)
 
 
 def generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: SamplingParams, length: LengthParams,
@@ -387,6 +414,7 @@ def _generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Sam
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     last_stage = parallel_state.is_pipeline_last_stage()
 
+    matcher = EndStringMatcher(tokenizer, sampling.end_strings) if sampling.end_strings else None
     done = torch.zeros(batch, dtype=torch.bool)
     is_end = torch.zeros(batch, dtype=torch.bool)
     generated = torch.zeros(batch, dtype=torch.long)
@@ -418,10 +446,11 @@ def _generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Sam
         tokens[:, slot] = token
         generated += (~done).long()
         hit_eos = token == tokenizer.eos_id
-        if sampling.end_strings:
-            hit_end = torch.tensor([
-                (not done[b]) and _ends_with_end_string(tokenizer, tokens[b, longest : slot + 1].tolist(), sampling.end_strings)
-                for b in range(batch)])
+        if matcher is not None:
+            new, finished = token.tolist(), done.tolist()
+            first = max(longest, slot + 1 - matcher.TAIL)
+            hit_end = torch.tensor([not finished[b] and matcher.could_end(new[b])
+                                    and matcher.ended(tokens[b, first : slot + 1].tolist()) for b in range(batch)])
         else:
             hit_end = torch.zeros_like(done)
         is_end |= (~done) & (hit_eos | hit_end)
