@@ -256,8 +256,8 @@ class KVCacheDecoder:
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, start: int, key_mask: torch.Tensor,
                 padded: Optional[bool] = None, rows: Optional[torch.Tensor] = None):
         """Feed ``tokens`` [B, S] at cache slots ``start..start+S``; returns the last slot's logits [B, V]
-        (inference-mode tensors) on the last pipeline stage (None on the others). ``padded``: whether any of ``key_mask`` is
-        False (computed here when not given).
+        (inference-mode tensors) on the last pipeline stage (None on the others). ``padded``: whether
+        any of ``key_mask`` is False (computed here when not given).
 
         ``rows`` (a prefill, ``start`` 0): ``tokens``, ``positions`` and ``key_mask`` hold only distinct
         prompts and cache row ``b`` gets fed row ``rows[b]`` (GRPO/RLOO groups repeat each prompt: it is
