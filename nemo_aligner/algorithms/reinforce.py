@@ -18,7 +18,6 @@ from typing import Dict, List
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from nemo_aligner.algorithms.ppo import PPOTrainer, Timer
 from nemo_aligner.utils import ppo_utils

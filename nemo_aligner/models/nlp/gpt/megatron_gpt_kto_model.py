@@ -39,7 +39,6 @@ class MegatronGPTKTOModel(ReferencePolicyMixin, MegatronGPTModel, SupervisedInte
         """KTO's reference point z: mean policy-minus-reference log-prob of the mismatched
         (prompt i, response i+1) sequences over the whole global batch (all data-parallel ranks),
         clamped at 0; the same value on every rank."""
-        import torch.distributed as dist
         from megatron.core import parallel_state
 
         rows = self.micro_batch_size
