@@ -153,8 +153,8 @@ class KVCacheDecoder:
         self.groups = (cfg.num_query_groups or cfg.num_attention_heads) // tp
         self.scale = cfg.softmax_scale or 1.0 / math.sqrt(self.head_dim)
         layers = module.decoder.layers
-        dtype = next(module.parameters()).dtype
-        self.device = next(module.parameters()).device
+        param = next(module.parameters())
+        dtype, self.device = param.dtype, param.device
         shape = (len(layers), batch, self.groups, max_len, self.head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=self.device)
         self.values = torch.zeros(shape, dtype=dtype, device=self.device)
@@ -407,7 +407,9 @@ def _generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Sam
     positions = (slots - pad.unsqueeze(1)).clamp(min=0)
     key_mask = slots >= pad.unsqueeze(1)  # padding slots are never attended to
     decoder = KVCacheDecoder(module, batch, total)
-    # Sampling runs where the logits are; the bookkeeping below stays on the host.
+    # The decoder's inputs live on its device (moved once, not per step); sampling runs where the
+    # logits are; the bookkeeping below (tokens, done, lengths) stays on the host.
+    positions, key_mask = positions.to(decoder.device), key_mask.to(decoder.device)
     generator = torch.Generator(device=decoder.device).manual_seed(seed) if seed is not None else None
     tp_rank0 = parallel_state.get_tensor_model_parallel_src_rank()
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -448,9 +450,9 @@ def _generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Sam
         hit_eos = token == tokenizer.eos_id
         if matcher is not None:
             new, finished = token.tolist(), done.tolist()
-            first = max(longest, slot + 1 - matcher.TAIL)
+            tail_start = max(longest, slot + 1 - matcher.TAIL)
             hit_end = torch.tensor([not finished[b] and matcher.could_end(new[b])
-                                    and matcher.ended(tokens[b, first : slot + 1].tolist()) for b in range(batch)])
+                                    and matcher.ended(tokens[b, tail_start : slot + 1].tolist()) for b in range(batch)])
         else:
             hit_end = torch.zeros_like(done)
         is_end |= (~done) & (hit_eos | hit_end)
