@@ -27,7 +27,8 @@ TINY_GPT2_ARCH = {
 }
 
 
-def subprocess_env() -> dict:
+def subprocess_env(nproc: int = 1) -> dict:
+    """The environment for a test's child processes; ``nproc`` processes on this node."""
     env = dict(os.environ)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
@@ -35,6 +36,11 @@ def subprocess_env() -> dict:
     env["WANDB_MODE"] = "offline"
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS"):
         env.pop(key, None)
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if 0 < gpus < nproc:  # NCCL needs a GPU per process: such a run takes the CPU (gloo) path
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
@@ -46,7 +52,7 @@ def run_python(path: str, args, nproc: int = 1, timeout: int = 300, check: bool 
     else:
         cmd = [sys.executable, path]
     cmd += [str(a) for a in args]
-    proc = subprocess.run(cmd, env=subprocess_env(), cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=subprocess_env(nproc), cwd=cwd, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
@@ -57,7 +63,7 @@ def run_as_slurm_tasks(path: str, args, ntasks: int = 2, timeout: int = 300):
     job_id = str(40000 + free_port() % 20000)
     procs = []
     for rank in range(ntasks):
-        env = subprocess_env()
+        env = subprocess_env(ntasks)
         env.update(SLURM_PROCID=str(rank), SLURM_NTASKS=str(ntasks), SLURM_LOCALID=str(rank),
                    SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID=job_id)
         procs.append(subprocess.Popen([sys.executable, path, *map(str, args)], env=env, stdout=subprocess.PIPE,
@@ -168,7 +174,7 @@ class ServerProcess:
                    f"--master_port={free_port()}", self.script, f"trainer.devices={self.nproc}", *args]
         else:
             cmd = [sys.executable, self.script, *args]
-        self.proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=self.log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(cmd, env=subprocess_env(self.nproc), stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         return self
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from nemo_aligner.utils.checkpoint_callback import format_checkpoint_name
-from nemo_aligner.utils.distributed import check_world_size, first_host_of_nodelist, read_launch_info
+from nemo_aligner.utils.distributed import (check_gpus_per_node, check_world_size, first_host_of_nodelist,
+                                            read_launch_info)
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.run_control import compute_max_steps, parse_max_time
 from nemo_aligner.utils.tokenizers import ByteTokenizer
@@ -20,6 +21,26 @@ def test_slurm_launch_info():
     torchrun = read_launch_info({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "9"})
     assert (torchrun.rank, torchrun.world_size, torchrun.master_port, torchrun.launcher) == (1, 2, 9, "torchrun")
     assert read_launch_info({}).launcher == "single"
+
+
+def test_gpus_per_node_check():
+    """Two processes on a one-GPU node would share the GPU (NCCL refuses): a clear error instead."""
+    torchrun = read_launch_info({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"})
+    assert torchrun.local_world_size == 2
+    check_gpus_per_node(torchrun, 2)
+    check_gpus_per_node(torchrun, 8)
+    with pytest.raises(ConfigError, match=r"2 processes on this node but 1 GPU\(s\) visible.*--nproc_per_node 1"
+                                          r".*CUDA_VISIBLE_DEVICES"):
+        check_gpus_per_node(torchrun, 1)  # rank 0 fails too, instead of waiting for a peer that died
+    slurm = read_launch_info({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
+                              "SLURM_TASKS_PER_NODE": "2(x2)"})
+    assert slurm.local_world_size == 2
+    check_gpus_per_node(slurm, 2)
+    with pytest.raises(ConfigError, match="2 processes on this node but 1 GPU"):
+        check_gpus_per_node(slurm, 1)
+    # Without a per-node count, the local rank is the bound.
+    bare = read_launch_info({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1"})
+    assert bare.local_world_size == 2
 
 
 def test_world_size_check():

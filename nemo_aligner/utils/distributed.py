@@ -30,6 +30,7 @@ class LaunchInfo:
     master_addr: str
     master_port: int
     launcher: str  # "torchrun", "slurm" or "single"
+    local_world_size: int = 1  # processes on this node, where the launcher says (else local_rank + 1)
 
 
 def first_host_of_nodelist(nodelist: str) -> str:
@@ -59,6 +60,7 @@ def read_launch_info(environ=None) -> LaunchInfo:
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", 29500)),
             launcher="torchrun",
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", 0) or int(env.get("LOCAL_RANK", 0)) + 1),
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and int(env["SLURM_NTASKS"]) > 1:
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
@@ -72,8 +74,31 @@ def read_launch_info(environ=None) -> LaunchInfo:
             master_addr=env.get("MASTER_ADDR") or first_host_of_nodelist(nodelist),
             master_port=int(env.get("MASTER_PORT") or 20000 + job_id % 20000),
             launcher="slurm",
+            local_world_size=_slurm_tasks_on_node(env),
         )
     return LaunchInfo(0, 1, 0, "127.0.0.1", 0, "single")
+
+
+def _slurm_tasks_on_node(env) -> int:
+    """Tasks on this node: ``SLURM_NTASKS_PER_NODE``, else the first count of ``SLURM_TASKS_PER_NODE``
+    (``2(x3),1``), else this task's local id + 1."""
+    local = int(env.get("SLURM_LOCALID", 0)) + 1
+    for key in ("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        match = re.match(r"^(\d+)", env.get(key, ""))
+        if match:
+            return max(int(match.group(1)), local)
+    return local
+
+
+def check_gpus_per_node(info: LaunchInfo, gpus: int) -> None:
+    """Each process on a node needs a GPU of its own (NCCL refuses two ranks on one device)."""
+    needed = max(info.local_world_size, info.local_rank + 1)
+    if gpus and needed > gpus:
+        raise ConfigError(
+            f"{needed} processes on this node but {gpus} GPU(s) visible: NCCL needs one GPU per process. "
+            f"Launch at most {gpus} per node (torchrun --nproc_per_node {gpus}, trainer.devices={gpus}), or "
+            f"hide the GPUs (CUDA_VISIBLE_DEVICES= , empty) to run every process on the CPU with gloo"
+        )
 
 
 def check_world_size(world_size: int, devices: int, num_nodes: int) -> None:
@@ -129,7 +154,8 @@ def init_distributed(devices=None, num_nodes=1, timeout_minutes: int = 30) -> La
     global _comm_device
     use_cuda = torch.cuda.is_available()
     if use_cuda:
-        _comm_device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
+        check_gpus_per_node(info, torch.cuda.device_count())
+        _comm_device = torch.device("cuda", info.local_rank)
         torch.cuda.set_device(_comm_device)
     from datetime import timedelta
 
