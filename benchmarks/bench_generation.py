@@ -29,7 +29,7 @@ def kernel_floor(module, prompts: torch.Tensor, new_tokens: int, rounds: int = 3
     decoder = KVCacheDecoder(module, batch, prompt + new_tokens // 2)
     positions = torch.arange(prompt).expand(batch, prompt)
     key_mask = torch.ones(batch, prompt + new_tokens // 2, dtype=torch.bool)
-    like = dict(dtype=decoder.keys.dtype, device=decoder.device)
+    like = dict(dtype=decoder.dtype, device=decoder.device)
     x = torch.randn(1, batch, module.config.hidden_size, **like)
     inner = torch.randn(1, batch, module.decoder.layers[0].mlp.linear_fc2.weight.shape[1], **like)
     q = torch.randn(batch, decoder.heads, 1, decoder.head_dim, **like)

@@ -54,13 +54,16 @@ def test_cached_greedy_equals_uncached(mcore_single, arch, texts):
         assert int(out.prompt_lengths[b]) == len(prompt)
 
 
-@pytest.mark.parametrize("qk_layernorm", [False, True], ids=["plain", "qk_layernorm"])
-def test_cached_logits_equal_forward(mcore_single, qk_layernorm):
+@pytest.mark.parametrize("extra", [{}, {"qk_layernorm": True}, {"rotary_percentage": 0.5},
+                                   {"qk_layernorm": True, "rotary_percentage": 0.5}],
+                         ids=["plain", "qk_layernorm", "partial_rotary", "qk_layernorm_partial_rotary"])
+def test_cached_logits_equal_forward(mcore_single, extra):
     """Not only the argmax: the decoder's logits at every step equal the full forward's (also with
-    query/key layer norms, which take the decoder's separate query and key path)."""
+    query/key layer norms, which take the decoder's separate query and key path, and with RoPE on
+    part of each head, where the rest passes through)."""
     from nemo_aligner.utils.generation import KVCacheDecoder
 
-    model = build(dict(TINY_ARCH, qk_layernorm=qk_layernorm), seed=3)
+    model = build(dict(TINY_ARCH, **extra), seed=3)
     tok = model.tokenizer
     a, b = tok.text_to_ids("reverse abc = cba"), tok.text_to_ids("sort ab = ab")
     longest = max(len(a), len(b))

@@ -117,6 +117,16 @@ def _pack_linear_weights(module, batch: int) -> dict:
     return packed
 
 
+def _rotate_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """RoPE on the first ``2 * cos.shape[-1]`` channels of ``x``, in place: the same arithmetic as
+    ``lean_ops.rotate`` (so prefill, decode and the training forward agree) without its output buffer."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    x1_before = x1.clone()
+    x1.mul_(cos).addcmul_(x2, sin, value=-1.0)
+    x2.mul_(cos).addcmul_(x1_before, sin)
+
+
 def _direct_norm(norm):
     """``norm`` as a direct functional call when it is torch's own RMSNorm/LayerNorm (no module
     call per token); any other norm module is called as is."""
@@ -155,10 +165,14 @@ class KVCacheDecoder:
         layers = module.decoder.layers
         param = next(module.parameters())
         dtype, self.device = param.dtype, param.device
-        shape = (len(layers), batch, self.groups, max_len, self.head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.values = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.layer_keys, self.layer_values = list(self.keys.unbind(0)), list(self.values.unbind(0))
+        # [layer, B, group, key/value, T, d]: a group's key and value sit next to each other, as in
+        # the QKV projection's output, so one copy per layer and step stores both.
+        self.cache = torch.zeros(len(layers), batch, self.groups, 2, max_len, self.head_dim, dtype=dtype,
+                                 device=self.device)
+        self.layer_cache = list(self.cache.unbind(0))
+        self.layer_keys = [c[:, :, 0] for c in self.layer_cache]  # [B, group, T, d] views
+        self.layer_values = [c[:, :, 1] for c in self.layer_cache]
+        self.dtype = dtype
         self.tp = tp
         self.packed = _pack_linear_weights(module, batch) if tp == 1 else {}
         self.packed_batch = batch
@@ -166,8 +180,11 @@ class KVCacheDecoder:
         if self.rope is not None:  # cos/sin tables once, not per layer and step
             freqs = self.rope(max_len).squeeze(1).squeeze(1)  # [max_len, rot]: one half's angles, repeated
             half = freqs[:, : freqs.shape[-1] // 2]
-            self.cos, self.sin = half.cos().to(dtype), half.sin().to(dtype)
+            # one table, [max_len, rot]: cos then sin, so a step gathers both in one lookup
+            self.rope_table = torch.cat((half.cos(), half.sin()), dim=-1).to(dtype)
         self.layers = [self._plan(layer) for layer in layers]
+        if self.first_stage:
+            self.embed = self._embedding(module.embedding)
         if getattr(module, "post_process", False):
             self.final_norm = _direct_norm(module.decoder.final_layernorm)
             weight = module.shared_embedding_or_output_weight() if module.share_embeddings_and_output_weights else None
@@ -192,6 +209,23 @@ class KVCacheDecoder:
             return lambda x: mkl_linear(x, packed, weight, bias, batch)
         return lambda x: F.linear(x, weight, bias)
 
+    def _embedding(self, embedding):
+        """``(tokens [B, S], positions [B, S]) -> [S, B, H]``: megatron-core's embedding module, or
+        without tensor parallelism its lookups called directly (the module's dropout is skipped, as
+        the decode loop skips every dropout)."""
+        word = getattr(embedding, "word_embeddings", None)
+        direct = (self.tp == 1 and type(embedding).__name__ == "LanguageModelEmbedding"
+                  and type(word).__module__ == "megatron.core.tensor_parallel.layers"
+                  and getattr(embedding, "tokentype_embeddings", None) is None
+                  and not self.config.fp32_residual_connection)
+        if not direct:
+            return lambda tokens, positions: embedding(input_ids=tokens, position_ids=positions)
+        weight = word.weight
+        if not embedding.add_position_embedding:
+            return lambda tokens, positions: F.embedding(tokens.t(), weight)
+        position_weight = embedding.position_embeddings.weight
+        return lambda tokens, positions: F.embedding(tokens.t(), weight).add_(F.embedding(positions.t(), position_weight))
+
     def _plan(self, layer) -> dict:
         attn, mlp = layer.self_attention, layer.mlp
         q_norm, k_norm = getattr(attn, "q_layernorm", None), getattr(attn, "k_layernorm", None)
@@ -208,34 +242,33 @@ class KVCacheDecoder:
         per_group = self.heads // self.groups
         # Per query group: its queries, then one key and one value head.
         mixed = mixed.view(s, b, self.groups, per_group + 2, self.head_dim)
-        value = mixed[:, :, :, per_group + 1]
         if plan["q_norm"] is None and plan["k_norm"] is None:
-            query_key = mixed[:, :, :, : per_group + 1]
-            if rope is not None:  # queries and keys rotated in one call
-                query_key = rotary_from_tables(query_key, *rope)
-            query = query_key[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
-            key = query_key[:, :, :, per_group]
+            if rope is not None:  # queries and keys rotated in place, in one call
+                _rotate_in_place(mixed[:, :, :, : per_group + 1], *rope)
+            query = mixed[:, :, :, :per_group]
+            key_value = mixed[:, :, :, per_group:]  # [S, B, groups, 2, d]
         else:
-            query = mixed[:, :, :, :per_group].reshape(s, b, self.heads, self.head_dim)
-            key = mixed[:, :, :, per_group]
+            query = mixed[:, :, :, :per_group]
+            key, value = mixed[:, :, :, per_group], mixed[:, :, :, per_group + 1]
             if plan["q_norm"] is not None:
-                query = plan["q_norm"](query)
+                query = plan["q_norm"](query.reshape(s, b, self.heads, self.head_dim))
             if plan["k_norm"] is not None:
                 key = plan["k_norm"](key)
             if rope is not None:
                 cos, sin = rope[0].squeeze(3), rope[1].squeeze(3)
-                query, key = rotary_from_tables(query, cos, sin), rotary_from_tables(key, cos, sin)
+                query = rotary_from_tables(query.reshape(s, b, self.heads, self.head_dim), cos, sin)
+                key = rotary_from_tables(key, cos, sin)
+            key_value = torch.stack((key, value), dim=3)
         end = start + s
-        key, value = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)  # [rows fed, groups, S, d]
-        # Cache layout [B, groups, T, d]: keys are stored after rotation, once.
-        layer_keys, layer_values = self.layer_keys[index], self.layer_values[index]
-        layer_keys[:, :, start:end] = key if rows is None else key.index_select(0, rows)
-        layer_values[:, :, start:end] = value if rows is None else value.index_select(0, rows)
+        key_value = key_value.permute(1, 2, 3, 0, 4)  # [rows fed, groups, 2, S, d]
+        # Keys are stored after rotation, once.
+        self.layer_cache[index][:, :, :, start:end] = key_value if rows is None else key_value.index_select(0, rows)
         if rows is None:
-            keys, values = layer_keys[:, :, :end], layer_values[:, :, :end]
+            keys, values = self.layer_keys[index][:, :, :end], self.layer_values[index][:, :, :end]
         else:  # a prefill of distinct prompts attends to its own keys
-            keys, values = key, value
-        q = query.permute(1, 2, 0, 3)  # [B, heads, S, d]; a group's query heads are adjacent
+            keys, values = key_value[:, :, 0], key_value[:, :, 1]
+        # [B, heads, S, d]; a group's query heads are adjacent
+        q = query.reshape(s, b, self.heads, self.head_dim).permute(1, 2, 0, 3)
         gqa = per_group > 1  # SDPA maps query head h to key/value head h // per_group: no copied cache
         if mask is None and s > 1:  # no padding: a plain causal prefill
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scale, enable_gqa=gqa)
@@ -271,19 +304,19 @@ class KVCacheDecoder:
         tokens, positions, key_mask = tokens.to(device), positions.to(device), key_mask.to(device)
         rows = rows.to(device) if rows is not None else None
 
-        module = self.module
         if self.first_stage:
-            hidden = module.embedding(input_ids=tokens, position_ids=positions)  # [S, B, H]
+            hidden = self.embed(tokens, positions)  # [S, B, H]
         else:
-            hidden = torch.empty(tokens.shape[1], tokens.shape[0], self.config.hidden_size, dtype=self.keys.dtype,
+            hidden = torch.empty(tokens.shape[1], tokens.shape[0], self.config.hidden_size, dtype=self.dtype,
                                  device=device)
             dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
         s = tokens.shape[1]
         end = start + s
         rope = None
         if self.rope is not None:
-            pos = positions.t()  # [S, B]
-            rope = (self.cos[pos][:, :, None, None], self.sin[pos][:, :, None, None])  # [S, B, 1, 1, rot/2]
+            table = F.embedding(positions.t(), self.rope_table)[:, :, None, None]  # [S, B, 1, 1, rot]
+            half = table.shape[-1] // 2
+            rope = (table[..., :half], table[..., half:])  # cos, sin: [S, B, 1, 1, rot/2]
         mask = None
         if padded is None:
             padded = not bool(key_mask[:, :end].all())
