@@ -79,6 +79,30 @@ def test_cached_logits_equal_forward(mcore_single, extra):
     assert torch.allclose(last[1], full_logits(model, b), atol=1e-4)
 
 
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 30.0])
+def test_decode_rms_norm_is_as_accurate_as_torchs(scale):
+    """The decode loop's float32 RMSNorm (fewer kernels than torch's CPU composite) agrees with
+    torch's to float32 rounding and is no further from a float64 reference; other dtypes use torch's."""
+    from nemo_aligner.utils.generation import _direct_norm
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 32, 64) * scale
+    for eps in (1e-5, None):
+        norm = torch.nn.RMSNorm(64, eps=eps)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(64))
+        with torch.inference_mode():
+            ours, theirs = _direct_norm(norm)(x), norm(x)
+        exact = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True)
+                                          + (eps or torch.finfo(torch.float32).eps)) * norm.weight.double())
+        assert torch.allclose(ours, theirs, rtol=1e-6, atol=0)
+        error = lambda y: ((y.double() - exact).abs() / exact.abs()).max().item()
+        assert error(ours) < 1e-6 and error(ours) < 3 * error(theirs) + 1e-7
+    half = torch.nn.RMSNorm(64, eps=1e-5).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(_direct_norm(half)(x.bfloat16()), half(x.bfloat16()))
+
+
 def test_stops_at_eos_and_end_strings(mcore_single):
     model = build(TINY_ARCH)
     tok = model.tokenizer
