@@ -354,7 +354,7 @@ class KVCacheDecoder:
         logits = self.output(self.final_norm(hidden[-1:]))[0]
         if rows is not None:
             logits = logits.index_select(0, rows)
-        return _gather_vocab(logits.float())
+        return _gather_vocab(logits.float()) if self.tp > 1 else logits.float()
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator] = None) -> torch.Tensor:
@@ -495,21 +495,20 @@ def _generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Sam
         if pp > 1:  # every stage needs the new tokens (the first embeds them, all track the ends)
             dist.broadcast(token, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                            group=parallel_state.get_pipeline_model_parallel_group())
-        token = token.cpu()
-        token = torch.where(done, torch.full_like(token, tokenizer.eos_id), token)
+        # A fresh tensor from sampling (or the broadcast): safe to edit in place. Finished rows get EOS.
+        token = token.cpu().masked_fill_(done, tokenizer.eos_id)
         slot = longest + step
-        tokens[:, slot] = token
-        generated += (~done).long()
-        hit_eos = token == tokenizer.eos_id
+        tokens.select(1, slot).copy_(token)
+        alive = ~done
+        generated += alive
+        stop = token == tokenizer.eos_id
         if matcher is not None:
             new, finished = token.tolist(), done.tolist()
             tail_start = max(longest, slot + 1 - matcher.TAIL)
-            hit_end = torch.tensor([not finished[b] and matcher.could_end(new[b])
-                                    and matcher.ended(tokens[b, tail_start : slot + 1].tolist()) for b in range(batch)])
-        else:
-            hit_end = torch.zeros_like(done)
-        is_end |= (~done) & (hit_eos | hit_end)
-        done |= hit_eos | hit_end
+            stop |= torch.tensor([not finished[b] and matcher.could_end(new[b])
+                                  and matcher.ended(tokens[b, tail_start : slot + 1].tolist()) for b in range(batch)])
+        is_end |= alive.logical_and_(stop)
+        done |= stop
         if bool(done.all()) or step == new_tokens - 1:
             break
         logits = decoder.forward(token.unsqueeze(1), positions[:, slot : slot + 1], slot, key_mask, padded)
