@@ -76,11 +76,8 @@ def _tp_group():
     return parallel_state.get_tensor_model_parallel_group()
 
 
-def _gather_vocab(logits: torch.Tensor) -> torch.Tensor:
-    """Full-vocabulary logits from tensor-parallel shards (last dimension)."""
-    from megatron.core import parallel_state
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+def _gather_vocab(logits: torch.Tensor, tp: int) -> torch.Tensor:
+    """Full-vocabulary logits from ``tp`` tensor-parallel shards (last dimension)."""
     if tp == 1:
         return logits
     parts = [torch.empty_like(logits) for _ in range(tp)]
@@ -142,6 +139,12 @@ def _cpu_rms_norm(hidden: int, weight: torch.Tensor, eps: float):
         return x.mul(torch.addcmul(eps_tensor, norm, norm, value=scale).rsqrt_()).mul_(weight)
 
     return rms_norm
+
+
+def _is_mcore_parallel_layer(module) -> bool:
+    """megatron-core's own tensor-parallel linear/embedding (not Transformer Engine's): its weight
+    can be used directly when tensor parallelism is 1."""
+    return type(module).__module__ == "megatron.core.tensor_parallel.layers"
 
 
 def _direct_norm(norm):
@@ -213,7 +216,7 @@ class KVCacheDecoder:
         """A megatron-core parallel linear layer (bias included) as a callable; without tensor
         parallelism a plain (MKL-packed where possible) matmul, with no autograd-function and
         communication wrappers per token."""
-        direct = type(linear).__module__ == "megatron.core.tensor_parallel.layers"
+        direct = _is_mcore_parallel_layer(linear)
         # Transformer Engine's linears (some with the layer norm fused in) are called as modules.
         if self.tp > 1 or not direct:
             def call(x):
@@ -234,7 +237,7 @@ class KVCacheDecoder:
         the decode loop skips every dropout)."""
         word = getattr(embedding, "word_embeddings", None)
         direct = (self.tp == 1 and type(embedding).__name__ == "LanguageModelEmbedding"
-                  and type(word).__module__ == "megatron.core.tensor_parallel.layers"
+                  and _is_mcore_parallel_layer(word)
                   and getattr(embedding, "tokentype_embeddings", None) is None
                   and not self.config.fp32_residual_connection)
         if not direct:
@@ -354,7 +357,7 @@ class KVCacheDecoder:
         logits = self.output(self.final_norm(hidden[-1:]))[0]
         if rows is not None:
             logits = logits.index_select(0, rows)
-        return _gather_vocab(logits.float()) if self.tp > 1 else logits.float()
+        return _gather_vocab(logits.float(), self.tp)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator] = None) -> torch.Tensor:
