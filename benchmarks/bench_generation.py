@@ -13,8 +13,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common import (bench_device, build_pair, default_precision, init_single_process, machine, median, race,
-                    synchronize, write_json)
+from common import (bench_device, build_pair, default_precision, device_description, init_single_process, machine,
+                    median, race, synchronize, write_json)
 
 
 def kernel_floor(module, prompts: torch.Tensor, new_tokens: int, rounds: int = 3) -> dict:
@@ -117,9 +117,8 @@ def main(argv=None) -> dict:
                    ratio_at_floor=median(row["hf_s"]) / floor_s)
         rows.append(row)
         del ours, hf
-    where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
     print(f"\nGeneration, batch {args.batch}, prompt {args.prompt}, {args.new_tokens} new tokens, "
-          f"{'sampling' if args.sample else 'greedy'}, {'bf16' if args.precision == 'bf16' else 'fp32'}, {where}; "
+          f"{'sampling' if args.sample else 'greedy'}, {'bf16' if args.precision == 'bf16' else 'fp32'}, {device_description()}; "
           f"median of {args.rounds}")
     print(f"{'shape':<8} {'HF tok/s':>10} {'ours tok/s':>11} {'ratio':>7} {'same tokens':>12} "
           f"{'prefill ms':>11} {'decode step ms':>15} {'floor step ms':>14} {'ratio at floor':>15}")

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from common import (bench_device, build_pair, default_precision, init_single_process, machine, matmul_peak_gflops,
-                    race, synchronize, write_json)
+from common import (bench_device, build_pair, default_precision, device_description, init_single_process, machine,
+                    matmul_peak_gflops, race, synchronize, write_json)
 
 
 def model_flops_per_token(cfg: dict, seq: int, params: int) -> float:
@@ -83,8 +83,7 @@ def main(argv=None) -> dict:
         row["ours_mfu"] = row["ours_tok_s"] * flops / 1e9 / peak
         rows.append(row)
         del ours, hf
-    where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"\nSFT step, batch {args.batch} x {args.seq} tokens, {'bf16' if bf16 else 'fp32'}, {where}, "
+    print(f"\nSFT step, batch {args.batch} x {args.seq} tokens, {'bf16' if bf16 else 'fp32'}, {device_description()}, "
           f"matmul peak {peak:.0f} GFLOP/s; median of {args.rounds} runs of {args.steps} steps")
     print(f"{'shape':<8} {'params':>8} {'HF tok/s':>9} {'ours tok/s':>11} {'ratio':>6} {'HF MFU':>7} {'ours MFU':>9}")
     for r in rows:

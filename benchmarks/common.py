@@ -48,6 +48,11 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def device_description() -> str:
+    """What the timings ran on, for the printed tables: the GPU's name, or the CPU and its threads."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
+
+
 def default_precision() -> str:
     """bf16 on a GPU (what runs there), float32 on the CPU (this CPU's bf16 matmuls are slower)."""
     return "bf16" if torch.cuda.is_available() else "32"
