@@ -74,6 +74,10 @@ def test_two_steps_checkpoints_and_resume(tmp_path, ppo_data, rm_nemo, sft_nemo)
                 "train/time/logprobs", "train/time/init_logprobs", "train/time/critic_infer_wait", "train/time/train"):
         assert key in metrics[0], key
     assert any("train/samples" in r for r in read_metrics(actor_dir))  # the prompt/response/reward table
+    # The server logs its busy seconds with each critic_train: the call itself, and critic_infer since the last one.
+    critic_times = [r for r in read_metrics(critic_dir) if "critic/time/train" in r]
+    assert len(critic_times) == 2, critic_times
+    assert all(r["critic/time/train"] > 0 and r["critic/time/infer"] > 0 for r in critic_times), critic_times
     actor_ckpts = [c for c in os.listdir(actor_dir / "checkpoints") if c.startswith("megatron_gpt-step=2")]
     critic_ckpts = [c for c in os.listdir(critic_dir / "checkpoints") if "step=" in c and not c.endswith(".tmp")]
     assert actor_ckpts and critic_ckpts

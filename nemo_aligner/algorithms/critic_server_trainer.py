@@ -108,6 +108,10 @@ class CriticServerTrainer:
                     time.monotonic() - start)
         return mean
 
+    def log_times(self, **seconds: float) -> None:
+        """Log the server's busy seconds per kind of request (``critic/time/<kind>``) at the current step."""
+        self.logger.log_metrics({f"time/{k}": v for k, v in seconds.items()}, step=self.step, prefix="critic/")
+
     def save(self, metrics: Optional[Dict[str, float]] = None) -> Optional[str]:
         """Collective: a training checkpoint of the critic (what ``critic_save`` and shutdown call)."""
         if self.ckpt_callback is None:

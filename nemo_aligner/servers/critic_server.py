@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Optional
 
 import numpy as np
@@ -60,6 +61,9 @@ class CriticServer:
         self.key = key
         self.lock = threading.Lock()
         self.pad_id = model.tokenizer.eos_id
+        # seconds spent serving critic_infer since the last critic_train, logged with it
+        # (``critic/time/infer``): with ``critic/time/train`` the server's busy time per PPO step
+        self.infer_seconds = 0.0
 
     # ----------------------------------------------------------------- compute (every rank)
     def _forward(self, tokens: Optional[np.ndarray], lengths: Optional[np.ndarray]) -> torch.Tensor:
@@ -93,8 +97,10 @@ class CriticServer:
         tokens, lengths, real = pad_request(tokens, lengths, self.pad_id, self.dp * self.micro_batch_size,
                                             self.strip_to_multiple)
         with self.lock:
+            start = time.monotonic()
             broadcast_signal(ServerSignal.FORWARD)
             out = self._forward(tokens, lengths)[:real].numpy()
+            self.infer_seconds += time.monotonic() - start
         values = np.zeros((real, width), dtype=np.float32)
         used = min(width, out.shape[1] - 1)
         values[:, :used] = out[:, 1 : 1 + used]
@@ -115,8 +121,11 @@ class CriticServer:
         data = (tokens, np.asarray(returns, np.float32), np.asarray(prev_values, np.float32),
                 np.asarray(mask, np.float32))
         with self.lock:
+            start = time.monotonic()
             broadcast_signal(ServerSignal.TRAIN)
             loss = self._train(data)
+            self.trainer.log_times(train=time.monotonic() - start, infer=self.infer_seconds)
+            self.infer_seconds = 0.0
         return {"loss_mean": np.array([loss], dtype=np.float32)}
 
     def save(self, dummy_var=None):
