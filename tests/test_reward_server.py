@@ -192,6 +192,8 @@ def test_request_padding_and_trimming():
     assert (out[:3] == tokens[:, :8]).all() and (out[3] == -1).all() and lens.tolist() == [4, 6, 5, 1]
     wide, _, _ = pad_request(tokens[:, :5], np.array([5, 5, 5]), pad_id=-1, row_multiple=1, strip_to_multiple=8)
     assert wide.shape == (3, 8) and (wide[:, 5:] == -1).all()  # rounding up past the width pads
+    trimmed, _, real = pad_request(tokens, lengths, pad_id=-1, row_multiple=1)  # no multiple: the longest
+    assert real == 3 and trimmed.shape == (3, 6) and (trimmed == tokens[:, :6]).all()
     with pytest.raises(BadRequest, match="3 token rows but 2 sequence_lengths"):
         check_request(tokens, np.array([1, 2]))
     with pytest.raises(BadRequest, match=r"longer than the model's 8"):

@@ -178,3 +178,16 @@ def test_accelerator_must_match_the_machine(monkeypatch):
             check("cpu")
             with pytest.raises(ConfigError, match="trainer.accelerator=gpu but no GPU is visible"):
                 check("gpu")
+
+
+def test_ppo_local_splits_the_cores_between_its_jobs(monkeypatch):
+    """Critic server and actor run at once: without OMP_NUM_THREADS each process gets an even share
+    of the cores (at least one); a user's setting is kept."""
+    from nemo_aligner.launchers.ppo_local import job_env
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert job_env(2, {"PATH": "/bin"}) == {"PATH": "/bin", "OMP_NUM_THREADS": "8"}
+    assert job_env(1 + 4, {})["OMP_NUM_THREADS"] == "3"
+    assert job_env(32, {})["OMP_NUM_THREADS"] == "1"
+    assert job_env(2, {"OMP_NUM_THREADS": "6"})["OMP_NUM_THREADS"] == "6"
+    assert job_env(2, {"OMP_NUM_THREADS": ""})["OMP_NUM_THREADS"] == "8"  # empty counts as unset

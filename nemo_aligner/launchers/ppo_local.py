@@ -6,7 +6,9 @@
                 "++model.data.data_prefix={train: [prompts.jsonl], validation: [val.jsonl]}"
 
 Both jobs get matching ports (a free one unless ``--port`` is given). ``--critic-nproc`` and
-``--actor-nproc`` start them under torchrun. The server is stopped with SIGTERM (it saves its
+``--actor-nproc`` start them under torchrun. Unless ``OMP_NUM_THREADS`` is set, the machine's cores
+are split evenly between the processes of both jobs: they run at the same time (the critic serves
+while the actor generates and trains), and each torch process would otherwise use every core. The server is stopped with SIGTERM (it saves its
 checkpoint on the way out) whatever happens to the actor; the exit status is the actor's.
 """
 
@@ -34,6 +36,18 @@ def command(script: str, nproc: int, overrides: List[str]) -> List[str]:
         return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                 f"--master_port={free_port()}", path, f"trainer.devices={nproc}", *overrides]
     return [sys.executable, path, *overrides]
+
+
+def job_env(processes: int, environ=None) -> dict:
+    """The environment of both jobs: ``OMP_NUM_THREADS`` (torch's intra-op threads) set to the
+    available cores over ``processes`` when it is not set already. Oversubscribed cores cost more
+    than they overlap: a tiny-model PPO step on 2 cores took 4.4 s with 2 threads per job, 3.5 s
+    with 1 (``benchmarks/bench_ppo.py``)."""
+    env = dict(os.environ if environ is None else environ)
+    if not env.get("OMP_NUM_THREADS"):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        env["OMP_NUM_THREADS"] = str(max(1, cores // max(1, processes)))
+    return env
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 120.0) -> None:
@@ -69,10 +83,12 @@ def run(critic_overrides: List[str], actor_overrides: List[str], critic_nproc: i
                         f"trainer.ppo.metrics_port={free_port()}"]
     actor_overrides = [*actor_overrides, "remote_critic_rm.critic.ip=127.0.0.1", f"remote_critic_rm.critic.port={port}"]
     log_path = critic_log or tempfile.NamedTemporaryFile(prefix="critic_server_", suffix=".log", delete=False).name
-    print(f"starting the critic server on 127.0.0.1:{port} (log: {log_path})", flush=True)
+    env = job_env(critic_nproc + actor_nproc)
+    print(f"starting the critic server on 127.0.0.1:{port} (log: {log_path}); {env['OMP_NUM_THREADS']} "
+          f"thread(s) per process", flush=True)
     with open(log_path, "w", encoding="utf-8") as log:
         critic = subprocess.Popen(command("serve_ppo_critic.py", critic_nproc, critic_overrides), stdout=log,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+                                  stderr=subprocess.STDOUT, start_new_session=True, env=env)
     actor = None
     previous = {}
 
@@ -86,7 +102,7 @@ def run(critic_overrides: List[str], actor_overrides: List[str], critic_nproc: i
     try:
         wait_ready(critic, log_path, ready_timeout_s)
         print("critic server ready; starting the actor", flush=True)
-        actor = subprocess.Popen(command("train_gpt_ppo_actor.py", actor_nproc, actor_overrides))
+        actor = subprocess.Popen(command("train_gpt_ppo_actor.py", actor_nproc, actor_overrides), env=env)
         code = actor.wait()
     except RuntimeError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)

@@ -43,15 +43,18 @@ def check_request(tokens: np.ndarray, lengths: np.ndarray, max_seq_length: Optio
 
 def pad_request(tokens: np.ndarray, lengths: np.ndarray, pad_id: int, row_multiple: int,
                 strip_to_multiple: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray, int]:
-    """Trim the sequence width to the longest sequence (rounded up to ``strip_to_multiple``) and add
-    padding rows (length 1) up to a multiple of ``row_multiple``; returns the real row count too."""
+    """Trim the sequence width to the longest sequence (rounded up to ``strip_to_multiple`` when
+    given) and add padding rows (length 1) up to a multiple of ``row_multiple``; returns the real
+    row count too. Clients pad requests to one width so the server can batch them (e.g. the PPO
+    actor's ``remote_critic_rm.pad_to_length``, the model's whole context); computing over that
+    padding would only produce values that are thrown away."""
     real = tokens.shape[0]
-    if strip_to_multiple:
-        width = int(-(-lengths.max() // strip_to_multiple) * strip_to_multiple)
-        if width <= tokens.shape[1]:
-            tokens = tokens[:, :width]
-        else:
-            tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])), constant_values=pad_id)
+    multiple = int(strip_to_multiple or 1)
+    width = int(-(-lengths.max() // multiple) * multiple)
+    if width <= tokens.shape[1]:
+        tokens = tokens[:, :width]
+    else:
+        tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])), constant_values=pad_id)
     rows = -(-real // row_multiple) * row_multiple
     if rows > real:
         tokens = np.concatenate([tokens, np.full((rows - real, tokens.shape[1]), pad_id, dtype=np.int64)])
