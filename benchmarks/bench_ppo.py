@@ -17,7 +17,6 @@ so overlapping helps less than on separate GPUs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -48,11 +47,6 @@ def save_models(shape: str, seq: int, work: str):
     return actor, rm
 
 
-def read_jsonl(path: str) -> list:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="tiny")
@@ -67,6 +61,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     from nemo_aligner.data.nlp.builtin_task import BuiltinTask
+    from nemo_aligner.data.nlp.jsonl import read_jsonl
 
     init_single_process()  # the models are built here only to be saved
     work = tempfile.mkdtemp(prefix="bench_ppo_")
