@@ -9,13 +9,13 @@ GRPO through the Python API. Prints a summary table and writes ``report.png`` wi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
 import sys
 
 from nemo_aligner.data.nlp.builtin_task import BuiltinTask
+from nemo_aligner.data.nlp.jsonl import read_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "examples", "nlp", "gpt")
@@ -30,13 +30,11 @@ def run(script: str, overrides: list) -> None:
 def loss_table(metrics_path: str) -> list:
     """``(step, train loss, validation loss)`` at each validation."""
     train, rows = {}, []
-    with open(metrics_path, encoding="utf-8") as f:
-        for line in f:
-            record = json.loads(line)
-            if "train/loss" in record:
-                train[record["step"]] = record["train/loss"]
-            if "val/loss" in record:
-                rows.append((record["step"], train.get(record["step"]), record["val/loss"]))
+    for record in read_jsonl(metrics_path):
+        if "train/loss" in record:
+            train[record["step"]] = record["train/loss"]
+        if "val/loss" in record:
+            rows.append((record["step"], train.get(record["step"]), record["val/loss"]))
     return rows
 
 
@@ -83,11 +81,6 @@ def main(argv=None) -> None:
     report(out)
 
 
-def read_metrics(path: str) -> list:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
-
-
 def series(records: list, key: str) -> tuple:
     points = [(r["step"], r[key]) for r in records if key in r]
     return [p[0] for p in points], [p[1] for p in points]
@@ -95,7 +88,7 @@ def series(records: list, key: str) -> tuple:
 
 def report(out: str) -> None:
     """The summary table, and ``report.png`` with every stage's curves."""
-    runs = {name: read_metrics(os.path.join(out, d, "metrics.jsonl"))
+    runs = {name: read_jsonl(os.path.join(out, d, "metrics.jsonl"))
             for name, d in (("sft", "sft"), ("rm", "rm"), ("ppo", "ppo_actor"), ("dpo", "dpo"), ("grpo", "grpo/fit_1"))}
     first_last = lambda name, key: (series(runs[name], key)[1][0], series(runs[name], key)[1][-1])  # noqa: E731
     rows = [
@@ -168,12 +161,10 @@ def dpo_stage(out: str, paths: dict, sft_nemo: str, steps: int) -> None:
         "model.optim.lr=2e-4", f"exp_manager.explicit_log_dir={dpo_dir}", "exp_manager.resume_if_exists=False",
     ])
     print("\nDPO (policy from the SFT model, reference = the SFT model), held-out pairs:")
-    with open(os.path.join(dpo_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        for line in f:
-            record = json.loads(line)
-            if "val/accuracy" in record:
-                print(f"  step {record['step']:>4}: preference accuracy {record['val/accuracy']:.3f}, "
-                      f"reward margin {record['val/reward_margin']:.3f}")
+    for record in read_jsonl(os.path.join(dpo_dir, "metrics.jsonl")):
+        if "val/accuracy" in record:
+            print(f"  step {record['step']:>4}: preference accuracy {record['val/accuracy']:.3f}, "
+                  f"reward margin {record['val/reward_margin']:.3f}")
     print(f"  policy: {os.path.join(dpo_dir, 'checkpoints', 'megatron_gpt.nemo')}")
 
 
@@ -200,13 +191,11 @@ def ppo_stage(out: str, paths: dict, sft_nemo: str, rm_nemo: str, steps: int) ->
     if code != 0:
         raise SystemExit(f"PPO failed (status {code}); critic log: {os.path.join(out, 'ppo_critic_server.log')}")
     rewards, val = [], {}
-    with open(os.path.join(actor_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        for line in f:
-            record = json.loads(line)
-            if "train/rewards" in record:
-                rewards.append(record["train/rewards"])
-            if "val/global_rewards" in record:
-                val[record["step"]] = record["val/global_rewards"]
+    for record in read_jsonl(os.path.join(actor_dir, "metrics.jsonl")):
+        if "train/rewards" in record:
+            rewards.append(record["train/rewards"])
+        if "val/global_rewards" in record:
+            val[record["step"]] = record["val/global_rewards"]
     print("\nPPO (actor from the SFT model, reward from the co-located reward model):")
     for step, value in sorted(val.items()):
         print(f"  step {step:>3}: validation reward {value:.3f}")
@@ -226,11 +215,9 @@ def reward_model_stage(out: str, paths: dict, sft_nemo: str, steps: int) -> str:
         f"exp_manager.explicit_log_dir={rm_dir}", "exp_manager.resume_if_exists=False",
     ])
     print("\nReward model (Bradley-Terry on chosen/rejected pairs), held-out accuracy:")
-    with open(os.path.join(rm_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        for line in f:
-            record = json.loads(line)
-            if "val/accuracy" in record:
-                print(f"  step {record['step']:>4}: {record['val/accuracy']:.3f}")
+    for record in read_jsonl(os.path.join(rm_dir, "metrics.jsonl")):
+        if "val/accuracy" in record:
+            print(f"  step {record['step']:>4}: {record['val/accuracy']:.3f}")
     return os.path.join(rm_dir, "checkpoints", "megatron_gpt.nemo")
 
 
