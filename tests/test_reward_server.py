@@ -200,6 +200,32 @@ def test_request_padding_and_trimming():
         check_request(tokens, np.array([9, 2, 2]), max_seq_length=8)
 
 
+def test_pytriton_timeout_rounding_warning_is_silenced_only_for_pytriton():
+    """PyTriton warns at random when its readiness check eats into the init timeout (its network
+    timeout is then 'too big' by a few ms); a client silences exactly that warning."""
+    import warnings
+
+    import tritonclient.http
+    from pytriton.client.utils import _warn_on_too_big_network_timeout
+    from pytriton.client.warnings import NotSupportedTimeoutWarning
+
+    from nemo_aligner.servers.clients import TritonModelClient
+
+    http = tritonclient.http.InferenceServerClient(f"127.0.0.1:{free_port()}", network_timeout=3.0,
+                                                   connection_timeout=3.0)  # connects lazily
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _warn_on_too_big_network_timeout(http, 2.99)  # what PyTriton does 10 ms into a 3 s init
+        assert [w.category for w in caught] == [NotSupportedTimeoutWarning]
+        caught.clear()
+        TritonModelClient("127.0.0.1", free_port(), "reward_model", "remote_rm", timeout_s=3.0, check=False).close()
+        _warn_on_too_big_network_timeout(http, 2.99)
+        assert caught == []
+        warnings.warn("the same class raised elsewhere is still shown", NotSupportedTimeoutWarning)
+        assert [str(w.message) for w in caught] == ["the same class raised elsewhere is still shown"]
+    http.close()
+
+
 @pytest.fixture
 def slow_server(tmp_path):
     """A server whose first two requests take 5 s each (one at a time), then answers at once."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import warnings
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -94,6 +95,19 @@ class ServerFuture:
         return tuple(outputs[name] for name in self._output)
 
 
+def ignore_pytriton_timeout_rounding_warning() -> None:
+    """Silence PyTriton's ``NotSupportedTimeoutWarning`` from its own client utilities.
+
+    PyTriton 0.7 sets the HTTP network timeout to ``init_timeout_s`` and then asks for the model
+    config with the init time *left*, which is smaller by however long the readiness check took;
+    it warns whenever that is over 0.1% (3 ms at a 3 s timeout), i.e. at random on a busy server.
+    The requested timeout is still enforced, so the warning says nothing to users. Idempotent.
+    """
+    from pytriton.client.warnings import NotSupportedTimeoutWarning
+
+    warnings.filterwarnings("ignore", category=NotSupportedTimeoutWarning, module=r"pytriton\.client\.utils")
+
+
 class TritonModelClient:
     """One PyTriton model on a server, called asynchronously; close it (or use ``with``).
 
@@ -114,6 +128,7 @@ class TritonModelClient:
         self.retries = int(retries)
         if check:
             check_reachable(host, port, key, wait_s=wait_s)
+        ignore_pytriton_timeout_rounding_warning()
         self._client = FuturesModelClient(self.where, model_name, init_timeout_s=self.timeout_s,
                                           inference_timeout_s=self.timeout_s)
 
