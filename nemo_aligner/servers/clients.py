@@ -101,7 +101,8 @@ def ignore_pytriton_timeout_rounding_warning() -> None:
     PyTriton 0.7 sets the HTTP network timeout to ``init_timeout_s`` and then asks for the model
     config with the init time *left*, which is smaller by however long the readiness check took;
     it warns whenever that is over 0.1% (3 ms at a 3 s timeout), i.e. at random on a busy server.
-    The requested timeout is still enforced, so the warning says nothing to users. Idempotent.
+    The most a request can overrun its timeout by is that readiness check's time, so the warning
+    tells users nothing they can act on. Idempotent.
     """
     from pytriton.client.warnings import NotSupportedTimeoutWarning
 
