@@ -9,6 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import TINY_ARCH, TINY_GPT2_ARCH, WORKERS, run_python
+from nemo_aligner.utils import cpu_gemm
 from nemo_aligner.utils.generation import LengthParams, SamplingParams, generate, sample
 from nemo_aligner.utils.tokenizers import ByteTokenizer
 
@@ -61,6 +62,19 @@ def test_cached_logits_equal_forward(mcore_single, extra):
     """Not only the argmax: the decoder's logits at every step equal the full forward's (also with
     query/key layer norms, which take the decoder's separate query and key path, and with RoPE on
     part of each head, where the rest passes through)."""
+    check_cached_logits_equal_forward(extra)
+
+
+@pytest.mark.parametrize("backend", [b for b in cpu_gemm.BACKENDS if cpu_gemm.available(b)])
+def test_cached_logits_equal_forward_with_every_gemm_backend(mcore_single, monkeypatch, backend):
+    """Each packed-GEMM backend the decode loop can pick on some CPU gives the same logits."""
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, backend)
+    decoder = check_cached_logits_equal_forward({})
+    assert decoder.gemm_backend == backend
+    assert bool(decoder.packed) == (backend != "plain")
+
+
+def check_cached_logits_equal_forward(extra):
     from nemo_aligner.utils.generation import KVCacheDecoder
 
     model = build(dict(TINY_ARCH, **extra), seed=3)
@@ -77,6 +91,7 @@ def test_cached_logits_equal_forward(mcore_single, extra):
     last = decoder.forward(tokens[:, -1:], (slots - pad[:, None])[:, -1:], longest - 1, slots >= pad[:, None])
     assert torch.allclose(last[0], full_logits(model, a), atol=1e-4)
     assert torch.allclose(last[1], full_logits(model, b), atol=1e-4)
+    return decoder
 
 
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 30.0])

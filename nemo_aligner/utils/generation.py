@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nemo_aligner.models.nlp.gpt.lean_ops import rotary_from_tables
+from nemo_aligner.utils import cpu_gemm
 from nemo_aligner.utils.errors import ConfigError
 
 
@@ -85,18 +86,13 @@ def _gather_vocab(logits: torch.Tensor, tp: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def _pack_linear_weights(module, batch: int) -> dict:
-    """MKL-packed copies of a CPU float32 model's 2-D weights for ``batch``-row matmuls, keyed by
-    ``id(weight)``; empty where MKL's packed GEMM is unavailable.
+def _pack_linear_weights(module, batch: int, backend: str) -> dict:
+    """Packed copies (``cpu_gemm.pack``) of a CPU float32 model's 2-D weights for ``batch``-row
+    matmuls, keyed by ``id(weight)``; empty where they cannot be packed.
 
-    Decode steps multiply a few rows by every weight matrix; MKL's packed format (what
-    torch.compile's CPU weight prepacking uses) runs those ~1.4x faster with bit-identical results.
     Packing costs one pass over the weights per ``generate`` call, so weights updated between
     rollouts are always current.
     """
-    mkl = getattr(torch.ops, "mkl", None)
-    if mkl is None or not hasattr(mkl, "_mkl_linear") or not torch.backends.mkl.is_available():
-        return {}
     weights = []
     for layer in module.decoder.layers:
         attention, mlp = layer.self_attention, layer.mlp
@@ -106,11 +102,10 @@ def _pack_linear_weights(module, batch: int) -> dict:
                        else module.output_layer.weight)
     packed = {}
     for param in weights:
-        if param is not None and param.dim() == 2 and param.dtype == torch.float32 and param.device.type == "cpu":
-            try:
-                packed[id(param)] = mkl._mkl_reorder_linear_weight(param.detach(), batch)
-            except RuntimeError:  # a build without the packed kernels: plain matmuls
-                return {}
+        if param is not None:
+            matrix = cpu_gemm.pack(param, batch, backend)
+            if matrix is not None:
+                packed[id(param)] = matrix
     return packed
 
 
@@ -196,7 +191,8 @@ class KVCacheDecoder:
         self.layer_values = [c[:, :, 1] for c in self.layer_cache]
         self.dtype = dtype
         self.tp = tp
-        self.packed = _pack_linear_weights(module, batch) if tp == 1 else {}
+        self.gemm_backend = cpu_gemm.decode_gemm_backend() if self.device.type == "cpu" else "plain"
+        self.packed = _pack_linear_weights(module, batch, self.gemm_backend) if tp == 1 else {}
         self.packed_batch = batch
         self.rope = getattr(module, "rotary_pos_emb", None) if module.position_embedding_type == "rope" else None
         if self.rope is not None:  # cos/sin tables once, not per layer and step
@@ -214,7 +210,7 @@ class KVCacheDecoder:
 
     def _linear(self, linear, weight: Optional[torch.Tensor] = None):
         """A megatron-core parallel linear layer (bias included) as a callable; without tensor
-        parallelism a plain (MKL-packed where possible) matmul, with no autograd-function and
+        parallelism a plain (packed where possible) matmul, with no autograd-function and
         communication wrappers per token."""
         direct = _is_mcore_parallel_layer(linear)
         # Transformer Engine's linears (some with the layer norm fused in) are called as modules.
@@ -224,12 +220,7 @@ class KVCacheDecoder:
                 return out + bias if bias is not None else out
             return call
         weight = linear.weight if weight is None else weight
-        bias = linear.bias
-        packed = self.packed.get(id(weight))
-        if packed is not None:
-            mkl_linear, batch = torch.ops.mkl._mkl_linear, self.packed_batch
-            return lambda x: mkl_linear(x, packed, weight, bias, batch)
-        return lambda x: F.linear(x, weight, bias)
+        return cpu_gemm.linear(weight, linear.bias, self.packed.get(id(weight)), self.packed_batch, self.gemm_backend)
 
     def _embedding(self, embedding):
         """``(tokens [B, S], positions [B, S]) -> [S, B, H]``: megatron-core's embedding module, or

@@ -1,0 +1,99 @@
+"""Packed float32 weights for the decode loop's skinny matmuls on the CPU.
+
+A decode step multiplies a few rows (one token per sequence) by every weight matrix. Which
+library's packed GEMM runs that fastest depends on the CPU (measured, see benchmarks/README.md):
+
+- Intel Xeon (AVX-512): MKL's packed GEMM (``torch.ops.mkl._mkl_linear``) is ~1.4x faster than
+  ``F.linear`` and bit-identical to it.
+- AMD EPYC (Zen 3, AVX2): MKL's packed GEMM is no faster than ``F.linear`` (MKL's small-matrix
+  kernels are tuned for Intel CPUs); oneDNN's packed GEMM (``torch.ops.mkldnn._linear_pointwise``,
+  dispatched by instruction set, not vendor) takes 0.75x the time on the tiny benchmark model and
+  0.59x on the small one. Its results differ from ``F.linear`` by float32 rounding only.
+
+``NEMO_ALIGNER_DECODE_GEMM`` (``auto`` | ``mkl`` | ``onednn`` | ``plain``) overrides the choice.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from nemo_aligner.utils.errors import ConfigError
+
+ENV_VAR = "NEMO_ALIGNER_DECODE_GEMM"
+BACKENDS = ("mkl", "onednn", "plain")
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``, ...), or "" where unknown."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def available(backend: str) -> bool:
+    """Whether this torch build has ``backend``'s packed-GEMM ops."""
+    if backend == "mkl":
+        mkl = getattr(torch.ops, "mkl", None)
+        return torch.backends.mkl.is_available() and mkl is not None and hasattr(mkl, "_mkl_linear")
+    if backend == "onednn":
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return backend == "plain"
+
+
+def decode_gemm_backend() -> str:
+    """The packed-GEMM backend for CPU decode steps: ``NEMO_ALIGNER_DECODE_GEMM`` if set (an
+    unavailable one is an error), else MKL on Intel CPUs, oneDNN on other x86 CPUs, plain
+    ``F.linear`` elsewhere or where the chosen library is missing."""
+    requested = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if requested not in ("auto",) + BACKENDS:
+        raise ConfigError(f"{ENV_VAR}={requested!r}: expected one of auto, {', '.join(BACKENDS)}")
+    if requested != "auto":
+        if not available(requested):
+            raise ConfigError(f"{ENV_VAR}={requested!r}: this torch build has no {requested} packed GEMM")
+        return requested
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "plain"
+    preferred = "mkl" if cpu_vendor() == "GenuineIntel" else "onednn"
+    return preferred if available(preferred) else "plain"
+
+
+def pack(weight: torch.Tensor, rows: int, backend: str) -> Optional[torch.Tensor]:
+    """``weight`` [out, in] packed by ``backend`` for ``rows``-row inputs; None when it cannot be
+    packed (not a float32 CPU matrix, the plain backend, or a build without the packed kernels)."""
+    if backend == "plain" or weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    try:
+        if backend == "mkl":
+            return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+    except RuntimeError:
+        return None
+
+
+def linear(weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[torch.Tensor], rows: int,
+           backend: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> x @ weight.T + bias`` through ``packed`` (from :func:`pack` with the same ``rows`` and
+    ``backend``), or ``F.linear`` when ``packed`` is None (and, for oneDNN, for inputs of more than
+    ``rows`` rows)."""
+    if packed is None:
+        return lambda x: F.linear(x, weight, bias)
+    if backend == "mkl":
+        mkl_linear = torch.ops.mkl._mkl_linear
+        return lambda x: mkl_linear(x, packed, weight, bias, rows)
+    onednn_linear = torch.ops.mkldnn._linear_pointwise
+    # oneDNN is faster only for skinny inputs: a prefill's thousands of rows run ~10% faster on MKL
+    # (measured on the small benchmark model, Zen 3).
+    skinny = rows * weight.shape[1]
+    return lambda x: onednn_linear(x, packed, bias, "none", [], "") if x.numel() <= skinny else F.linear(x, weight, bias)
