@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from common import build_pair, init_single_process, machine, write_json
+from common import build_pair, device_description, init_single_process, machine, write_json
 
 
 def byte_tokenizer_dir(path: str) -> str:
@@ -218,7 +218,7 @@ def main(argv=None) -> dict:
                                "ours": statistics.mean(all_of("ours_lengths") or [float("nan")])}}
     trl_phases = row["trl_profiled_blocks_s"]
     print(f"\nGRPO step, {args.prompts} prompts x {args.generations} responses, up to {args.new_tokens} new tokens, "
-          f"{args.shape} model, fp32, {torch.get_num_threads()} threads")
+          f"{args.shape} model, fp32, {device_description()}")
     print(f"TRL {trl.__version__}: {trl_step:.2f} s/step; ours: {ours_step:.2f} s/step; "
           f"ratio (ours/TRL time, median of {args.rounds} alternating rounds) {row['ratio']:.2f} "
           f"(rounds: {', '.join(f'{r:.2f}' for r in row['round_ratios'])})")

@@ -25,7 +25,7 @@ import tempfile
 
 import torch
 
-from common import init_single_process, machine, model_cfg, write_json
+from common import cpu_model, init_single_process, machine, model_cfg, write_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -116,7 +116,7 @@ def main(argv=None) -> dict:
            "steps": timed}
     print(f"\nPPO step, {args.rollouts} rollouts ({args.rollout_micro_batch} per generate call), "
           f"{args.new_tokens} new tokens, {args.shape} model, fp32, actor and critic server each with "
-          f"{torch.get_num_threads()} threads on this machine; medians over {len(timed)} steps")
+          f"{torch.get_num_threads()} threads on this machine ({cpu_model()}); medians over {len(timed)} steps")
     print("| phase | seconds per step |\n|---|---|")
     for name, seconds in phases.items():
         if name != "step":

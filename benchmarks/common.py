@@ -48,9 +48,26 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the architecture where it cannot be read:
+    ratios depend on it (MKL's small-matrix kernels, for one, are much slower on AMD CPUs)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def device_description() -> str:
     """What the timings ran on, for the printed tables: the GPU's name, or the CPU and its threads."""
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    from nemo_aligner.utils.cpu_gemm import decode_gemm_backend
+
+    return f"CPU {cpu_model()}, {torch.get_num_threads()} threads, decode GEMM {decode_gemm_backend()}"
 
 
 def default_precision() -> str:
@@ -126,7 +143,10 @@ def median(values: List[float]) -> float:
 
 
 def machine() -> dict:
-    return {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+    from nemo_aligner.utils.cpu_gemm import decode_gemm_backend
+
+    return {"cpu": platform.processor() or platform.machine(), "cpu_model": cpu_model(),
+            "decode_gemm": decode_gemm_backend(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "cuda": torch.cuda.is_available(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
