@@ -5,10 +5,11 @@ library's packed GEMM runs that fastest depends on the CPU (measured, see benchm
 
 - Intel Xeon (AVX-512): MKL's packed GEMM (``torch.ops.mkl._mkl_linear``) is ~1.4x faster than
   ``F.linear`` and bit-identical to it.
-- AMD EPYC (Zen 3, AVX2): MKL's packed GEMM is no faster than ``F.linear`` (MKL's small-matrix
-  kernels are tuned for Intel CPUs); oneDNN's packed GEMM (``torch.ops.mkldnn._linear_pointwise``,
-  dispatched by instruction set, not vendor) takes 0.75x the time on the tiny benchmark model and
-  0.59x on the small one. Its results differ from ``F.linear`` by float32 rounding only.
+- AMD EPYC (Zen 3, AVX2): MKL's packed GEMM is no faster than ``F.linear`` (presumably MKL's fast
+  small-matrix paths are selected for Intel CPUs only); oneDNN's packed GEMM
+  (``torch.ops.mkldnn._linear_pointwise``, dispatched by instruction set, not vendor) runs a decode
+  step's matmuls in 0.75x the time on the tiny benchmark model and 0.59x on the small one. Its
+  results differ from ``F.linear`` by float32 rounding only.
 
 ``NEMO_ALIGNER_DECODE_GEMM`` (``auto`` | ``mkl`` | ``onednn`` | ``plain``) overrides the choice.
 """
