@@ -51,14 +51,9 @@ def synchronize() -> None:
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``), or the architecture where it cannot be read:
     ratios depend on it (MKL's small-matrix kernels, for one, are much slower on AMD CPUs)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from nemo_aligner.utils.cpu_gemm import cpuinfo
+
+    return cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def device_description() -> str:

@@ -66,12 +66,18 @@ def test_environment_override_and_its_errors(monkeypatch):
         cpu_gemm.decode_gemm_backend()
 
 
-def test_cpu_vendor_reads_this_machine():
+def test_cpuinfo_fields_of_this_machine():
     vendor = cpu_gemm.cpu_vendor()
-    assert isinstance(vendor, str)
     try:
-        text = open("/proc/cpuinfo").read()
+        lines = open("/proc/cpuinfo").read().splitlines()
     except OSError:
-        assert vendor == ""
-    else:
-        assert (vendor in text) if "vendor_id" in text else vendor == ""
+        assert vendor == "" and cpu_gemm.cpuinfo("model name") == ""
+        return
+    first = {}
+    for line in lines:
+        name, sep, value = line.partition(":")
+        if sep:
+            first.setdefault(name.strip(), value.strip())
+    assert vendor == first.get("vendor_id", "")
+    assert cpu_gemm.cpuinfo("model name") == first.get("model name", "")
+    assert cpu_gemm.cpuinfo("no such field") == ""

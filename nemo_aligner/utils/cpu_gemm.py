@@ -31,16 +31,23 @@ BACKENDS = ("mkl", "onednn", "plain")
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_vendor() -> str:
-    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``, ...), or "" where unknown."""
+def cpuinfo(field: str) -> str:
+    """The first CPU's ``field`` in ``/proc/cpuinfo`` (``vendor_id``, ``model name``, ...), or ""
+    where there is no such file or field."""
     try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                name, sep, value = line.partition(":")
+                if sep and name.strip() == field:
+                    return value.strip()
     except OSError:
         pass
     return ""
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``, ...), or "" where unknown."""
+    return cpuinfo("vendor_id")
 
 
 def available(backend: str) -> bool:
