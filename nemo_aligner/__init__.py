@@ -19,6 +19,11 @@ for _message in (
 _logging.getLogger("megatron").setLevel(_logging.WARNING)
 _logging.getLogger("pytriton").setLevel(_logging.WARNING)
 
+# megatron-core's import-time torch.compile decorators import the compiler (2-3 s per process).
+from nemo_aligner.utils import deferred_compile as _deferred_compile  # noqa: E402
+
+_deferred_compile.install()
+
 
 _API = {"GRPOTrainer": "grpo", "SFTTrainer": "sft", "DPOTrainer": "dpo", "BaseTrainer": "base",
         "TrainingResult": "base"}

@@ -1,0 +1,104 @@
+"""Faster start-up: ``torch.compile`` in megatron-core's fusion kernels compiles on first call.
+
+megatron-core 0.16 decorates ~20 small fusion kernels with ``torch.compile`` (``megatron.core.jit``)
+while it imports. The decorator itself imports ``torch._dynamo`` and inductor: 2-3 s of every
+process's start on a CPU, spent even though the local layer spec and our config never call most of
+those kernels. While ``megatron.core`` imports, ``torch.compile(fn)`` on a plain function returns a
+thin wrapper that calls the real ``torch.compile`` the first time it runs. torch compiles lazily
+anyway (on the first call), so what runs is unchanged; only the import of the compiler waits until
+a kernel is used. ``torch.compile`` is restored as soon as the import ends.
+
+``install()`` (called by ``nemo_aligner/__init__.py``) adds a one-shot import hook for
+``megatron.core``; it does nothing if megatron-core was imported first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.abc
+import importlib.machinery
+import inspect
+import sys
+
+
+def compile_on_first_call(real_compile):
+    """A stand-in for ``torch.compile``: plain functions are compiled by ``real_compile`` on their
+    first call; anything else (modules, callables) goes to ``real_compile`` at once."""
+
+    def deferred(model=None, **options):
+        if model is None:  # used as @torch.compile(**options)
+            return lambda fn: deferred(fn, **options)
+        if not inspect.isfunction(model):
+            return real_compile(model, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            import torch
+
+            if torch.compiler.is_compiling():  # inside a compiled caller: let it trace the function
+                return model(*args, **kwargs)
+            if compiled is None:
+                compiled = real_compile(model, **options)
+            return compiled(*args, **kwargs)
+
+        call.__wrapped_uncompiled__ = model
+        return call
+
+    return deferred
+
+
+@contextlib.contextmanager
+def deferred_torch_compile():
+    """Within the block, ``torch.compile`` decorates plain functions without importing the compiler."""
+    import torch
+
+    real = torch.compile
+    torch.compile = compile_on_first_call(real)
+    try:
+        yield
+    finally:
+        torch.compile = real
+
+
+class _DeferCompileLoader(importlib.abc.Loader):
+    """Runs the wrapped loader's ``exec_module`` under ``deferred_torch_compile``."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        with deferred_torch_compile():
+            self._loader.exec_module(module)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+class _MegatronCoreHook(importlib.abc.MetaPathFinder):
+    """Finds ``megatron.core`` once, with the loader wrapped; then takes itself off ``sys.meta_path``."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "megatron.core":
+            return None
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _DeferCompileLoader(spec.loader)
+        return spec
+
+
+def install() -> None:
+    """Defer megatron-core's import-time ``torch.compile`` (see the module docstring)."""
+    if "megatron.core" in sys.modules or any(isinstance(f, _MegatronCoreHook) for f in sys.meta_path):
+        return
+    sys.meta_path.insert(0, _MegatronCoreHook())

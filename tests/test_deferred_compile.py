@@ -1,0 +1,94 @@
+"""megatron-core's import-time torch.compile decorators compile on first call instead."""
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from conftest import subprocess_env
+from nemo_aligner.utils.deferred_compile import compile_on_first_call, deferred_torch_compile
+
+
+class RecordingCompile:
+    """A fake ``torch.compile`` that records what it compiled and marks the results."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, model, **options):
+        self.calls.append((model, options))
+        if isinstance(model, torch.nn.Module):
+            return ("compiled module", model)
+
+        def compiled(*args, **kwargs):
+            return ("compiled", model(*args, **kwargs))
+
+        return compiled
+
+
+def test_functions_compile_once_on_their_first_call():
+    real = RecordingCompile()
+    deferred = compile_on_first_call(real)
+
+    def double(x):
+        return 2 * x
+
+    fn = deferred(double)
+    with_options = deferred(mode="max-autotune")(double)
+    assert real.calls == []  # decorating compiles nothing
+    assert fn.__name__ == "double" and fn.__wrapped_uncompiled__ is double
+    assert fn(3) == ("compiled", 6) and fn(4) == ("compiled", 8)
+    assert real.calls == [(double, {})]  # once, for both calls
+    assert with_options(1) == ("compiled", 2) and real.calls[1] == (double, {"mode": "max-autotune"})
+    module = torch.nn.Linear(2, 2)
+    assert deferred(module, dynamic=True) == ("compiled module", module)  # not a function: at once
+    assert real.calls[2] == (module, {"dynamic": True})
+
+
+def test_methods_and_calls_inside_a_compiled_caller(monkeypatch):
+    real = RecordingCompile()
+    deferred = compile_on_first_call(real)
+
+    class Gate:
+        @deferred
+        def apply(self, x):
+            return x + 1
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert Gate().apply(1) == 2 and real.calls == []  # a compiling caller traces the plain function
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    assert Gate().apply(1) == ("compiled", 2)
+
+
+def test_torch_compile_is_restored_after_the_block():
+    real = torch.compile
+    with deferred_torch_compile():
+        assert torch.compile is not real
+    assert torch.compile is real
+    try:
+        with deferred_torch_compile():
+            raise KeyError("x")
+    except KeyError:
+        pass
+    assert torch.compile is real
+
+
+def test_importing_megatron_core_leaves_the_compiler_unimported():
+    """In a fresh process: nemo_aligner installs the hook, megatron-core imports without torch._dynamo,
+    its fusion kernels are deferred, and torch.compile is the real one again afterwards."""
+    code = """
+import json, sys
+import nemo_aligner, torch
+real = torch.compile
+import megatron.core
+from megatron.core.models.gpt import GPTModel
+from megatron.core.fusions import fused_bias_swiglu
+print(json.dumps({"dynamo": "torch._dynamo" in sys.modules, "restored": torch.compile is real,
+                  "deferred": hasattr(fused_bias_swiglu.swiglu, "__wrapped_uncompiled__"),
+                  "hooks_left": [type(f).__name__ for f in sys.meta_path if "Megatron" in type(f).__name__]}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"dynamo": False, "restored": True, "deferred": True, "hooks_left": []}, got
