@@ -124,6 +124,16 @@ def mcore_single():
     D.destroy()
 
 
+def rm_overrides(data, log_dir, steps, extra=()):
+    """train_reward_model.py overrides: pairwise comparisons from built-in ``data``, ``steps`` steps."""
+    return [
+        "++model.data.data_impl=jsonl",
+        f"++model.data.data_prefix={{train: [{data['rm_train']}], validation: [{data['rm_val']}], test: [{data['rm_val']}]}}",
+        f"exp_manager.explicit_log_dir={log_dir}", f"trainer.rm.max_steps={steps}", "trainer.rm.max_epochs=100",
+        *extra,
+    ]
+
+
 def train_builtin_sft(out, n_train: int, steps: int):
     """SFT of the default tiny GPT on freshly written built-in data under ``out``; returns
     ``(the final .nemo, the data paths)``."""
@@ -148,6 +158,25 @@ def weak_policy(tmp_path_factory):
     """A tiny GPT after only 150 SFT steps (greedy task score ~0.76): room for RL to improve it.
     Returns ``(nemo path, built-in data paths with 1000 train / 64 val examples)``."""
     return train_builtin_sft(tmp_path_factory.mktemp("weak_policy"), n_train=1000, steps=150)
+
+
+@pytest.fixture(scope="session")
+def task_data(tmp_path_factory):
+    """Built-in data with 2000 training and 128 validation examples of each format (RM, PPO)."""
+    from nemo_aligner.data.nlp.builtin_task import BuiltinTask
+
+    return BuiltinTask(seed=0).write_all(str(tmp_path_factory.mktemp("task_data")), n_train=2000, n_val=128)
+
+
+@pytest.fixture(scope="session")
+def reward_model(tmp_path_factory, task_data, sft_nemo):
+    """A pairwise reward model trained for 200 steps from the SFT model on the built-in comparisons
+    (validated at steps 100 and 200): its accuracy is tested, and PPO optimises it. Returns
+    ``(the .nemo, the log directory, the script's stdout)``."""
+    log_dir = tmp_path_factory.mktemp("reward_model")
+    proc = run_script("train_reward_model.py", rm_overrides(task_data, log_dir, 200, [
+        f"pretrained_checkpoint.restore_from_path={sft_nemo}", "trainer.rm.val_check_interval=100"]))
+    return str(log_dir / "checkpoints" / "megatron_gpt.nemo"), log_dir, proc.stdout
 
 
 class ServerProcess:

@@ -13,22 +13,14 @@ from conftest import SCRIPTS, free_port, read_metrics, run_script, subprocess_en
 
 
 @pytest.fixture(scope="module")
-def ppo_data(tmp_path_factory):
-    from nemo_aligner.data.nlp.builtin_task import BuiltinTask
-
-    return BuiltinTask(seed=0).write_all(str(tmp_path_factory.mktemp("ppo_data")), n_train=2000, n_val=128)
+def ppo_data(task_data):
+    return task_data
 
 
 @pytest.fixture(scope="module")
-def rm_nemo(tmp_path_factory, ppo_data, sft_nemo):
+def rm_nemo(reward_model):
     """The reward model PPO optimises: trained from the SFT model on the built-in comparisons."""
-    out = tmp_path_factory.mktemp("ppo_rm")
-    run_script("train_reward_model.py", [
-        f"pretrained_checkpoint.restore_from_path={sft_nemo}",
-        f"++model.data.data_prefix={{train: [{ppo_data['rm_train']}], validation: [{ppo_data['rm_val']}]}}",
-        f"exp_manager.explicit_log_dir={out}", "trainer.rm.max_steps=200", "trainer.rm.max_epochs=100",
-        "trainer.rm.val_check_interval=200"])
-    return str(out / "checkpoints" / "megatron_gpt.nemo")
+    return reward_model[0]
 
 
 @pytest.fixture(scope="module")

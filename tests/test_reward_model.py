@@ -2,12 +2,13 @@
 high held-out accuracy (pairwise) and low error (regression), TP=2 equal to one process, bad data."""
 
 import math
+import os
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import TINY_ARCH, read_metrics, run_script, train_losses, val_losses
+from conftest import TINY_ARCH, read_metrics, rm_overrides, run_script, train_losses, val_losses
 from nemo_aligner.data.nlp.reward_datasets import RewardComparisonDataset, parse_label
 from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import masked_mse, pairwise_loss
 from nemo_aligner.utils.errors import DataError
@@ -112,31 +113,18 @@ def test_head_stays_float32_under_bf16(mcore_single):
     assert r.dtype == torch.float32 and torch.isfinite(r).all()
 
 
-def rm_overrides(data, log_dir, steps, extra=()):
-    return [
-        "++model.data.data_impl=jsonl",
-        f"++model.data.data_prefix={{train: [{data['rm_train']}], validation: [{data['rm_val']}], test: [{data['rm_val']}]}}",
-        f"exp_manager.explicit_log_dir={log_dir}", f"trainer.rm.max_steps={steps}", "trainer.rm.max_epochs=100",
-        *extra,
-    ]
-
-
 @pytest.fixture(scope="module")
-def rm_data(tmp_path_factory):
-    from nemo_aligner.data.nlp.builtin_task import BuiltinTask
-
-    return BuiltinTask(seed=0).write_all(str(tmp_path_factory.mktemp("rm_data")), n_train=2000, n_val=128)
+def rm_data(task_data):
+    return task_data
 
 
-def test_reward_model_reaches_90_percent_held_out(tmp_path, rm_data, sft_nemo):
-    log_dir = tmp_path / "rm"
-    proc = run_script("train_reward_model.py", rm_overrides(rm_data, log_dir, 200, [
-        f"pretrained_checkpoint.restore_from_path={sft_nemo}", "trainer.rm.val_check_interval=100"]))
+def test_reward_model_reaches_90_percent_held_out(reward_model):
+    nemo, log_dir, stdout = reward_model
     metrics = [r for r in read_metrics(log_dir) if "val/accuracy" in r]
-    assert metrics[-1]["step"] == 200 and metrics[-1]["val/pairs"] == 128
+    assert [r["step"] for r in metrics] == [100, 200] and metrics[-1]["val/pairs"] == 128
     assert metrics[-1]["val/accuracy"] >= 0.90, metrics
     assert metrics[-1]["val/rewards_chosen_mean"] > metrics[-1]["val/rewards_rejected_mean"]
-    assert "validation accuracy" in proc.stdout and (log_dir / "checkpoints" / "megatron_gpt.nemo").is_file()
+    assert "validation accuracy" in stdout and os.path.isfile(nemo)
 
 
 def test_regression_reward_model_learns_two_attributes(tmp_path, rm_data, sft_nemo):

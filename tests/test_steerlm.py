@@ -119,17 +119,40 @@ def test_attribute_value_in_the_prompt_steers_generation(tmp_path, sft_nemo):
         "model.optim.lr=1e-3", "exp_manager.create_checkpoint_callback=True"])
     nemo = tmp_path / "run" / "checkpoints" / "megatron_gpt_steerlm.nemo"
     prompts = [json.loads(line)["conversations"][0]["value"] for line in open(data["steerlm_val"])]
-    prompts_file = tmp_path / "prompts.jsonl"
-    prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    prompts_file = tmp_path / "prompts.jsonl"  # every prompt three times, each asking for its own quality
+    prompts_file.write_text("".join(json.dumps({"prompt": p, "attributes": {"quality": q}}) + "\n"
+                                    for q in (0, 2, 4) for p in prompts))
+    out = tmp_path / "steered.jsonl"
+    run_script("generate_gpt.py", [f"gpt_model_file={nemo}", f"prompts_file={prompts_file}", f"output_file={out}",
+                                   "steerlm.attributes={quality: 9}", "inference.tokens_to_generate=12",
+                                   "inference.end_strings=['\n']", "batch_size=64"])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["prompt"], r["attributes"]) for r in rows] == [(p, f"quality:{q}") for q in (0, 2, 4) for p in prompts]
     scores = {}
-    for quality in (0, 2, 4):
-        out = tmp_path / f"q{quality}.jsonl"
-        run_script("generate_gpt.py", [f"gpt_model_file={nemo}", f"prompts_file={prompts_file}", f"output_file={out}",
-                                       f"steerlm.attributes={{quality: {quality}}}", "inference.tokens_to_generate=12",
-                                       "inference.end_strings=['\n']"])
-        rows = [json.loads(line) for line in out.read_text().splitlines()]
-        assert [r["prompt"] for r in rows] == prompts
-        scores[quality] = sum(BuiltinTask.score(BuiltinTask.prompt_text(r["prompt"]), r["response"]) for r in rows) / len(rows)
+    for i, quality in enumerate((0, 2, 4)):
+        chunk = rows[i * len(prompts):(i + 1) * len(prompts)]
+        scores[quality] = sum(BuiltinTask.score(BuiltinTask.prompt_text(r["prompt"]), r["response"]) for r in chunk) / len(chunk)
     print("mean task score by requested quality:", scores)
     assert scores[0] < scores[2] <= scores[4] + 0.05, scores
     assert scores[4] - scores[0] >= 0.3, scores
+
+
+def test_generate_prompts_take_their_own_attributes(tmp_path):
+    """generate_gpt.py's prompts: a record's ``attributes`` wins over steerlm.attributes; bad ones name
+    the file, line and field."""
+    from nemo_aligner.algorithms.generate import read_prompts
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a", "attributes": "quality:1"}\n{"prompt": "b"}\n{"input": "c", "attributes": {"quality": 3}}\n')
+    cfg = OmegaConf.create({"prompts": ["z"], "prompts_file": str(f), "steerlm": {"attributes": {"quality": 4}}})
+    assert read_prompts(cfg) == [("z", {"quality": 4}), ("a", "quality:1"), ("b", {"quality": 4}), ("c", {"quality": 3})]
+    cfg.steerlm.attributes = None
+    assert read_prompts(cfg)[:3] == [("z", None), ("a", "quality:1"), ("b", None)]
+    for bad, message in (('"quality=4"', r"p\.jsonl:2: attributes: attribute 'quality=4'"),
+                         ('{"quality": "high"}', r"p\.jsonl:2: attributes: must be a label string"),
+                         ('[4]', r"p\.jsonl:2: attributes: must be a label string")):
+        f.write_text('{"prompt": "a"}\n{"prompt": "b", "attributes": ' + bad + '}\n')
+        with pytest.raises(DataError, match=message):
+            read_prompts(cfg)
+    with pytest.raises(DataError, match=r"steerlm\.attributes: attribute 'x'"):
+        read_prompts(OmegaConf.create({"prompts": ["z"], "steerlm": {"attributes": "x"}}))

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from typing import List
+from typing import List, Optional, Tuple, Union
 
 from omegaconf import DictConfig, OmegaConf
 
 from nemo_aligner.data.nlp.jsonl import read_jsonl, write_jsonl
-from nemo_aligner.data.nlp.steerlm_labels import steer_prompt
+from nemo_aligner.data.nlp.steerlm_labels import format_label, parse_label, steer_prompt
 from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
 from nemo_aligner.models.nlp.gpt.loading import load_model
 from nemo_aligner.utils.distributed import is_global_rank_zero
@@ -18,14 +18,34 @@ from nemo_aligner.utils.run_setup import init_run
 from nemo_aligner.utils.text_generation import generate_texts
 
 
-def read_prompts(cfg: DictConfig) -> List[str]:
-    prompts = [str(p) for p in (cfg.get("prompts") or [])]
+def _attributes(value, where: str) -> Union[str, dict]:
+    """A prompt's SteerLM attributes (``{"quality": 4}`` or ``"quality:4"``), checked; errors name ``where``."""
+    if isinstance(value, str):
+        parse_label(value, where)
+        return value
+    if isinstance(value, dict) and value and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                 for v in value.values()):
+        return value
+    raise DataError(f"{where}: must be a label string like 'quality:4' or a mapping of attribute "
+                    f"names to numbers, got {value!r}")
+
+
+def read_prompts(cfg: DictConfig) -> List[Tuple[str, Optional[Union[str, dict]]]]:
+    """``(prompt, attributes)`` pairs: ``prompts`` and ``prompts_file`` records, each with its own
+    ``attributes`` field if it has one, else ``steerlm.attributes`` (None: not steered)."""
+    default = (cfg.get("steerlm") or {}).get("attributes")
+    if default is not None:
+        default = default if isinstance(default, str) else OmegaConf.to_container(default)
+        default = _attributes(default, "steerlm.attributes")
+    prompts = [(str(p), default) for p in (cfg.get("prompts") or [])]
     if cfg.get("prompts_file"):
         for record in read_jsonl(cfg.prompts_file):
+            where = f"{cfg.prompts_file}:{record['__line__']}"
             field = next((k for k in ("prompt", "input", "text") if k in record), None)
             if field is None or not isinstance(record[field], str):
-                raise DataError(f"{cfg.prompts_file}:{record['__line__']}: needs a string field 'prompt' (or 'input', 'text')")
-            prompts.append(record[field])
+                raise DataError(f"{where}: needs a string field 'prompt' (or 'input', 'text')")
+            own = record.get("attributes")
+            prompts.append((record[field], default if own is None else _attributes(own, f"{where}: attributes")))
     if not prompts:
         raise ConfigError("prompts (a list) or prompts_file (jsonl) must give at least one prompt")
     return prompts
@@ -39,19 +59,20 @@ def run_generate(cfg: DictConfig) -> List[dict]:
     prompts = read_prompts(cfg)
     model = load_model(GPTSFTModel, cfg.model, cfg.trainer.precision, cfg.gpt_model_file, key="gpt_model_file",
                        trainable=False)
-    attributes = (cfg.get("steerlm") or {}).get("attributes")
-    if attributes is not None:
-        attributes = attributes if isinstance(attributes, str) else OmegaConf.to_container(attributes)
-        prompts_in = [steer_prompt(p, attributes, system=str(cfg.steerlm.get("system") or "")) for p in prompts]
-    else:
-        prompts_in = prompts
+    system = str((cfg.get("steerlm") or {}).get("system") or "")
+    prompts_in = [p if attrs is None else steer_prompt(p, attrs, system=system) for p, attrs in prompts]
     inf = cfg.inference
     sampling = SamplingParams(use_greedy=bool(inf.greedy), temperature=float(inf.temperature), top_k=int(inf.top_k),
                               top_p=float(inf.top_p), end_strings=[str(s) for s in inf.get("end_strings") or []])
     length = LengthParams(max_length=int(inf.tokens_to_generate), min_length=int(inf.min_tokens_to_generate))
     responses = generate_texts(model, prompts_in, sampling, length, seed=inf.get("seed"),
                                batch_size=int(cfg.get("batch_size", 16)))
-    results = [{"prompt": p, "response": r} for p, r in zip(prompts, responses)]
+    results = []
+    for (prompt, attrs), response in zip(prompts, responses):
+        row = {"prompt": prompt, "response": response}
+        if attrs is not None:
+            row["attributes"] = attrs if isinstance(attrs, str) else format_label(attrs)
+        results.append(row)
     if is_global_rank_zero():
         if cfg.get("output_file"):
             write_jsonl(cfg.output_file, results)
