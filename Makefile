@@ -23,8 +23,12 @@ $(STAMP): setup.py
 demo: $(STAMP)
 	$(PY) -m nemo_aligner.demo --out-dir results/demo
 
+# Two pytest-xdist workers, a test file each at a time: most tests run one single-threaded
+# process, so one worker alone leaves a core of a 2-core CI machine idle. TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 clean:
 	rm -rf results/demo .pytest_cache

@@ -44,7 +44,7 @@ setup(
         "matplotlib",  # make demo: results/demo/report.png
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "filelock"],
         "gpu": ["transformer-engine[pytorch]"],
     },
     entry_points={

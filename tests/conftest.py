@@ -93,24 +93,48 @@ def val_losses(log_dir: str) -> dict:
 
 
 
+def built_once(tmp_path_factory, name: str, build):
+    """``build(directory)`` run once per test session, its JSON-able result shared: under pytest-xdist
+    the first worker to ask builds into a directory of the session's base temp while the others wait
+    on a file lock, then read the result (each worker is its own process with its own session)."""
+    import tempfile
+    from pathlib import Path
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        return build(tmp_path_factory.mktemp(name))
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp().parent  # shared by every worker of this run
+    result = root / f"{name}.json"
+    with FileLock(str(root / f"{name}.lock")):
+        if not result.is_file():  # a fresh directory: a worker that failed here may have left one
+            value = build(Path(tempfile.mkdtemp(prefix=f"{name}_", dir=root)))
+            result.write_text(json.dumps(value))
+        return json.loads(result.read_text())
+
+
 @pytest.fixture(scope="session")
 def builtin_data(tmp_path_factory):
     """Every built-in data format (small), written once per session."""
     from nemo_aligner.data.nlp.builtin_task import BuiltinTask
 
-    out = tmp_path_factory.mktemp("builtin")
-    return BuiltinTask(seed=0).write_all(str(out), n_train=640, n_val=64)
+    return built_once(tmp_path_factory, "builtin",
+                      lambda out: BuiltinTask(seed=0).write_all(str(out), n_train=640, n_val=64))
+
+
+def _random_base_model(out):
+    path = os.path.join(out, "base.nemo")
+    run_python(os.path.join(WORKERS, "parallel_loss_worker.py"),
+               ["--random-arch", json.dumps(TINY_ARCH), "--save", path, "--out", os.path.join(out, "ref.json")])
+    with open(os.path.join(out, "ref.json")) as f:
+        return [path, json.load(f)]
 
 
 @pytest.fixture(scope="session")
 def base_nemo(tmp_path_factory):
     """A randomly initialised tiny model saved as a .nemo by one process."""
-    out = tmp_path_factory.mktemp("base")
-    path = os.path.join(out, "base.nemo")
-    run_python(os.path.join(WORKERS, "parallel_loss_worker.py"),
-               ["--random-arch", json.dumps(TINY_ARCH), "--save", path, "--out", os.path.join(out, "ref.json")])
-    with open(os.path.join(out, "ref.json")) as f:
-        return path, json.load(f)
+    return tuple(built_once(tmp_path_factory, "base", _random_base_model))
 
 
 @pytest.fixture(scope="session")
@@ -150,14 +174,14 @@ def train_builtin_sft(out, n_train: int, steps: int):
 @pytest.fixture(scope="session")
 def sft_nemo(tmp_path_factory):
     """A tiny GPT fine-tuned on the built-in task (the default gpt_sft.yaml shape), as later stages start."""
-    return train_builtin_sft(tmp_path_factory.mktemp("sft_model"), n_train=2000, steps=400)[0]
+    return built_once(tmp_path_factory, "sft_model", lambda out: train_builtin_sft(out, n_train=2000, steps=400)[0])
 
 
 @pytest.fixture(scope="session")
 def weak_policy(tmp_path_factory):
     """A tiny GPT after only 150 SFT steps (greedy task score ~0.76): room for RL to improve it.
     Returns ``(nemo path, built-in data paths with 1000 train / 64 val examples)``."""
-    return train_builtin_sft(tmp_path_factory.mktemp("weak_policy"), n_train=1000, steps=150)
+    return tuple(built_once(tmp_path_factory, "weak_policy", lambda out: train_builtin_sft(out, n_train=1000, steps=150)))
 
 
 @pytest.fixture(scope="session")
@@ -165,7 +189,8 @@ def task_data(tmp_path_factory):
     """Built-in data with 2000 training and 128 validation examples of each format (RM, PPO)."""
     from nemo_aligner.data.nlp.builtin_task import BuiltinTask
 
-    return BuiltinTask(seed=0).write_all(str(tmp_path_factory.mktemp("task_data")), n_train=2000, n_val=128)
+    return built_once(tmp_path_factory, "task_data",
+                      lambda out: BuiltinTask(seed=0).write_all(str(out), n_train=2000, n_val=128))
 
 
 @pytest.fixture(scope="session")
@@ -173,10 +198,15 @@ def reward_model(tmp_path_factory, task_data, sft_nemo):
     """A pairwise reward model trained for 200 steps from the SFT model on the built-in comparisons
     (validated at steps 100 and 200): its accuracy is tested, and PPO optimises it. Returns
     ``(the .nemo, the log directory, the script's stdout)``."""
-    log_dir = tmp_path_factory.mktemp("reward_model")
-    proc = run_script("train_reward_model.py", rm_overrides(task_data, log_dir, 200, [
-        f"pretrained_checkpoint.restore_from_path={sft_nemo}", "trainer.rm.val_check_interval=100"]))
-    return str(log_dir / "checkpoints" / "megatron_gpt.nemo"), log_dir, proc.stdout
+    from pathlib import Path
+
+    def train(log_dir):
+        proc = run_script("train_reward_model.py", rm_overrides(task_data, log_dir, 200, [
+            f"pretrained_checkpoint.restore_from_path={sft_nemo}", "trainer.rm.val_check_interval=100"]))
+        return [str(log_dir / "checkpoints" / "megatron_gpt.nemo"), str(log_dir), proc.stdout]
+
+    nemo, log_dir, stdout = built_once(tmp_path_factory, "reward_model", train)
+    return nemo, Path(log_dir), stdout
 
 
 class ServerProcess:
