@@ -86,6 +86,12 @@ def series(records: list, key: str) -> tuple:
     return [p[0] for p in points], [p[1] for p in points]
 
 
+def first_last_mean(records: list, key: str, n: int) -> tuple:
+    """The mean of ``key`` over the first ``n`` and over the last ``n`` records that have it."""
+    values = series(records, key)[1]
+    return sum(values[:n]) / len(values[:n]), sum(values[-n:]) / len(values[-n:])
+
+
 def report(out: str) -> None:
     """The summary table, and ``report.png`` with every stage's curves."""
     runs = {name: read_jsonl(os.path.join(out, d, "metrics.jsonl"))
@@ -97,6 +103,9 @@ def report(out: str) -> None:
         ("PPO reward (reward model, greedy, validation)", *first_last("ppo", "val/global_rewards")),
         ("DPO preference accuracy (held-out pairs)", *first_last("dpo", "val/accuracy")),
         ("GRPO task reward (greedy, validation)", *first_last("grpo", "val/global_rewards")),
+        # Sampled rewards move more than greedy ones (the greedy answer is already the policy's mode):
+        # the mean over the first and the last ten steps.
+        ("GRPO task reward (sampled, train, 10-step mean)", *first_last_mean(runs["grpo"], "train/rewards", 10)),
     ]
     print("\n" + "=" * 72)
     print(f"{'stage':<48} {'first':>10} {'last':>10}")

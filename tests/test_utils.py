@@ -1,5 +1,7 @@
 """Launcher environment parsing, LR schedules, max_time, checkpoint naming, tokenizers, CPU clipping ops."""
 
+import json
+
 import pytest
 import torch
 
@@ -191,3 +193,26 @@ def test_ppo_local_splits_the_cores_between_its_jobs(monkeypatch):
     assert job_env(32, {})["OMP_NUM_THREADS"] == "1"
     assert job_env(2, {"OMP_NUM_THREADS": "6"})["OMP_NUM_THREADS"] == "6"
     assert job_env(2, {"OMP_NUM_THREADS": ""})["OMP_NUM_THREADS"] == "8"  # empty counts as unset
+
+
+def test_demo_report_table_and_curves(tmp_path, capsys):
+    """The demo's summary: first and last of each stage's metric, GRPO's sampled reward as 10-step
+    means, and the curves written to report.png."""
+    from nemo_aligner.demo import report
+
+    def write(d, records):
+        (tmp_path / d).mkdir(parents=True)
+        (tmp_path / d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    write("sft", [{"step": 1, "train/loss": 3.0, "val/loss": 2.5}, {"step": 2, "train/loss": 1.0, "val/loss": 0.5}])
+    write("rm", [{"step": 1, "train/loss": 1.0, "val/accuracy": 0.6}, {"step": 2, "val/accuracy": 0.9}])
+    write("ppo_actor", [{"step": 0, "val/global_rewards": 0.1}, {"step": 5, "train/rewards": 1.0, "val/global_rewards": 0.7}])
+    write("dpo", [{"step": 1, "train/loss": 0.7, "val/accuracy": 0.8}, {"step": 2, "val/accuracy": 0.95}])
+    write("grpo/fit_1", [{"step": 0, "val/global_rewards": 0.2}]
+          + [{"step": s, "train/rewards": s / 100} for s in range(1, 31)] + [{"step": 30, "val/global_rewards": 0.3}])
+    report(str(tmp_path))
+    table = {line[:48].strip(): line[48:].split() for line in capsys.readouterr().out.splitlines() if len(line) > 48}
+    assert table["SFT validation loss"] == ["2.500", "0.500"]
+    assert table["GRPO task reward (greedy, validation)"] == ["0.200", "0.300"]
+    assert table["GRPO task reward (sampled, train, 10-step mean)"] == ["0.055", "0.255"]  # steps 1-10, 21-30
+    assert (tmp_path / "report.png").stat().st_size > 0 and not (tmp_path / "report.png.tmp.png").exists()
