@@ -13,22 +13,18 @@ from conftest import SCRIPTS, free_port, read_metrics, run_script, subprocess_en
 
 
 @pytest.fixture(scope="module")
-def ppo_data(task_data):
-    return task_data
-
-
-@pytest.fixture(scope="module")
 def rm_nemo(reward_model):
     """The reward model PPO optimises: trained from the SFT model on the built-in comparisons."""
     return reward_model[0]
 
 
 @pytest.fixture(scope="module")
-def weak_sft_nemo(tmp_path_factory, ppo_data):
+def weak_sft_nemo(tmp_path_factory, task_data):
     """A briefly fine-tuned policy (about a third of answers right): room for PPO to improve."""
     out = tmp_path_factory.mktemp("weak_sft")
     run_script("train_gpt_sft.py", [
-        f"model.data.train_ds.file_path={ppo_data['sft_train']}", f"model.data.validation_ds.file_path={ppo_data['sft_val']}",
+        f"model.data.train_ds.file_path={task_data['sft_train']}",
+        f"model.data.validation_ds.file_path={task_data['sft_val']}",
         f"exp_manager.explicit_log_dir={out}", "trainer.sft.max_steps=120", "trainer.sft.max_epochs=100",
         "trainer.sft.val_check_interval=120"])
     return str(out / "checkpoints" / "megatron_gpt_sft.nemo")
@@ -52,10 +48,10 @@ def launch(critic, actor, timeout=900, critic_log=None):
     return proc
 
 
-def test_two_steps_checkpoints_and_resume(tmp_path, ppo_data, rm_nemo, sft_nemo):
+def test_two_steps_checkpoints_and_resume(tmp_path, task_data, rm_nemo, sft_nemo):
     critic_dir, actor_dir = tmp_path / "critic", tmp_path / "actor"
     critic = [f"pretrained_checkpoint.restore_from_path={rm_nemo}", f"exp_manager.explicit_log_dir={critic_dir}"]
-    actor = actor_overrides(ppo_data, sft_nemo, actor_dir, 2, ["trainer.ppo.save_interval=2",
+    actor = actor_overrides(task_data, sft_nemo, actor_dir, 2, ["trainer.ppo.save_interval=2",
                                                                "trainer.ppo.val_check_interval=2"])
     proc = launch(critic, actor, critic_log=tmp_path / "critic1.log")
     assert "PPO finished: 2 steps" in proc.stdout
@@ -77,13 +73,13 @@ def test_two_steps_checkpoints_and_resume(tmp_path, ppo_data, rm_nemo, sft_nemo)
 
     # The final actor .nemo loads as an ordinary GPT.
     run_script("train_gpt_sft.py", [f"model.restore_from_path={actor_dir / 'checkpoints' / 'megatron_gpt_ppo_actor.nemo'}",
-                                    f"model.data.train_ds.file_path={ppo_data['sft_train']}",
-                                    f"model.data.validation_ds.file_path={ppo_data['sft_val']}",
+                                    f"model.data.train_ds.file_path={task_data['sft_train']}",
+                                    f"model.data.validation_ds.file_path={task_data['sft_val']}",
                                     f"exp_manager.explicit_log_dir={tmp_path / 'reload'}", "trainer.sft.max_steps=1",
                                     "exp_manager.create_checkpoint_callback=False"])
 
     # Resume both: the actor continues at step 3, the critic from its checkpoint.
-    actor = actor_overrides(ppo_data, sft_nemo, actor_dir, 4, ["trainer.ppo.save_interval=2",
+    actor = actor_overrides(task_data, sft_nemo, actor_dir, 4, ["trainer.ppo.save_interval=2",
                                                                "trainer.ppo.val_check_interval=2"])
     proc = launch(critic, actor, critic_log=tmp_path / "critic2.log")
     assert "actor resumed at PPO step 2" in proc.stdout + proc.stderr
@@ -92,14 +88,14 @@ def test_two_steps_checkpoints_and_resume(tmp_path, ppo_data, rm_nemo, sft_nemo)
     assert steps == [1, 2, 3, 4]
 
 
-def test_reward_rises_on_the_builtin_task(tmp_path, ppo_data, rm_nemo, weak_sft_nemo):
+def test_reward_rises_on_the_builtin_task(tmp_path, task_data, rm_nemo, weak_sft_nemo):
     """From a weak SFT policy, 30 PPO steps of 128 rollouts raise the reward model's mean reward on
     greedy responses to 64 held-out prompts by at least 0.3 (measured with two seeds: 0.32 -> 1.01
     and 0.32 -> 0.95). The tiny reward model is exploitable, so the task's own score does not rise
     with it (see docs/ppo.md); this test checks that PPO optimises the reward it is given."""
     critic = [f"pretrained_checkpoint.restore_from_path={rm_nemo}", f"exp_manager.explicit_log_dir={tmp_path / 'c'}",
               "model.optim.lr=3e-4", "model.global_batch_size=64"]
-    actor = actor_overrides(ppo_data, weak_sft_nemo, tmp_path / "a", 30, [
+    actor = actor_overrides(task_data, weak_sft_nemo, tmp_path / "a", 30, [
         "trainer.ppo.val_check_interval=15", "trainer.ppo.save_interval=0", "model.optim.lr=5e-5",
         "trainer.ppo.critic_warmup_steps=3", "model.ppo.num_rollout_samples=128", "model.global_batch_size=64",
         "model.micro_batch_size=16", "model.ppo.rollout_micro_batch_size=32", "model.ppo.num_val_samples=64"])
@@ -109,7 +105,7 @@ def test_reward_rises_on_the_builtin_task(tmp_path, ppo_data, rm_nemo, weak_sft_
     assert val[30] >= val[0] + 0.3, val
 
 
-def test_dead_critic_stops_the_actor(tmp_path, ppo_data, rm_nemo, sft_nemo):
+def test_dead_critic_stops_the_actor(tmp_path, task_data, rm_nemo, sft_nemo):
     """SIGKILL the critic after the actor's first checkpoint: the actor exits non-zero within its
     request timeout, naming host:port and the config key, and its checkpoint stays usable."""
     port = free_port()
@@ -128,7 +124,7 @@ def test_dead_critic_stops_the_actor(tmp_path, ppo_data, rm_nemo, sft_nemo):
         actor_dir = tmp_path / "actor"
         actor = subprocess.Popen(
             [sys.executable, os.path.join(SCRIPTS, "train_gpt_ppo_actor.py"),
-             *actor_overrides(ppo_data, sft_nemo, actor_dir, 1000, ["trainer.ppo.save_interval=1",
+             *actor_overrides(task_data, sft_nemo, actor_dir, 1000, ["trainer.ppo.save_interval=1",
                                                                    "trainer.ppo.val_check_interval=0",
                                                                    "trainer.ppo.val_at_start=False"]),
              "remote_critic_rm.critic.ip=127.0.0.1", f"remote_critic_rm.critic.port={port}",

@@ -113,11 +113,6 @@ def test_head_stays_float32_under_bf16(mcore_single):
     assert r.dtype == torch.float32 and torch.isfinite(r).all()
 
 
-@pytest.fixture(scope="module")
-def rm_data(task_data):
-    return task_data
-
-
 def test_reward_model_reaches_90_percent_held_out(reward_model):
     nemo, log_dir, stdout = reward_model
     metrics = [r for r in read_metrics(log_dir) if "val/accuracy" in r]
@@ -127,12 +122,13 @@ def test_reward_model_reaches_90_percent_held_out(reward_model):
     assert "validation accuracy" in stdout and os.path.isfile(nemo)
 
 
-def test_regression_reward_model_learns_two_attributes(tmp_path, rm_data, sft_nemo):
+def test_regression_reward_model_learns_two_attributes(tmp_path, task_data, sft_nemo):
     from nemo_aligner.data.nlp.jsonl import read_jsonl
 
     log_dir = tmp_path / "reg"
     run_script("train_reward_model.py", [
-        f"++model.data.data_prefix={{train: [{rm_data['regression_train']}], validation: [{rm_data['regression_val']}]}}",
+        f"++model.data.data_prefix={{train: [{task_data['regression_train']}], "
+        f"validation: [{task_data['regression_val']}]}}",
         f"exp_manager.explicit_log_dir={log_dir}", "trainer.rm.max_steps=300", "trainer.rm.max_epochs=100",
         "trainer.rm.val_check_interval=300", f"pretrained_checkpoint.restore_from_path={sft_nemo}",
         "model.reward_model_type=regression", "model.regression.num_attributes=2",
@@ -141,7 +137,7 @@ def test_regression_reward_model_learns_two_attributes(tmp_path, rm_data, sft_ne
     # Baseline: the best constant prediction (the label mean) on the validation labels.
     labels = {"quality": [], "verbosity": []}
     missing = 0
-    for record in read_jsonl(rm_data["regression_val"]):
+    for record in read_jsonl(task_data["regression_val"]):
         parts = dict(p.split(":") for p in record["label"].split(","))
         missing += "verbosity" not in parts
         for name, value in parts.items():
@@ -159,11 +155,11 @@ def test_regression_reward_model_learns_two_attributes(tmp_path, rm_data, sft_ne
 
 @pytest.mark.parametrize("parallel", ["model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=2"],
                          ids=["tp2", "pp2"])
-def test_reward_model_two_processes_match_one(tmp_path, rm_data, sft_nemo, parallel):
+def test_reward_model_two_processes_match_one(tmp_path, task_data, sft_nemo, parallel):
     extra = [f"pretrained_checkpoint.restore_from_path={sft_nemo}", "trainer.rm.val_check_interval=3",
              "model.optim.sched.warmup_steps=0"]
-    run_script("train_reward_model.py", rm_overrides(rm_data, tmp_path / "one", 3, extra))
-    run_script("train_reward_model.py", rm_overrides(rm_data, tmp_path / "two", 3, extra + [
+    run_script("train_reward_model.py", rm_overrides(task_data, tmp_path / "one", 3, extra))
+    run_script("train_reward_model.py", rm_overrides(task_data, tmp_path / "two", 3, extra + [
         "trainer.devices=2", parallel]), nproc=2)
     a, b = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
     for step in (1, 2, 3):
@@ -171,7 +167,7 @@ def test_reward_model_two_processes_match_one(tmp_path, rm_data, sft_nemo, paral
     assert val_losses(tmp_path / "two")[3] == pytest.approx(val_losses(tmp_path / "one")[3], rel=2e-5)
 
 
-def test_odd_comparison_file_stops_the_script(tmp_path, rm_data):
+def test_odd_comparison_file_stops_the_script(tmp_path, task_data):
     bad = tmp_path / "odd.jsonl"
     bad.write_text('{"text": "reverse ab = ba"}\n{"text": "reverse ab = ab"}\n{"text": "sort ba = ab"}\n')
     proc = run_script("train_reward_model.py", [f"++model.data.data_prefix={{train: [{bad}]}}",

@@ -145,7 +145,7 @@ def test_generate_prompts_take_their_own_attributes(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "a", "attributes": "quality:1"}\n{"prompt": "b"}\n{"input": "c", "attributes": {"quality": 3}}\n')
     cfg = OmegaConf.create({"prompts": ["z"], "prompts_file": str(f), "steerlm": {"attributes": {"quality": 4}}})
-    assert read_prompts(cfg) == [("z", {"quality": 4}), ("a", "quality:1"), ("b", {"quality": 4}), ("c", {"quality": 3})]
+    assert read_prompts(cfg) == [("z", "quality:4"), ("a", "quality:1"), ("b", "quality:4"), ("c", "quality:3")]
     cfg.steerlm.attributes = None
     assert read_prompts(cfg)[:3] == [("z", None), ("a", "quality:1"), ("b", None)]
     for bad, message in (('"quality=4"', r"p\.jsonl:2: attributes: attribute 'quality=4'"),

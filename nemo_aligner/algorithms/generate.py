@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import List, Optional, Tuple, Union
+from typing import List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -18,20 +18,21 @@ from nemo_aligner.utils.run_setup import init_run
 from nemo_aligner.utils.text_generation import generate_texts
 
 
-def _attributes(value, where: str) -> Union[str, dict]:
-    """A prompt's SteerLM attributes (``{"quality": 4}`` or ``"quality:4"``), checked; errors name ``where``."""
+def _attributes(value, where: str) -> str:
+    """A prompt's SteerLM attributes (``{"quality": 4}`` or ``"quality:4"``), checked, as the label
+    string the prompt carries; errors name ``where``."""
     if isinstance(value, str):
         parse_label(value, where)
         return value
     if isinstance(value, dict) and value and all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                                  for v in value.values()):
-        return value
+        return format_label(value)
     raise DataError(f"{where}: must be a label string like 'quality:4' or a mapping of attribute "
                     f"names to numbers, got {value!r}")
 
 
-def read_prompts(cfg: DictConfig) -> List[Tuple[str, Optional[Union[str, dict]]]]:
-    """``(prompt, attributes)`` pairs: ``prompts`` and ``prompts_file`` records, each with its own
+def read_prompts(cfg: DictConfig) -> List[Tuple[str, Optional[str]]]:
+    """``(prompt, attribute label)`` pairs: ``prompts`` and ``prompts_file`` records, each with its own
     ``attributes`` field if it has one, else ``steerlm.attributes`` (None: not steered)."""
     default = (cfg.get("steerlm") or {}).get("attributes")
     if default is not None:
@@ -71,7 +72,7 @@ def run_generate(cfg: DictConfig) -> List[dict]:
     for (prompt, attrs), response in zip(prompts, responses):
         row = {"prompt": prompt, "response": response}
         if attrs is not None:
-            row["attributes"] = attrs if isinstance(attrs, str) else format_label(attrs)
+            row["attributes"] = attrs
         results.append(row)
     if is_global_rank_zero():
         if cfg.get("output_file"):
