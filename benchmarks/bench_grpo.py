@@ -66,6 +66,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run (after one warm-up step)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating runs of each side")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for ours (repeatable), e.g. model.grpo.share_prompt_prefix=false")
     args = parser.parse_args(argv)
 
     try:
@@ -168,6 +170,15 @@ def main(argv=None) -> dict:
     nemo = os.path.join(work, "ours.nemo")
     save_nemo(ours, nemo)
 
+    import yaml
+
+    overrides = {}
+    for item in args.override:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--override {item!r}: expected KEY=VALUE")
+        overrides[key] = yaml.safe_load(value)  # typed as on a Hydra command line
+
     def run_ours(run: int):
         """One run of ours: its step times after the first, phases per step, response lengths."""
         phases, lengths = {}, []
@@ -192,7 +203,8 @@ def main(argv=None) -> dict:
                                                      # response has exactly --new-tokens tokens on both sides
                                                      "model.grpo.sampling_params.end_strings": [],
                                                      # TRL's log-prob passes run in training micro-batches
-                                                     "model.grpo.forward_micro_batch_size": micro})
+                                                     "model.grpo.forward_micro_batch_size": micro,
+                                                     **overrides})
         api.fit(dataset=prompts, reward_fn=reward, max_steps=args.steps + 1, callbacks=[Phases()])
         return phases.pop("step"), {k: sum(v) / len(v) for k, v in phases.items()}, lengths
 

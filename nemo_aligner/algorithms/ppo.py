@@ -211,13 +211,19 @@ class PPOTrainer:
             batch["logprobs"] = None
             if self.rollout_logprobs_needed:
                 with timer("logprobs"):
-                    batch["logprobs"] = self.model.get_logprobs(batch["tokens"])
+                    batch["logprobs"] = self.model.get_logprobs(*self.rollout_rows(batch))
             with timer("init_logprobs"):
-                batch["init_logprobs"] = self.model.get_init_policy_logprobs(batch["tokens"])
+                batch["init_logprobs"] = self.model.get_init_policy_logprobs(*self.rollout_rows(batch))
             self.resolve_rewards(batch, timer)
         finally:
             self.model.finish_inference()
         return batch
+
+    @staticmethod
+    def rollout_rows(batch: Dict[str, torch.Tensor]):
+        """Tokens and lengths of the rollouts, as the actor's log-prob passes take them (the lengths
+        let it compute a prompt shared by several rollouts once)."""
+        return batch["tokens"], batch["prompt_lengths"], batch["response_lengths"]
 
     def rollout_kl(self, batch: Dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
         """Per-token KL of the rollout policy to the initial one (zeros when the rollouts' log-probs
@@ -292,7 +298,8 @@ class PPOTrainer:
         try:
             for begin in range(0, rows - local_gbs + 1, local_gbs):
                 part = {k: None if batch[k] is None else batch[k][begin : begin + local_gbs] for k in
-                        ("tokens", "logprobs", "init_logprobs", "advantages", "mask", "is_end")}
+                        ("tokens", "prompt_lengths", "response_lengths", "logprobs", "init_logprobs",
+                         "advantages", "mask", "is_end")}
                 self.model.prepare_for_training_step()
                 loss, m = self.model.get_loss_and_metrics(part, forward_only=False, use_absolute_kl=self.use_absolute_kl)
                 if not self.nonfinite.check(loss, self.model):

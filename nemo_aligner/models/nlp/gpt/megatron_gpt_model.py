@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -196,7 +196,7 @@ class MegatronGPTModel:
 
     def forward_backward(
         self,
-        batch: Dict[str, torch.Tensor],
+        batch: Union[Dict[str, torch.Tensor], List[Dict[str, torch.Tensor]]],
         loss_fn: Optional[LossFn],
         forward_only: bool,
         micro_batch_size: int,
@@ -204,7 +204,8 @@ class MegatronGPTModel:
         seq_length: Optional[int] = None,
         sequences_per_micro_batch: Optional[int] = None,
     ) -> List:
-        """Run megatron-core's pipeline schedule over ``batch`` split into micro-batches.
+        """Run megatron-core's pipeline schedule over ``batch`` split into micro-batches (or over
+        ``batch`` itself when it is a list of micro-batches).
 
         ``forward_fn(model, micro_batch)`` returns this stage's output (default: per-token
         loss against ``labels``). ``loss_fn(micro_batch, output)`` returns ``(loss,
@@ -216,7 +217,7 @@ class MegatronGPTModel:
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        micro_batches = split_micro_batches(batch, micro_batch_size)
+        micro_batches = batch if isinstance(batch, list) else split_micro_batches(batch, micro_batch_size)
         forward_fn = forward_fn or (lambda model, mb: self.gpt_forward(model, mb, labels=mb.get("labels")))
         device = self.device
 

@@ -5,16 +5,19 @@ are swapped in when its log-probs are needed, so there is never a second copy on
 from __future__ import annotations
 
 import functools
-
+import logging
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
 from nemo_aligner.models.alignable_interface import AlignableGenerativeInterface
-from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
-from nemo_aligner.utils import ppo_utils
+from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel, split_micro_batches
+from nemo_aligner.models.nlp.gpt.shared_prompt_forward import packed_forward, prompt_sharing_unsupported
+from nemo_aligner.utils import ppo_utils, prompt_sharing
 from nemo_aligner.utils.generation import GenerationOutput, LengthParams, SamplingParams, generate
 from nemo_aligner.utils.weight_swap import cpu_state_copy, swapped_weights
+
+logger = logging.getLogger(__name__)
 
 
 def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -44,7 +47,7 @@ def next_token_batch(tokens: torch.Tensor) -> Dict[str, torch.Tensor]:
 class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
     """``model.<section>.*`` (``ppo``, or ``reinforce`` for REINFORCE/RLOO): ``rollout_micro_batch_size``,
     ``forward_micro_batch_size``, ``entropy_bonus``, ``ratio_eps``, ``offload_adam_states``,
-    ``sampling_params``, ``length_params``."""
+    ``sampling_params``, ``length_params``, ``share_prompt_prefix``."""
 
     supports_sequence_parallel = False  # generation decodes one token at a time
 
@@ -61,6 +64,13 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
         self.sampling_params = SamplingParams.from_cfg(ppo.get("sampling_params"))
         self.length_params = LengthParams.from_cfg(ppo.get("length_params"))
         self.init_policy_state: Optional[Dict[str, torch.Tensor]] = None
+        # Responses to one prompt (GRPO/RLOO groups) packed so the prompt is computed once.
+        self.share_prompt_prefix = bool(ppo.get("share_prompt_prefix", True))
+        if self.share_prompt_prefix:
+            reason = prompt_sharing_unsupported(self.module, self.transformer_config)
+            if reason:
+                logger.info("model.%s.share_prompt_prefix: off, %s", section, reason)
+                self.share_prompt_prefix = False
 
     # ----------------------------------------------------------------- initial policy
     def snapshot_initial_policy(self) -> None:
@@ -91,26 +101,68 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
                         length or self.length_params, max_sequence_length=int(self.cfg.encoder_seq_length), seed=seed)
 
     @torch.no_grad()
-    def get_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Log-prob of each next token, [B, T-1], from the training forward (no sampling adjustments)."""
+    def get_logprobs(self, tokens: torch.Tensor, prompt_lengths: Optional[torch.Tensor] = None,
+                     response_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Log-prob of each next token, [B, T-1], from the training forward (no sampling adjustments).
+
+        With the rows' ``prompt_lengths`` and ``response_lengths`` (prompt + response tokens),
+        responses to a repeated prompt are computed with the prompt once (``share_prompt_prefix``);
+        positions after a row's response are then 0.
+        """
         from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         from nemo_aligner.utils.distributed import broadcast_from_last_stage
 
         batch = next_token_batch(tokens)
         mbs = self.forward_micro_batch_size if tokens.shape[0] % self.forward_micro_batch_size == 0 else 1
-        outputs = self.forward_backward(batch, None, True, mbs)
+        packed = self._pack_by_prompt(batch, prompt_lengths, response_lengths, mbs)
+        if packed is None:
+            outputs = self.forward_backward(batch, None, True, mbs)
+        else:
+            micro_batches, shape = packed
+
+            def forward(model, mb):
+                logits = packed_forward(model, mb)
+                if not parallel_state.is_pipeline_last_stage():
+                    return logits
+                return vocab_parallel_cross_entropy(logits, mb["labels"]) * mb["valid"]
+
+            outputs = self.forward_backward(micro_batches, None, True, mbs, forward_fn=forward,
+                                            seq_length=shape.length, sequences_per_micro_batch=shape.groups)
         result = torch.zeros(tokens.shape[0], tokens.shape[1], dtype=torch.float32)
         if parallel_state.is_pipeline_last_stage():
             result = -torch.cat([o.float() for o in outputs], dim=0).cpu()  # results live on the host
         return broadcast_from_last_stage(result)[:, :-1].contiguous()
 
-    def get_init_policy_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
+    def get_init_policy_logprobs(self, tokens: torch.Tensor, prompt_lengths: Optional[torch.Tensor] = None,
+                                 response_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Log-probs under the initial policy, its weights swapped in from the CPU for the call."""
         if self.init_policy_state is None:
             raise RuntimeError("snapshot_initial_policy() was not called")
         with swapped_weights(self.module, self.init_policy_state):
-            return self.get_logprobs(tokens)
+            return self.get_logprobs(tokens, prompt_lengths, response_lengths)
+
+    def _pack_by_prompt(self, batch: Dict[str, torch.Tensor], prompt_lengths: Optional[torch.Tensor],
+                        response_lengths: Optional[torch.Tensor], micro_batch_size: int):
+        """``batch`` (with ``tokens``) as micro-batches packed by prompt, and their common shape; None
+        when packing is off, the lengths are unknown, or it would not compute fewer positions."""
+        if not self.share_prompt_prefix or prompt_lengths is None or response_lengths is None:
+            return None
+        rows = dict(batch, prompt_lengths=prompt_lengths, response_lengths=response_lengths)
+        parts = split_micro_batches(rows, micro_batch_size)
+        shapes = [prompt_sharing.pack_shape(p["tokens"], p["prompt_lengths"], p["response_lengths"]) for p in parts]
+        shape = functools.reduce(prompt_sharing.PackShape.merge, shapes)
+        width = batch["tokens"].shape[1]
+        if shape.responses < 2 or not prompt_sharing.saves_tokens([shape] * len(parts), len(rows["tokens"]), width):
+            return None
+        micro_batches = []
+        for part in parts:
+            packed = prompt_sharing.pack(part["tokens"], part["prompt_lengths"], part["response_lengths"], shape)
+            micro_batches.append(dict(part, tokens=packed.tokens, position_ids=packed.positions,
+                                      attention_mask=packed.attention_mask, source=packed.source,
+                                      valid=packed.valid))
+        return micro_batches, shape
 
     # ----------------------------------------------------------------- training
     def _ppo_forward(self, model, mb):
@@ -139,7 +191,8 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
 
     def get_loss_and_metrics(self, batch: Dict[str, torch.Tensor], forward_only: bool,
                              use_absolute_kl: bool = True) -> Tuple[float, Dict[str, float]]:
-        """One global batch of PPO data (``tokens``, ``logprobs``, ``advantages``, ``mask``, ``is_end``).
+        """One global batch of PPO data (``tokens``, ``logprobs``, ``advantages``, ``mask``, ``is_end``;
+        with ``prompt_lengths`` and ``response_lengths`` the rows may be packed by prompt).
 
         ``logprobs`` None: the rollouts' own log-probs were not computed (one update per rollout
         batch); the old policy is this forward's detached log-probs, and the KL-to-initial-policy
@@ -154,8 +207,16 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
             data["init_logprobs"] = batch["init_logprobs"]
         data["is_end"] = batch["is_end"].float()
         loss_fn = functools.partial(self._ppo_loss, absolute_kl=bool(use_absolute_kl))
-        outputs = self.forward_backward(data, loss_fn, forward_only, self.micro_batch_size,
-                                        forward_fn=self._ppo_forward)
+        packed = self._pack_by_prompt(data, batch.get("prompt_lengths"), batch.get("response_lengths"),
+                                      self.micro_batch_size)
+        if packed is None:
+            outputs = self.forward_backward(data, loss_fn, forward_only, self.micro_batch_size,
+                                            forward_fn=self._ppo_forward)
+        else:
+            micro_batches, shape = packed
+            outputs = self.forward_backward(micro_batches, loss_fn, forward_only, self.micro_batch_size,
+                                            forward_fn=packed_forward, seq_length=shape.length,
+                                            sequences_per_micro_batch=shape.groups)
         keys = (("loss", "clip_fraction", "approx_kl", "entropy", "ratio_mean") + (("kl_loss",) if self.kl_loss_coef else ())
                 + (("init_policy_kl",) if reuse else ()))
         m = self.reduce_metrics(outputs, mean_keys=keys)

@@ -1,0 +1,183 @@
+"""Shared-prompt packing: rollouts that repeat a prompt (GRPO/RLOO groups) run their prompt once.
+
+A group of ``n`` consecutive rows with the same prompt becomes one packed row
+``[prompt, left-padded to P][response 1][response 2]...[response n]``, each response in a slot of
+``R`` tokens. Every response attends to its group's prompt and causally to itself, with the
+positions it has in its own row, so each output equals the unpacked row's (up to float rounding)
+while the prompt's tokens are computed once per group instead of ``n`` times.
+
+The layout reaches the attention as a boolean mask ``[G * n, 1, R, P + R]`` (True hides a key, as
+megatron-core's masks do) whose key length differs from the packed sequence's ``P + n * R``: that
+is how :func:`shared_prompt_attention` tells it from an ordinary mask, and a plain tensor survives
+megatron-core's activation checkpointing. Rows are right-padded ``[prompt][response][padding]``
+with ``response_lengths`` = prompt + response tokens, as rollouts are everywhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PackShape:
+    """Packed micro-batch dimensions: ``groups`` rows of ``responses`` response slots of
+    ``response_slots`` tokens after ``prompt_slots`` prompt tokens."""
+
+    groups: int
+    responses: int
+    prompt_slots: int
+    response_slots: int
+
+    @property
+    def length(self) -> int:
+        return self.prompt_slots + self.responses * self.response_slots
+
+    def merge(self, other: "PackShape") -> "PackShape":
+        """The smallest shape both fit in (pipeline stages need one activation shape per call)."""
+        return PackShape(*(max(a, b) for a, b in zip(self.as_tuple(), other.as_tuple())))
+
+    def as_tuple(self) -> Tuple[int, int, int, int]:
+        return self.groups, self.responses, self.prompt_slots, self.response_slots
+
+
+@dataclass
+class PackedRollouts:
+    """One micro-batch packed by prompt.
+
+    ``tokens``/``positions`` [G, L] feed the model; ``attention_mask`` is the layout mask above;
+    ``source`` [B, T] is the flat index ``g * L + slot`` of the packed output that predicts token
+    ``t + 1`` of row ``b`` (``valid`` [B, T]: False after a row's response and at its last
+    position, where ``source`` points at an arbitrary slot).
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    attention_mask: torch.Tensor
+    source: torch.Tensor
+    valid: torch.Tensor
+    shape: PackShape
+
+
+def prompt_groups(tokens: torch.Tensor, prompt_lengths: torch.Tensor) -> List[Tuple[int, int]]:
+    """``(first row, row count)`` of each run of consecutive rows with the same prompt."""
+    groups: List[Tuple[int, int]] = []
+    for b in range(tokens.shape[0]):
+        p = int(prompt_lengths[b])
+        if groups:
+            first, count = groups[-1]
+            if int(prompt_lengths[first]) == p and torch.equal(tokens[first, :p], tokens[b, :p]):
+                groups[-1] = (first, count + 1)
+                continue
+        groups.append((b, 1))
+    return groups
+
+
+def pack_shape(tokens: torch.Tensor, prompt_lengths: torch.Tensor, response_lengths: torch.Tensor) -> PackShape:
+    """The packed shape of one micro-batch."""
+    groups = prompt_groups(tokens, prompt_lengths)
+    responses = (response_lengths - prompt_lengths).clamp(min=1)
+    return PackShape(len(groups), max(count for _, count in groups), int(prompt_lengths.max()),
+                     int(responses.max()))
+
+
+def saves_tokens(shapes: List[PackShape], rows: int, width: int) -> bool:
+    """Whether packing computes fewer token positions than the ``rows`` x ``width`` unpacked batch."""
+    return sum(s.groups * s.length for s in shapes) < rows * width
+
+
+def pack(tokens: torch.Tensor, prompt_lengths: torch.Tensor, response_lengths: torch.Tensor,
+         shape: Optional[PackShape] = None) -> PackedRollouts:
+    """Pack right-padded rollouts ``tokens`` [B, T] by prompt; ``shape`` (at least this batch's
+    :func:`pack_shape`) pads every micro-batch of a call to one shape."""
+    groups = prompt_groups(tokens, prompt_lengths)
+    shape = shape or pack_shape(tokens, prompt_lengths, response_lengths)
+    mine = pack_shape(tokens, prompt_lengths, response_lengths)
+    if shape.merge(mine) != shape:
+        raise ValueError(f"pack shape {shape} is smaller than the batch's {mine}")
+    G, n, P, R = shape.as_tuple()
+    if n < 2:  # one response slot would give the mask the sequence's key length: nothing to share anyway
+        raise ValueError("shared-prompt packing needs a group of at least 2 rows")
+    L = shape.length
+    B, T = tokens.shape
+    packed = torch.zeros(G, L, dtype=tokens.dtype)
+    positions = torch.zeros(G, L, dtype=torch.long)
+    prompt_hidden = torch.ones(G, P, dtype=torch.bool)
+    source = torch.full((B, T), P - 1, dtype=torch.long)
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    steps = torch.arange(T)
+    for g, (first, count) in enumerate(groups):
+        p = int(prompt_lengths[first])
+        packed[g, P - p : P] = tokens[first, :p]
+        positions[g, P - p : P] = torch.arange(p)
+        prompt_hidden[g, P - p :] = False
+        for i in range(count):
+            b = first + i
+            r = min(int(response_lengths[b]) - p, R)
+            start = P + i * R
+            packed[g, start : start + r] = tokens[b, p : p + r]
+            positions[g, start : start + R] = torch.arange(p, p + R)
+            # Position t predicts token t + 1: a prompt token's own slot, the last prompt slot for
+            # the first response token, then the previous response token's slot.
+            slot = torch.where(steps < p - 1, P - p + steps, start + steps - p)
+            slot = torch.where(steps == p - 1, torch.full_like(steps, P - 1), slot)
+            row_valid = steps < p + r - 1
+            source[b] = g * L + torch.where(row_valid, slot, torch.full_like(steps, P - 1))
+            valid[b] = row_valid
+    response_hidden = torch.ones(R, R, dtype=torch.bool).triu(1)
+    mask = torch.cat((prompt_hidden[:, None, None, :].expand(G, n, R, P),
+                      response_hidden.expand(G, n, R, R)), dim=-1)
+    return PackedRollouts(packed, positions, mask.reshape(G * n, 1, R, P + R), source, valid, shape)
+
+
+def is_shared_prompt_mask(attention_mask: Optional[torch.Tensor], sequence_length: int) -> bool:
+    """Whether ``attention_mask`` is a packed layout (its key length is not the sequence's)."""
+    return attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] != sequence_length
+
+
+def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                            scale: Optional[float]) -> torch.Tensor:
+    """Attention over a packed layout: ``query``/``key``/``value`` [L, G, heads, d] (megatron-core's
+    layout, one head count), ``mask`` from :func:`pack`; returns [L, G, heads * d].
+
+    The prompt attends causally to itself; each response to its group's prompt and causally to
+    itself, as two ``scaled_dot_product_attention`` calls. Differentiable: the prompt's keys and
+    values collect the gradients of every response in the group.
+    """
+    L, G, heads, d = query.shape
+    Gn, _, R, PR = mask.shape
+    P, n = PR - R, Gn // G
+    if Gn != G * n or L != P + n * R:
+        raise ValueError(f"shared-prompt mask {tuple(mask.shape)} does not fit a packed sequence of {L} x {G}")
+
+    def prompt(t):  # [G, heads, P, d]
+        return t[:P].permute(1, 2, 0, 3)
+
+    def responses(t):  # [G * n, heads, R, d]
+        return t[P:].reshape(n, R, G, heads, t.shape[-1]).permute(2, 0, 3, 1, 4).reshape(Gn, heads, R, t.shape[-1])
+
+    def with_prompt(t):  # each response's keys or values: its group's prompt, then its own
+        shared = prompt(t).unsqueeze(1).expand(G, n, heads, P, t.shape[-1]).reshape(Gn, heads, P, t.shape[-1])
+        return torch.cat((shared, responses(t)), dim=2)
+
+    real = ~mask[::n, 0, 0, :P]  # [G, P]: the prompt's real (not padding) slots
+    eye = torch.eye(P, dtype=torch.bool, device=mask.device)
+    # A padding slot attends to itself only, so no query row is empty (its output is never used).
+    prompt_allowed = (eye.logical_not().tril() & real[:, None, :]) | eye
+    out_prompt = F.scaled_dot_product_attention(prompt(query), prompt(key), prompt(value),
+                                                attn_mask=prompt_allowed.unsqueeze(1), scale=scale)
+    out_responses = F.scaled_dot_product_attention(responses(query), with_prompt(key), with_prompt(value),
+                                                   attn_mask=~mask, scale=scale)
+    dv = value.shape[-1]
+    out_prompt = out_prompt.permute(2, 0, 1, 3).reshape(P, G, heads * dv)
+    out_responses = out_responses.reshape(G, n, heads, R, dv).permute(1, 3, 0, 2, 4).reshape(n * R, G, heads * dv)
+    return torch.cat((out_prompt, out_responses), dim=0)
+
+
+def gather_outputs(outputs: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """Per-row outputs [B, T, ...] from packed ones [G, L, ...] (batch first) through ``source``."""
+    flat = outputs.reshape(-1, *outputs.shape[2:])
+    return flat.index_select(0, source.reshape(-1)).view(*source.shape, *outputs.shape[2:])
