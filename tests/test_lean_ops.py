@@ -75,3 +75,27 @@ def test_rmsnorm_matches_torch_values_and_gradients():
     x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
     w = torch.rand(6, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, b: lean_ops._RMSNormFunction.apply(a, b, 1e-6), (x, w))
+
+
+def test_rope_tables_are_reused_only_for_the_same_unmodified_angles():
+    """Each layer gets the same angles in a forward: their cos/sin are computed once, and again
+    when the tensor changes in place or is another one. Angles made under inference mode (the
+    decode loop's, cached by megatron-core's RotaryEmbedding) have no version counter: computed
+    every time, never an error."""
+    freqs = torch.randn(6, 1, 1, 8)
+    cos, sin = lean_ops._halves(freqs, 1.0, torch.float32)
+    again = lean_ops._halves(freqs, 1.0, torch.float32)
+    assert again[0] is cos and again[1] is sin
+    torch.testing.assert_close(cos, torch.cos(freqs[..., :4]))
+    freqs.mul_(2.0)
+    cos2, _ = lean_ops._halves(freqs, 1.0, torch.float32)
+    assert cos2 is not cos
+    torch.testing.assert_close(cos2, torch.cos(freqs[..., :4]))
+    assert lean_ops._halves(freqs.clone(), 1.0, torch.float32)[0] is not cos2
+    assert lean_ops._halves(freqs, 0.5, torch.float32)[0] is not cos2  # mscale is part of the key
+    with torch.inference_mode():
+        frozen = torch.randn(6, 1, 1, 8)
+    first, _ = lean_ops._halves(frozen, 1.0, torch.float32)
+    second, _ = lean_ops._halves(frozen, 1.0, torch.float32)
+    torch.testing.assert_close(first, torch.cos(frozen[..., :4]))
+    torch.testing.assert_close(second, first)

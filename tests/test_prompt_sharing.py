@@ -42,13 +42,25 @@ def test_pack_places_prompts_once_and_maps_every_prediction():
     assert packed.tokens.tolist() == [[11, 12, 13, 1, 2, 0, 3, 4, 5], [0, 0, 21, 6, 0, 0, 7, 8, 0]]
     # Each token keeps the position it has in its own row (the prompt left-padded to P slots).
     assert packed.positions.tolist() == [[0, 1, 2, 3, 4, 5, 3, 4, 5], [0, 0, 0, 1, 2, 3, 1, 2, 3]]
-    # The packed token in the source slot is the row's token at t (the one that predicts t + 1).
+    assert packed.first_tokens.tolist() == [[1, 3], [6, 7]]
+    # Where the row's prediction of token t + 1 comes from: the slot holding its token t, at
+    # position t, whose next packed token is the label; or the response's own first-token entry.
+    labels = S.next_tokens(packed.tokens)
+    slots = G * packed.shape.length
     for row in range(4):
         for t in range(7):
-            if packed.valid[row, t]:
-                g, slot = divmod(int(packed.source[row, t]), packed.shape.length)
-                assert int(packed.tokens[g, slot]) == int(tokens[row, t]), (row, t)
-                assert int(packed.positions[g, slot]) == t, (row, t)
+            if not packed.valid[row, t]:
+                continue
+            index = int(packed.source[row, t])
+            if index >= slots:
+                assert t == int(pl[row]) - 1, (row, t)
+                g, i = divmod(index - slots, n)
+                assert int(packed.first_tokens[g, i]) == int(tokens[row, t + 1]), (row, t)
+                continue
+            g, slot = divmod(index, packed.shape.length)
+            assert int(packed.tokens[g, slot]) == int(tokens[row, t]), (row, t)
+            assert int(packed.positions[g, slot]) == t, (row, t)
+            assert int(labels[g, slot]) == int(tokens[row, t + 1]), (row, t)
     assert packed.valid.sum(1).tolist() == [4, 5, 1, 2]  # prompt + response tokens - 1 predictions per row
     # Response 2 of group 0 sees the prompt and its own earlier tokens, never response 1 or padding.
     mask = packed.attention_mask  # [G * n, 1, R, P + R], True hides
@@ -121,8 +133,8 @@ WORKER = os.path.join(WORKERS, "shared_prompt_worker.py")
     ids=["llama", "gpt2", "tp2", "pp2"])
 def test_actor_packed_by_prompt_matches_unpacked(tmp_path, arch, layout, nproc):
     """GRPO rollouts (groups of 3, 3 and 2 with different prompt and response lengths, split over
-    two micro-batches): log-probs, reference log-probs, loss, KL term and gradients agree packed and
-    unpacked, with RoPE or learned positions, under tensor and pipeline parallelism."""
+    two micro-batches): log-probs, reference log-probs, loss, KL term, entropy and gradients agree
+    packed and unpacked, with RoPE or learned positions, under tensor and pipeline parallelism."""
     out = tmp_path / "result.json"
     run_python(WORKER, ["--arch", json.dumps(arch), "--out", out, *layout], nproc=nproc)
     result = json.loads(out.read_text())
@@ -131,9 +143,9 @@ def test_actor_packed_by_prompt_matches_unpacked(tmp_path, arch, layout, nproc):
     for key in ("logprobs", "init_logprobs"):
         torch.testing.assert_close(torch.tensor(packed[key]), torch.tensor(unpacked[key]), rtol=0, atol=2e-5)
         assert torch.tensor(unpacked[key]).abs().sum() > 1.0  # real values under the mask
-    for key in ("loss", "kl_loss", "grad_norm"):
+    for key in ("loss", "kl_loss", "entropy", "grad_norm"):
         assert packed[key] == pytest.approx(unpacked[key], rel=1e-5, abs=1e-7), key
-    assert unpacked["kl_loss"] > 1e-4 and unpacked["grad_norm"] > 1e-3
+    assert unpacked["kl_loss"] > 1e-4 and unpacked["entropy"] > 1.0 and unpacked["grad_norm"] > 1e-3
 
 
 def test_actor_packs_only_when_it_saves_work(mcore_single, monkeypatch):

@@ -48,10 +48,13 @@ class PackShape:
 class PackedRollouts:
     """One micro-batch packed by prompt.
 
-    ``tokens``/``positions`` [G, L] feed the model; ``attention_mask`` is the layout mask above;
-    ``source`` [B, T] is the flat index ``g * L + slot`` of the packed output that predicts token
-    ``t + 1`` of row ``b`` (``valid`` [B, T]: False after a row's response and at its last
-    position, where ``source`` points at an arbitrary slot).
+    ``tokens``/``positions`` [G, L] feed the model; ``attention_mask`` is the layout mask above.
+    Per-token results come back to the rows through ``source`` [B, T]: an index into
+    :func:`per_token_values`' vector, the packed slot that predicts token ``t + 1`` of row ``b``
+    (``g * L + slot``) or, for a response's first token, which the group's last prompt slot predicts
+    for every response, that response's own entry (``G * L + g * n + i``; its token is
+    ``first_tokens[g, i]``). ``valid`` [B, T] is False after a row's response and at its last
+    position, where ``source`` points at an arbitrary entry.
     """
 
     tokens: torch.Tensor
@@ -59,6 +62,7 @@ class PackedRollouts:
     attention_mask: torch.Tensor
     source: torch.Tensor
     valid: torch.Tensor
+    first_tokens: torch.Tensor
     shape: PackShape
 
 
@@ -106,8 +110,9 @@ def pack(tokens: torch.Tensor, prompt_lengths: torch.Tensor, response_lengths: t
     packed = torch.zeros(G, L, dtype=tokens.dtype)
     positions = torch.zeros(G, L, dtype=torch.long)
     prompt_hidden = torch.ones(G, P, dtype=torch.bool)
-    source = torch.full((B, T), P - 1, dtype=torch.long)
+    source = torch.zeros(B, T, dtype=torch.long)
     valid = torch.zeros(B, T, dtype=torch.bool)
+    first_tokens = torch.zeros(G, n, dtype=tokens.dtype)
     steps = torch.arange(T)
     for g, (first, count) in enumerate(groups):
         p = int(prompt_lengths[first])
@@ -120,17 +125,19 @@ def pack(tokens: torch.Tensor, prompt_lengths: torch.Tensor, response_lengths: t
             start = P + i * R
             packed[g, start : start + r] = tokens[b, p : p + r]
             positions[g, start : start + R] = torch.arange(p, p + R)
-            # Position t predicts token t + 1: a prompt token's own slot, the last prompt slot for
-            # the first response token, then the previous response token's slot.
-            slot = torch.where(steps < p - 1, P - p + steps, start + steps - p)
-            slot = torch.where(steps == p - 1, torch.full_like(steps, P - 1), slot)
+            if r > 0:
+                first_tokens[g, i] = tokens[b, p]
+            # Position t predicts token t + 1: from a prompt token's own slot, from this response's
+            # entry for its first token, then from the previous response token's slot.
+            index = torch.where(steps < p - 1, g * L + P - p + steps, g * L + start + steps - p)
+            index[p - 1] = G * L + g * n + i
             row_valid = steps < p + r - 1
-            source[b] = g * L + torch.where(row_valid, slot, torch.full_like(steps, P - 1))
+            source[b] = torch.where(row_valid, index, torch.zeros_like(steps))
             valid[b] = row_valid
     response_hidden = torch.ones(R, R, dtype=torch.bool).triu(1)
     mask = torch.cat((prompt_hidden[:, None, None, :].expand(G, n, R, P),
                       response_hidden.expand(G, n, R, R)), dim=-1)
-    return PackedRollouts(packed, positions, mask.reshape(G * n, 1, R, P + R), source, valid, shape)
+    return PackedRollouts(packed, positions, mask.reshape(G * n, 1, R, P + R), source, valid, first_tokens, shape)
 
 
 def is_shared_prompt_mask(attention_mask: Optional[torch.Tensor], sequence_length: int) -> bool:
@@ -177,7 +184,18 @@ def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     return torch.cat((out_prompt, out_responses), dim=0)
 
 
-def gather_outputs(outputs: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """Per-row outputs [B, T, ...] from packed ones [G, L, ...] (batch first) through ``source``."""
-    flat = outputs.reshape(-1, *outputs.shape[2:])
-    return flat.index_select(0, source.reshape(-1)).view(*source.shape, *outputs.shape[2:])
+def next_tokens(tokens: torch.Tensor) -> torch.Tensor:
+    """Each packed slot's next token [G, L], the label of the slot's prediction wherever ``source``
+    points at a slot (a region's last slot gets its neighbour's, and is never pointed at)."""
+    return torch.cat((tokens[:, 1:], tokens[:, -1:]), dim=1)
+
+
+def per_token_values(per_slot: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """The vector ``source`` indexes: values of every packed slot [G, L], then of each response's
+    first-token prediction [G, n]."""
+    return torch.cat((per_slot.reshape(-1), first.reshape(-1)))
+
+
+def to_rows(values: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """Per-row values [B, T] from :func:`per_token_values`' vector."""
+    return values.index_select(0, source.reshape(-1)).view(source.shape)

@@ -45,7 +45,7 @@ def main():
     torch.manual_seed(0)
     cfg = OmegaConf.create(dict(
         json.loads(args.arch), micro_batch_size=4, global_batch_size=8, encoder_seq_length=32,
-        grpo={"forward_micro_batch_size": 4, "reference_policy_kl_penalty": 0.1},
+        grpo={"forward_micro_batch_size": 4, "reference_policy_kl_penalty": 0.1, "entropy_bonus": 0.01},
         optim={"name": "fused_adam", "lr": 1e-3, "weight_decay": 0.0, "sched": {"name": "Constant"}}))
     model = MegatronGPTActorModel(cfg, ByteTokenizer(), section="grpo")
     model.setup_optimization(max_steps=10, clip_grad=1.0)
@@ -74,7 +74,7 @@ def main():
         from megatron.core import parallel_state
         torch.distributed.all_reduce(local, group=parallel_state.get_model_parallel_group())
         results[name] = {"logprobs": (logprobs * mask).tolist(), "init_logprobs": (init * mask).tolist(),
-                         "loss": loss, "kl_loss": metrics["kl_loss"], "grad_norm": float(local.sqrt())}
+                         "loss": loss, "kl_loss": metrics["kl_loss"], "entropy": metrics["entropy"], "grad_norm": float(local.sqrt())}
     if torch.distributed.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f)

@@ -33,13 +33,30 @@ import torch
 _original = None
 
 
+_last_tables = None  # (freqs, its version, mscale, dtype, cos, sin) of the latest call
+
+
 def _halves(freqs: torch.Tensor, mscale: float, dtype: torch.dtype):
-    """cos/sin of the first half of ``freqs`` (megatron-core repeats the angles in both halves)."""
+    """cos/sin of the first half of ``freqs`` (megatron-core repeats the angles in both halves).
+
+    Every layer's queries and keys get the same ``freqs`` tensor in a forward, so the tables of the
+    latest call are reused while it is that same, unmodified tensor (per-token angles of packed
+    rollouts make them as large as the activations' heads)."""
+    global _last_tables
+    # Tables made by the decode loop (inference mode) carry no version counter: never cached.
+    cacheable = not freqs.is_inference()
+    last = _last_tables
+    if (cacheable and last is not None and last[0] is freqs and last[1] == freqs._version and last[2] == mscale
+            and last[3] == dtype):
+        return last[4], last[5]
     half = freqs[..., : freqs.shape[-1] // 2]
     cos, sin = torch.cos(half), torch.sin(half)
     if mscale != 1.0:
         cos, sin = cos * mscale, sin * mscale
-    return cos.to(dtype), sin.to(dtype)
+    cos, sin = cos.to(dtype), sin.to(dtype)
+    if cacheable:
+        _last_tables = (freqs, freqs._version, mscale, dtype, cos, sin)
+    return cos, sin
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float = 1.0) -> torch.Tensor:

@@ -9,6 +9,7 @@ import logging
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from nemo_aligner.models.alignable_interface import AlignableGenerativeInterface
 from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel, split_micro_batches
@@ -110,7 +111,6 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
         positions after a row's response are then 0.
         """
         from megatron.core import parallel_state
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         from nemo_aligner.utils.distributed import broadcast_from_last_stage
 
@@ -126,7 +126,8 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
                 logits = packed_forward(model, mb)
                 if not parallel_state.is_pipeline_last_stage():
                     return logits
-                return vocab_parallel_cross_entropy(logits, mb["labels"]) * mb["valid"]
+                logprobs, _ = self._token_logprobs(mb, logits)
+                return F.pad(-logprobs * mb["valid"][:, :-1], (0, 1))  # [B, T], as the rows' loss
 
             outputs = self.forward_backward(micro_batches, None, True, mbs, forward_fn=forward,
                                             seq_length=shape.length, sequences_per_micro_batch=shape.groups)
@@ -161,19 +162,41 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
             packed = prompt_sharing.pack(part["tokens"], part["prompt_lengths"], part["response_lengths"], shape)
             micro_batches.append(dict(part, tokens=packed.tokens, position_ids=packed.positions,
                                       attention_mask=packed.attention_mask, source=packed.source,
-                                      valid=packed.valid))
+                                      valid=packed.valid, first_tokens=packed.first_tokens))
         return micro_batches, shape
 
     # ----------------------------------------------------------------- training
     def _ppo_forward(self, model, mb):
         return model(mb["tokens"], mb["position_ids"], None)  # logits [B, T, V/TP] on the last stage
 
-    def _ppo_loss(self, mb, logits, absolute_kl: bool = True):
+    def _token_logprobs(self, mb, logits):
+        """Log-prob of each next token [B, T-1] and, with an entropy bonus, each prediction's entropy,
+        from the rows' logits or from a micro-batch packed by prompt (never expanded to rows' logits)."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        logits = logits[:, :-1].float()
-        entropy = vocab_parallel_entropy(logits) if self.entropy_bonus else None
-        logprobs = -vocab_parallel_cross_entropy(logits.clone(), mb["labels"][:, :-1])
+        if "source" not in mb:
+            logits = logits[:, :-1].float()
+            entropy = vocab_parallel_entropy(logits) if self.entropy_bonus else None
+            return -vocab_parallel_cross_entropy(logits.clone(), mb["labels"][:, :-1]), entropy
+        logits = logits.float()  # [G, L, V/TP]
+        prompt_slots = mb["attention_mask"].shape[-1] - mb["attention_mask"].shape[-2]
+        responses = mb["first_tokens"].shape[1]
+        # The last prompt slot predicts every response's first token: one row of logits per response.
+        last_prompt = logits[:, prompt_slots - 1].unsqueeze(1).expand(-1, responses, -1)
+        losses = prompt_sharing.per_token_values(
+            vocab_parallel_cross_entropy(logits.clone(), prompt_sharing.next_tokens(mb["tokens"])),
+            vocab_parallel_cross_entropy(last_prompt.clone(), mb["first_tokens"]))
+        logprobs = -prompt_sharing.to_rows(losses, mb["source"])[:, :-1]
+        entropy = None
+        if self.entropy_bonus:
+            per_slot = vocab_parallel_entropy(logits)
+            values = prompt_sharing.per_token_values(
+                per_slot, per_slot[:, prompt_slots - 1].unsqueeze(1).expand(-1, responses))
+            entropy = prompt_sharing.to_rows(values, mb["source"])[:, :-1]
+        return logprobs, entropy
+
+    def _ppo_loss(self, mb, logits, absolute_kl: bool = True):
+        logprobs, entropy = self._token_logprobs(mb, logits)
         mask = mb["mask"] * mb["is_end"].float().unsqueeze(-1)
         # Without rollout log-probs the rollouts are trained on once, in this one optimizer step,
         # by the weights that generated them: the old policy's log-probs are these (ratio 1).

@@ -13,8 +13,6 @@ from typing import Dict, Optional
 
 import torch
 
-from nemo_aligner.utils.prompt_sharing import gather_outputs
-
 
 def prompt_sharing_unsupported(module, config) -> Optional[str]:
     """Why this stage cannot run packed rollouts, or None when it can."""
@@ -56,14 +54,9 @@ def per_row_rotary(module, positions: torch.Tensor):
 
 
 def packed_forward(model, micro_batch: Dict[str, torch.Tensor]):
-    """One stage's forward of a packed micro-batch (``tokens``, ``position_ids``, ``attention_mask``
-    [G, ...], ``source`` [B, T]): on the last stage the logits per original row, [B, T, V/TP];
-    elsewhere the hidden states for the next stage."""
-    from megatron.core import parallel_state
+    """One stage's forward of a packed micro-batch (``tokens``, ``position_ids``, ``attention_mask``):
+    the packed logits [G, L, V/TP] on the last stage, the hidden states for the next one elsewhere."""
     from megatron.core.utils import unwrap_model
 
     with per_row_rotary(unwrap_model(model), micro_batch["position_ids"]):
-        output = model(micro_batch["tokens"], micro_batch["position_ids"], micro_batch["attention_mask"])
-    if not parallel_state.is_pipeline_last_stage():
-        return output
-    return gather_outputs(output, micro_batch["source"])
+        return model(micro_batch["tokens"], micro_batch["position_ids"], micro_batch["attention_mask"])
