@@ -27,32 +27,32 @@ def fixed_rollouts(vocab: int, width: int = 24):
     return tokens, torch.tensor(prompt_lengths), torch.tensor(response_lengths)
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--arch", required=True, help="JSON model keys")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-
+def build_actor(arch: dict, precision: str = "32"):
+    """A GRPO actor with random weights moved away from its initial policy (a non-zero KL term)."""
     from nemo_aligner.models.nlp.gpt.megatron_gpt_ppo_actor import MegatronGPTActorModel
-    from nemo_aligner.utils import distributed as D
-    from nemo_aligner.utils.ppo_utils import create_mask
     from nemo_aligner.utils.tokenizers import ByteTokenizer
 
-    D.init_distributed()
-    D.initialize_model_parallel(args.tp, args.pp, seed=1234)
     torch.manual_seed(0)
     cfg = OmegaConf.create(dict(
-        json.loads(args.arch), micro_batch_size=4, global_batch_size=8, encoder_seq_length=32,
+        arch, micro_batch_size=4, global_batch_size=8, encoder_seq_length=32,
         grpo={"forward_micro_batch_size": 4, "reference_policy_kl_penalty": 0.1, "entropy_bonus": 0.01},
         optim={"name": "fused_adam", "lr": 1e-3, "weight_decay": 0.0, "sched": {"name": "Constant"}}))
-    model = MegatronGPTActorModel(cfg, ByteTokenizer(), section="grpo")
+    model = MegatronGPTActorModel(cfg, ByteTokenizer(), precision=precision, section="grpo")
     model.setup_optimization(max_steps=10, clip_grad=1.0)
     model.snapshot_initial_policy()
-    with torch.no_grad():  # away from the initial policy: a non-zero KL term
+    with torch.no_grad():
         for p in model.module.parameters():
             p.add_(0.02 * torch.randn_like(p))
+    return model
+
+
+def packed_and_unpacked(model) -> dict:
+    """Log-probs (masked), reference log-probs, loss, KL term, entropy and gradient norm on
+    :func:`fixed_rollouts`, without and with the rows' lengths (which let the actor pack them)."""
+    from megatron.core import parallel_state
+
+    from nemo_aligner.utils.ppo_utils import create_mask
+
     tokens, prompt_lengths, response_lengths = fixed_rollouts(vocab=250)
     mask = create_mask(prompt_lengths, response_lengths, tokens.shape[1] - 1)
     advantages = torch.linspace(-1, 1, tokens.shape[0]).unsqueeze(1) * mask
@@ -68,13 +68,29 @@ def main():
             batch.update(prompt_lengths=prompt_lengths, response_lengths=response_lengths)
         model.prepare_for_training_step()
         loss, metrics = model.get_loss_and_metrics(batch, forward_only=False)
-        grads = [p.main_grad for p in model.module.parameters()]
-        local = torch.stack([g.double().pow(2).sum() for g in grads]).sum()
-        # Gradient norm over the model-parallel group (each rank holds its own shard).
-        from megatron.core import parallel_state
+        local = torch.stack([p.main_grad.double().pow(2).sum() for p in model.module.parameters()]).sum()
+        # Over the model-parallel group, each rank holding its shard (replicated ones counted on each:
+        # the same in both runs).
         torch.distributed.all_reduce(local, group=parallel_state.get_model_parallel_group())
         results[name] = {"logprobs": (logprobs * mask).tolist(), "init_logprobs": (init * mask).tolist(),
-                         "loss": loss, "kl_loss": metrics["kl_loss"], "entropy": metrics["entropy"], "grad_norm": float(local.sqrt())}
+                         "loss": loss, "kl_loss": metrics["kl_loss"], "entropy": metrics["entropy"],
+                         "grad_norm": float(local.sqrt())}
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--arch", required=True, help="JSON model keys")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    from nemo_aligner.utils import distributed as D
+
+    D.init_distributed()
+    D.initialize_model_parallel(args.tp, args.pp, seed=1234)
+    results = packed_and_unpacked(build_actor(json.loads(args.arch)))
     if torch.distributed.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f)
