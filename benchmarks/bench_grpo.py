@@ -4,6 +4,7 @@ project's venv (TRL's datasets/pyarrow/pandas need numpy>=2, nvidia-pytriton pin
 the separate venv with ``make bench-venv`` (pins in ``benchmarks/requirements-trl.txt``), then
 
     cd benchmarks && ../.venv-bench/bin/python bench_grpo.py [--shape tiny] [--prompts 8] [--generations 8] [--steps 4] [--rounds 3]
+        [--prompt-prefix-tokens N] [--override KEY=VALUE ...]
 
 Both sides: fp32, no vLLM, the same prompts, group size, learning rate (constant), KL coefficient
 (0.01), exactly ``--new-tokens`` new tokens per response (EOS refused before that; our end strings
@@ -66,6 +67,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run (after one warm-up step)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating runs of each side")
+    parser.add_argument("--prompt-prefix-tokens", type=int, default=0,
+                        help="a fixed instruction of this many tokens before every prompt (longer prompts, "
+                             "same task and reward)")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for ours (repeatable), e.g. model.grpo.share_prompt_prefix=false")
     args = parser.parse_args(argv)
@@ -82,13 +86,17 @@ def main(argv=None) -> dict:
         raise SystemExit("bench_grpo.py compares on the CPU only: run it with CUDA_VISIBLE_DEVICES= (empty)")
     init_single_process()
     work = tempfile.mkdtemp(prefix="bench_grpo_")
-    ours, hf = build_pair(args.shape, 128)
-    prompts = [BuiltinTask.prompt_text(i) for i, _ in BuiltinTask(seed=0).examples(args.prompts * (args.steps + 2))]
+    context = 128 + args.prompt_prefix_tokens
+    ours, hf = build_pair(args.shape, context)
+    # The byte tokenizer makes one token of each ASCII character.
+    prefix = ("Instruction: answer the task below with its result only, nothing else. " * 64)[: args.prompt_prefix_tokens]
+    prompts = [prefix + BuiltinTask.prompt_text(i)
+               for i, _ in BuiltinTask(seed=0).examples(args.prompts * (args.steps + 2))]
     rollouts = args.prompts * args.generations
     micro = math.gcd(rollouts, 16)  # the training micro-batch, both sides
 
     def reward(prompt: str, response: str) -> float:
-        return BuiltinTask.score(prompt, response)
+        return BuiltinTask.score(prompt[len(prefix):], response)
 
     # ---- TRL. GRPOTrainer builds its reference model from the policy's path, so it gets the HF weights
     # from a directory (policy and reference both load them: the same weights as ours).
@@ -193,7 +201,7 @@ def main(argv=None) -> dict:
 
         api = GRPOTrainer.from_pretrained(nemo, num_prompts_per_step=args.prompts,
                                           num_generations_per_prompt=args.generations, learning_rate=1e-6,
-                                          max_sequence_length=128, max_new_tokens=args.new_tokens,
+                                          max_sequence_length=context, max_new_tokens=args.new_tokens,
                                           global_batch_size=rollouts, micro_batch_size=micro,
                                           rollout_micro_batch_size=rollouts, kl_penalty=0.01, temperature=1.0,
                                           output_dir=os.path.join(work, f"ours{run}"),
@@ -221,7 +229,7 @@ def main(argv=None) -> dict:
     ours_step = statistics.median(statistics.mean(r["ours_steps_s"]) for r in rounds)
     mean_of = lambda key: {k: statistics.mean(r[key][k] for r in rounds) for k in rounds[0][key]}
     all_of = lambda key: [x for r in rounds for x in r[key]]
-    row = {"shape": args.shape, "rollouts_per_step": rollouts, "micro_batch": micro, "trl_step_s": trl_step,
+    row = {"shape": args.shape, "rollouts_per_step": rollouts, "mean_prompt_tokens": statistics.mean(len(p) for p in prompts), "micro_batch": micro, "trl_step_s": trl_step,
            "ours_step_s": ours_step, "ratio": statistics.median(r["ratio"] for r in rounds),
            "round_ratios": [r["ratio"] for r in rounds], "trl_steps_s": all_of("trl_steps_s"),
            "ours_steps_s": all_of("ours_steps_s"), "ours_phases_s": mean_of("ours_phases_s"),
@@ -229,8 +237,9 @@ def main(argv=None) -> dict:
            "mean_new_tokens": {"trl": statistics.mean(all_of("trl_lengths") or [float("nan")]),
                                "ours": statistics.mean(all_of("ours_lengths") or [float("nan")])}}
     trl_phases = row["trl_profiled_blocks_s"]
-    print(f"\nGRPO step, {args.prompts} prompts x {args.generations} responses, up to {args.new_tokens} new tokens, "
-          f"{args.shape} model, fp32, {device_description()}")
+    prompt_tokens = statistics.mean(len(p) for p in prompts)  # bytes: one token each
+    print(f"\nGRPO step, {args.prompts} prompts (~{prompt_tokens:.0f} tokens) x {args.generations} responses, "
+          f"up to {args.new_tokens} new tokens, {args.shape} model, fp32, {device_description()}")
     print(f"TRL {trl.__version__}: {trl_step:.2f} s/step; ours: {ours_step:.2f} s/step; "
           f"ratio (ours/TRL time, median of {args.rounds} alternating rounds) {row['ratio']:.2f} "
           f"(rounds: {', '.join(f'{r:.2f}' for r in row['round_ratios'])})")
