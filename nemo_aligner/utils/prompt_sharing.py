@@ -80,9 +80,10 @@ def prompt_groups(tokens: torch.Tensor, prompt_lengths: torch.Tensor) -> List[Tu
     return groups
 
 
-def pack_shape(tokens: torch.Tensor, prompt_lengths: torch.Tensor, response_lengths: torch.Tensor) -> PackShape:
-    """The packed shape of one micro-batch."""
-    groups = prompt_groups(tokens, prompt_lengths)
+def pack_shape(tokens: torch.Tensor, prompt_lengths: torch.Tensor, response_lengths: torch.Tensor,
+               groups: Optional[List[Tuple[int, int]]] = None) -> PackShape:
+    """The packed shape of one micro-batch (``groups``: its :func:`prompt_groups`, when known)."""
+    groups = groups or prompt_groups(tokens, prompt_lengths)
     responses = (response_lengths - prompt_lengths).clamp(min=1)
     return PackShape(len(groups), max(count for _, count in groups), int(prompt_lengths.max()),
                      int(responses.max()))
@@ -98,8 +99,8 @@ def pack(tokens: torch.Tensor, prompt_lengths: torch.Tensor, response_lengths: t
     """Pack right-padded rollouts ``tokens`` [B, T] by prompt; ``shape`` (at least this batch's
     :func:`pack_shape`) pads every micro-batch of a call to one shape."""
     groups = prompt_groups(tokens, prompt_lengths)
-    shape = shape or pack_shape(tokens, prompt_lengths, response_lengths)
-    mine = pack_shape(tokens, prompt_lengths, response_lengths)
+    mine = pack_shape(tokens, prompt_lengths, response_lengths, groups)
+    shape = shape or mine
     if shape.merge(mine) != shape:
         raise ValueError(f"pack shape {shape} is smaller than the batch's {mine}")
     G, n, P, R = shape.as_tuple()
