@@ -216,3 +216,19 @@ def test_demo_report_table_and_curves(tmp_path, capsys):
     assert table["GRPO task reward (greedy, validation)"] == ["0.200", "0.300"]
     assert table["GRPO task reward (sampled, train, 10-step mean)"] == ["0.055", "0.255"]  # steps 1-10, 21-30
     assert (tmp_path / "report.png").stat().st_size > 0 and not (tmp_path / "report.png.tmp.png").exists()
+
+
+def test_free_ports_do_not_follow_the_training_seed():
+    """Training seeds the global ``random`` (seed_everything), identically in every process of a
+    run and in every test worker: ports drawn from it would repeat across processes and collide
+    when two servers start at once."""
+    import random
+
+    from nemo_aligner.utils.ports import free_port
+
+    draws = []
+    for _ in range(2):
+        random.seed(1234)
+        draws.append([free_port() for _ in range(5)])
+    assert draws[0] != draws[1]
+    assert all(20000 <= p <= 32000 for p in draws[0] + draws[1])

@@ -6,6 +6,11 @@ import random
 import socket
 
 
+# Not the global ``random``: training seeds it (``seed_everything``), so every process seeded alike
+# would draw the same "free" ports and two of them starting servers at once would collide.
+_draws = random.SystemRandom()
+
+
 def free_port() -> int:
     """A port free on 127.0.0.1 now, drawn below the kernel's ephemeral range (32768+ on Linux).
 
@@ -14,7 +19,7 @@ def free_port() -> int:
     outgoing connection) may be given the same one. Drawing from 20000-32000 keeps clear of those.
     """
     while True:
-        port = random.randint(20000, 32000)
+        port = _draws.randint(20000, 32000)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))
