@@ -95,10 +95,11 @@ def saves_tokens(shapes: List[PackShape], rows: int, width: int) -> bool:
 
 
 def pack(tokens: torch.Tensor, prompt_lengths: torch.Tensor, response_lengths: torch.Tensor,
-         shape: Optional[PackShape] = None) -> PackedRollouts:
+         shape: Optional[PackShape] = None, groups: Optional[List[Tuple[int, int]]] = None) -> PackedRollouts:
     """Pack right-padded rollouts ``tokens`` [B, T] by prompt; ``shape`` (at least this batch's
-    :func:`pack_shape`) pads every micro-batch of a call to one shape."""
-    groups = prompt_groups(tokens, prompt_lengths)
+    :func:`pack_shape`) pads every micro-batch of a call to one shape; ``groups``: the batch's
+    :func:`prompt_groups`, when known."""
+    groups = groups or prompt_groups(tokens, prompt_lengths)
     mine = pack_shape(tokens, prompt_lengths, response_lengths, groups)
     shape = shape or mine
     if shape.merge(mine) != shape:

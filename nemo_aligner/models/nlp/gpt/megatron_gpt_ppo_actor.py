@@ -40,7 +40,7 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 def next_token_batch(tokens: torch.Tensor) -> Dict[str, torch.Tensor]:
     """``tokens``, ``position_ids`` and ``labels`` (the next token; the last position repeats itself)."""
-    labels = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
+    labels = prompt_sharing.next_tokens(tokens)
     positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens).contiguous()
     return {"tokens": tokens, "position_ids": positions, "labels": labels}
 
@@ -152,14 +152,17 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
             return None
         rows = dict(batch, prompt_lengths=prompt_lengths, response_lengths=response_lengths)
         parts = split_micro_batches(rows, micro_batch_size)
-        shapes = [prompt_sharing.pack_shape(p["tokens"], p["prompt_lengths"], p["response_lengths"]) for p in parts]
+        groups = [prompt_sharing.prompt_groups(p["tokens"], p["prompt_lengths"]) for p in parts]
+        shapes = [prompt_sharing.pack_shape(p["tokens"], p["prompt_lengths"], p["response_lengths"], g)
+                  for p, g in zip(parts, groups)]
         shape = functools.reduce(prompt_sharing.PackShape.merge, shapes)
         width = batch["tokens"].shape[1]
         if shape.responses < 2 or not prompt_sharing.saves_tokens([shape] * len(parts), len(rows["tokens"]), width):
             return None
         micro_batches = []
-        for part in parts:
-            packed = prompt_sharing.pack(part["tokens"], part["prompt_lengths"], part["response_lengths"], shape)
+        for part, part_groups in zip(parts, groups):
+            packed = prompt_sharing.pack(part["tokens"], part["prompt_lengths"], part["response_lengths"], shape,
+                                         part_groups)
             micro_batches.append(dict(part, tokens=packed.tokens, position_ids=packed.positions,
                                       attention_mask=packed.attention_mask, source=packed.source,
                                       valid=packed.valid, first_tokens=packed.first_tokens))
