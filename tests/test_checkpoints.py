@@ -178,6 +178,41 @@ def test_interrupted_saves_are_tidied_before_resuming(tmp_path):
     assert json.loads((tmp_path / "step=1" / "trainer_state.json").read_text()) == {"name": "step=1"}
 
 
+def test_a_prune_killed_midway_leaves_no_half_deleted_checkpoint(tmp_path, monkeypatch):
+    """Pruning a checkpoint that fell out of the top k, killed after its shard file is gone but
+    before its metadata is: no checkpoint listed for resuming lacks a file, and the remains are
+    removed before the next resume (CI once caught a kill -9 landing exactly there)."""
+    from nemo_aligner.utils import checkpoint_io
+    from nemo_aligner.utils.checkpoint_callback import CheckpointCallback, latest_checkpoint, list_checkpoints
+    from nemo_aligner.utils.checkpoint_io import recover_interrupted_saves
+
+    for step in (2, 4, 6):
+        d = tmp_path / f"ck-step={step}"
+        d.mkdir()
+        (d / "__0_0.distcp").write_bytes(b"shard")
+        (d / "metadata.json").write_text("{}")
+        (d / "trainer_state.json").write_text(json.dumps({"step": step, "monitor_value": None}))
+
+    class Killed(BaseException):
+        pass
+
+    def rmtree_killed_midway(path, ignore_errors=False):
+        os.remove(os.path.join(path, "__0_0.distcp"))  # what rmtree deletes first, then the kill
+        raise Killed
+
+    cb = CheckpointCallback(str(tmp_path), "ck-{step}", monitor="val_loss", mode="min", save_top_k=2)
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint_io.shutil, "rmtree", rmtree_killed_midway)
+        with pytest.raises(Killed):
+            cb.prune()
+    listed = [path for path, _ in list_checkpoints(str(tmp_path))]
+    assert sorted(os.path.basename(p) for p in listed) == ["ck-step=4", "ck-step=6"]
+    assert all(os.path.isfile(os.path.join(p, "__0_0.distcp")) for p in listed)
+    assert latest_checkpoint(str(tmp_path)).endswith("ck-step=6")
+    recover_interrupted_saves(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["ck-step=4", "ck-step=6"]
+
+
 def test_rng_state_written_on_the_other_device_kind_keeps_the_tracker(mcore_single, caplog):
     """A training checkpoint from a GPU run resumed on the CPU (or back): the megatron-core tracker's
     CUDA states do not fit the CPU tracker, so its streams are kept (with a warning) while Python,

@@ -6,10 +6,10 @@ import logging
 import math
 import os
 import re
-import shutil
 from typing import Dict, List, Optional
 
 
+from nemo_aligner.utils.checkpoint_io import REMOVING_SUFFIX, remove_dir_atomically
 from nemo_aligner.utils.distributed import barrier, get_rank
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.nemo_file import save_nemo
@@ -108,7 +108,10 @@ class CheckpointCallback:
         keep.add(latest)
         for path, _ in found:
             if path not in keep:
-                shutil.rmtree(path, ignore_errors=True)
+                try:
+                    remove_dir_atomically(path)
+                except FileNotFoundError:  # already gone (another process pruned it)
+                    continue
                 logger.info("removed checkpoint %s (not in the top %d by %s)", path, self.save_top_k, self.monitor)
 
     def best(self) -> Optional[str]:
@@ -125,13 +128,14 @@ class CheckpointCallback:
 
 
 def list_checkpoints(dirpath: str) -> List[tuple]:
-    """Complete training checkpoints in ``dirpath`` (partial ``*.tmp`` writes are ignored)."""
+    """Complete training checkpoints in ``dirpath`` (partial ``*.tmp`` writes and half-deleted
+    ``*.removing`` ones are ignored)."""
     if not os.path.isdir(dirpath):
         return []
     found = []
     for name in sorted(os.listdir(dirpath)):
         path = os.path.join(dirpath, name)
-        if name.endswith(".tmp") or ".old." in name or not os.path.isdir(path):
+        if name.endswith((".tmp", REMOVING_SUFFIX)) or ".old." in name or not os.path.isdir(path):
             continue
         try:
             state = read_trainer_state(path)

@@ -36,10 +36,22 @@ def replace_dir_atomically(tmp_dir: str, final_dir: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+REMOVING_SUFFIX = ".removing"
+
+
+def remove_dir_atomically(path: str) -> None:
+    """Delete a checkpoint directory so that a kill part-way never leaves a half-deleted one under
+    its own name: it is renamed to ``<path>.removing`` first (one atomic step), then deleted."""
+    doomed = f"{path}{REMOVING_SUFFIX}"
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def recover_interrupted_saves(directory: str) -> None:
     """Tidy ``directory`` after a process was killed mid-save (call on one rank, before resuming):
     a ``<name>.tmp`` write never committed is removed; a ``<name>.old.<pid>`` whose replacement was
-    never renamed in is put back as ``<name>`` (else removed)."""
+    never renamed in is put back as ``<name>`` (else removed); a ``<name>.removing`` left by an
+    interrupted prune is removed."""
     if not os.path.isdir(directory):
         return
     for entry in sorted(os.listdir(directory)):
@@ -47,6 +59,9 @@ def recover_interrupted_saves(directory: str) -> None:
         if entry.endswith(".tmp") and os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
             logger.warning("removed %s: a checkpoint save that was interrupted", path)
+        elif entry.endswith(REMOVING_SUFFIX) and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            logger.warning("removed %s: a checkpoint deletion that was interrupted", path)
         elif ".old." in entry and os.path.isdir(path):
             final = os.path.join(directory, entry.rsplit(".old.", 1)[0])
             if os.path.exists(final):
