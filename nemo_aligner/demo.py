@@ -10,15 +10,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 
 from nemo_aligner.data.nlp.builtin_task import BuiltinTask
 from nemo_aligner.data.nlp.jsonl import read_jsonl
+from nemo_aligner.utils.checkpoint_io import recover_replaced_dir, remove_dir_atomically
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "examples", "nlp", "gpt")
+
+
+def remove_stage_dir(path: str) -> None:
+    """A stage starts fresh (metrics.jsonl appends); a kill while this deletes the last run's stage
+    leaves a ``.removing`` directory, never a half-deleted checkpoint under its own name."""
+    recover_replaced_dir(path)
+    if os.path.isdir(path):
+        remove_dir_atomically(path)
 
 
 def run(script: str, overrides: list) -> None:
@@ -54,7 +62,7 @@ def main(argv=None) -> None:
     print(f"built-in data written to {data}")
 
     sft_dir = os.path.join(out, "sft")
-    shutil.rmtree(sft_dir, ignore_errors=True)  # a fresh run each time (metrics.jsonl appends)
+    remove_stage_dir(sft_dir)  # a fresh run each time (metrics.jsonl appends)
     run("train_gpt_sft.py", [
         f"model.data.train_ds.file_path={paths['sft_train']}",
         f"model.data.validation_ds.file_path={paths['sft_val']}",
@@ -146,7 +154,7 @@ def grpo_stage(out: str, paths: dict, sft_nemo: str, steps: int) -> None:
     from nemo_aligner.data.nlp.builtin_task import BuiltinTask as Task
 
     grpo_dir = os.path.join(out, "grpo")
-    shutil.rmtree(grpo_dir, ignore_errors=True)
+    remove_stage_dir(grpo_dir)
     print("\n>>> GRPOTrainer.from_pretrained(sft_nemo, num_prompts_per_step=16, num_generations_per_prompt=8, "
           "learning_rate=5e-5).fit(dataset=prompts_train.jsonl, reward_fn=task.score)", flush=True)
     trainer = GRPOTrainer.from_pretrained(sft_nemo, num_prompts_per_step=16, num_generations_per_prompt=8,
@@ -161,7 +169,7 @@ def grpo_stage(out: str, paths: dict, sft_nemo: str, steps: int) -> None:
 def dpo_stage(out: str, paths: dict, sft_nemo: str, steps: int) -> None:
     """DPO from the SFT model on the built-in preference pairs (the SFT model is the reference)."""
     dpo_dir = os.path.join(out, "dpo")
-    shutil.rmtree(dpo_dir, ignore_errors=True)
+    remove_stage_dir(dpo_dir)
     run("train_gpt_dpo.py", [
         f"pretrained_checkpoint.restore_from_path={sft_nemo}",
         f"++model.data.data_prefix={{train: [{paths['dpo_train']}], validation: [{paths['dpo_val']}]}}",
@@ -183,7 +191,7 @@ def ppo_stage(out: str, paths: dict, sft_nemo: str, rm_nemo: str, steps: int) ->
 
     critic_dir, actor_dir = os.path.join(out, "ppo_critic"), os.path.join(out, "ppo_actor")
     for d in (critic_dir, actor_dir):
-        shutil.rmtree(d, ignore_errors=True)
+        remove_stage_dir(d)
     print("\n$ python -m nemo_aligner.launchers.ppo_local --critic ... --actor ...", flush=True)
     code = run_ppo(
         [f"pretrained_checkpoint.restore_from_path={rm_nemo}", f"exp_manager.explicit_log_dir={critic_dir}",
@@ -214,7 +222,7 @@ def ppo_stage(out: str, paths: dict, sft_nemo: str, rm_nemo: str, steps: int) ->
 
 def reward_model_stage(out: str, paths: dict, sft_nemo: str, steps: int) -> str:
     rm_dir = os.path.join(out, "rm")
-    shutil.rmtree(rm_dir, ignore_errors=True)
+    remove_stage_dir(rm_dir)
     run("train_reward_model.py", [
         f"pretrained_checkpoint.restore_from_path={sft_nemo}",
         "++model.data.data_impl=jsonl",

@@ -118,3 +118,12 @@ def test_resume_with_changed_architecture_keeps_checkpoint(tmp_path, builtin_dat
     assert "error: checkpoint" in proc.stderr and "has shape" in proc.stderr and "architecture" in proc.stderr
     after = {p: os.path.getsize(os.path.join(r, p)) for r, _, fs in os.walk(ckpt_dir) for p in fs}
     assert after == before
+
+
+def test_a_required_key_left_unset_is_named(tmp_path):
+    """A '???' in the yaml that the command line did not fill is one error line naming the key, as a
+    ConfigError is (not OmegaConf's traceback)."""
+    proc = run_script("train_steerlm_model.py", [f"exp_manager.explicit_log_dir={tmp_path / 'logs'}"], check=False)
+    assert proc.returncode == 1
+    assert "error: model.data.train_ds.file_path is required" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr

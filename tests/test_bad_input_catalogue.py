@@ -131,6 +131,29 @@ JSONL_CASES = {
     "blank-lines-only": (sft, "\n   \n\n", None, r"bad\.jsonl: file is empty \(no JSON records\)"),
     "sft-wrong-type": (sft, '{"input": "a =", "output": 5}\n', None, r"bad\.jsonl:1: field 'output' must be str, got int"),
     "sft-not-an-object": (sft, '["input", "output"]\n', None, r"bad\.jsonl:1: expected a JSON object, got list"),
+    "regression-nan-label": (regression, '{"text": "a", "label": [1, 2, 3, 4, 0, 1, 2, 3, 3]}\n'
+                                         '{"text": "b", "label": [NaN, 1, 2, 3, 4, 0, 1, 2, 3]}\n', None,
+                             r"bad\.jsonl:2: field 'label\[0\]' is not a finite number \(JSON has no NaN or Infinity\)"),
+    "regression-inf-in-a-string-label": (regression, '{"text": "a", "label": "quality:4,toxicity:inf"}\n', None,
+                                         r"bad\.jsonl:1: attribute 'toxicity' has a value that is not a finite "
+                                         r"number: 'inf'"),
+    "regression-bool-label": (regression, '{"text": "a", "label": [true, 1, 2, 3, 4, 0, 1, 2, 3]}\n', None,
+                              r"bad\.jsonl:1: label values must be finite numbers"),
+    "dpo-nan-reward": (dpo, '{"prompt": "p", "chosen_response": "a", "rejected_response": "b", '
+                            '"chosen_reward": -Infinity}\n', None,
+                       r"bad\.jsonl:1: field 'chosen_reward' is not a finite number"),
+    "dpo-chat-content-not-a-string": (dpo, '{"prompt": [{"role": "user", "content": 7}], "chosen_response": "a", '
+                                           '"rejected_response": "b"}\n', None,
+                                      r"bad\.jsonl:1: prompt\[0\]\.content must be str, got int"),
+    "chat-value-not-a-string": (chat, '{"conversations": [{"from": "User", "value": 5}, '
+                                      '{"from": "Assistant", "value": "x"}]}\n', None,
+                                r"bad\.jsonl:1: conversations\[0\]\.value must be str, got int"),
+    "chat-null-value": (chat, '{"conversations": [{"from": "User", "value": "hi"}, '
+                              '{"from": "Assistant", "value": null}]}\n', None,
+                        r"bad\.jsonl:1: conversations\[1\]\.value must be str, got NoneType"),
+    "chat-mask-not-a-string": (chat, '{"conversations": [{"from": "User", "value": "hi"}, '
+                                     '{"from": "Assistant", "value": "yo"}], "mask": 3}\n', None,
+                               r"bad\.jsonl:1: field 'mask' must be str, got int"),
 }
 
 
@@ -231,6 +254,12 @@ CONFIG_CASES = {
     "negative-lr": (config_values(**{"model.optim.lr": -0.1}), r"model\.optim\.lr=-0\.1 must be >= 0"),
     "negative-interval": (config_values(**{"trainer.sft.save_interval": -5}),
                           r"trainer\.sft\.save_interval=-5 must be >= 0"),
+    "max-steps-not-an-integer": (config_values(**{"trainer.sft.max_steps": "abc"}),
+                                 r"trainer\.sft\.max_steps='abc' must be an integer \(-1 or null: no limit\)"),
+    "limit-batches-not-a-number": (config_values(**{"trainer.sft.limit_val_batches": "abc"}),
+                                   r"trainer\.sft\.limit_val_batches='abc' must be a fraction"),
+    "limit-batches-fraction-above-one": (config_values(**{"trainer.sft.limit_val_batches": 2.5}),
+                                         r"trainer\.sft\.limit_val_batches=2\.5 must be a fraction between"),
     "tp-does-not-divide-query-groups": (parallel(2, 2, 1, 4, 3, 2),
                                         r"model\.tensor_model_parallel_size=2 does not divide model\.num_query_groups=3"),
     "pp-does-not-divide-layers": (parallel(2, 1, 2, 4, None, 3), r"model\.pipeline_model_parallel_size=2.*num_layers=3"),

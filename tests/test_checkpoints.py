@@ -213,6 +213,28 @@ def test_a_prune_killed_midway_leaves_no_half_deleted_checkpoint(tmp_path, monke
     assert sorted(os.listdir(tmp_path)) == ["ck-step=4", "ck-step=6"]
 
 
+def test_an_interrupted_replacement_outside_a_checkpoint_directory_is_tidied(tmp_path):
+    """An export (or a demo stage) replaced or deleted by a process that was killed part-way: the
+    previous version moved aside comes back when nothing replaced it, is dropped when something
+    did; a half-deleted ``.removing`` goes; unrelated neighbours are left alone."""
+    from nemo_aligner.utils.checkpoint_io import recover_replaced_dir, remove_dir_atomically
+
+    for name in ("hf.old.41", "other.tmp", "hf-2.old.7", "kept.removing"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(name)
+    recover_replaced_dir(str(tmp_path / "hf"))
+    assert (tmp_path / "hf" / "config.json").read_text() == "hf.old.41"
+    assert sorted(os.listdir(tmp_path)) == ["hf", "hf-2.old.7", "kept.removing", "other.tmp"]
+    (tmp_path / "hf.old.42").mkdir()
+    (tmp_path / "hf.removing").mkdir()
+    recover_replaced_dir(str(tmp_path / "hf"))
+    assert sorted(os.listdir(tmp_path)) == ["hf", "hf-2.old.7", "kept.removing", "other.tmp"]
+    (tmp_path / "hf.removing").mkdir()  # an earlier deletion of the same name, interrupted
+    (tmp_path / "hf.removing" / "half").write_text("x")
+    remove_dir_atomically(str(tmp_path / "hf"))
+    assert sorted(os.listdir(tmp_path)) == ["hf-2.old.7", "kept.removing", "other.tmp"]
+
+
 def test_rng_state_written_on_the_other_device_kind_keeps_the_tracker(mcore_single, caplog):
     """A training checkpoint from a GPU run resumed on the CPU (or back): the megatron-core tracker's
     CUDA states do not fit the CPU tracker, so its streams are kept (with a warning) while Python,

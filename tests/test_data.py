@@ -144,3 +144,83 @@ def test_builtin_task_writes_every_format(tmp_path):
     assert len(dpo) == 4 and set(dpo[0]) >= {"prompt", "chosen_response", "rejected_response"}
     assert all(r["text"].endswith("= ") for r in read_jsonl(paths["prompts_train"]))
     assert all(r["label"].startswith("quality:") for r in read_jsonl(paths["regression_train"]))
+
+
+def write_jsonl_text(path, text):
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def test_dpo_pair_without_a_prompt_is_trained_from_its_second_token(tmp_path):
+    """An empty prompt: nothing predicts the response's first token, so the loss covers the rest of
+    the response (it used to cover nothing: the mask started at position -1)."""
+    from nemo_aligner.data.nlp.dpo_dataset import DPOPairDataset, collate_dpo
+
+    path = write_jsonl_text(tmp_path / "dpo.jsonl", '{"prompt": "", "chosen_response": "abc", "rejected_response": "de"}\n'
+                                                    '{"prompt": "p =", "chosen_response": "x", "rejected_response": "yz"}\n')
+    dataset = DPOPairDataset(path, ByteTokenizer(), 32)
+    batch = collate_dpo([dataset[0], dataset[1]], pad_id=2, seq_length=32, pad_to_multiple_of=1)
+    # row 0: "abc" + EOS = 4 tokens, positions 0..2 predict b, c, EOS; "de" + EOS: d predicts e, e predicts EOS
+    assert batch["chosen_mask"][0].tolist()[:4] == [1.0, 1.0, 1.0, 0.0]
+    assert batch["rejected_mask"][0].tolist()[:3] == [1.0, 1.0, 0.0]
+    # row 1: prompt "p =" (3 tokens): position 2 predicts the first response token
+    assert batch["chosen_mask"][1].tolist()[:5] == [0.0, 0.0, 1.0, 1.0, 0.0]
+    assert batch["chosen_mask"].sum(dim=1).tolist() == [3.0, 2.0]
+
+
+def test_byte_order_mark_is_skipped(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"input": "a =", "output": "b"}\n')
+    dataset = GPTSFTDataset(str(path), ByteTokenizer(), 32)
+    assert dataset.records[0]["input"] == "a ="
+
+
+def test_chat_errors_name_the_file_the_record_came_from(tmp_path):
+    good = write_jsonl_text(tmp_path / "good.jsonl", '{"conversations": [{"from": "User", "value": "hi"}, '
+                                                     '{"from": "Assistant", "value": "yo"}]}\n')
+    bad = write_jsonl_text(tmp_path / "bad.jsonl", '{"conversations": [{"from": "User", "value": "hi"}]}\n'
+                                                   '{"conversations": ["hi"]}\n')
+    from nemo_aligner.data.nlp.jsonl import read_jsonl_files
+
+    records = read_jsonl_files([good, bad], "model.data.train_ds.file_path")
+    with pytest.raises(DataError, match=r"^" + bad.replace(".", r"\.") + r":2: conversations\[0\] must be an object"):
+        GPTSFTChatDataset(f"{good},{bad}", ByteTokenizer(), 32, records=records)
+
+
+def test_suspicious_but_valid_records_are_warned_about_by_file_and_line(tmp_path, caplog):
+    """Records that load but cannot teach what they seem to: a chat whose turns never match the masked
+    role (every turn, the user's included, is trained on), preference pairs with identical responses,
+    and over-long DPO/KTO samples (cut to fit). One warning each, naming the first file:line."""
+    import logging
+
+    from nemo_aligner.data.nlp.dpo_dataset import DPOPairDataset
+    from nemo_aligner.data.nlp.kto_dataset import KTODataset
+    from nemo_aligner.data.nlp.reward_datasets import RewardComparisonDataset
+
+    chat = write_jsonl_text(tmp_path / "chat.jsonl", '{"conversations": [{"from": "User", "value": "hi"}, '
+                                                     '{"from": "Assistant", "value": "yo"}]}\n'
+                                                     '{"conversations": [{"from": "Usr", "value": "secret"}, '
+                                                     '{"from": "Assistant", "value": "yo"}]}\n')
+    dpo = write_jsonl_text(tmp_path / "dpo.jsonl", '{"prompt": "p", "chosen_response": "a", "rejected_response": "b"}\n'
+                                                   '{"prompt": "q", "chosen_response": "same", "rejected_response": "same"}\n'
+                                                   '{"prompt": "' + "x" * 40 + '", "chosen_response": "a", '
+                                                   '"rejected_response": "b"}\n')
+    rm = write_jsonl_text(tmp_path / "rm.jsonl", '{"text": "reverse abc = cba"}\n{"text": "reverse abc = cba"}\n')
+    kto = write_jsonl_text(tmp_path / "kto.jsonl", '{"prompt": "p", "response": "a", "preference": "chosen"}\n'
+                                                   '{"prompt": "' + "y" * 40 + '", "response": "b", "preference": "rejected"}\n')
+    with caplog.at_level(logging.WARNING):
+        chat_dataset = GPTSFTChatDataset(chat, ByteTokenizer(), 64)
+        dpo_dataset = DPOPairDataset(dpo, ByteTokenizer(), 32)
+        RewardComparisonDataset(rm, ByteTokenizer(), 32)
+        kto_dataset = KTODataset(kto, ByteTokenizer(), 32)
+        samples = [dpo_dataset[i] for i in range(3)] + [kto_dataset[i] for i in range(2)]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    expected = [f"{chat}:2: no turn is from the masked role", f"{dpo}:2: the chosen and rejected responses are identical",
+                f"{rm}:2: the chosen and rejected responses are identical", f"{dpo}:3: 9 tokens longer than the sequence",
+                f"{kto}:2: 9 tokens longer than the sequence"]
+    for start in expected:
+        assert sum(w.startswith(start) for w in warnings) == 1, (start, warnings)
+    assert len(warnings) == len(expected), warnings
+    assert len(samples[2]["chosen"]) == 33 and samples[2]["chosen_prompt"] == 31  # the prompt cut from the left
+    # the misspelled role's turn is trained on, as the warning says
+    assert sum(chat_dataset[1]["target_mask"]) > sum(chat_dataset[0]["target_mask"])

@@ -43,8 +43,30 @@ def remove_dir_atomically(path: str) -> None:
     """Delete a checkpoint directory so that a kill part-way never leaves a half-deleted one under
     its own name: it is renamed to ``<path>.removing`` first (one atomic step), then deleted."""
     doomed = f"{path}{REMOVING_SUFFIX}"
+    if os.path.exists(doomed):  # an earlier deletion of the same name, interrupted
+        shutil.rmtree(doomed, ignore_errors=True)
     os.replace(path, doomed)
     shutil.rmtree(doomed, ignore_errors=True)
+
+
+def recover_replaced_dir(final_dir: str) -> None:
+    """Tidy what an interrupted :func:`replace_dir_atomically` or :func:`remove_dir_atomically` of
+    ``final_dir`` left beside it (for outputs outside a checkpoint directory, such as an export):
+    a previous version moved aside is put back if ``final_dir`` is missing, else removed."""
+    final_dir = final_dir.rstrip("/")
+    parent, name = os.path.split(os.path.abspath(final_dir))
+    if not os.path.isdir(parent):
+        return
+    for entry in sorted(os.listdir(parent)):
+        path = os.path.join(parent, entry)
+        if entry.startswith(f"{name}.old.") and os.path.isdir(path):
+            if os.path.exists(final_dir):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.replace(path, final_dir)
+                logger.warning("restored %s: its replacement was interrupted before it was renamed in", final_dir)
+        elif entry == f"{name}{REMOVING_SUFFIX}" and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def recover_interrupted_saves(directory: str) -> None:

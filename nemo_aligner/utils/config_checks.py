@@ -31,7 +31,10 @@ NON_NEGATIVE_NUMBERS = frozenset({
     "val_check_interval", "save_interval", "lr", "min_lr", "weight_decay", "gradient_clip_val", "temperature", "warmup_steps", "timeout_s",
     "hidden_dropout", "attention_dropout",
 })
-# ``max_steps``/``max_epochs`` allow -1 or null for "no limit" and are checked where they are used.
+# -1 (or null) means "no limit" for these.
+INTS_OR_UNLIMITED = frozenset({"max_steps", "max_epochs"})
+# Lightning's ``limit_*_batches``: a fraction (float <= 1.0) or a count (int; -1 or null: all).
+BATCH_LIMITS = frozenset({"limit_train_batches", "limit_val_batches", "limit_test_batches"})
 
 
 def _leaves(node, prefix: str) -> Iterator[Tuple[str, object]]:
@@ -60,6 +63,15 @@ def check_config_values(cfg: DictConfig) -> None:
                 raise ConfigError(f"{path}={value} must be > 0")
             if name in NON_NEGATIVE_INTS and value < 0:
                 raise ConfigError(f"{path}={value} must be >= 0")
+        elif name in INTS_OR_UNLIMITED:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{path}={value!r} must be an integer (-1 or null: no limit), got {type(value).__name__}")
+        elif name in BATCH_LIMITS:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{path}={value!r} must be a fraction (0.0-1.0) or a batch count "
+                                  f"(-1 or null: all), got {type(value).__name__}")
+            if isinstance(value, float) and not 0.0 <= value <= 1.0:
+                raise ConfigError(f"{path}={value} must be a fraction between 0.0 and 1.0, or an integer count")
         elif name in NON_NEGATIVE_NUMBERS:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"{path}={value!r} must be a number, got {type(value).__name__}")

@@ -90,8 +90,10 @@ def exp_manager(exp_cfg: DictConfig, full_cfg: DictConfig, default_name: str = "
 
     config = OmegaConf.to_container(full_cfg, resolve=True)
     if is_global_rank_zero():
-        with open(os.path.join(log_dir, "hparams.yaml"), "w", encoding="utf-8") as f:
+        hparams = os.path.join(log_dir, "hparams.yaml")
+        with open(f"{hparams}.tmp.{os.getpid()}", "w", encoding="utf-8") as f:  # the last run's stays whole
             f.write(OmegaConf.to_yaml(full_cfg, resolve=True))
+        os.replace(f"{hparams}.tmp.{os.getpid()}", hparams)
     wandb_kwargs = OmegaConf.to_container(exp_cfg.get("wandb_logger_kwargs") or OmegaConf.create({}), resolve=True)
     metric_logger = MetricLogger(
         log_dir,

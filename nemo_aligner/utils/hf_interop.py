@@ -315,6 +315,7 @@ def export_to_hf(nemo_path: str, out_dir: str) -> str:
 
     from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
     from nemo_aligner.models.nlp.gpt.loading import load_model
+    from nemo_aligner.utils.checkpoint_io import recover_replaced_dir, replace_dir_atomically
     from nemo_aligner.utils.distributed import get_rank
 
     _ensure_single_process_parallel_state()
@@ -327,6 +328,7 @@ def export_to_hf(nemo_path: str, out_dir: str) -> str:
     if get_rank() != 0:
         return out_dir
     tmp = f"{out_dir.rstrip('/')}.tmp"
+    recover_replaced_dir(out_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     state = {k: v.cpu() for k, v in model.module.state_dict().items() if isinstance(v, torch.Tensor)}
@@ -339,8 +341,6 @@ def export_to_hf(nemo_path: str, out_dir: str) -> str:
     else:
         logger.warning("the model uses the built-in byte tokenizer, which transformers cannot load: %s has "
                        "weights and config only (token ids are UTF-8 bytes; see docs/hf_interop.md)", out_dir)
-    if os.path.isdir(out_dir):
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    replace_dir_atomically(tmp, out_dir)  # an earlier export stays whole until the new one is in
     logger.info("exported %s as %s to %s", nemo_path, arch, out_dir)
     return out_dir

@@ -8,8 +8,9 @@ import sys
 from typing import Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
-from nemo_aligner.utils.errors import AlignerError
+from nemo_aligner.utils.errors import AlignerError, ConfigError
 
 # NeMo's config resolvers, so NeMo yaml files and overrides resolve unchanged.
 OmegaConf.register_new_resolver("multiply", lambda x, y: x * y, replace=True)
@@ -52,6 +53,8 @@ def hydra_runner(config_path: str, config_name: str) -> Callable:
                 return task(cfg)
             except AlignerError as err:
                 report_user_error(err)
+            except MissingMandatoryValue as err:  # a '???' in the yaml that the command line did not set
+                report_user_error(ConfigError(f"{err.full_key or err} is required"))
 
         @functools.wraps(task)
         def wrapper(cfg: Optional[DictConfig] = None):

@@ -7,14 +7,18 @@ Each response gets EOS; the loss mask covers the response tokens only.
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from nemo_aligner.data.nlp.jsonl import require_fields
-from nemo_aligner.data.nlp.reward_datasets import read_files
+from nemo_aligner.data.nlp.reward_datasets import read_files, warn_identical_pairs
 from nemo_aligner.data.nlp.sft_dataset import DEFAULT_CHAT_TOKENS
 from nemo_aligner.utils.errors import DataError
+
+logger = logging.getLogger(__name__)
 
 _ROLE_NAMES = {"system": "System", "user": "User", "assistant": "Assistant"}
 
@@ -26,13 +30,20 @@ def render_chat_prompt(messages: list, where: str, chat_tokens: Optional[dict] =
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise DataError(f"{where}: prompt[{i}] must be an object with a role and content")
-        role = str(message.get("role", message.get("from", ""))).strip()
+        role = message.get("role", message.get("from"))
         content = message.get("content", message.get("value"))
-        if not role or content is None:
+        if role is None or content is None:
             raise DataError(f"{where}: prompt[{i}] needs 'role' (or 'from') and 'content' (or 'value')")
+        for field, value in (("role" if "role" in message else "from", role),
+                             ("content" if "content" in message else "value", content)):
+            if not isinstance(value, str):
+                raise DataError(f"{where}: prompt[{i}].{field} must be str, got {type(value).__name__}")
+        role = role.strip()
+        if not role:
+            raise DataError(f"{where}: prompt[{i}] has an empty role")
         name = _ROLE_NAMES.get(role.lower(), role)
         if name == "System":
-            system = str(content)
+            system = content
         else:
             turns.append(f"{t['turn_start']}{name}{t['end_of_name']}{content}{t['end_of_turn']}")
     return (f"{t['system_turn_start']}System{t['end_of_name']}{system}{t['end_of_turn']}" + "".join(turns)
@@ -48,11 +59,32 @@ def prompt_text(record: dict, where: str, chat_tokens: Optional[dict] = None) ->
 def encode_prompt_response(tokenizer, prompt_ids: List[int], response: str, seq_length: int):
     """``(prompt + response + EOS ids, prompt length)`` within ``seq_length + 1`` tokens: the response
     keeps its start, the prompt is cut from the left."""
+    ids, prompt_length, _ = encode_and_count_cut(tokenizer, prompt_ids, response, seq_length)
+    return ids, prompt_length
+
+
+def encode_and_count_cut(tokenizer, prompt_ids: List[int], response: str, seq_length: int):
+    """:func:`encode_prompt_response` and the number of tokens cut to fit."""
     response_ids = tokenizer.text_to_ids(response) + [tokenizer.eos_id]
     budget = seq_length + 1
+    full = len(prompt_ids) + len(response_ids)
     response_ids = response_ids[:budget - 1] if len(response_ids) >= budget else response_ids
-    prompt_ids = prompt_ids[-(budget - len(response_ids)):]
-    return prompt_ids + response_ids, len(prompt_ids)
+    prompt_ids = prompt_ids[len(prompt_ids) - min(len(prompt_ids), budget - len(response_ids)):]
+    return prompt_ids + response_ids, len(prompt_ids), full - len(prompt_ids) - len(response_ids)
+
+
+class TruncationWarning:
+    """Logs the first over-long sample of a dataset (file and line) and how much was cut; the rest
+    of that dataset's truncations are not reported."""
+
+    def __init__(self, seq_length: int, how: str):
+        self.seq_length, self.how, self.warned = seq_length, how, False
+
+    def __call__(self, where: str, cut: int) -> None:
+        if cut > 0 and not self.warned:
+            self.warned = True
+            logger.warning("%s: %d tokens longer than the sequence length %d; %s; further truncations in this "
+                           "dataset are not reported", where, cut, self.seq_length, self.how)
 
 
 def response_mask(lengths_and_prompts, width: int) -> torch.Tensor:
@@ -60,7 +92,8 @@ def response_mask(lengths_and_prompts, width: int) -> torch.Tensor:
     mask = torch.zeros((len(lengths_and_prompts), width - 1), dtype=torch.float32)
     for b, (length, prompt_length) in enumerate(lengths_and_prompts):
         # log-prob position i predicts token i + 1: response tokens start at the prompt length.
-        mask[b, prompt_length - 1 : length - 1] = 1.0
+        # Without a prompt nothing predicts the first response token: the loss starts at the second.
+        mask[b, max(prompt_length - 1, 0) : length - 1] = 1.0
     return mask
 
 
@@ -87,6 +120,7 @@ class DPOPairDataset(torch.utils.data.Dataset):
         self.seq_length = int(seq_length)
         records = records if records is not None else read_files(paths, key)
         self.items = []
+        identical = []
         for record in records:
             path = record.get("__file__", str(paths))
             where = f"{path}:{record['__line__']}"
@@ -98,8 +132,15 @@ class DPOPairDataset(torch.utils.data.Dataset):
                 value = record.get(field, default)
                 if not isinstance(value, (int, float)) or isinstance(value, bool):
                     raise DataError(f"{where}: field {field!r} must be a number, got {type(value).__name__}")
+                if not math.isfinite(value):
+                    raise DataError(f"{where}: field {field!r} must be a finite number, got {value}")
                 rewards.append(float(value))
-            self.items.append((prompt, record["chosen_response"], record["rejected_response"], rewards))
+            if record["chosen_response"] == record["rejected_response"]:
+                identical.append(where)
+            self.items.append((prompt, record["chosen_response"], record["rejected_response"], rewards, where))
+        warn_identical_pairs(identical)
+        self._warn_truncated = TruncationWarning(self.seq_length, "the prompt is cut from the left, then the response "
+                                                 "from the right")
 
     def __len__(self) -> int:
         return len(self.items)
@@ -109,10 +150,12 @@ class DPOPairDataset(torch.utils.data.Dataset):
             eos = self.tokenizer.eos_id
             return {"chosen": [eos, eos], "rejected": [eos, eos], "chosen_prompt": 2, "rejected_prompt": 2,
                     "rewards": [0.0, 0.0], "padding": True}
-        prompt, chosen, rejected, rewards = self.items[idx]
+        prompt, chosen, rejected, rewards, where = self.items[idx]
         prompt_ids = self.tokenizer.text_to_ids(prompt)
-        chosen_ids, chosen_prompt = encode_prompt_response(self.tokenizer, prompt_ids, chosen, self.seq_length)
-        rejected_ids, rejected_prompt = encode_prompt_response(self.tokenizer, prompt_ids, rejected, self.seq_length)
+        chosen_ids, chosen_prompt, chosen_cut = encode_and_count_cut(self.tokenizer, prompt_ids, chosen, self.seq_length)
+        rejected_ids, rejected_prompt, rejected_cut = encode_and_count_cut(self.tokenizer, prompt_ids, rejected,
+                                                                           self.seq_length)
+        self._warn_truncated(where, max(chosen_cut, rejected_cut))
         return {"chosen": chosen_ids, "rejected": rejected_ids, "chosen_prompt": chosen_prompt,
                 "rejected_prompt": rejected_prompt, "rewards": rewards}
 

@@ -4,9 +4,37 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Iterable, List, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from nemo_aligner.utils.errors import DataError
+
+
+class _NonFinite(float):
+    """What ``NaN``/``Infinity``/``-Infinity`` parse to, so the record can be searched for it:
+    Python's json accepts them, JSON itself has no such numbers, and one in a label or reward
+    would turn every loss it enters into NaN."""
+
+    def __new__(cls, text: str):
+        value = super().__new__(cls, text)
+        value.text = text
+        return value
+
+
+def _non_finite_field(value: Any, where: str = "") -> Optional[str]:
+    """The field path (``label[0]``, ``conversations[1].value``) of the first non-finite number."""
+    if isinstance(value, _NonFinite):
+        return where
+    if isinstance(value, dict):
+        items = ((f"{where}.{k}" if where else str(k)) for k in value), value.values()
+    elif isinstance(value, list):
+        items = (f"{where}[{i}]" for i in range(len(value))), value
+    else:
+        return None
+    for path, item in zip(*items):
+        found = _non_finite_field(item, path)
+        if found is not None:
+            return found
+    return None
 
 
 def read_jsonl(path: str) -> List[Dict[str, Any]]:
@@ -28,14 +56,20 @@ def read_jsonl(path: str) -> List[Dict[str, Any]]:
             except UnicodeDecodeError as err:
                 raise DataError(f"{path}:{line_no}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
                                 f"{err.start + 1}); re-encode the file as UTF-8") from None
+            if line_no == 1 and line.startswith("\ufeff"):  # a byte-order mark, as some editors write
+                line = line[1:]
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line, parse_constant=_NonFinite)
             except json.JSONDecodeError as err:
                 raise DataError(f"{path}:{line_no}: malformed JSON ({err.msg} at column {err.colno})") from None
             if not isinstance(record, dict):
                 raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
+            field = _non_finite_field(record)
+            if field is not None:
+                raise DataError(f"{path}:{line_no}: field {field!r} is not a finite number "
+                                f"(JSON has no NaN or Infinity)")
             record["__line__"] = line_no
             records.append(record)
     if not records:

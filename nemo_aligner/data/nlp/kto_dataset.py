@@ -11,7 +11,8 @@ from typing import Dict, Sequence
 
 import torch
 
-from nemo_aligner.data.nlp.dpo_dataset import encode_prompt_response, pad_rows, padded_length, prompt_text, response_mask
+from nemo_aligner.data.nlp.dpo_dataset import (TruncationWarning, encode_and_count_cut, encode_prompt_response, pad_rows,
+                                               padded_length, prompt_text, response_mask)
 from nemo_aligner.data.nlp.jsonl import read_jsonl_files, require_fields
 from nemo_aligner.utils.errors import DataError
 
@@ -36,7 +37,10 @@ class KTODataset(torch.utils.data.Dataset):
             preference = record["preference"]
             if preference not in PREFERENCE_VALUES:
                 raise DataError(f"{where}: field 'preference' must be \"chosen\" or \"rejected\", got {preference!r}")
-            self.items.append((prompt_text(record, where, chat_tokens), record["response"], PREFERENCE_VALUES[preference]))
+            self.items.append((prompt_text(record, where, chat_tokens), record["response"], PREFERENCE_VALUES[preference],
+                               where))
+        self._warn_truncated = TruncationWarning(self.seq_length, "the prompt is cut from the left, then the response "
+                                                 "from the right")
 
     def __len__(self) -> int:
         return len(self.items)
@@ -44,8 +48,10 @@ class KTODataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: int) -> Dict:
         if idx < 0:  # padding of a partial validation batch
             return {"prompt_ids": [self.tokenizer.eos_id], "response": "", "desirable": 0.0, "padding": True}
-        prompt, response, desirable = self.items[idx]
-        return {"prompt_ids": self.tokenizer.text_to_ids(prompt), "response": response, "desirable": desirable}
+        prompt, response, desirable, where = self.items[idx]
+        prompt_ids = self.tokenizer.text_to_ids(prompt)
+        self._warn_truncated(where, encode_and_count_cut(self.tokenizer, prompt_ids, response, self.seq_length)[2])
+        return {"prompt_ids": prompt_ids, "response": response, "desirable": desirable}
 
 
 def collate_kto(samples: Sequence[Dict], tokenizer, seq_length: int, pad_to_multiple_of: int = 8) -> Dict:

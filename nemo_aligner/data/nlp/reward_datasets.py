@@ -11,6 +11,8 @@ longer than ``seq_length`` keeps its end (the response being judged) and loses i
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 from typing import Dict, List, Optional, Sequence
 
@@ -18,6 +20,8 @@ import torch
 
 from nemo_aligner.data.nlp.jsonl import read_jsonl_files, require_fields
 from nemo_aligner.utils.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
 
 # NeMo SteerLM's attribute order (HelpSteer + OASST): the label vector follows it.
 STEERLM_ATTRIBUTES = ("quality", "toxicity", "humor", "creativity", "helpfulness", "correctness",
@@ -37,6 +41,15 @@ def common_prefix_length(a: str, b: str) -> int:
 def read_files(paths, key: str) -> List[dict]:
     """Records of one or more jsonl files; each keeps ``__file__`` and ``__line__``."""
     return read_jsonl_files(paths, key)
+
+
+def warn_identical_pairs(places: List[str]) -> None:
+    """One warning for pairs whose chosen and rejected texts are the same (``places``: their
+    ``file:line``): such a pair teaches nothing, as its loss is a constant."""
+    if places:
+        logger.warning("%s: the chosen and rejected responses are identical (%d such pair%s in all%s); "
+                       "such pairs carry no preference signal", places[0], len(places), "" if len(places) == 1 else "s",
+                       "" if len(places) == 1 else f", also {', '.join(places[1:4])}{' ...' if len(places) > 4 else ''}")
 
 
 def tokenize_text(tokenizer, text: str, seq_length: int, add_eos: bool = True) -> List[int]:
@@ -59,6 +72,7 @@ class RewardComparisonDataset(torch.utils.data.Dataset):
         for record in records:
             by_file.setdefault(record.get("__file__", str(paths)), []).append(record)
         self.pairs = []
+        identical = []
         for path, rows in by_file.items():
             for record in rows:
                 require_fields(record, ["text"], path, non_empty=True)
@@ -75,7 +89,10 @@ class RewardComparisonDataset(torch.utils.data.Dataset):
                         f"the chosen text on line {chosen['__line__']} (they share {shared} characters); "
                         "are the lines out of order?"
                     )
+                if chosen["text"] == rejected["text"]:
+                    identical.append(f"{path}:{rejected['__line__']}")
                 self.pairs.append((chosen["text"], rejected["text"]))
+        warn_identical_pairs(identical)
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -95,10 +112,9 @@ def parse_label(label, attribute_names: Sequence[str], num_attributes: int, wher
     if isinstance(label, list):
         if len(label) != num_attributes:
             raise DataError(f"{where}: label has {len(label)} values but model.regression.num_attributes={num_attributes}")
-        try:
-            return [float(v) for v in label]
-        except (TypeError, ValueError):
-            raise DataError(f"{where}: label values must be numbers, got {label!r}") from None
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in label):
+            raise DataError(f"{where}: label values must be finite numbers, got {label!r}")
+        return [float(v) for v in label]
     if not isinstance(label, str):
         raise DataError(f"{where}: field 'label' must be a list of numbers or a 'name:value,...' string")
     values = [MISSING] * num_attributes
@@ -111,9 +127,12 @@ def parse_label(label, attribute_names: Sequence[str], num_attributes: int, wher
             raise DataError(f"{where}: unknown attribute {name!r}; model.regression.attribute_names is "
                             f"{list(attribute_names)}")
         try:
-            values[list(attribute_names).index(name)] = float(value)
+            number = float(value)
         except ValueError:
-            raise DataError(f"{where}: attribute {name!r} has a non-numeric value {value!r}") from None
+            number = float("nan")
+        if not math.isfinite(number):
+            raise DataError(f"{where}: attribute {name!r} has a value that is not a finite number: {value!r}")
+        values[list(attribute_names).index(name)] = number
     return values
 
 

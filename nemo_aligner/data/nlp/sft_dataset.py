@@ -126,14 +126,28 @@ class GPTSFTChatDataset(torch.utils.data.Dataset):
         self.answer_only_loss = answer_only_loss
         self._warned_empty = False
         self.records = records if records is not None else read_jsonl(file_path)
+        unmasked = []
         for record in self.records:
             require_fields(record, ["conversations"], file_path, types=(list,), non_empty=True)
-            line = record["__line__"]
+            where = f"{record.get('__file__', file_path)}:{record['__line__']}"
+            for field in ("system", "mask"):
+                if record.get(field) is not None and not isinstance(record[field], str):
+                    raise DataError(f"{where}: field {field!r} must be str, got {type(record[field]).__name__}")
             for turn_no, turn in enumerate(record["conversations"]):
                 if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
-                    raise DataError(
-                        f"{file_path}:{line}: conversations[{turn_no}] must be an object with 'from' and 'value'"
-                    )
+                    raise DataError(f"{where}: conversations[{turn_no}] must be an object with 'from' and 'value'")
+                for field in ("from", "value", "label"):
+                    value = turn.get(field)
+                    if (value is not None or field != "label") and not isinstance(value, str):
+                        raise DataError(f"{where}: conversations[{turn_no}].{field} must be str, "
+                                        f"got {type(value).__name__}")
+            mask_role = record.get("mask") or "User"
+            if all(turn["from"] != mask_role for turn in record["conversations"]):
+                unmasked.append(where)
+        if unmasked and answer_only_loss:
+            logger.warning("%s: no turn is from the masked role (field 'mask', default 'User'), so every turn is "
+                           "trained on, prompts included (%d such record%s); check 'mask' and the turns' 'from'",
+                           unmasked[0], len(unmasked), "" if len(unmasked) == 1 else "s")
 
     def __len__(self) -> int:
         return len(self.records)
@@ -141,8 +155,9 @@ class GPTSFTChatDataset(torch.utils.data.Dataset):
     def render(self, record: dict) -> List[tuple]:
         """``(text, trained)`` segments of one conversation."""
         t = self.tokens
-        mask_role = record.get("mask", "User")
-        segments = [(f"{t['system_turn_start']}System{t['end_of_name']}{record.get('system', '')}{t['end_of_turn']}", False)]
+        mask_role = record.get("mask") or "User"
+        segments = [(f"{t['system_turn_start']}System{t['end_of_name']}{record.get('system') or ''}{t['end_of_turn']}",
+                     False)]
         for turn in record["conversations"]:
             header = f"{t['turn_start']}{turn['from']}{t['end_of_name']}"
             if turn.get("label") is not None:

@@ -8,6 +8,7 @@ At inference the same header with chosen values steers the response.
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from nemo_aligner.data.nlp.sft_dataset import DEFAULT_CHAT_TOKENS
@@ -37,11 +38,12 @@ def parse_label(label: str, where: str = "label") -> Dict[str, float]:
     for part in filter(None, (p.strip() for p in str(label).split(","))):
         name, sep, value = part.partition(":")
         try:
-            if not sep or not name.strip():
+            if not sep or not name.strip() or not math.isfinite(float(value)):
                 raise ValueError
             out[name.strip()] = float(value)
         except ValueError:
-            raise DataError(f"{where}: attribute {part!r} is not name:number (label {label!r})") from None
+            raise DataError(f"{where}: attribute {part!r} is not name:number with a finite number "
+                            f"(label {label!r})") from None
     return out
 
 
