@@ -169,11 +169,13 @@ def test_interrupted_saves_are_tidied_before_resuming(tmp_path):
     ``<name>.old.<pid>`` without ``<name>`` (the previous version: put back)."""
     from nemo_aligner.utils.checkpoint_io import recover_interrupted_saves
 
-    for name in ("step=3.tmp", "step=2.old.77", "step=1", "step=1.old.12"):
+    for name in ("step=3.tmp", "step=2.old.77", "step=1", "step=1.old.12", "model.nemo.tmpdir"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "trainer_state.json").write_text(json.dumps({"name": name}))
+    (tmp_path / "model.nemo.tmp").write_bytes(b"half a tar")  # save_nemo's tar, killed before its rename
+    (tmp_path / "model.nemo").write_bytes(b"the previous .nemo")
     recover_interrupted_saves(str(tmp_path))
-    assert sorted(os.listdir(tmp_path)) == ["step=1", "step=2"]
+    assert sorted(os.listdir(tmp_path)) == ["model.nemo", "step=1", "step=2"]
     assert json.loads((tmp_path / "step=2" / "trainer_state.json").read_text()) == {"name": "step=2.old.77"}
     assert json.loads((tmp_path / "step=1" / "trainer_state.json").read_text()) == {"name": "step=1"}
 

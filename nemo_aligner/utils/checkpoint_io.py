@@ -73,7 +73,8 @@ def recover_interrupted_saves(directory: str) -> None:
     """Tidy ``directory`` after a process was killed mid-save (call on one rank, before resuming):
     a ``<name>.tmp`` write never committed is removed; a ``<name>.old.<pid>`` whose replacement was
     never renamed in is put back as ``<name>`` (else removed); a ``<name>.removing`` left by an
-    interrupted prune is removed."""
+    interrupted prune is removed, as are an interrupted ``.nemo`` save's ``.nemo.tmp`` and
+    ``.nemo.tmpdir``."""
     if not os.path.isdir(directory):
         return
     for entry in sorted(os.listdir(directory)):
@@ -84,6 +85,12 @@ def recover_interrupted_saves(directory: str) -> None:
         elif entry.endswith(REMOVING_SUFFIX) and os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
             logger.warning("removed %s: a checkpoint deletion that was interrupted", path)
+        elif entry.endswith(".nemo.tmpdir") and os.path.isdir(path):  # save_nemo's staging copy of the weights
+            shutil.rmtree(path, ignore_errors=True)
+            logger.warning("removed %s: a .nemo save that was interrupted", path)
+        elif entry.endswith(".nemo.tmp") and os.path.isfile(path):
+            os.remove(path)
+            logger.warning("removed %s: a .nemo save that was interrupted", path)
         elif ".old." in entry and os.path.isdir(path):
             final = os.path.join(directory, entry.rsplit(".old.", 1)[0])
             if os.path.exists(final):
