@@ -243,7 +243,30 @@ def sequence_parallel(role):
     return lambda: cls(cfg, ByteTokenizer())
 
 
+def dpo_beta(beta, loss="dpo"):
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_dpo_model import MegatronGPTDPOModel
+
+    cfg = OmegaConf.create(dict(TINY_ARCH, micro_batch_size=1, encoder_seq_length=32,
+                                dpo={"ref_policy_kl_penalty": beta, "preference_loss": loss}))
+    return lambda: MegatronGPTDPOModel(cfg, ByteTokenizer())
+
+
+def reinforce_one_response():
+    from nemo_aligner.algorithms.reinforce_actor_run import run_reinforce_actor
+
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "examples", "nlp", "gpt", "conf",
+                                      "gpt_reinforce_actor.yaml"))
+    OmegaConf.update(cfg, "model.reinforce.num_responses_per_prompt", 1)
+    OmegaConf.update(cfg, "trainer.reinforce.use_leave_one_out_baseline", False)
+    return lambda: run_reinforce_actor(cfg)
+
+
 CONFIG_CASES = {
+    "dpo-beta-zero": (dpo_beta(0.0, "ipo"), r"model\.dpo\.ref_policy_kl_penalty=0\.0 \(beta\) must be > 0"),
+    "dpo-beta-negative": (dpo_beta(-0.1), r"model\.dpo\.ref_policy_kl_penalty=-0\.1 \(beta\) must be > 0"),
+    "reinforce-one-response-per-prompt": (reinforce_one_response(),
+                                          r"model\.reinforce\.num_responses_per_prompt=1: the baseline comes from "
+                                          r"the other responses"),
     "wrong-type-int": (config_values(**{"model.micro_batch_size": "eight"}),
                        r"model\.micro_batch_size='eight' must be an integer, got str"),
     "wrong-type-float": (config_values(**{"model.optim.lr": "fast"}), r"model\.optim\.lr='fast' must be a number"),

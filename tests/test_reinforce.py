@@ -31,6 +31,45 @@ def test_leave_one_out_baseline_excludes_the_sample_itself():
     assert normalised[:3].tolist() == pytest.approx((with_self[:3] / (std + 1e-6)).tolist())
 
 
+@pytest.mark.parametrize("leave_one_out, normalize_std", [(True, True), (False, True), (True, False)])
+def test_a_group_with_equal_rewards_gets_no_advantage(leave_one_out, normalize_std):
+    """Equal rewards in a group (common early in GRPO, or from a collapsed policy): exactly 0 for
+    each response. Computed in float32, the leave-one-out mean differs from the reward by rounding,
+    which the standard deviation of 0 (+ eps) used to turn into advantages of up to ~0.12 x |reward|,
+    all of one sign. A group that differs keeps its exact advantages."""
+    for value, n in ((0.9, 4), (7.3, 8), (-15.8, 16), (-29.8, 4)):
+        rewards = torch.cat([torch.full((n,), value), torch.tensor([1.0, 0.0, 0.5, 0.25])])
+        groups = torch.cat([torch.zeros(n, dtype=torch.long), torch.ones(4, dtype=torch.long)])
+        got = group_advantages(rewards, groups, leave_one_out, normalize_std)
+        assert got.dtype == torch.float32
+        assert got[:n].tolist() == [0.0] * n, (value, n, got[:n])
+        other = rewards[n:].double()
+        mine = torch.stack([other[i] - (other.sum() - other[i]) / 3 for i in range(4)]) if leave_one_out \
+            else other - other.mean()
+        if normalize_std:
+            mine = mine / (other.std(unbiased=False) + 1e-6)
+        assert got[n:].tolist() == pytest.approx(mine.tolist(), rel=1e-6)
+
+
+def test_non_finite_rewards_are_refused_naming_the_response():
+    tok = ByteTokenizer()
+    prompt = tok.text_to_ids("reverse abc = ")
+    tokens = np.array([prompt + tok.text_to_ids("cba") + [tok.eos_id]] * 2)
+    lengths = np.array([len(prompt)] * 2), np.array([tokens.shape[1]] * 2)
+    values = iter([0.5, float("nan")])
+    with pytest.raises(ConfigError, match=r"reward_fn returned nan for the response 'cba' to the prompt "
+                                          r"'reverse abc = '; rewards must be finite"):
+        FunctionRewardSource(lambda p, r: next(values), tok).score(tokens, *lengths)
+
+    from types import SimpleNamespace
+
+    from nemo_aligner.utils.reward_sources import EnvironmentRewardSource
+
+    env = SimpleNamespace(step=lambda conversations: SimpleNamespace(rewards=[1.0, float("inf")], done=[True, True]))
+    with pytest.raises(ConfigError, match=r"environment\.step returned inf as the reward of conversation 1"):
+        EnvironmentRewardSource(env, tok).score(tokens, *lengths)
+
+
 def test_reward_sources():
     tok = ByteTokenizer()
     fn = load_reward_fn("nemo_aligner.data.nlp.builtin_task:reward")

@@ -30,16 +30,21 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, leave_one_o
 
     ``leave_one_out``: ``r_i - mean_{j != i} r_j`` (RLOO); otherwise ``r_i - mean_j r_j`` over the
     whole group. ``normalize_std`` divides by the group's (population) standard deviation (GRPO).
+    A group whose rewards are all equal gets exactly 0: computed, its baseline would differ from the
+    rewards by rounding, which ``normalize_std`` divides by a standard deviation of 0 (+ ``eps``).
     """
-    same = (group_ids.unsqueeze(0) == group_ids.unsqueeze(1)).to(rewards.dtype)
+    r = rewards.double()
+    same = (group_ids.unsqueeze(0) == group_ids.unsqueeze(1)).double()
     size = same.sum(1)
-    group_mean = same @ rewards / size
-    baseline = ppo_utils.rloo_baseline(rewards, group_ids) if leave_one_out else group_mean
-    advantages = rewards - baseline
+    group_mean = same @ r / size
+    baseline = ppo_utils.rloo_baseline(r, group_ids) if leave_one_out else group_mean
+    advantages = r - baseline
     if normalize_std:
-        var = same @ (rewards - group_mean) ** 2 / size
+        var = same @ (r - group_mean) ** 2 / size
         advantages = advantages / (var.sqrt() + eps)
-    return advantages
+    members = same.bool()
+    all_equal = (torch.where(members, r, -torch.inf).amax(1) == torch.where(members, r, torch.inf).amin(1))
+    return advantages.masked_fill(all_equal, 0.0).to(rewards.dtype)
 
 
 class ReinforceTrainer(PPOTrainer):

@@ -26,8 +26,9 @@ def build_reward_source(cfg: DictConfig, tokenizer):
 def run_reinforce_actor(cfg: DictConfig) -> Dict[str, float]:
     rl = cfg.model.reinforce
     n = int(rl.get("num_responses_per_prompt", 4))
-    if n < 1 or (cfg.trainer.reinforce.get("use_leave_one_out_baseline", True) and n < 2):
-        raise ConfigError(f"model.reinforce.num_responses_per_prompt={n}: the leave-one-out baseline needs >= 2")
+    if n < 2:  # the baseline is the other responses' (or the group's) mean: with one, every advantage is 0
+        raise ConfigError(f"model.reinforce.num_responses_per_prompt={n}: the baseline comes from the other responses "
+                          "to the same prompt, so it needs >= 2 (with 1 every advantage is 0)")
     setup = setup_actor(cfg, "reinforce", "megatron_gpt_reinforce_actor", responses_per_prompt=n)
     source = build_reward_source(cfg, setup.model.tokenizer)
     trainer = ReinforceTrainer(cfg.trainer.reinforce, setup.model, setup.optimizer, setup.scheduler, setup.train_dl,

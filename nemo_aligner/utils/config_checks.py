@@ -29,7 +29,8 @@ NON_NEGATIVE_INTS = frozenset({
 })
 NON_NEGATIVE_NUMBERS = frozenset({
     "val_check_interval", "save_interval", "lr", "min_lr", "weight_decay", "gradient_clip_val", "temperature", "warmup_steps", "timeout_s",
-    "hidden_dropout", "attention_dropout",
+    "hidden_dropout", "attention_dropout", "initial_policy_kl_penalty", "reference_policy_kl_penalty",
+    "ref_policy_kl_penalty",
 })
 # -1 (or null) means "no limit" for these.
 INTS_OR_UNLIMITED = frozenset({"max_steps", "max_epochs"})

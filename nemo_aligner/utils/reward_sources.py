@@ -7,6 +7,7 @@ is a float32 array [B], so the trainer overlaps scoring with generation either w
 from __future__ import annotations
 
 import importlib
+import math
 from concurrent.futures import Future
 from typing import Callable, Optional
 
@@ -58,6 +59,10 @@ class FunctionRewardSource:
                 rewards[b] = float(value)
             except (TypeError, ValueError):
                 raise ConfigError(f"{self.key} returned {value!r} for a response; it must return a float") from None
+            if not math.isfinite(rewards[b]):
+                raise ConfigError(f"{self.key} returned {value!r} for the response {response[:80]!r} to the prompt "
+                                  f"{prompt[-80:]!r}; rewards must be finite (one NaN makes the whole step's "
+                                  "advantages NaN)")
         future: Future = Future()
         future.set_result(rewards)
         return future
@@ -108,6 +113,10 @@ class EnvironmentRewardSource:
         rewards = np.asarray(result.rewards, dtype=np.float32).reshape(-1)
         if len(rewards) != len(conversations):
             raise ConfigError(f"environment.step returned {len(rewards)} rewards for {len(conversations)} conversations")
+        bad = np.flatnonzero(~np.isfinite(rewards))
+        if len(bad):
+            raise ConfigError(f"environment.step returned {rewards[bad[0]]} as the reward of conversation {bad[0]} "
+                              f"({len(bad)} non-finite in all); rewards must be finite")
         if not self._warned and not all(result.done):
             self._warned = True
             logging.getLogger(__name__).warning("the environment continues some episodes (done=False); GRPO scores "

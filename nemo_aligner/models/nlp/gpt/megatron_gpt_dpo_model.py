@@ -20,6 +20,9 @@ class MegatronGPTDPOModel(ReferencePolicyMixin, MegatronGPTModel, SupervisedInte
     ``sft_loss_weight``, ``preference_average_log_probs``, ``sft_average_log_probs``, ``gt_reward_scale``."""
 
     def __init__(self, cfg, tokenizer, precision="32", trainable: bool = True):
+        beta = float((cfg.get("dpo") or {}).get("ref_policy_kl_penalty", 0.2))
+        if not beta > 0:  # 0: no gradient from the preference loss (IPO divides by it); < 0 prefers the rejected
+            raise ConfigError(f"model.dpo.ref_policy_kl_penalty={beta} (beta) must be > 0")
         super().__init__(cfg, tokenizer, precision, trainable)
         dpo = cfg.get("dpo") or {}
         self.micro_batch_size = int(cfg.get("micro_batch_size", 1))
