@@ -107,8 +107,9 @@ def test_errors_are_clear(weak_sft, tmp_path):
         trainer.fit(dataset=["reverse ab = "])
     with pytest.raises(ConfigError, match="not a local file or directory; datasets are not downloaded"):
         trainer.fit(dataset="openai/gsm8k", reward_fn=lambda p, r: 0.0)
-    with pytest.raises(ConfigError, match="not a local .nemo file or Hugging Face model directory"):
-        GRPOTrainer.from_pretrained("meta-llama/Llama-3-8B").fit(dataset=["x"], reward_fn=lambda p, r: 0.0)
+    with pytest.raises(ConfigError, match=r"policy\.model_name \(model_name_or_path\)='meta-llama/Llama-3-8B' does "
+                                          r"not exist: give a local \.nemo file or Hugging Face model directory"):
+        GRPOTrainer.from_pretrained("meta-llama/Llama-3-8B")  # at once, not at fit
     with pytest.raises(ConfigError, match=r"unknown argument\(s\) \['batch_sise'\]"):
         SFTTrainer.from_pretrained(model, batch_sise=3)
     with pytest.raises(AlignerError, match=r"dataset\[1\]: needs a prompt field"):
@@ -152,8 +153,97 @@ def test_from_pretrained_imports_a_hugging_face_directory(tmp_path, mcore_single
     tiny_hf("llama").save_pretrained(tmp_path / "hf_llama")
     trainer = SFTTrainer.from_pretrained(str(tmp_path / "hf_llama"), output_dir=str(tmp_path / "out"))
     path = trainer.model_path
-    assert path == str(tmp_path / "out" / "imported" / "hf_llama.nemo") and os.path.isfile(path)
+    assert os.path.dirname(path) == str(tmp_path / "out" / "imported") and os.path.isfile(path)
+    assert os.path.basename(path).startswith("hf_llama-") and path.endswith(".nemo")
     cfg = read_model_config(path)
     assert cfg.normalization == "rmsnorm" and cfg.num_query_groups == 2 and cfg.rotary_base == 5000
+    assert SFTTrainer.from_pretrained(str(tmp_path / "hf_llama"), output_dir=str(tmp_path / "out")).model_path == path
+    # another model in a directory of the same name, same output_dir: imported anew, not the cached Llama
+    tiny_hf("gpt2", True).save_pretrained(tmp_path / "other" / "hf_llama")
+    other = SFTTrainer.from_pretrained(str(tmp_path / "other" / "hf_llama"), output_dir=str(tmp_path / "out"))
+    assert other.model_path != path and read_model_config(other.model_path).normalization == "layernorm"
     result = trainer.fit(dataset=[{"input": "reverse ab =", "output": "ba"}] * 64, max_steps=2)
     assert result.total_steps == 2 and os.path.isfile(result.model_path)
+
+
+def test_api_arguments_are_checked_before_anything_runs(weak_sft, tmp_path):
+    """Mistakes a TRL user makes name the argument or key at once; nothing is written meanwhile."""
+    from nemo_aligner import DPOTrainer, GRPOTrainer, SFTTrainer
+    from nemo_aligner.api import get_algorithm, register_algorithm
+    from nemo_aligner.trainers.callbacks import Callback
+    from nemo_aligner.utils.errors import CheckpointError
+
+    _, data, model = weak_sft
+    out = tmp_path / "g"
+    base = {"policy": {"model_name": model}, "output_dir": str(out)}
+    config_cases = [
+        ({"policy": {"model_name": model, "learning_rat": 1e-6}}, r"unknown key\(s\) \['policy\.learning_rat'\]"),
+        (dict(base, grpo={"num_generations_per_promt": 4}), r"unknown key\(s\) \['grpo\.num_generations_per_promt'\]"),
+        (dict(base, output_directory="x"), r"unknown config key\(s\) \['output_directory'\]"),
+        ({"policy": {"model_name": model, "learning_rate": None}}, r"policy\.learning_rate=None must be a number"),
+        ({"policy": {"model_name": model, "learning_rate": "2e-5x"}}, r"policy\.learning_rate='2e-5x' must be a number"),
+        (dict(base, grpo={"num_prompts_per_step": -2}), r"grpo\.num_prompts_per_step=-2 must be >= 1"),
+        (dict(base, overrides=["model.optim.lr=1"]), r"overrides must be a dict of dotted config keys"),
+    ]
+    for config, pattern in config_cases:
+        with pytest.raises(ConfigError, match=pattern):
+            GRPOTrainer(config)
+    with pytest.raises(ConfigError, match=r"dpo\.beta=-1 must be > 0"):
+        DPOTrainer.from_pretrained(model, beta=-1)
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ConfigError, match=r"output_dir=.*a_file' is a file, not a directory"):
+        SFTTrainer.from_pretrained(model, output_dir=str(tmp_path / "a_file"))
+
+    trainer = GRPOTrainer.from_pretrained(model, num_prompts_per_step=4, num_generations_per_prompt=2,
+                                          output_dir=str(out))
+    reward = lambda prompt, response: 0.0  # noqa: E731
+    fit_cases = [
+        (dict(reward_fn=reward, num_train_epochs=1), ConfigError, r"unknown argument\(s\) \['num_train_epochs'\]"),
+        (dict(reward_fn=reward, max_steps="two"), ConfigError, r"GRPOTrainer\.fit\(max_steps\)='two' must be an integer"),
+        (dict(reward_fn=reward, max_steps=-3), ConfigError, r"GRPOTrainer\.fit\(max_steps\)=-3 must be >= 1"),
+        (dict(reward_fn=lambda completions, **kw: [0.0]), ConfigError,
+         r"cannot be called as reward_fn\(prompt, response\) -> float"),
+        (dict(reward_fn=5), ConfigError, r"reward_fn must be a function \(prompt, response\) -> float, got int"),
+        (dict(environment=lambda conversations: None), ConfigError, r"environment must have a step\(conversations\)"),
+    ]
+
+    class TrlStyle:
+        def on_step_end(self, args, state, control, **kwargs):
+            pass
+
+    class Fine(Callback):
+        pass
+
+    fit_cases += [
+        (dict(reward_fn=reward, callbacks=Fine()), TypeError, r"callbacks must be a list of callbacks"),
+        (dict(reward_fn=reward, callbacks=[Fine]), TypeError, r"callback Fine is a class; pass an instance"),
+        (dict(reward_fn=reward, callbacks=[TrlStyle()]), TypeError,
+         r"TrlStyle\.on_step_end\(args, state, control, \*\*kwargs\) cannot be called as on_step_end\(trainer, step, "
+         r"metrics\)"),
+    ]
+    for kwargs, error, pattern in fit_cases:
+        with pytest.raises(error, match=pattern):
+            trainer.fit(dataset=["reverse ab = "], **kwargs)
+    assert not out.exists()  # every mistake was caught before a run directory was made
+
+    (tmp_path / "ckpt_dir").mkdir()
+    with pytest.raises(ConfigError, match=r"save_checkpoint\(.*ckpt_dir'\): is a directory"):
+        trainer.save_checkpoint(str(tmp_path / "ckpt_dir"))
+    assert os.listdir(tmp_path / "ckpt_dir") == [] and not any(".tmp." in p for p in os.listdir(tmp_path))
+    with pytest.raises(CheckpointError, match=r"load_checkpoint\(path\)"):
+        trainer.load_checkpoint(data["prompts_val"])
+
+    from nemo_aligner import api
+
+    with pytest.raises(ConfigError, match=r"algorithm 'sft' is already registered"):
+        register_algorithm("sft", "my_package:MyTrainer")
+    try:
+        register_algorithm("broken_algo", "no_such_package_x.trainers:T")
+        with pytest.raises(ConfigError, match=r"algorithm 'broken_algo': cannot import 'no_such_package_x\.trainers'"):
+            get_algorithm("broken_algo")
+        register_algorithm("not_a_trainer", "json:dumps")
+        with pytest.raises(ConfigError, match=r"is not a trainer class \(it has no from_pretrained\)"):
+            get_algorithm("not_a_trainer")
+    finally:
+        api._REGISTRY.pop("broken_algo", None)
+        api._REGISTRY.pop("not_a_trainer", None)

@@ -17,6 +17,8 @@ from typing import Any, Dict, Iterable, List, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from nemo_aligner.data.nlp.jsonl import write_jsonl
+from nemo_aligner.trainers.arguments import (Rule, check_fit_kwargs, check_model_path, check_steps,
+                                             check_trainer_config)
 from nemo_aligner.trainers.callbacks import Callback, CallbackList
 from nemo_aligner.utils.errors import ConfigError
 
@@ -65,12 +67,29 @@ def resolve_model(model_name_or_path: str, work_dir: str) -> str:
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
         from nemo_aligner.utils.hf_interop import import_hf_model
 
-        target = os.path.join(work_dir, "imported", os.path.basename(os.path.normpath(path)) + ".nemo")
+        # One import per source: named by the directory and a digest of where it is and what is in it,
+        # so another model of the same directory name, or the same directory re-saved, is imported anew.
+        target = os.path.join(work_dir, "imported", f"{os.path.basename(os.path.normpath(path))}-"
+                                                    f"{_hf_dir_digest(path)}.nemo")
         if not os.path.isfile(target):
             import_hf_model(path, target)
         return target
     raise ConfigError(f"model {path!r} is not a local .nemo file or Hugging Face model directory (config.json + "
                       "safetensors); models are not downloaded at run time")
+
+
+def _hf_dir_digest(path: str) -> str:
+    """Short digest of a Hugging Face model directory: its absolute path, config.json, and each
+    file's name, size and modification time (weights are not read)."""
+    import hashlib
+
+    digest = hashlib.sha256(os.path.abspath(path).encode())
+    with open(os.path.join(path, "config.json"), "rb") as f:
+        digest.update(f.read())
+    for name in sorted(os.listdir(path)):
+        info = os.stat(os.path.join(path, name))
+        digest.update(f"{name}:{info.st_size}:{info.st_mtime_ns}".encode())
+    return digest.hexdigest()[:12]
 
 
 class BaseTrainer:
@@ -81,11 +100,16 @@ class BaseTrainer:
     algorithm = ""
     config_name = ""
 
+    section_rules: Dict[str, Rule] = {}  # the keys of the config's algorithm section, with their checks
+
     def __init__(self, config: Optional[Dict[str, Any]] = None):
         self._config = copy.deepcopy(dict(config or {}))
+        owner = type(self).__name__
+        check_trainer_config(self._config, self.algorithm, self.section_rules, owner)
         policy = self._config.setdefault("policy", {})
         if not policy.get("model_name"):
             raise ConfigError("config policy.model_name is required (a .nemo file or a local Hugging Face directory)")
+        check_model_path(os.fspath(policy["model_name"]), f"{owner}: policy.model_name (model_name_or_path)")
         self.output_dir = os.path.abspath(self._config.get("output_dir") or os.path.join("results", f"api_{self.algorithm}"))
         self._model_path: Optional[str] = None
         self._step = 0
@@ -112,10 +136,16 @@ class BaseTrainer:
     def save_checkpoint(self, path: str) -> str:
         """Write the current model as a ``.nemo`` at ``path`` (atomically)."""
         path = os.path.abspath(path)
+        if os.path.isdir(path):
+            raise ConfigError(f"save_checkpoint({path!r}): is a directory; give the .nemo file's path")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp.{os.getpid()}"
-        shutil.copyfile(self.model_path, tmp)
-        os.replace(tmp, path)
+        try:
+            shutil.copyfile(self.model_path, tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
         return path
 
     def load_checkpoint(self, path: str) -> None:
@@ -123,6 +153,9 @@ class BaseTrainer:
         ``TrainingResult.best_checkpoint_path``), whose weights are exported to a ``.nemo`` first."""
         path = os.path.abspath(path)
         if os.path.isfile(path):
+            from nemo_aligner.utils.nemo_file import read_model_config
+
+            read_model_config(path, "load_checkpoint(path)")  # a .nemo, or an error naming it now
             self._model_path = path
         elif os.path.isdir(path):
             self._model_path = self._export_checkpoint_dir(path)
@@ -162,13 +195,17 @@ class BaseTrainer:
         return values
 
     def fit(self, dataset, callbacks: Optional[Iterable[Callback]] = None, **kwargs) -> TrainingResult:
+        owner = f"{type(self).__name__}.fit"
+        check_fit_kwargs(kwargs, self._values, owner)
+        check_steps(kwargs.get("max_steps"), kwargs.get("max_epochs"), owner)
+        kwargs = self._checked_fit_kwargs(kwargs, owner)
+        hooks = CallbackList(callbacks, owner=self)
         run_dir = self._run_dir()
         os.makedirs(run_dir)
         values = self._common_values(run_dir)
         values.update(self._values(dataset, run_dir, **kwargs))
         values.update(self._config.get("overrides") or {})  # explicit overrides win
         cfg = compose_config(self.config_name, values)
-        hooks = CallbackList(callbacks, owner=self)
         summary = self._run(cfg, hooks, **kwargs)
         self._step += int(summary.get("steps", 0))
         self._epochs = int(summary.get("epochs", 0))
@@ -178,6 +215,10 @@ class BaseTrainer:
         result = TrainingResult(metrics=metrics, best_checkpoint_path=summary.get("best_checkpoint") or summary.get("nemo_path"),
                                 total_steps=self._step, total_epochs=self._epochs, model_path=summary.get("nemo_path"))
         return result
+
+    def _checked_fit_kwargs(self, kwargs: Dict[str, Any], owner: str) -> Dict[str, Any]:
+        """``fit``'s algorithm-specific arguments, checked (and normalised) before anything runs."""
+        return kwargs
 
     def _values(self, dataset, run_dir: str, **kwargs) -> Dict[str, Any]:
         raise NotImplementedError

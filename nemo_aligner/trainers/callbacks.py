@@ -6,6 +6,7 @@ the first step, ``on_step_end(trainer, 1, metrics)`` follows it).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Dict, Iterable, Optional
 
 
@@ -32,11 +33,36 @@ class CallbackList:
     """What the training loops call: forwards every hook to each callback with ``owner`` bound."""
 
     def __init__(self, callbacks: Optional[Iterable[Callback]] = None, owner=None):
+        if callbacks is not None and (isinstance(callbacks, Callback) or any(hasattr(callbacks, h) for h in _HOOKS)):
+            raise TypeError(f"callbacks must be a list of callbacks (callbacks=[{type(callbacks).__name__}()]), "
+                            f"got one {type(callbacks).__name__}")
         self.callbacks = list(callbacks or [])
         self.owner = owner
         for cb in self.callbacks:
+            if inspect.isclass(cb):
+                raise TypeError(f"callback {cb.__name__} is a class; pass an instance: callbacks=[{cb.__name__}()]")
             if not isinstance(cb, Callback) and not any(hasattr(cb, h) for h in _HOOKS):
                 raise TypeError(f"callback {cb!r} has none of the hooks {', '.join(_HOOKS)}")
+            for hook, args in _HOOK_ARGS.items():
+                fn = getattr(cb, hook, None)
+                if fn is None:
+                    continue
+                try:
+                    signature = inspect.signature(fn)
+                except ValueError:  # no signature to inspect
+                    continue
+                expected = ", ".join(("trainer",) + _HOOK_PARAMS[hook])
+                # transformers' TrainerCallback hooks take (args, state, control): the same count for on_step_end
+                transformers_style = (any(k.__name__ == "TrainerCallback" for k in type(cb).__mro__)
+                                      or tuple(signature.parameters)[:3] == ("args", "state", "control"))
+                try:
+                    signature.bind(owner, *args)
+                except TypeError:
+                    transformers_style = True
+                if transformers_style:
+                    raise TypeError(f"callback {type(cb).__name__}.{hook}{signature} cannot be called as "
+                                    f"{hook}({expected}): nemo-aligner's hooks (subclass "
+                                    "nemo_aligner.trainers.callbacks.Callback), not transformers' TrainerCallback")
 
     def _call(self, hook: str, *args) -> None:
         for cb in self.callbacks:
@@ -61,3 +87,6 @@ class CallbackList:
 
 
 _HOOKS = ("on_train_begin", "on_step_begin", "on_step_end", "on_epoch_end", "on_train_end")
+_HOOK_PARAMS = {"on_train_begin": (), "on_step_begin": ("step",), "on_step_end": ("step", "metrics"),
+                "on_epoch_end": ("epoch",), "on_train_end": ("result",)}
+_HOOK_ARGS = {hook: tuple(None for _ in params) for hook, params in _HOOK_PARAMS.items()}

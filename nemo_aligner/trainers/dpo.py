@@ -17,6 +17,7 @@ class DPOTrainer(BaseTrainer):
 
     algorithm = "dpo"
     config_name = "gpt_dpo"
+    section_rules = {"beta": ("float", (0.0, True)), "loss": ("str", None), "sft_loss_weight": ("float", (0.0, False))}
 
     @classmethod
     def from_pretrained(cls, model_name_or_path: str, batch_size: int = 32, learning_rate: float = 1e-6,

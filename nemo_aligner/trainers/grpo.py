@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
+from nemo_aligner.trainers.arguments import check_environment, check_reward_fn
 from nemo_aligner.trainers.base import BaseTrainer
 from nemo_aligner.trainers.datasets import prompt_records, resolve_dataset
 from nemo_aligner.utils.errors import ConfigError
@@ -19,6 +20,13 @@ class GRPOTrainer(BaseTrainer):
 
     algorithm = "grpo"
     config_name = "gpt_grpo"
+    section_rules = {
+        "num_prompts_per_step": ("int", (1, False)), "num_generations_per_prompt": ("int", (2, False)),
+        "normalize_rewards": ("bool", None), "use_leave_one_out_baseline": ("bool", None),
+        "max_new_tokens": ("int", (1, False)), "temperature": ("float", (0.0, False)),
+        "kl_penalty": ("float", (0.0, False)), "num_val_prompts": ("int", (1, False)),
+        "rollout_micro_batch_size": ("int", (1, False)),
+    }
 
     @classmethod
     def from_pretrained(cls, model_name_or_path: str, num_prompts_per_step: int = 32,
@@ -39,10 +47,18 @@ class GRPOTrainer(BaseTrainer):
         config["grpo"].update(kwargs)
         return cls(config)
 
-    def _values(self, dataset, run_dir: str, reward_fn=None, environment=None, max_steps=None, max_epochs=None,
-                val_dataset=None) -> Dict[str, Any]:
+    def _checked_fit_kwargs(self, kwargs: Dict[str, Any], owner: str) -> Dict[str, Any]:
+        reward_fn, environment = kwargs.get("reward_fn"), kwargs.get("environment")
         if (reward_fn is None) == (environment is None):
             raise ConfigError("GRPOTrainer.fit needs exactly one of reward_fn (prompt, response) -> float or environment")
+        if reward_fn is not None:
+            kwargs = dict(kwargs, reward_fn=check_reward_fn(reward_fn, owner))
+        else:
+            check_environment(environment, owner)
+        return kwargs
+
+    def _values(self, dataset, run_dir: str, reward_fn=None, environment=None, max_steps=None, max_epochs=None,
+                val_dataset=None) -> Dict[str, Any]:
         policy, grpo = self._config["policy"], dict(self._config.get("grpo") or {})
         train, val = resolve_dataset(dataset, val_dataset)
         train = prompt_records(train)

@@ -17,6 +17,7 @@ class SFTTrainer(BaseTrainer):
 
     algorithm = "sft"
     config_name = "gpt_sft"
+    section_rules = {"answer_only_loss": ("bool", None)}
 
     @classmethod
     def from_pretrained(cls, model_name_or_path: str, batch_size: int = 32, learning_rate: float = 2e-5,
