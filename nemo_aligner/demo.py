@@ -54,7 +54,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rm-steps", type=int, default=200)
     parser.add_argument("--ppo-steps", type=int, default=30)
     parser.add_argument("--dpo-steps", type=int, default=60)
-    parser.add_argument("--grpo-steps", type=int, default=80)
+    parser.add_argument("--grpo-steps", type=int, default=160)  # 80 left greedy validation within noise of the start
     args = parser.parse_args(argv)
     out = os.path.abspath(args.out_dir)
     data = os.path.join(out, "data")
