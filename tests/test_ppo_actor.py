@@ -149,3 +149,22 @@ def test_optimizer_offload_moves_states_not_model_parameters(mcore_single, preci
     assert {id(p): (p.device, p.data_ptr()) for p in model.module.parameters()} == params
     moved = [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     assert len(moved) == len(states) and all(v.is_meta for v in moved)
+
+
+def test_metrics_ignore_micro_batches_without_a_trained_token(mcore_single):
+    """A micro-batch whose responses all hit the length limit (is_end False: no trained token) has
+    placeholder 0s for its per-token metrics; the step's ratio, clip fraction and KL are over the
+    trained tokens, not dragged towards 0 (the ratio of one update per rollout batch is exactly 1)."""
+    from nemo_aligner.utils.ppo_utils import create_mask
+
+    model = build_actor()
+    out = rollouts(model)
+    mask = create_mask(out.prompt_lengths, out.response_lengths, out.tokens.shape[1] - 1)
+    init = model.get_init_policy_logprobs(out.tokens)
+    batch = {"tokens": out.tokens, "init_logprobs": init, "advantages": torch.randn(4, 1) * mask, "mask": mask,
+             "logprobs": None, "is_end": torch.tensor([True, True, False, False])}  # micro-batch 2: nothing trained
+    model.prepare_for_training_step()
+    _, metrics = model.get_loss_and_metrics(batch, forward_only=True)
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # was 0.5: (1 + 0) / 2
+    assert metrics["clip_fraction"] == 0.0 and "tokens" not in metrics
+    assert torch.isfinite(torch.tensor(metrics["loss"]))

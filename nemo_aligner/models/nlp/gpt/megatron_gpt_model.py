@@ -244,28 +244,44 @@ class MegatronGPTModel:
             collect_non_loss_data=loss_fn is None,
         )
 
-    def reduce_metrics(self, outputs: List[Dict[str, torch.Tensor]], sum_keys=(), mean_keys=()) -> Dict[str, float]:
+    def reduce_metrics(self, outputs: List[Dict[str, torch.Tensor]], sum_keys=(), mean_keys=(),
+                       token_mean_keys=()) -> Dict[str, float]:
         """Metrics of one global batch, identical on every rank.
 
         ``outputs`` are the per-micro-batch dicts the schedule returns on the last pipeline
         stage. ``sum_keys`` are summed over micro-batches and data-parallel ranks;
-        ``mean_keys`` are averaged over both (each micro-batch weighs the same).
+        ``mean_keys`` are averaged over both (each micro-batch weighs the same);
+        ``token_mean_keys`` (per-token means of a micro-batch) are weighted by its ``tokens``, so a
+        micro-batch with no trained token (its mean a placeholder 0) does not count.
         """
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        keys = list(sum_keys) + list(mean_keys)
+        weighted = [k for k in token_mean_keys if k not in sum_keys and k not in mean_keys]
+        keys = list(sum_keys) + list(mean_keys) + weighted + (["tokens"] if weighted and "tokens" not in sum_keys else [])
         stats = torch.zeros(len(keys), dtype=torch.float64)
         group = parallel_state.get_data_parallel_group()
         dp = dist.get_world_size(group)
         if parallel_state.is_pipeline_last_stage() and outputs and keys:
             per_key = []
+            tokens = (torch.stack([o["tokens"].detach().double().reshape(()).cpu() for o in outputs])
+                      if weighted else None)
             for key in keys:
-                values = torch.stack([o[key].detach().double().reshape(()) for o in outputs])
-                per_key.append(values.sum() if key in sum_keys else values.mean() / dp)
-            stats = torch.stack([v.cpu() for v in per_key])  # metrics may come from either device
+                values = torch.stack([o[key].detach().double().reshape(()).cpu() for o in outputs])
+                if key in weighted:
+                    per_key.append((values * tokens).sum())  # divided by all ranks' tokens below
+                elif key in sum_keys or key == "tokens":
+                    per_key.append(values.sum())
+                else:
+                    per_key.append(values.mean() / dp)
+            stats = torch.stack(per_key)  # metrics may come from either device
         stats = host_all_reduce(broadcast_from_last_stage(stats), group=group)
-        return dict(zip(keys, stats.tolist()))
+        result = dict(zip(keys, stats.tolist()))
+        for key in weighted:
+            result[key] = result[key] / result["tokens"] if result["tokens"] > 0 else 0.0
+        if weighted and "tokens" not in sum_keys:
+            del result["tokens"]
+        return result
 
     # Step hooks of SupervisedInterface: train mode with fresh gradients, eval mode to validate.
     def prepare_for_training_step(self) -> None:

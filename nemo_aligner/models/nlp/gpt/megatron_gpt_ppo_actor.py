@@ -213,6 +213,7 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
         if "logprobs" not in mb:  # the rollout-time KL metric, from this forward instead
             kl = ppo_utils.calculate_kl_penalty(logprobs.detach(), mb["init_logprobs"], absolute_kl)
             stats["init_policy_kl"] = ppo_utils.masked_mean(kl, mb["mask"])
+        stats["tokens"] = mask.sum()  # weights the per-token metrics (over ``mask``) across micro-batches
         return loss, {"loss": loss.detach().clone(), **{k: v.detach() for k, v in stats.items()}}
 
     def get_loss_and_metrics(self, batch: Dict[str, torch.Tensor], forward_only: bool,
@@ -243,7 +244,7 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
             outputs = self.forward_backward(micro_batches, loss_fn, forward_only, self.micro_batch_size,
                                             forward_fn=packed_forward, seq_length=shape.length,
                                             sequences_per_micro_batch=shape.groups)
-        keys = (("loss", "clip_fraction", "approx_kl", "entropy", "ratio_mean") + (("kl_loss",) if self.kl_loss_coef else ())
-                + (("init_policy_kl",) if reuse else ()))
-        m = self.reduce_metrics(outputs, mean_keys=keys)
+        per_token = ("clip_fraction", "approx_kl", "entropy", "ratio_mean") + (("kl_loss",) if self.kl_loss_coef else ())
+        m = self.reduce_metrics(outputs, mean_keys=("loss",) + (("init_policy_kl",) if reuse else ()),
+                                token_mean_keys=per_token)
         return m["loss"], m
