@@ -161,3 +161,45 @@ def test_slurm_variables_start_data_parallel(tmp_path, builtin_data, base_nemo):
     a, b = train_losses(one), train_losses(slurm)
     for step in (1, 2):
         assert b[step] == pytest.approx(a[step], rel=2e-5), step
+
+
+def test_resume_with_a_changed_config_says_what_it_keeps(tmp_path, builtin_data):
+    """Resuming with a config that differs from the checkpoint's run: the learning-rate schedule
+    continues from the checkpoint with a warning naming the differences, or follows the config with
+    override_checkpoint_schedule; other training data is a warning (the rest of the epoch is drawn
+    anew); a checkpoint of another algorithm is refused."""
+    from nemo_aligner.data.nlp.jsonl import read_jsonl, write_jsonl
+    from nemo_aligner.utils.errors import CheckpointError
+    from nemo_aligner.utils.train_checkpoint import check_resumed_run
+
+    records = [{k: v for k, v in r.items() if not k.startswith("__")} for r in read_jsonl(builtin_data["sft_train"])]
+    for n in (96, 80):
+        write_jsonl(str(tmp_path / f"train{n}.jsonl"), records[:n])
+    data = dict(builtin_data, sft_train=str(tmp_path / "train96.jsonl"))
+    common = SMALL + ["trainer.sft.save_interval=4", "trainer.sft.val_check_interval=4",
+                      "model.optim.sched.warmup_steps=2", "exp_manager.checkpoint_callback_params.save_top_k=-1"]
+    full = tmp_path / "full"
+    run_script("train_gpt_sft.py", sft_overrides(data, full, 6, common))
+    step4 = next(c for c in os.listdir(full / "checkpoints") if "-step=4-" in c)
+    lrs = {r["step"]: r["train/lr"] for r in read_metrics(full) if "train/lr" in r}
+
+    def resume(name, run_data, extra=()):
+        log_dir = tmp_path / name
+        (log_dir / "checkpoints").mkdir(parents=True)
+        shutil.copytree(full / "checkpoints" / step4, log_dir / "checkpoints" / step4)
+        proc = run_script("train_gpt_sft.py", sft_overrides(run_data, log_dir, 6, common + list(extra)))
+        return proc.stdout + proc.stderr, {r["step"]: r["train/lr"] for r in read_metrics(log_dir) if "train/lr" in r}
+
+    out, kept = resume("new_lr", data, ["model.optim.lr=5e-4"])
+    assert "its learning-rate schedule continues" in out and "override_checkpoint_schedule=True" in out, out[-3000:]
+    assert kept[5] == pytest.approx(lrs[5], rel=1e-9)
+    out, overridden = resume("override", data, ["model.optim.lr=5e-4", "++model.optim.sched.override_checkpoint_schedule=True"])
+    assert "its learning-rate schedule continues" not in out
+    assert overridden[5] != pytest.approx(lrs[5], rel=1e-3) and overridden[5] < 5e-4
+    out, _ = resume("less_data", dict(data, sft_train=str(tmp_path / "train80.jsonl")))
+    assert "training samples 96 -> 80" in out and "may repeat and others be skipped" in out, out[-3000:]
+    ckpt = str(full / "checkpoints" / step4)
+    saved = json.loads((full / "checkpoints" / step4 / "trainer_state.json").read_text())
+    assert saved["algorithm"] == "sft" and saved["train_samples"] == 96
+    with pytest.raises(CheckpointError, match=r"was saved by a 'sft' run; this is 'dpo' \(trainer\.dpo\)"):
+        check_resumed_run(ckpt, saved, dict(saved, algorithm="dpo"), "trainer.dpo")

@@ -31,7 +31,8 @@ from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.generation import SamplingParams
 from nemo_aligner.utils.optim import current_lr
 from nemo_aligner.utils.run_control import NonFiniteGuard, RunTimer, compute_max_steps
-from nemo_aligner.utils.train_checkpoint import load_train_checkpoint
+from nemo_aligner.utils.train_checkpoint import (check_resumed_run, load_train_checkpoint, read_trainer_state,
+                                                 run_identity)
 
 logger = logging.getLogger(__name__)
 
@@ -152,9 +153,12 @@ class PPOTrainer:
 
     def state_dict(self) -> dict:
         return {"step": self.step, "consumed_samples": self.consumed_samples, "epoch": self.epoch,
-                "ppo_optimization_step": self.ppo_optimization_step, "best_val_reward": self.best_val_reward}
+                "ppo_optimization_step": self.ppo_optimization_step, "best_val_reward": self.best_val_reward,
+                **run_identity(self.name, self.sampler)}
 
     def load_checkpoint(self, path: str) -> None:
+        check_resumed_run(path, read_trainer_state(path) or {}, run_identity(self.name, self.sampler),
+                          f"trainer.{self.name}")
         state = load_train_checkpoint(path, self.model, self.optimizer, self.scheduler)
         self.step = int(state["step"])
         self.consumed_samples = int(state["consumed_samples"])

@@ -17,7 +17,8 @@ from nemo_aligner.trainers.callbacks import CallbackList
 from nemo_aligner.utils.distributed import host_all_reduce, is_global_rank_zero
 from nemo_aligner.utils.optim import current_lr
 from nemo_aligner.utils.run_control import NonFiniteGuard, RunTimer, compute_max_steps, interval_steps
-from nemo_aligner.utils.train_checkpoint import load_train_checkpoint
+from nemo_aligner.utils.train_checkpoint import (check_resumed_run, load_train_checkpoint, read_trainer_state,
+                                                 run_identity)
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +104,11 @@ class SupervisedTrainer:
 
     def state_dict(self) -> dict:
         return {"step": self.step, "consumed_samples": self.consumed_samples, "epoch": self.epoch,
-                "best_val": self.best_val}
+                "best_val": self.best_val, **run_identity(self.name, self.sampler)}
 
     def load_checkpoint(self, path: str) -> None:
+        check_resumed_run(path, read_trainer_state(path) or {}, run_identity(self.name, self.sampler),
+                          f"trainer.{self.name}")
         state = load_train_checkpoint(path, self.model, self.optimizer, self.scheduler)
         self.step = int(state["step"])
         self.consumed_samples = int(state["consumed_samples"])

@@ -146,6 +146,22 @@ def list_checkpoints(dirpath: str) -> List[tuple]:
     return found
 
 
+def incomplete_checkpoints(dirpath: str) -> List[str]:
+    """Directories under ``dirpath`` that look like training checkpoints but lack a file that a
+    complete one has (``list_checkpoints`` ignores them)."""
+    if not os.path.isdir(dirpath):
+        return []
+    found = []
+    for name in sorted(os.listdir(dirpath)):
+        path = os.path.join(dirpath, name)
+        if name.endswith((".tmp", REMOVING_SUFFIX)) or ".old." in name or not os.path.isdir(path):
+            continue
+        has = [os.path.isfile(os.path.join(path, f)) for f in ("metadata.json", "trainer_state.json")]
+        if any(has) and not all(has):
+            found.append(path)
+    return found
+
+
 def latest_checkpoint(dirpath: str) -> Optional[str]:
     """The checkpoint with the highest step (what ``resume_if_exists`` loads)."""
     found = list_checkpoints(dirpath)

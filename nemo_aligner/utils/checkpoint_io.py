@@ -221,15 +221,36 @@ def load_sharded(
         )
     try:
         loaded = dist_checkpointing.load(to_load, directory)
-    except Exception as err:  # torch DCP errors are long; keep the cause, name the file
-        raise CheckpointError(f"{what} {directory}: could not be loaded: {err}") from err
+    except (Exception, _dcp_exception()) as err:  # torch DCP's CheckpointException is a BaseException
+        raise CheckpointError(f"{what} {directory}: could not be loaded ({_short(err)}); the checkpoint is "
+                              "damaged or incomplete: move it aside to resume from an earlier one") from err
     return loaded, [k for k in missing if k not in not_allowed]
+
+
+def _dcp_exception() -> type:
+    try:
+        from torch.distributed.checkpoint.api import CheckpointException
+    except ImportError:
+        return Exception
+    return CheckpointException
+
+
+def _short(err: BaseException) -> str:
+    """The last line that says what failed (torch DCP's messages carry whole remote tracebacks)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "Error" in line and ":" in line:
+            return line
+    return lines[-1] if lines else type(err).__name__
 
 
 def load_common(directory: str) -> dict:
     """The non-sharded part (``common.pt``) of a torch_dist checkpoint."""
     from megatron.core import dist_checkpointing
 
+    if not os.path.isfile(os.path.join(directory, "common.pt")):
+        raise CheckpointError(f"checkpoint {directory}: common.pt is missing; the checkpoint is damaged or "
+                              "incomplete: move it aside to resume from an earlier one")
     return dist_checkpointing.load_common_state_dict(directory)
 
 

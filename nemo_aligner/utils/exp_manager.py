@@ -10,7 +10,7 @@ from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from nemo_aligner.utils.checkpoint_callback import CheckpointCallback, latest_checkpoint
+from nemo_aligner.utils.checkpoint_callback import CheckpointCallback, incomplete_checkpoints, latest_checkpoint
 from nemo_aligner.utils.checkpoint_io import recover_interrupted_saves
 from nemo_aligner.utils.distributed import barrier, get_rank, is_global_rank_zero
 from nemo_aligner.utils.errors import CheckpointError
@@ -78,6 +78,10 @@ def exp_manager(exp_cfg: DictConfig, full_cfg: DictConfig, default_name: str = "
     resume_from = None
     if exp_cfg.get("resume_if_exists", False):
         resume_from = latest_checkpoint(checkpoint_dir)
+        if is_global_rank_zero():
+            for path in incomplete_checkpoints(checkpoint_dir):
+                logger.warning("skipped %s when choosing the checkpoint to resume: it is incomplete (no "
+                               "metadata.json or trainer_state.json)", path)
         if resume_from is None and not exp_cfg.get("resume_ignore_no_checkpoint", False):
             raise CheckpointError(
                 f"exp_manager.resume_if_exists=True but {checkpoint_dir} has no checkpoint; "

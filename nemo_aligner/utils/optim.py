@@ -134,8 +134,9 @@ def build_scheduler(optimizer, optim_cfg, max_steps: int):
         end_wd=weight_decay,
         wd_incr_steps=1,
         wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=True,
-        override_opt_param_scheduler=False,
+        # On resume the checkpoint's schedule continues unless the config asks for its own.
+        use_checkpoint_opt_param_scheduler=not bool(sched.get("override_checkpoint_schedule", False)),
+        override_opt_param_scheduler=bool(sched.get("override_checkpoint_schedule", False)),
     )
 
 

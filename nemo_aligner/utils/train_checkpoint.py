@@ -146,6 +146,55 @@ def read_trainer_state(directory: str) -> Optional[dict]:
         return json.load(f)
 
 
+def run_identity(algorithm: str, sampler) -> dict:
+    """What a resumed run must share with the saved one to continue its data order: saved in the
+    trainer state and compared by :func:`check_resumed_run`."""
+    return {"algorithm": algorithm, "train_samples": int(sampler.total_samples), "data_seed": int(sampler.seed),
+            "global_batch_size": int(sampler.global_batch_size)}
+
+
+def check_resumed_run(directory: str, saved: dict, current: dict, key: str) -> None:
+    """A checkpoint of another algorithm is an error; other differences that change which samples the
+    rest of the epoch draws are a warning naming them (checkpoints from before these fields: no check)."""
+    if saved.get("algorithm") not in (None, current["algorithm"]):
+        raise CheckpointError(f"checkpoint {directory} was saved by a {saved['algorithm']!r} run; this is "
+                              f"{current['algorithm']!r} ({key}): resume from one of its own checkpoints")
+    names = {"train_samples": "training samples", "data_seed": "data seed (model.seed)",
+             "global_batch_size": "global batch size"}
+    changed = [f"{names[k]} {saved[k]} -> {current[k]}" for k in names if k in saved and saved[k] != current[k]]
+    if changed:
+        logger.warning("resuming from %s with %s: the rest of the current epoch is drawn from a new order, so "
+                       "some samples of it may repeat and others be skipped (later epochs are unaffected)",
+                       directory, ", ".join(changed))
+
+
+_SCHEDULE_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd", "end_wd")
+
+
+def _load_scheduler(directory: str, scheduler, saved: dict) -> None:
+    """The checkpoint's learning-rate schedule continues (megatron-core's default); a config that
+    now asks for another one gets a warning naming the differences, or, with
+    ``model.optim.sched.override_checkpoint_schedule=True``, its own schedule from the saved step on."""
+    mine = scheduler.state_dict()
+    changed = {k: (saved.get(k), mine.get(k)) for k in _SCHEDULE_KEYS if k in saved and saved.get(k) != mine.get(k)}
+    override = bool(getattr(scheduler, "override_opt_param_scheduler", False))
+    if changed and not override:
+        logger.warning("resuming from %s: its learning-rate schedule continues (%s); the config's differs (%s). "
+                       "To follow the config's schedule from here, set "
+                       "++model.optim.sched.override_checkpoint_schedule=True", directory,
+                       ", ".join(f"{k} {a}" for k, (a, _) in changed.items()),
+                       ", ".join(f"{k} {b}" for k, (_, b) in changed.items()))
+    elif changed:
+        logger.info("resuming from %s with the config's learning-rate schedule (%s)", directory,
+                    ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()))
+        # megatron-core's optimizer keeps max_lr/min_lr per parameter group, restored with its state
+        for group in scheduler.optimizer.param_groups:
+            for key in ("max_lr", "min_lr"):
+                if key in group and group[key] == saved.get(key):
+                    group[key] = getattr(scheduler, key)
+    scheduler.load_state_dict(saved)
+
+
 def load_train_checkpoint(directory: str, model, optimizer, scheduler, load_rng: bool = True) -> dict:
     """Collective: restore model, optimizer, scheduler and RNG from ``directory``; returns the trainer state."""
     state = read_trainer_state(directory)
@@ -172,7 +221,7 @@ def load_train_checkpoint(directory: str, model, optimizer, scheduler, load_rng:
         common = load_common(directory)
         schedulers = common.get("lr_schedulers")
         if schedulers:
-            scheduler.load_state_dict(schedulers[0])
+            _load_scheduler(directory, scheduler, schedulers[0])
     rng_path = os.path.join(directory, f"rng_state_{get_rank()}.pt")
     if load_rng:
         if os.path.isfile(rng_path):
