@@ -264,3 +264,24 @@ def test_rng_state_written_on_the_other_device_kind_keeps_the_tracker(mcore_sing
     assert any(not torch.equal(tracker.get_states()[k], v) for k, v in kept.items())
     set_rng_state(dict(state, tracker=kept))
     assert all(torch.equal(tracker.get_states()[k], v) for k, v in kept.items())
+
+
+def test_a_damaged_checkpoint_is_an_error_naming_it(tmp_path, mcore_single):
+    """A shard file or common.pt missing: a CheckpointError naming the checkpoint and what to do (torch
+    DCP's own CheckpointException is a BaseException, which slipped past `except Exception`)."""
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.utils.checkpoint_io import load_common, load_sharded, save_sharded
+    from nemo_aligner.utils.errors import CheckpointError
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    model = GPTSFTModel(OmegaConf.create(dict(TINY_ARCH, micro_batch_size=1, encoder_seq_length=32)), ByteTokenizer())
+    ckpt = tmp_path / "step=4"
+    save_sharded(model.sharded_state_dict(), str(ckpt))
+    for shard in ckpt.glob("*.distcp"):
+        shard.unlink()
+    with pytest.raises(CheckpointError, match=r"step=4: could not be loaded \(.*\); the checkpoint is damaged or "
+                                              r"incomplete: move it aside"):
+        load_sharded(model.sharded_state_dict(), str(ckpt))
+    (ckpt / "common.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"step=4: common\.pt is missing"):
+        load_common(str(ckpt))
