@@ -96,9 +96,9 @@ def main(argv=None) -> dict:
 
     prefix = "train/time/"
     actor_steps = {r["step"]: {k[len(prefix):]: v for k, v in r.items() if k.startswith(prefix)}
-                   for r in read_jsonl(os.path.join(actor_dir, "metrics.jsonl")) if prefix + "step" in r}
+                   for r in read_jsonl(os.path.join(actor_dir, "metrics.jsonl"), allow_non_finite=True) if prefix + "step" in r}
     # The critic logs its busy seconds with each critic_train call: one per PPO step, in order.
-    server = [r for r in read_jsonl(os.path.join(critic_dir, "metrics.jsonl")) if "critic/time/train" in r]
+    server = [r for r in read_jsonl(os.path.join(critic_dir, "metrics.jsonl"), allow_non_finite=True) if "critic/time/train" in r]
     if len(server) != len(actor_steps):
         raise SystemExit(f"{len(actor_steps)} actor steps but {len(server)} critic_train calls logged")
     for step, busy in zip(sorted(actor_steps), server):

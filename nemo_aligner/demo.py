@@ -38,7 +38,7 @@ def run(script: str, overrides: list) -> None:
 def loss_table(metrics_path: str) -> list:
     """``(step, train loss, validation loss)`` at each validation."""
     train, rows = {}, []
-    for record in read_jsonl(metrics_path):
+    for record in read_jsonl(metrics_path, allow_non_finite=True):
         if "train/loss" in record:
             train[record["step"]] = record["train/loss"]
         if "val/loss" in record:
@@ -102,7 +102,7 @@ def first_last_mean(records: list, key: str, n: int) -> tuple:
 
 def report(out: str) -> None:
     """The summary table, and ``report.png`` with every stage's curves."""
-    runs = {name: read_jsonl(os.path.join(out, d, "metrics.jsonl"))
+    runs = {name: read_jsonl(os.path.join(out, d, "metrics.jsonl"), allow_non_finite=True)
             for name, d in (("sft", "sft"), ("rm", "rm"), ("ppo", "ppo_actor"), ("dpo", "dpo"), ("grpo", "grpo/fit_1"))}
     first_last = lambda name, key: (series(runs[name], key)[1][0], series(runs[name], key)[1][-1])  # noqa: E731
     rows = [
@@ -178,7 +178,7 @@ def dpo_stage(out: str, paths: dict, sft_nemo: str, steps: int) -> None:
         "model.optim.lr=2e-4", f"exp_manager.explicit_log_dir={dpo_dir}", "exp_manager.resume_if_exists=False",
     ])
     print("\nDPO (policy from the SFT model, reference = the SFT model), held-out pairs:")
-    for record in read_jsonl(os.path.join(dpo_dir, "metrics.jsonl")):
+    for record in read_jsonl(os.path.join(dpo_dir, "metrics.jsonl"), allow_non_finite=True):
         if "val/accuracy" in record:
             print(f"  step {record['step']:>4}: preference accuracy {record['val/accuracy']:.3f}, "
                   f"reward margin {record['val/reward_margin']:.3f}")
@@ -208,7 +208,7 @@ def ppo_stage(out: str, paths: dict, sft_nemo: str, rm_nemo: str, steps: int) ->
     if code != 0:
         raise SystemExit(f"PPO failed (status {code}); critic log: {os.path.join(out, 'ppo_critic_server.log')}")
     rewards, val = [], {}
-    for record in read_jsonl(os.path.join(actor_dir, "metrics.jsonl")):
+    for record in read_jsonl(os.path.join(actor_dir, "metrics.jsonl"), allow_non_finite=True):
         if "train/rewards" in record:
             rewards.append(record["train/rewards"])
         if "val/global_rewards" in record:
@@ -232,7 +232,7 @@ def reward_model_stage(out: str, paths: dict, sft_nemo: str, steps: int) -> str:
         f"exp_manager.explicit_log_dir={rm_dir}", "exp_manager.resume_if_exists=False",
     ])
     print("\nReward model (Bradley-Terry on chosen/rejected pairs), held-out accuracy:")
-    for record in read_jsonl(os.path.join(rm_dir, "metrics.jsonl")):
+    for record in read_jsonl(os.path.join(rm_dir, "metrics.jsonl"), allow_non_finite=True):
         if "val/accuracy" in record:
             print(f"  step {record['step']:>4}: {record['val/accuracy']:.3f}")
     return os.path.join(rm_dir, "checkpoints", "megatron_gpt.nemo")

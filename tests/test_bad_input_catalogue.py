@@ -261,7 +261,20 @@ def reinforce_one_response():
     return lambda: run_reinforce_actor(cfg)
 
 
+def generate_config(**overrides):
+    from nemo_aligner.utils.config_checks import check_config_values
+
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "examples", "nlp", "gpt", "conf",
+                                      "gpt_generate.yaml"))
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key, value, force_add=False)
+    return lambda: check_config_values(cfg)
+
+
 CONFIG_CASES = {
+    "generate-negative-tokens": (generate_config(**{"inference.tokens_to_generate": -1}),
+                                 r"inference\.tokens_to_generate=-1 must be >= 0"),
+    "generate-zero-batch": (generate_config(batch_size=0), r"batch_size=0 must be > 0"),
     "dpo-beta-zero": (dpo_beta(0.0, "ipo"), r"model\.dpo\.ref_policy_kl_penalty=0\.0 \(beta\) must be > 0"),
     "dpo-beta-negative": (dpo_beta(-0.1), r"model\.dpo\.ref_policy_kl_penalty=-0\.1 \(beta\) must be > 0"),
     "reinforce-one-response-per-prompt": (reinforce_one_response(),

@@ -205,3 +205,14 @@ def test_tp2_and_pp2_generate_like_one_process(tmp_path, base_nemo):
     for tag in ("tp2", "pp2"):
         assert outs[tag]["greedy"] == outs["one"]["greedy"], tag
         assert outs[tag]["sampled"] == outs["one"]["sampled"], tag  # same seed, sampled on one rank, broadcast
+
+
+def test_top_p_keeps_the_most_likely_token_however_small():
+    """top_p <= 0 dropped every token (an all -inf row: a padding id was drawn at every step);
+    the most likely token always stays, so top_p -> 0 is greedy."""
+    from nemo_aligner.utils.generation import SamplingParams, sample
+
+    logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(1)
+    for top_p in (0.0, 1e-6):
+        assert torch.equal(sample(logits, SamplingParams(top_p=top_p), generator), logits.argmax(dim=-1))

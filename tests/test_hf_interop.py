@@ -96,3 +96,39 @@ def test_unsupported_models_are_named(tmp_path, mcore_single):
         import_hf_model(str(tmp_path / "m"), str(tmp_path / "x.nemo"))
     with pytest.raises(ConfigError, match="no config.json"):
         import_hf_model(str(tmp_path), str(tmp_path / "x.nemo"))
+
+
+def test_export_refuses_what_it_would_destroy_or_drop(tmp_path, mcore_single):
+    """The export replaces its output directory whole: a directory holding the user's other files,
+    or the current directory, is refused (nothing in it touched); a reward model's head has no
+    causal-LM place, so a reward model is refused rather than exported without it."""
+    from omegaconf import OmegaConf
+
+    from conftest import TINY_GPT2_ARCH
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import MegatronGPTRewardModel
+    from nemo_aligner.utils.hf_interop import export_to_hf
+    from nemo_aligner.utils.nemo_file import save_nemo
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    cfg = OmegaConf.create(dict(TINY_GPT2_ARCH, micro_batch_size=1, encoder_seq_length=32))
+    policy = save_nemo(GPTSFTModel(cfg, ByteTokenizer()), str(tmp_path / "policy.nemo"))
+    rm = save_nemo(MegatronGPTRewardModel(cfg, ByteTokenizer(), trainable=False), str(tmp_path / "rm.nemo"))
+    mine = tmp_path / "my_folder"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("precious")
+    with pytest.raises(ConfigError, match=r"my_folder holds files an export does not write \(notes\.txt, sub\)"):
+        export_to_hf(policy, str(mine))
+    assert (mine / "notes.txt").read_text() == "precious" and (mine / "sub").is_dir()
+    cwd = os.getcwd()
+    try:
+        os.chdir(mine)
+        with pytest.raises(ConfigError, match=r"cannot be the current directory"):
+            export_to_hf(policy, ".")
+    finally:
+        os.chdir(cwd)
+    with pytest.raises(ConfigError, match=r"rm\.nemo is a reward model or critic \(it has model\.rm_head\."):
+        export_to_hf(rm, str(tmp_path / "rm_hf"))
+    assert not (tmp_path / "rm_hf").exists()
+    out = export_to_hf(policy, str(tmp_path / "policy_hf"))
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]

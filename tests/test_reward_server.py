@@ -116,6 +116,11 @@ BAD_REQUESTS = {
                              r"sequence_lengths must be within 1\.\.3"),
     "lengths-rows-mismatch": (dict(tokens=np.ones((2, 3), dtype=np.int64), sequence_lengths=np.array([[3]])),
                               r"sequence_lengths|shape|batch"),
+    # an id outside the embedding failed inside the forward (a 2-process server went down with it)
+    "token-id-beyond-the-vocabulary": (dict(tokens=np.array([[5, 100000, 7]]), sequence_lengths=np.array([[3]])),
+                                       r"token ids must be within 0\.\.383 \(the model's vocabulary\), got 5\.\.100000"),
+    "negative-token-id": (dict(tokens=np.array([[5, -5, 7]]), sequence_lengths=np.array([[3]])),
+                          r"token ids must be within 0\.\.383"),
 }
 
 

@@ -103,7 +103,7 @@ class CriticServerTrainer:
             self.model.finish_training()
         self.consumed_samples += rows
         self.train_calls += 1
-        mean = float(np.mean(losses)) if losses else 0.0
+        mean = float(np.mean(losses)) if losses else float("nan")  # every step skipped: no loss to report
         logger.info("critic trained on %d rollouts in %d steps: loss %.4f (%.1fs)", rows, len(losses), mean,
                     time.monotonic() - start)
         return mean

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
@@ -58,11 +59,19 @@ def run_generate(cfg: DictConfig) -> List[dict]:
         raise ConfigError("gpt_model_file is required: the .nemo to generate with")
     init_run(cfg, cfg.gpt_model_file, "gpt_model_file")
     prompts = read_prompts(cfg)
+    for i, (prompt, _) in enumerate(prompts):
+        if not prompt:
+            raise DataError(f"prompt {i} is empty: a prompt needs at least one token")
+    inf = cfg.inference
+    if not 0.0 < float(inf.top_p) <= 1.0:
+        raise ConfigError(f"inference.top_p={inf.top_p} must be in (0, 1] (1.0: off)")
+    output_file = cfg.get("output_file")
+    if output_file and os.path.isdir(str(output_file)):
+        raise ConfigError(f"output_file={output_file} is a directory; give the jsonl file's path")
     model = load_model(GPTSFTModel, cfg.model, cfg.trainer.precision, cfg.gpt_model_file, key="gpt_model_file",
                        trainable=False)
     system = str((cfg.get("steerlm") or {}).get("system") or "")
     prompts_in = [p if attrs is None else steer_prompt(p, attrs, system=system) for p, attrs in prompts]
-    inf = cfg.inference
     sampling = SamplingParams(use_greedy=bool(inf.greedy), temperature=float(inf.temperature), top_k=int(inf.top_k),
                               top_p=float(inf.top_p), end_strings=[str(s) for s in inf.get("end_strings") or []])
     length = LengthParams(max_length=int(inf.tokens_to_generate), min_length=int(inf.min_tokens_to_generate))

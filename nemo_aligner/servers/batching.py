@@ -25,8 +25,11 @@ def check_batch_limits(max_batch_size, micro_batch_size: int, dp: int, max_key: 
                           f"parallel size {dp} = {int(micro_batch_size) * dp}; raise {max_key} or lower {micro_key}")
 
 
-def check_request(tokens: np.ndarray, lengths: np.ndarray, max_seq_length: Optional[int] = None):
-    """``tokens`` [B, S] and ``lengths`` [B] (or [B, 1]) as int64 arrays, checked for consistency."""
+def check_request(tokens: np.ndarray, lengths: np.ndarray, max_seq_length: Optional[int] = None,
+                  vocab_size: Optional[int] = None):
+    """``tokens`` [B, S] and ``lengths`` [B] (or [B, 1]) as int64 arrays, checked for consistency
+    (and, with ``vocab_size``, every id within a sequence's length is a row of the embedding: an id
+    outside it fails inside the forward, on one data-parallel rank, and takes the server down)."""
     tokens = np.asarray(tokens)
     lengths = np.asarray(lengths).reshape(-1)
     if tokens.ndim != 2:
@@ -38,6 +41,11 @@ def check_request(tokens: np.ndarray, lengths: np.ndarray, max_seq_length: Optio
                          f"{lengths.min()}..{lengths.max()}")
     if max_seq_length is not None and lengths.max() > max_seq_length:
         raise BadRequest(f"a sequence of {lengths.max()} tokens is longer than the model's {max_seq_length}")
+    if vocab_size is not None and tokens.size:
+        used = tokens[np.arange(tokens.shape[1])[None, :] < lengths[:, None]]
+        if used.size and (used.min() < 0 or used.max() >= vocab_size):
+            raise BadRequest(f"token ids must be within 0..{vocab_size - 1} (the model's vocabulary), got "
+                             f"{used.min()}..{used.max()}")
     return tokens.astype(np.int64), lengths.astype(np.int64)
 
 

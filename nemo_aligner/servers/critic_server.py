@@ -61,6 +61,10 @@ class CriticServer:
         self.key = key
         self.lock = threading.Lock()
         self.pad_id = model.tokenizer.eos_id
+        self.vocab_size = int(model.cfg.padded_vocab_size)
+        # learned positions end at the table's size (RoPE has no such limit)
+        self.max_seq_length = int(model.cfg.get("max_position_embeddings") or model.cfg.encoder_seq_length) \
+            if str(model.cfg.get("position_embedding_type", "rope")) == "learned_absolute" else None
         # seconds spent serving critic_infer since the last critic_train, logged with it
         # (``critic/time/infer``): with ``critic/time/train`` the server's busy time per PPO step
         self.infer_seconds = 0.0
@@ -92,7 +96,8 @@ class CriticServer:
 
     # ----------------------------------------------------------------- rank 0 entry points
     def infer(self, **inputs):
-        tokens, lengths = check_request(inputs["tokens"], inputs["sequence_lengths"])
+        tokens, lengths = check_request(inputs["tokens"], inputs["sequence_lengths"], self.max_seq_length,
+                                        self.vocab_size)
         width = tokens.shape[1]
         tokens, lengths, real = pad_request(tokens, lengths, self.pad_id, self.dp * self.micro_batch_size,
                                             self.strip_to_multiple)
@@ -113,6 +118,12 @@ class CriticServer:
         tokens = np.asarray(tokens, dtype=np.int64)
         if tokens.ndim != 2:
             raise BadTrainRequest(f"tokens must be [batch, sequence], got {list(tokens.shape)}")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+            raise BadTrainRequest(f"token ids must be within 0..{self.vocab_size - 1} (the model's vocabulary), "
+                                  f"got {tokens.min()}..{tokens.max()}")
+        if self.max_seq_length is not None and tokens.shape[1] > self.max_seq_length:
+            raise BadTrainRequest(f"sequences of {tokens.shape[1]} tokens are longer than the model's "
+                                  f"{self.max_seq_length}")
         expected = (tokens.shape[0], tokens.shape[1] - 1)
         for name, value in (("returns", returns), ("prev_values", prev_values), ("mask", mask)):
             if tuple(np.shape(value)) != expected:

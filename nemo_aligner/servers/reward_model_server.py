@@ -49,6 +49,7 @@ class RewardModelServer:
         self.pad_id = model.tokenizer.eos_id
         self.max_seq_length = int(model.cfg.get("max_position_embeddings") or model.cfg.encoder_seq_length) \
             if str(model.cfg.get("position_embedding_type", "rope")) == "learned_absolute" else None
+        self.vocab_size = int(model.cfg.padded_vocab_size)
         self.requests = 0
 
     # ----------------------------------------------------------------- compute (every rank)
@@ -61,7 +62,8 @@ class RewardModelServer:
     # ----------------------------------------------------------------- rank 0
     def infer(self, **inputs):
         """PyTriton entry point (batched by ``@batch``)."""
-        tokens, lengths = check_request(inputs["tokens"], inputs["sequence_lengths"], self.max_seq_length)
+        tokens, lengths = check_request(inputs["tokens"], inputs["sequence_lengths"], self.max_seq_length,
+                                        self.vocab_size)
         tokens, lengths, real = pad_request(tokens, lengths, self.pad_id, self.dp * self.micro_batch_size,
                                             self.strip_to_multiple)
         with self.lock:

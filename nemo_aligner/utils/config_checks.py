@@ -21,11 +21,12 @@ POSITIVE_INTS = frozenset({
     "devices", "num_nodes", "tensor_model_parallel_size", "pipeline_model_parallel_size",
     "rollout_micro_batch_size", "forward_micro_batch_size", "val_rollout_micro_batch_size",
     "inference_micro_batch_size", "num_rollout_samples", "num_val_samples", "num_responses_per_prompt",
-    "num_generations_per_prompt", "max_batch_size", "make_vocab_size_divisible_by",
+    "num_generations_per_prompt", "max_batch_size", "make_vocab_size_divisible_by", "batch_size",
 })
 NON_NEGATIVE_INTS = frozenset({
     "critic_warmup_steps", "num_workers",
-    "max_consecutive_nonfinite_steps", "min_length", "top_k", "max_retries",
+    "max_consecutive_nonfinite_steps", "min_length", "top_k", "max_retries", "tokens_to_generate",
+    "min_tokens_to_generate",
 })
 NON_NEGATIVE_NUMBERS = frozenset({
     "val_check_interval", "save_interval", "lr", "min_lr", "weight_decay", "gradient_clip_val", "temperature", "warmup_steps", "timeout_s",

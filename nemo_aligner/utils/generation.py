@@ -363,8 +363,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: Optional[tor
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token once the probability mass before it already reaches top_p (the first always stays).
+        # Drop a token once the probability mass before it already reaches top_p (the first always stays,
+        # also for top_p <= 0, which would otherwise drop every token).
         drop = probs.cumsum(dim=-1) - probs >= params.top_p
+        drop[..., 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return _inverse_cdf_sample(torch.softmax(logits, dim=-1), generator)

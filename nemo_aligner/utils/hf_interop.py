@@ -308,6 +308,61 @@ def import_hf_model(hf_dir: str, nemo_path: str) -> str:
     return path
 
 
+# What save_pretrained writes for a causal LM and its tokenizer: an export may replace these.
+_EXPORT_FILES = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                 "chat_template.jinja", "model.safetensors.index.json"}
+
+
+def _check_export_target(out_dir: str) -> None:
+    """The export replaces ``out_dir`` whole: refuse a directory holding anything else (the user's
+    files would go with it) or one the process stands in."""
+    target = os.path.abspath(out_dir)
+    if os.getcwd() == target or os.getcwd().startswith(target + os.sep):
+        raise ConfigError(f"--output-dir {out_dir}: the export replaces the directory whole, so it cannot be the "
+                          "current directory or one above it; give a new directory")
+    if not os.path.isdir(target):
+        if os.path.exists(target):
+            raise ConfigError(f"--output-dir {out_dir} is a file, not a directory")
+        return
+    foreign = sorted(name for name in os.listdir(target)
+                     if name not in _EXPORT_FILES and not name.endswith(".safetensors"))
+    if foreign:
+        raise ConfigError(f"--output-dir {out_dir} holds files an export does not write ({', '.join(foreign[:5])}"
+                          f"{' ...' if len(foreign) > 5 else ''}); the export replaces the directory whole, so give "
+                          "a new or empty directory (or an earlier export)")
+
+
+def _refuse_reward_heads(nemo_path: str) -> None:
+    """A reward model's or critic's head has no place in a Hugging Face causal LM: refuse rather than
+    write the body alone under a causal-LM config."""
+    import pickle
+    import tarfile
+
+    from nemo_aligner.utils.nemo_file import MODEL_WEIGHTS, check_exists
+
+    check_exists(nemo_path, "nemo_file")
+    metadata = None  # torch DCP's index of the weights: tensor names without reading (or extracting) them
+    if os.path.isdir(nemo_path):
+        index = os.path.join(nemo_path, MODEL_WEIGHTS, ".metadata")
+        if os.path.isfile(index):
+            with open(index, "rb") as f:
+                metadata = pickle.load(f)
+    else:
+        try:
+            with tarfile.open(nemo_path, "r:") as tar:
+                member = next((m for m in tar if m.name.replace("./", "", 1) == f"{MODEL_WEIGHTS}/.metadata"), None)
+                if member is not None:
+                    metadata = pickle.load(tar.extractfile(member))
+        except (tarfile.TarError, OSError, pickle.UnpicklingError):
+            return  # loading the model reports a broken file, naming it
+    names = getattr(metadata, "state_dict_metadata", {}) or {}
+    heads = sorted(k for k in names if ".rm_head." in f".{k}" and "_extra_state" not in k)
+    if heads:
+        raise ConfigError(f"{nemo_path} is a reward model or critic (it has {heads[0]}); a Hugging Face causal-LM "
+                          "export would drop its reward head, so it is not exported")
+
+
 def export_to_hf(nemo_path: str, out_dir: str) -> str:
     """Write a ``.nemo`` as a Hugging Face directory (config.json, model.safetensors, tokenizer files)."""
     from omegaconf import OmegaConf
@@ -318,6 +373,8 @@ def export_to_hf(nemo_path: str, out_dir: str) -> str:
     from nemo_aligner.utils.checkpoint_io import recover_replaced_dir, replace_dir_atomically
     from nemo_aligner.utils.distributed import get_rank
 
+    _check_export_target(out_dir)
+    _refuse_reward_heads(nemo_path)
     _ensure_single_process_parallel_state()
     model = load_model(GPTSFTModel, OmegaConf.create({"micro_batch_size": 1, "tensor_model_parallel_size": 1,
                                                       "pipeline_model_parallel_size": 1,

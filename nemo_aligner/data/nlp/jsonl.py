@@ -37,10 +37,12 @@ def _non_finite_field(value: Any, where: str = "") -> Optional[str]:
     return None
 
 
-def read_jsonl(path: str) -> List[Dict[str, Any]]:
+def read_jsonl(path: str, allow_non_finite: bool = False) -> List[Dict[str, Any]]:
     """All records of a jsonl file; blank lines are skipped.
 
-    Each record gets ``__line__`` (1-based) so later checks can point at it.
+    Each record gets ``__line__`` (1-based) so later checks can point at it. ``NaN``/``Infinity``
+    (which Python's json writes and JSON has not) are an error unless ``allow_non_finite`` (our own
+    ``metrics.jsonl``: a skipped step's loss is NaN).
     """
     if not path:
         raise DataError("no data file given (empty path)")
@@ -66,7 +68,7 @@ def read_jsonl(path: str) -> List[Dict[str, Any]]:
                 raise DataError(f"{path}:{line_no}: malformed JSON ({err.msg} at column {err.colno})") from None
             if not isinstance(record, dict):
                 raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
-            field = _non_finite_field(record)
+            field = None if allow_non_finite else _non_finite_field(record)
             if field is not None:
                 raise DataError(f"{path}:{line_no}: field {field!r} is not a finite number "
                                 f"(JSON has no NaN or Infinity)")
