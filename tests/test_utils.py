@@ -129,6 +129,13 @@ def test_checkpoint_pruning_keeps_top_k_and_newest(tmp_path):
     maximize = CheckpointCallback(str(tmp_path), "ck-{step}", monitor="acc", mode="max", save_top_k=1)
     maximize.prune()
     assert sorted(p for p in os.listdir(tmp_path) if not p.endswith(".tmp")) == ["ck-step=5"]
+    # a checkpoint missing its metadata is not resumed from, and is named as incomplete
+    from nemo_aligner.utils.checkpoint_callback import incomplete_checkpoints
+
+    (tmp_path / "ck-step=7").mkdir()
+    (tmp_path / "ck-step=7" / "trainer_state.json").write_text(json.dumps({"step": 7}))
+    assert latest_checkpoint(str(tmp_path)).endswith("ck-step=5")
+    assert incomplete_checkpoints(str(tmp_path)) == [str(tmp_path / "ck-step=7")]
 
 
 def test_cpu_gradient_clipping_ops_match_megatron_fallbacks():

@@ -127,16 +127,21 @@ class CheckpointCallback:
         return save_nemo(model, path or self.nemo_path)
 
 
+def _checkpoint_dirs(dirpath: str) -> List[str]:
+    """Directories under ``dirpath`` that are not a save or deletion in progress (``*.tmp``,
+    ``*.removing``) or a version moved aside (``*.old.*``)."""
+    if not os.path.isdir(dirpath):
+        return []
+    return [os.path.join(dirpath, name) for name in sorted(os.listdir(dirpath))
+            if not name.endswith((".tmp", REMOVING_SUFFIX)) and ".old." not in name
+            and os.path.isdir(os.path.join(dirpath, name))]
+
+
 def list_checkpoints(dirpath: str) -> List[tuple]:
     """Complete training checkpoints in ``dirpath`` (partial ``*.tmp`` writes and half-deleted
     ``*.removing`` ones are ignored)."""
-    if not os.path.isdir(dirpath):
-        return []
     found = []
-    for name in sorted(os.listdir(dirpath)):
-        path = os.path.join(dirpath, name)
-        if name.endswith((".tmp", REMOVING_SUFFIX)) or ".old." in name or not os.path.isdir(path):
-            continue
+    for path in _checkpoint_dirs(dirpath):
         try:
             state = read_trainer_state(path)
         except (OSError, ValueError):  # being removed by another process's pruning, or not ours
@@ -149,13 +154,8 @@ def list_checkpoints(dirpath: str) -> List[tuple]:
 def incomplete_checkpoints(dirpath: str) -> List[str]:
     """Directories under ``dirpath`` that look like training checkpoints but lack a file that a
     complete one has (``list_checkpoints`` ignores them)."""
-    if not os.path.isdir(dirpath):
-        return []
     found = []
-    for name in sorted(os.listdir(dirpath)):
-        path = os.path.join(dirpath, name)
-        if name.endswith((".tmp", REMOVING_SUFFIX)) or ".old." in name or not os.path.isdir(path):
-            continue
+    for path in _checkpoint_dirs(dirpath):
         has = [os.path.isfile(os.path.join(path, f)) for f in ("metadata.json", "trainer_state.json")]
         if any(has) and not all(has):
             found.append(path)
