@@ -31,8 +31,7 @@ from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.generation import SamplingParams
 from nemo_aligner.utils.optim import current_lr
 from nemo_aligner.utils.run_control import NonFiniteGuard, RunTimer, compute_max_steps
-from nemo_aligner.utils.train_checkpoint import (check_resumed_run, load_train_checkpoint, read_trainer_state,
-                                                 run_identity)
+from nemo_aligner.utils.train_checkpoint import load_train_checkpoint, run_identity
 
 logger = logging.getLogger(__name__)
 
@@ -157,9 +156,8 @@ class PPOTrainer:
                 **run_identity(self.name, self.sampler)}
 
     def load_checkpoint(self, path: str) -> None:
-        check_resumed_run(path, read_trainer_state(path) or {}, run_identity(self.name, self.sampler),
-                          f"trainer.{self.name}")
-        state = load_train_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        state = load_train_checkpoint(path, self.model, self.optimizer, self.scheduler,
+                                      identity=run_identity(self.name, self.sampler), key=f"trainer.{self.name}")
         self.step = int(state["step"])
         self.consumed_samples = int(state["consumed_samples"])
         self.ppo_optimization_step = int(state.get("ppo_optimization_step", 0))

@@ -42,11 +42,25 @@ def check_request(tokens: np.ndarray, lengths: np.ndarray, max_seq_length: Optio
     if max_seq_length is not None and lengths.max() > max_seq_length:
         raise BadRequest(f"a sequence of {lengths.max()} tokens is longer than the model's {max_seq_length}")
     if vocab_size is not None and tokens.size:
-        used = tokens[np.arange(tokens.shape[1])[None, :] < lengths[:, None]]
-        if used.size and (used.min() < 0 or used.max() >= vocab_size):
-            raise BadRequest(f"token ids must be within 0..{vocab_size - 1} (the model's vocabulary), got "
-                             f"{used.min()}..{used.max()}")
+        problem = token_id_problem(tokens[np.arange(tokens.shape[1])[None, :] < lengths[:, None]], vocab_size)
+        if problem:
+            raise BadRequest(problem)
     return tokens.astype(np.int64), lengths.astype(np.int64)
+
+
+def token_id_problem(ids: np.ndarray, vocab_size: int) -> Optional[str]:
+    """Why ``ids`` cannot be looked up in a ``vocab_size``-row embedding (None when they can)."""
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        return f"token ids must be within 0..{vocab_size - 1} (the model's vocabulary), got {ids.min()}..{ids.max()}"
+    return None
+
+
+def request_limits(cfg) -> Tuple[Optional[int], int]:
+    """``(longest sequence, vocabulary rows)`` a server can take for a model config: learned
+    positions end at the table's size (RoPE has no such limit, None)."""
+    learned = str(cfg.get("position_embedding_type", "rope")) == "learned_absolute"
+    longest = int(cfg.get("max_position_embeddings") or cfg.encoder_seq_length) if learned else None
+    return longest, int(cfg.padded_vocab_size)
 
 
 def pad_request(tokens: np.ndarray, lengths: np.ndarray, pad_id: int, row_multiple: int,

@@ -15,7 +15,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from nemo_aligner.servers.batching import check_batch_limits, check_request, data_parallel_apply, pad_request
+from nemo_aligner.servers.batching import (check_batch_limits, check_request, data_parallel_apply, pad_request,
+                                            request_limits, token_id_problem)
 from nemo_aligner.servers.signals import ServerSignal, broadcast_signal, follow
 from nemo_aligner.servers.triton_host import ServerAddress, serve_forever
 from nemo_aligner.utils.distributed import broadcast_object, get_rank
@@ -61,10 +62,7 @@ class CriticServer:
         self.key = key
         self.lock = threading.Lock()
         self.pad_id = model.tokenizer.eos_id
-        self.vocab_size = int(model.cfg.padded_vocab_size)
-        # learned positions end at the table's size (RoPE has no such limit)
-        self.max_seq_length = int(model.cfg.get("max_position_embeddings") or model.cfg.encoder_seq_length) \
-            if str(model.cfg.get("position_embedding_type", "rope")) == "learned_absolute" else None
+        self.max_seq_length, self.vocab_size = request_limits(model.cfg)
         # seconds spent serving critic_infer since the last critic_train, logged with it
         # (``critic/time/infer``): with ``critic/time/train`` the server's busy time per PPO step
         self.infer_seconds = 0.0
@@ -118,9 +116,9 @@ class CriticServer:
         tokens = np.asarray(tokens, dtype=np.int64)
         if tokens.ndim != 2:
             raise BadTrainRequest(f"tokens must be [batch, sequence], got {list(tokens.shape)}")
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
-            raise BadTrainRequest(f"token ids must be within 0..{self.vocab_size - 1} (the model's vocabulary), "
-                                  f"got {tokens.min()}..{tokens.max()}")
+        problem = token_id_problem(tokens, self.vocab_size)
+        if problem:
+            raise BadTrainRequest(problem)
         if self.max_seq_length is not None and tokens.shape[1] > self.max_seq_length:
             raise BadTrainRequest(f"sequences of {tokens.shape[1]} tokens are longer than the model's "
                                   f"{self.max_seq_length}")

@@ -8,7 +8,8 @@ from typing import Optional
 
 import numpy as np
 
-from nemo_aligner.servers.batching import check_batch_limits, check_request, data_parallel_apply, pad_request
+from nemo_aligner.servers.batching import (check_batch_limits, check_request, data_parallel_apply, pad_request,
+                                            request_limits)
 from nemo_aligner.servers.signals import ServerSignal, broadcast_signal, follow
 from nemo_aligner.servers.triton_host import ServerAddress, check_ports_free, serve_forever
 from nemo_aligner.utils.distributed import get_rank
@@ -47,9 +48,7 @@ class RewardModelServer:
         self.key = key
         self.lock = threading.Lock()
         self.pad_id = model.tokenizer.eos_id
-        self.max_seq_length = int(model.cfg.get("max_position_embeddings") or model.cfg.encoder_seq_length) \
-            if str(model.cfg.get("position_embedding_type", "rope")) == "learned_absolute" else None
-        self.vocab_size = int(model.cfg.padded_vocab_size)
+        self.max_seq_length, self.vocab_size = request_limits(model.cfg)
         self.requests = 0
 
     # ----------------------------------------------------------------- compute (every rank)

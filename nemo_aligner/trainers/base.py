@@ -62,20 +62,18 @@ def compose_config(config_name: str, values: Dict[str, Any]) -> DictConfig:
 def resolve_model(model_name_or_path: str, work_dir: str) -> str:
     """A ``.nemo`` path for a ``.nemo`` file or a local Hugging Face model directory (imported once)."""
     path = os.fspath(model_name_or_path)
+    check_model_path(path, "policy.model_name")
     if os.path.isfile(path):
         return os.path.abspath(path)
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
-        from nemo_aligner.utils.hf_interop import import_hf_model
+    from nemo_aligner.utils.hf_interop import import_hf_model
 
-        # One import per source: named by the directory and a digest of where it is and what is in it,
-        # so another model of the same directory name, or the same directory re-saved, is imported anew.
-        target = os.path.join(work_dir, "imported", f"{os.path.basename(os.path.normpath(path))}-"
-                                                    f"{_hf_dir_digest(path)}.nemo")
-        if not os.path.isfile(target):
-            import_hf_model(path, target)
-        return target
-    raise ConfigError(f"model {path!r} is not a local .nemo file or Hugging Face model directory (config.json + "
-                      "safetensors); models are not downloaded at run time")
+    # One import per source: named by the directory and a digest of where it is and what is in it,
+    # so another model of the same directory name, or the same directory re-saved, is imported anew.
+    target = os.path.join(work_dir, "imported", f"{os.path.basename(os.path.normpath(path))}-"
+                                                f"{_hf_dir_digest(path)}.nemo")
+    if not os.path.isfile(target):
+        import_hf_model(path, target)
+    return target
 
 
 def _hf_dir_digest(path: str) -> str:

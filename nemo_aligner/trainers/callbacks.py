@@ -43,7 +43,7 @@ class CallbackList:
                 raise TypeError(f"callback {cb.__name__} is a class; pass an instance: callbacks=[{cb.__name__}()]")
             if not isinstance(cb, Callback) and not any(hasattr(cb, h) for h in _HOOKS):
                 raise TypeError(f"callback {cb!r} has none of the hooks {', '.join(_HOOKS)}")
-            for hook, args in _HOOK_ARGS.items():
+            for hook, params in _HOOK_PARAMS.items():
                 fn = getattr(cb, hook, None)
                 if fn is None:
                     continue
@@ -51,12 +51,12 @@ class CallbackList:
                     signature = inspect.signature(fn)
                 except ValueError:  # no signature to inspect
                     continue
-                expected = ", ".join(("trainer",) + _HOOK_PARAMS[hook])
+                expected = ", ".join(("trainer",) + params)
                 # transformers' TrainerCallback hooks take (args, state, control): the same count for on_step_end
                 transformers_style = (any(k.__name__ == "TrainerCallback" for k in type(cb).__mro__)
                                       or tuple(signature.parameters)[:3] == ("args", "state", "control"))
                 try:
-                    signature.bind(owner, *args)
+                    signature.bind(owner, *params)
                 except TypeError:
                     transformers_style = True
                 if transformers_style:
@@ -86,7 +86,7 @@ class CallbackList:
         self._call("on_train_end", result)
 
 
-_HOOKS = ("on_train_begin", "on_step_begin", "on_step_end", "on_epoch_end", "on_train_end")
+# Each hook's arguments after the trainer (binding their names checks a callback's signature).
 _HOOK_PARAMS = {"on_train_begin": (), "on_step_begin": ("step",), "on_step_end": ("step", "metrics"),
                 "on_epoch_end": ("epoch",), "on_train_end": ("result",)}
-_HOOK_ARGS = {hook: tuple(None for _ in params) for hook, params in _HOOK_PARAMS.items()}
+_HOOKS = tuple(_HOOK_PARAMS)

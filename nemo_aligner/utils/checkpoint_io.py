@@ -60,11 +60,7 @@ def recover_replaced_dir(final_dir: str) -> None:
     for entry in sorted(os.listdir(parent)):
         path = os.path.join(parent, entry)
         if entry.startswith(f"{name}.old.") and os.path.isdir(path):
-            if os.path.exists(final_dir):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                os.replace(path, final_dir)
-                logger.warning("restored %s: its replacement was interrupted before it was renamed in", final_dir)
+            _restore_or_drop(path, final_dir)
         elif entry == f"{name}{REMOVING_SUFFIX}" and os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
 
@@ -92,12 +88,16 @@ def recover_interrupted_saves(directory: str) -> None:
             os.remove(path)
             logger.warning("removed %s: a .nemo save that was interrupted", path)
         elif ".old." in entry and os.path.isdir(path):
-            final = os.path.join(directory, entry.rsplit(".old.", 1)[0])
-            if os.path.exists(final):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                os.replace(path, final)
-                logger.warning("restored %s: its replacement was interrupted before it was renamed in", final)
+            _restore_or_drop(path, os.path.join(directory, entry.rsplit(".old.", 1)[0]))
+
+
+def _restore_or_drop(moved: str, final: str) -> None:
+    """A version ``replace_dir_atomically`` moved aside: put back when nothing replaced it, else removed."""
+    if os.path.exists(final):
+        shutil.rmtree(moved, ignore_errors=True)
+    else:
+        os.replace(moved, final)
+        logger.warning("restored %s: its replacement was interrupted before it was renamed in", final)
 
 
 def save_sharded(sharded_state_dict: dict, directory: str, content_metadata: Optional[dict] = None,

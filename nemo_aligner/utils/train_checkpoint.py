@@ -195,11 +195,16 @@ def _load_scheduler(directory: str, scheduler, saved: dict) -> None:
     scheduler.load_state_dict(saved)
 
 
-def load_train_checkpoint(directory: str, model, optimizer, scheduler, load_rng: bool = True) -> dict:
-    """Collective: restore model, optimizer, scheduler and RNG from ``directory``; returns the trainer state."""
+def load_train_checkpoint(directory: str, model, optimizer, scheduler, load_rng: bool = True,
+                          identity: Optional[dict] = None, key: str = "") -> dict:
+    """Collective: restore model, optimizer, scheduler and RNG from ``directory``; returns the trainer
+    state. ``identity`` (:func:`run_identity` of the resuming run, whose config section is ``key``)
+    is checked against the saved one first."""
     state = read_trainer_state(directory)
     if state is None:
         raise CheckpointError(f"{directory}: not a training checkpoint (no {TRAINER_STATE})")
+    if identity is not None:
+        check_resumed_run(directory, state, identity, key)
     model_sd = model.sharded_state_dict()
     sharded = {"state_dict": model_sd}
     with torch.no_grad():

@@ -14,11 +14,6 @@ class _NonFinite(float):
     Python's json accepts them, JSON itself has no such numbers, and one in a label or reward
     would turn every loss it enters into NaN."""
 
-    def __new__(cls, text: str):
-        value = super().__new__(cls, text)
-        value.text = text
-        return value
-
 
 def _non_finite_field(value: Any, where: str = "") -> Optional[str]:
     """The field path (``label[0]``, ``conversations[1].value``) of the first non-finite number."""

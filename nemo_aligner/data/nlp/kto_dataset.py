@@ -50,7 +50,8 @@ class KTODataset(torch.utils.data.Dataset):
             return {"prompt_ids": [self.tokenizer.eos_id], "response": "", "desirable": 0.0, "padding": True}
         prompt, response, desirable, where = self.items[idx]
         prompt_ids = self.tokenizer.text_to_ids(prompt)
-        self._warn_truncated(where, encode_and_count_cut(self.tokenizer, prompt_ids, response, self.seq_length)[2])
+        if not self._warn_truncated.warned:  # the collate encodes the pair; this is only for the warning
+            self._warn_truncated(where, encode_and_count_cut(self.tokenizer, prompt_ids, response, self.seq_length)[2])
         return {"prompt_ids": prompt_ids, "response": response, "desirable": desirable}
 
 
