@@ -135,6 +135,25 @@ def test_stops_at_eos_and_end_strings(mcore_single):
     assert int(short.response_lengths[0]) == len(prompts[0]) + 1 and not bool(short.is_end[0])
 
 
+def test_each_row_has_its_own_length_limit(mcore_single):
+    """A prompt near max_sequence_length stops its own row, not the batch: the other rows get their
+    full max_length, exactly what they generate alone, and no row (nor the width) passes the limit."""
+    model = build(TINY_ARCH)
+    tok = model.tokenizer
+    short = tok.text_to_ids("sort cba = ")
+    near = tok.text_to_ids("reverse abcdefghijklmnopqrstuvw")[:29]  # 3 tokens left of 32
+    full = tok.text_to_ids("reverse abcdefghijklmnopqrstuvwxyz")[:32]  # none left
+    greedy, length = SamplingParams(use_greedy=True), LengthParams(max_length=8, min_length=8)
+    alone = generate(model.module, tok, [short], greedy, length, max_sequence_length=32)
+    out = generate(model.module, tok, [near, short, full], greedy, length, max_sequence_length=32)
+    assert out.tokens.shape[1] <= 32
+    assert out.response_lengths.tolist() == [32, len(short) + 8, 32]
+    n = len(short) + 8
+    assert out.tokens[1, :n].tolist() == alone.tokens[0, :n].tolist()
+    assert out.tokens[2].tolist() == full and out.tokens[0, :29].tolist() == near
+    assert not out.is_end.any()  # cut by the limit, not ended
+
+
 class _WordPieces:
     """A tokenizer whose lone tokens decode differently than in context (SentencePiece-like leading
     spaces dropped), with special tokens that decode to nothing."""

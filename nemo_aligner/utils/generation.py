@@ -418,7 +418,9 @@ class EndStringMatcher:
 
 def generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: SamplingParams, length: LengthParams,
              max_sequence_length: Optional[int] = None, seed: Optional[int] = None) -> GenerationOutput:
-    """Generate up to ``length.max_length`` tokens after each prompt (token id lists).
+    """Generate up to ``length.max_length`` tokens after each prompt (token id lists), and no more than
+    ``max_sequence_length`` tokens per row in all (each row's own limit: a long prompt does not cut
+    the others' responses short).
 
     Collective over the model-parallel group (every rank must pass the same prompts); the
     sampled tokens come from TP rank 0 of the last pipeline stage. A row stops at EOS or when its decoded tail ends with
@@ -443,9 +445,11 @@ def _generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Sam
     if (prompt_lengths < 1).any():
         raise ValueError("every prompt needs at least one token")
     longest = int(prompt_lengths.max())
-    new_tokens = int(length.max_length)
-    if max_sequence_length is not None and longest + new_tokens > max_sequence_length:
-        new_tokens = max(max_sequence_length - longest, 0)
+    # Each row's own budget: a long prompt near max_sequence_length must not cut the other rows short.
+    budget = torch.full((batch,), max(int(length.max_length), 0), dtype=torch.long)
+    if max_sequence_length is not None:
+        budget = budget.minimum((max_sequence_length - prompt_lengths).clamp(min=0))
+    new_tokens = int(budget.max())
     total = longest + new_tokens
     # Left-align: row b's prompt occupies slots [longest - P_b, longest).
     pad = longest - prompt_lengths
@@ -454,6 +458,8 @@ def _generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Sam
         tokens[b, pad[b]:longest] = torch.tensor(list(prompt), dtype=torch.long)
     slots = torch.arange(total).unsqueeze(0)
     positions = (slots - pad.unsqueeze(1)).clamp(min=0)
+    if max_sequence_length is not None:  # slots after a row's budget hold filler: keep them in the tables
+        positions = positions.clamp(max=max(max_sequence_length, longest) - 1)
     key_mask = slots >= pad.unsqueeze(1)  # padding slots are never attended to
     decoder = KVCacheDecoder(module, batch, total)
     # The decoder's inputs live on its device (moved once, not per step); sampling runs where the
@@ -466,7 +472,7 @@ def _generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Sam
     last_stage = parallel_state.is_pipeline_last_stage()
 
     matcher = EndStringMatcher(tokenizer, sampling.end_strings) if sampling.end_strings else None
-    done = torch.zeros(batch, dtype=torch.bool)
+    done = budget == 0
     is_end = torch.zeros(batch, dtype=torch.bool)
     generated = torch.zeros(batch, dtype=torch.long)
     padded = not bool(key_mask.all())
@@ -504,13 +510,15 @@ def _generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Sam
             stop |= torch.tensor([not finished[b] and matcher.could_end(new[b])
                                   and matcher.ended(tokens[b, tail_start : slot + 1].tolist()) for b in range(batch)])
         is_end |= alive.logical_and_(stop)
-        done |= stop
+        done |= stop | (generated >= budget)
         if bool(done.all()) or step == new_tokens - 1:
             break
         logits = decoder.forward(token.unsqueeze(1), positions[:, slot : slot + 1], slot, key_mask, padded)
 
-    # Back to right padding: [prompt][response][eos padding].
-    out = torch.full((batch, total), tokenizer.eos_id, dtype=torch.long)
+    # Back to right padding: [prompt][response][eos padding]. Every row fits max_sequence_length, so
+    # the width does too (unless a prompt alone is longer).
+    width = total if max_sequence_length is None else max(min(total, max_sequence_length), longest)
+    out = torch.full((batch, width), tokenizer.eos_id, dtype=torch.long)
     for b in range(batch):
         p, g = int(prompt_lengths[b]), int(generated[b])
         out[b, :p] = tokens[b, pad[b]:longest]
