@@ -116,6 +116,33 @@ def test_errors_are_clear(weak_sft, tmp_path):
         trainer.fit(dataset=["ok", {"question_text": "x"}], reward_fn=lambda p, r: 0.0)
 
 
+def test_grpo_saves_checkpoints_during_a_run_without_validation(weak_sft, tmp_path):
+    """NeMo-RL's save_period: a GRPO run that never validates (val_period 0, the default) still
+    leaves a checkpoint every save_period steps, so a run that fails midway keeps its progress."""
+    from nemo_aligner import GRPOTrainer
+    from nemo_aligner.trainers.callbacks import Callback
+    from nemo_aligner.utils.checkpoint_callback import list_checkpoints
+
+    out, data, model = weak_sft
+
+    class FailAtStep3(Callback):
+        def on_step_end(self, trainer, step, metrics):
+            if step == 3:
+                raise RuntimeError("hook failed at step 3")
+
+    trainer = GRPOTrainer.from_pretrained(model, num_prompts_per_step=4, num_generations_per_prompt=2,
+                                          max_sequence_length=64, max_new_tokens=6, save_period=2,
+                                          output_dir=str(tmp_path / "g"))
+    with pytest.raises(RuntimeError, match="hook failed at step 3"):
+        trainer.fit(dataset=data["prompts_val"], reward_fn=lambda p, r: float(len(r) % 2), max_steps=5,
+                    callbacks=[FailAtStep3()])
+    saved = list_checkpoints(str(tmp_path / "g" / "fit_1" / "checkpoints"))
+    assert [state["step"] for _, state in saved] == [2]
+    trainer.load_checkpoint(saved[0][0])  # the step-2 policy becomes the current model
+    with pytest.raises(ConfigError, match=r"grpo\.save_period=-1 must be >= 0"):
+        GRPOTrainer.from_pretrained(model, save_period=-1)
+
+
 def test_direct_config_environment_and_nemo_rl_alias(weak_sft, tmp_path):
     import subprocess
     import sys

@@ -26,7 +26,7 @@ COMMON_RULES: Dict[str, Rule] = {
     "val_check_interval": ("float", (0.0, False)), "val_period": ("int", (0, False)),
 }
 TOP_LEVEL = ("policy", "output_dir", "precision", "overrides", "use_wandb")
-NONE_MEANS_NEVER = frozenset({"val_check_interval", "val_period"})  # every other key needs a value
+NONE_MEANS_NEVER = frozenset({"val_check_interval", "val_period", "save_period"})  # every other key needs a value
 
 
 def _check_value(where: str, value: Any, rule: Rule) -> None:

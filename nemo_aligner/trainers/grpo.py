@@ -10,7 +10,7 @@ from nemo_aligner.trainers.datasets import prompt_records, resolve_dataset
 from nemo_aligner.utils.errors import ConfigError
 
 _EXTRA = ("max_new_tokens", "temperature", "micro_batch_size", "global_batch_size", "kl_penalty", "seed",
-          "output_dir", "precision", "val_period", "num_val_prompts", "overrides", "use_wandb",
+          "output_dir", "precision", "val_period", "save_period", "num_val_prompts", "overrides", "use_wandb",
           "pipeline_parallel_size", "rollout_micro_batch_size")
 
 
@@ -25,7 +25,7 @@ class GRPOTrainer(BaseTrainer):
         "normalize_rewards": ("bool", None), "use_leave_one_out_baseline": ("bool", None),
         "max_new_tokens": ("int", (1, False)), "temperature": ("float", (0.0, False)),
         "kl_penalty": ("float", (0.0, False)), "num_val_prompts": ("int", (1, False)),
-        "rollout_micro_batch_size": ("int", (1, False)),
+        "rollout_micro_batch_size": ("int", (1, False)), "save_period": ("int", (0, False)),
     }
 
     @classmethod
@@ -90,6 +90,9 @@ class GRPOTrainer(BaseTrainer):
             "trainer.grpo.max_steps": int(max_steps) if max_steps is not None else -1,
             "trainer.grpo.max_epochs": int(max_epochs) if max_epochs is not None else (1000000 if max_steps else 1),
             "trainer.grpo.val_check_interval": int(grpo.get("val_period", 0) or 0),
+            # NeMo-RL's checkpointing.save_period: a checkpoint every 10 steps even without validation,
+            # so an interrupted run resumes (0 or None: only at the end)
+            "trainer.grpo.save_interval": int(grpo.get("save_period", 10) or 0),
             "reward_fn": None,
         }
         return values
