@@ -83,6 +83,20 @@ def test_kl_estimate_is_the_mean_mismatched_log_ratio(mcore_single):
     assert diff.abs().max() > 1e-3  # the perturbation did change the log-probs
 
 
+def test_kto_refuses_one_sample_per_data_parallel_rank(mcore_single):
+    """One sample per rank has no mismatched partner: the KL estimate would be 0 throughout."""
+    from omegaconf import OmegaConf
+
+    from conftest import TINY_ARCH
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_kto_model import MegatronGPTKTOModel
+    from nemo_aligner.utils.errors import ConfigError
+
+    cfg = OmegaConf.create(dict(TINY_ARCH, micro_batch_size=1, global_batch_size=1, encoder_seq_length=32))
+    with pytest.raises(ConfigError, match=r"model\.global_batch_size=1 gives 1 sample\(s\) per data-parallel rank"):
+        MegatronGPTKTOModel(cfg, ByteTokenizer())
+    MegatronGPTKTOModel(OmegaConf.merge(cfg, {"global_batch_size": 2}), ByteTokenizer())
+
+
 def test_kto_separates_desirable_from_undesirable(tmp_path, sft_nemo):
     """On the built-in data, 60 KTO steps from the SFT model: the implied reward of held-out desirable
     responses ends clearly above that of undesirable ones (measured ~0.8 at beta 0.1)."""

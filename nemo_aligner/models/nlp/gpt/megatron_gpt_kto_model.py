@@ -33,6 +33,21 @@ class MegatronGPTKTOModel(ReferencePolicyMixin, MegatronGPTModel, SupervisedInte
                 raise ConfigError(f"model.kto.{key}={value} must be > 0")
         self.average = bool(kto.get("average_log_probs", False))
         self.loss_kind = "kto"
+        if trainable:
+            self._check_kl_batch(int(cfg.get("global_batch_size", self.micro_batch_size)))
+
+    @staticmethod
+    def _check_kl_batch(global_batch_size: int) -> None:
+        """KTO's KL estimate pairs each prompt with another sample's response on the same data-parallel
+        rank: with one sample per rank there is none, the estimate is always 0 and KTO silently loses
+        its reference point (TRL refuses such a batch too)."""
+        from megatron.core import parallel_state
+
+        dp = parallel_state.get_data_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+        if global_batch_size // max(dp, 1) < 2:
+            raise ConfigError(f"model.global_batch_size={global_batch_size} gives {global_batch_size // max(dp, 1)} "
+                              f"sample(s) per data-parallel rank ({dp} rank(s)); KTO's KL estimate pairs each "
+                              "prompt with another sample's response on its rank, so it needs at least 2")
 
     @torch.no_grad()
     def kl_estimate(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
