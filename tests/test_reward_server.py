@@ -205,6 +205,28 @@ def test_request_padding_and_trimming():
         check_request(tokens, np.array([9, 2, 2]), max_seq_length=8)
 
 
+def test_rope_models_warn_once_past_their_trained_length(caplog):
+    """RoPE scores past model.encoder_seq_length without failing: the server says so, once;
+    learned positions are refused instead (request_limits), so they need no warning."""
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.servers.batching import TrainedLengthWarning
+
+    warn = TrainedLengthWarning(OmegaConf.create({"encoder_seq_length": 64}), "reward model server")
+    with caplog.at_level("WARNING", logger="nemo_aligner.servers.batching"):
+        warn(64)
+        assert not caplog.records
+        warn(80)
+        warn(90)
+    assert len(caplog.records) == 1
+    assert "80 tokens, longer than the 64 (model.encoder_seq_length)" in caplog.records[0].getMessage()
+    learned = TrainedLengthWarning(OmegaConf.create({"encoder_seq_length": 64,
+                                                     "position_embedding_type": "learned_absolute"}), "critic")
+    with caplog.at_level("WARNING", logger="nemo_aligner.servers.batching"):
+        learned(80)
+    assert len(caplog.records) == 1
+
+
 def test_pytriton_timeout_rounding_warning_is_silenced_only_for_pytriton():
     """PyTriton warns at random when its readiness check eats into the init timeout (its network
     timeout is then 'too big' by a few ms); a client silences exactly that warning."""

@@ -3,6 +3,7 @@ multiple of data parallel x micro-batch, scatter over data-parallel ranks and ga
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Optional, Tuple
 
 import numpy as np
@@ -11,6 +12,8 @@ import torch.distributed as dist
 
 from nemo_aligner.utils.distributed import broadcast_object, comm_device
 from nemo_aligner.utils.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 class BadRequest(ValueError):
@@ -61,6 +64,28 @@ def request_limits(cfg) -> Tuple[Optional[int], int]:
     learned = str(cfg.get("position_embedding_type", "rope")) == "learned_absolute"
     longest = int(cfg.get("max_position_embeddings") or cfg.encoder_seq_length) if learned else None
     return longest, int(cfg.padded_vocab_size)
+
+
+class TrainedLengthWarning:
+    """Logs once when a RoPE model is asked about a sequence longer than ``model.encoder_seq_length``.
+
+    Learned positions refuse such requests (:func:`request_limits`); RoPE computes positions past
+    the trained length, so nothing fails, but the model never saw them and its scores there are
+    extrapolations (e.g. a reward model with a shorter context than the actor it scores)."""
+
+    def __init__(self, cfg, server: str):
+        rope = str(cfg.get("position_embedding_type", "rope")) != "learned_absolute"
+        self.length = int(cfg.encoder_seq_length) if rope else None
+        self.server = server
+        self.warned = False
+
+    def __call__(self, longest: int) -> None:
+        if self.length is not None and longest > self.length and not self.warned:
+            self.warned = True
+            logger.warning("%s: a request holds a sequence of %d tokens, longer than the %d "
+                           "(model.encoder_seq_length) the model was trained on; RoPE extrapolates past it, so "
+                           "its outputs there may be unreliable (give the model a longer context or the client "
+                           "shorter sequences; warned once)", self.server, longest, self.length)
 
 
 def pad_request(tokens: np.ndarray, lengths: np.ndarray, pad_id: int, row_multiple: int,

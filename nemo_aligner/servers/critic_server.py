@@ -15,8 +15,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from nemo_aligner.servers.batching import (check_batch_limits, check_request, data_parallel_apply, pad_request,
-                                            request_limits, token_id_problem)
+from nemo_aligner.servers.batching import (TrainedLengthWarning, check_batch_limits, check_request,
+                                            data_parallel_apply, pad_request, request_limits, token_id_problem)
 from nemo_aligner.servers.signals import ServerSignal, broadcast_signal, follow
 from nemo_aligner.servers.triton_host import ServerAddress, serve_forever
 from nemo_aligner.utils.distributed import broadcast_object, get_rank
@@ -63,6 +63,7 @@ class CriticServer:
         self.lock = threading.Lock()
         self.pad_id = model.tokenizer.eos_id
         self.max_seq_length, self.vocab_size = request_limits(model.cfg)
+        self.warn_length = TrainedLengthWarning(model.cfg, "critic server")
         # seconds spent serving critic_infer since the last critic_train, logged with it
         # (``critic/time/infer``): with ``critic/time/train`` the server's busy time per PPO step
         self.infer_seconds = 0.0
@@ -96,6 +97,7 @@ class CriticServer:
     def infer(self, **inputs):
         tokens, lengths = check_request(inputs["tokens"], inputs["sequence_lengths"], self.max_seq_length,
                                         self.vocab_size)
+        self.warn_length(int(lengths.max()))
         width = tokens.shape[1]
         tokens, lengths, real = pad_request(tokens, lengths, self.pad_id, self.dp * self.micro_batch_size,
                                             self.strip_to_multiple)

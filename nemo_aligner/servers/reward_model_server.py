@@ -8,8 +8,8 @@ from typing import Optional
 
 import numpy as np
 
-from nemo_aligner.servers.batching import (check_batch_limits, check_request, data_parallel_apply, pad_request,
-                                            request_limits)
+from nemo_aligner.servers.batching import (TrainedLengthWarning, check_batch_limits, check_request,
+                                            data_parallel_apply, pad_request, request_limits)
 from nemo_aligner.servers.signals import ServerSignal, broadcast_signal, follow
 from nemo_aligner.servers.triton_host import ServerAddress, check_ports_free, serve_forever
 from nemo_aligner.utils.distributed import get_rank
@@ -49,6 +49,7 @@ class RewardModelServer:
         self.lock = threading.Lock()
         self.pad_id = model.tokenizer.eos_id
         self.max_seq_length, self.vocab_size = request_limits(model.cfg)
+        self.warn_length = TrainedLengthWarning(model.cfg, "reward model server")
         self.requests = 0
 
     # ----------------------------------------------------------------- compute (every rank)
@@ -63,6 +64,7 @@ class RewardModelServer:
         """PyTriton entry point (batched by ``@batch``)."""
         tokens, lengths = check_request(inputs["tokens"], inputs["sequence_lengths"], self.max_seq_length,
                                         self.vocab_size)
+        self.warn_length(int(lengths.max()))
         tokens, lengths, real = pad_request(tokens, lengths, self.pad_id, self.dp * self.micro_batch_size,
                                             self.strip_to_multiple)
         with self.lock:
