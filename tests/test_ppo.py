@@ -81,9 +81,12 @@ def test_two_steps_checkpoints_and_resume(tmp_path, task_data, rm_nemo, sft_nemo
     # Resume both: the actor continues at step 3, the critic from its checkpoint.
     actor = actor_overrides(task_data, sft_nemo, actor_dir, 4, ["trainer.ppo.save_interval=2",
                                                                "trainer.ppo.val_check_interval=2"])
-    proc = launch(critic, actor, critic_log=tmp_path / "critic2.log")
+    first_run_log = (tmp_path / "critic1.log").read_text()
+    proc = launch(critic, actor, critic_log=tmp_path / "critic1.log")  # the same log: appended to
     assert "actor resumed at PPO step 2" in proc.stdout + proc.stderr
-    assert "critic resumed" in (tmp_path / "critic2.log").read_text()
+    log = (tmp_path / "critic1.log").read_text()
+    assert log.startswith(first_run_log) and "===== ppo_local: a new run" in log
+    assert "critic resumed" in log[len(first_run_log):]
     steps = [r["step"] for r in read_metrics(actor_dir) if "train/rewards" in r]
     assert steps == [1, 2, 3, 4]
 

@@ -63,11 +63,13 @@ def stop(proc: subprocess.Popen, grace_s: float = 120.0) -> None:
         proc.wait()
 
 
-def wait_ready(proc: subprocess.Popen, log_path: str, timeout_s: float) -> None:
+def wait_ready(proc: subprocess.Popen, log_path: str, timeout_s: float, offset: int = 0) -> None:
+    """Wait for the server's ready line in ``log_path`` after byte ``offset`` (earlier runs' output)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        with open(log_path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode("utf-8", errors="replace")
         if READY in text:
             return
         if proc.poll() is not None:
@@ -87,7 +89,12 @@ def run(critic_overrides: List[str], actor_overrides: List[str], critic_nproc: i
     env = job_env(critic_nproc + actor_nproc)
     print(f"starting the critic server on 127.0.0.1:{port} (log: {log_path}); {env['OMP_NUM_THREADS']} "
           f"thread(s) per process", flush=True)
-    with open(log_path, "w", encoding="utf-8") as log:
+    # Appended to, so a resumed run keeps the previous run's server output.
+    offset = os.path.getsize(log_path) if os.path.exists(log_path) else 0
+    with open(log_path, "a", encoding="utf-8") as log:
+        if offset:
+            log.write(f"\n===== ppo_local: a new run, {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n")
+            log.flush()
         critic = subprocess.Popen(command("serve_ppo_critic.py", critic_nproc, critic_overrides), stdout=log,
                                   stderr=subprocess.STDOUT, start_new_session=True, env=env)
     actor = None
@@ -101,7 +108,7 @@ def run(critic_overrides: List[str], actor_overrides: List[str], critic_nproc: i
     for sig in (signal.SIGINT, signal.SIGTERM):
         previous[sig] = signal.signal(sig, forward)
     try:
-        wait_ready(critic, log_path, ready_timeout_s)
+        wait_ready(critic, log_path, ready_timeout_s, offset)
         print("critic server ready; starting the actor", flush=True)
         actor = subprocess.Popen(command("train_gpt_ppo_actor.py", actor_nproc, actor_overrides), env=env)
         code = actor.wait()
@@ -125,7 +132,7 @@ def main(argv=None) -> int:
     parser.add_argument("--critic-nproc", type=int, default=1)
     parser.add_argument("--actor-nproc", type=int, default=1)
     parser.add_argument("--port", type=int, default=None, help="critic HTTP port (default: a free one)")
-    parser.add_argument("--critic-log", default=None, help="file for the server's output (default: a temp file)")
+    parser.add_argument("--critic-log", default=None, help="file for the server's output, appended to (default: a temp file)")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
     return run(args.critic, args.actor, args.critic_nproc, args.actor_nproc, args.port, args.critic_log,
