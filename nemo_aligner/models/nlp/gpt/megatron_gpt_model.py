@@ -264,10 +264,10 @@ class MegatronGPTModel:
         dp = dist.get_world_size(group)
         if parallel_state.is_pipeline_last_stage() and outputs and keys:
             per_key = []
-            tokens = (torch.stack([o["tokens"].detach().double().reshape(()).cpu() for o in outputs])
-                      if weighted else None)
+            stacked = {key: torch.stack([o[key].detach().double().reshape(()).cpu() for o in outputs]) for key in keys}
+            tokens = stacked["tokens"] if weighted else None  # "tokens" is among the keys whenever weighted
             for key in keys:
-                values = torch.stack([o[key].detach().double().reshape(()).cpu() for o in outputs])
+                values = stacked[key]
                 if key in weighted:
                     per_key.append((values * tokens).sum())  # divided by all ranks' tokens below
                 elif key in sum_keys or key == "tokens":
