@@ -143,6 +143,34 @@ def test_grpo_saves_checkpoints_during_a_run_without_validation(weak_sft, tmp_pa
         GRPOTrainer.from_pretrained(model, save_period=-1)
 
 
+def test_api_data_errors_name_the_users_record(tmp_path):
+    """Records are checked as the user gave them: errors name dataset[i] (or the user's file:line)
+    and the user's field, not the jsonl copy fit writes nor its renamed fields; TRL's conversational
+    preference pairs are accepted."""
+    from nemo_aligner.trainers.datasets import preference_records, prompt_records, resolve_dataset, sft_records
+    from nemo_aligner.utils.errors import DataError
+
+    with pytest.raises(DataError, match=r"^dataset\[1\]: field 'completion' must be a string, got int"):
+        sft_records([{"prompt": "a", "completion": "b"}, {"prompt": "a", "completion": 5}])
+    with pytest.raises(DataError, match=r"^dataset\[0\]: field 'output' is empty"):
+        sft_records([{"input": "a", "output": ""}])
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": ["x"], "completion": "b"}\n')
+    with pytest.raises(DataError, match=rf"^{path}:2: field 'prompt' must be a string, got list"):
+        sft_records(resolve_dataset(str(path))[0])
+    with pytest.raises(DataError, match=r"^val_dataset\[0\]: the prompt \('question'\) must be a non-empty string"):
+        prompt_records([{"question": 3}], "val_dataset")
+    with pytest.raises(DataError, match=r"^dataset\[0\]: prompt\[0\]\.content must be str, got int"):
+        preference_records([{"prompt": [{"role": "user", "content": 7}], "chosen": "a", "rejected": "b"}])
+    with pytest.raises(DataError, match=r"^dataset\[0\]: field 'rejected' as a list must hold one assistant message"):
+        preference_records([{"prompt": "q", "chosen": "a", "rejected": [{"role": "user", "content": "b"}]}])
+    trl = [{"prompt": [{"role": "user", "content": "q"}], "chosen": [{"role": "assistant", "content": "good"}],
+            "rejected": [{"role": "assistant", "content": "bad"}]}]
+    assert preference_records(trl) == [{"prompt": [{"role": "user", "content": "q"}], "chosen_response": "good",
+                                        "rejected_response": "bad"}]
+    assert sft_records(resolve_dataset(str(path))[0][:1]) == ([{"input": "a", "output": "b"}], False)
+
+
 def test_direct_config_environment_and_nemo_rl_alias(weak_sft, tmp_path):
     import subprocess
     import sys

@@ -43,7 +43,10 @@ def _records(source: Any, what: str) -> Tuple[List[Any], Optional[List[Any]]]:
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         if os.path.isfile(path):
-            return [{k: v for k, v in r.items() if not k.startswith("__")} for r in read_jsonl(path)], None
+            records = read_jsonl(path)
+            for record in records:  # kept so errors name the user's file and line, not the copy fit writes
+                record["__file__"] = path
+            return records, None
         if os.path.isdir(path):
             return _hf_disk_records(path)
         raise ConfigError(f"{what}={path!r} is not a local file or directory; datasets are not downloaded at run "
@@ -71,21 +74,51 @@ def resolve_dataset(dataset: Any, val_dataset: Any = None) -> Tuple[List[Any], O
     return train, val
 
 
+def _where(record: Any, what: str, i: int) -> str:
+    """``file:line`` for a record read from the user's jsonl, ``dataset[i]`` otherwise."""
+    if isinstance(record, dict) and "__file__" in record:
+        return f"{record['__file__']}:{record.get('__line__', '?')}"
+    return f"{what}[{i}]"
+
+
+def _fields(record: dict) -> List[str]:
+    return sorted(k for k in record if not str(k).startswith("__"))
+
+
 def _field(record: Any, names, where: str, what: str) -> Any:
     for name in names:
         if name in record:
             return record[name]
-    raise DataError(f"{where}: needs a {what} field ({' or '.join(repr(n) for n in names)}); has {sorted(record)}")
+    raise DataError(f"{where}: needs a {what} field ({' or '.join(repr(n) for n in names)}); has {_fields(record)}")
+
+
+def _named_field(record: dict, names, where: str, what: str) -> Tuple[str, Any]:
+    """``(name, value)`` of the first of ``names`` the record has."""
+    for name in names:
+        if name in record:
+            return name, record[name]
+    _field(record, names, where, what)  # raises
+
+
+def _text(value: Any, where: str, name: str, allow_empty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
+    if not value and not allow_empty:
+        raise DataError(f"{where}: field {name!r} is empty")
+    return value
 
 
 def prompt_records(records: List[Any], what: str = "dataset") -> List[dict]:
     """GRPO prompts: strings, or dicts with ``prompt``/``text``/``input``/``question``."""
     out = []
     for i, r in enumerate(records):
-        text = r if isinstance(r, str) else _field(_as_dict(r, what, i), ("prompt", "text", "input", "question"),
-                                                   f"{what}[{i}]", "prompt")
+        if isinstance(r, str):
+            name, text = "prompt", r
+        else:
+            where = _where(r, what, i)
+            name, text = _named_field(_as_dict(r, what, i), ("prompt", "text", "input", "question"), where, "prompt")
         if not isinstance(text, str) or not text:
-            raise DataError(f"{what}[{i}]: the prompt must be a non-empty string")
+            raise DataError(f"{_where(r, what, i)}: the prompt ({name!r}) must be a non-empty string")
         out.append({"text": text})
     return out
 
@@ -97,17 +130,17 @@ def sft_records(records: List[Any], what: str = "dataset") -> Tuple[List[dict], 
         if isinstance(r, str):
             rec, is_whole = {"input": "", "output": r}, True
         else:
-            d = _as_dict(r, what, i)
-            if "input" in d and "output" in d:
-                rec, is_whole = {"input": d["input"], "output": d["output"]}, False
-            elif "prompt" in d and "completion" in d:
-                rec, is_whole = {"input": d["prompt"], "output": d["completion"]}, False
-            elif "text" in d:
-                rec, is_whole = {"input": "", "output": d["text"]}, True
+            d, where = _as_dict(r, what, i), _where(r, what, i)
+            for prompt, answer in (("input", "output"), ("prompt", "completion"), (None, "text")):
+                if answer in d and (prompt is None or prompt in d):
+                    break
             else:
-                raise DataError(f"{what}[{i}]: needs input/output, prompt/completion or text; has {sorted(d)}")
+                raise DataError(f"{where}: needs input/output, prompt/completion or text; has {_fields(d)}")
+            rec = {"input": _text(d[prompt], where, prompt, allow_empty=True) if prompt else "",
+                   "output": _text(d[answer], where, answer)}
+            is_whole = prompt is None
         if whole is not None and is_whole != whole:
-            raise DataError(f"{what}[{i}]: mixes whole texts with prompt/answer pairs")
+            raise DataError(f"{_where(r, what, i)}: mixes whole texts with prompt/answer pairs")
         whole = is_whole
         out.append(rec)
     return out, bool(whole)
@@ -115,14 +148,33 @@ def sft_records(records: List[Any], what: str = "dataset") -> Tuple[List[dict], 
 
 def preference_records(records: List[Any], what: str = "dataset") -> List[dict]:
     """DPO pairs: ``prompt`` with ``chosen_response``/``rejected_response`` (or TRL's ``chosen``/``rejected``)."""
+    from nemo_aligner.data.nlp.dpo_dataset import prompt_text
+
     out = []
     for i, r in enumerate(records):
         d = _as_dict(r, what, i)
-        where = f"{what}[{i}]"
-        out.append({"prompt": _field(d, ("prompt",), where, "prompt"),
-                    "chosen_response": _field(d, ("chosen_response", "chosen"), where, "chosen response"),
-                    "rejected_response": _field(d, ("rejected_response", "rejected"), where, "rejected response")})
+        where = _where(r, what, i)
+        prompt = _field(d, ("prompt",), where, "prompt")
+        if not isinstance(prompt, (str, list)):
+            raise DataError(f"{where}: field 'prompt' must be a string or a list of chat messages, got "
+                            f"{type(prompt).__name__}")
+        prompt_text({"prompt": prompt}, where)  # chat messages checked here, naming the user's record
+        out.append({"prompt": prompt,
+                    "chosen_response": _response(d, ("chosen_response", "chosen"), where, "chosen response"),
+                    "rejected_response": _response(d, ("rejected_response", "rejected"), where, "rejected response")})
     return out
+
+
+def _response(record: dict, names, where: str, what: str) -> str:
+    """A response string; TRL's conversational form (a list holding one assistant message) is
+    taken as that message's content."""
+    name, value = _named_field(record, names, where, what)
+    if isinstance(value, list):
+        if len(value) != 1 or not isinstance(value[0], dict) or value[0].get("role") != "assistant":
+            raise DataError(f"{where}: field {name!r} as a list must hold one assistant message "
+                            "({'role': 'assistant', 'content': ...})")
+        name, value = f"{name}[0].content", value[0].get("content")
+    return _text(value, where, name)
 
 
 def _as_dict(record: Any, what: str, i: int) -> dict:
