@@ -47,6 +47,31 @@ def test_parse_label_forms():
         parse_label([1, 2, 3], names, 2, "f:2")
 
 
+def test_missing_attributes_use_the_configured_mask_value():
+    """model.regression.loss_mask_val marks missing attributes and padding rows alike: with -1 the
+    masked MSE must not train on a -100 left by a string label or a padding row."""
+    from nemo_aligner.data.nlp.reward_datasets import RegressionRewardDataset
+
+    assert parse_label("verbosity:2", ["quality", "verbosity"], 2, "f:1", missing=-1.0) == [-1.0, 2.0]
+    records = [{"text": "a", "label": "quality:4", "__line__": 1, "__file__": "r.jsonl"},
+               {"text": "b", "label": [1, -1], "__line__": 2, "__file__": "r.jsonl"}]
+    ds = RegressionRewardDataset(None, ByteTokenizer(), 16, 2, ["quality", "verbosity"], records=records, missing=-1.0)
+    labels = torch.tensor([ds[0]["label"], ds[1]["label"], ds[-1]["label"]])  # the last: a padding row
+    assert labels.tolist() == [[4.0, -1.0], [1.0, -1.0], [-1.0, -1.0]]
+    loss, sq, n = masked_mse(torch.tensor([[4.0, 9.0], [3.0, 9.0], [9.0, 9.0]]), labels, -1.0)
+    assert loss.item() == pytest.approx(4.0 / 2) and n.tolist() == [2.0, 0.0]
+
+
+def test_merged_attributes_are_refused_for_training(tmp_path, task_data):
+    """A merged head outputs one value that the loss would fit to every attribute's label."""
+    proc = run_script("train_reward_model.py", [
+        f"++model.data.data_prefix={{train: [{task_data['regression_train']}]}}",
+        f"exp_manager.explicit_log_dir={tmp_path / 'x'}", "model.reward_model_type=regression",
+        "model.regression.num_attributes=2", "model.regression.merge_attributes=True"], check=False)
+    assert proc.returncode == 1
+    assert "error: model.regression.merge_attributes=True is for serving" in proc.stderr
+
+
 def comparison_records(*texts):
     return [{"text": t, "__line__": i + 1, "__file__": "cmp.jsonl"} for i, t in enumerate(texts)]
 

@@ -43,12 +43,20 @@ def build_reward_dataset(model, data_cfg, split: str):
         return RewardComparisonDataset(paths, model.tokenizer, seq, key=key)
     regression = model.cfg.get("regression") or {}
     return RegressionRewardDataset(paths, model.tokenizer, seq, model.num_attributes,
-                                   attribute_names=regression.get("attribute_names"), key=key)
+                                   attribute_names=regression.get("attribute_names"), key=key,
+                                   missing=model.loss_mask_val)
 
 
 def run_reward_model(cfg: DictConfig) -> Dict[str, float]:
     """Train a reward model from ``pretrained_checkpoint.restore_from_path`` (or random weights)."""
     restore = (cfg.get("pretrained_checkpoint") or {}).get("restore_from_path")
+    regression = cfg.model.get("regression") or {}
+    if (str(cfg.model.get("reward_model_type", "binary_ranking")) == "regression"
+            and bool(regression.get("merge_attributes", False)) and int(regression.get("num_attributes", 1) or 1) > 1):
+        # the merged head outputs one value, which the loss would fit to every attribute's label
+        raise ConfigError("model.regression.merge_attributes=True is for serving (one reward per response, e.g. "
+                          "for PPO); train with it False, then serve with model.regression.merge_attributes=True "
+                          "and attribute_weights")
     info = init_run(cfg, restore, "pretrained_checkpoint.restore_from_path")
     exp = exp_manager(cfg.get("exp_manager"), cfg, default_name=str(cfg.get("name", "megatron_gpt")))
     # A new head is expected when starting from an SFT (or base) model.

@@ -105,8 +105,10 @@ class RewardComparisonDataset(torch.utils.data.Dataset):
                 "rejected": tokenize_text(self.tokenizer, rejected, self.seq_length, self.add_eos)}
 
 
-def parse_label(label, attribute_names: Sequence[str], num_attributes: int, where: str) -> List[float]:
-    """A list of floats (``-100`` = missing) of length ``num_attributes`` from a list or a ``name:value`` string."""
+def parse_label(label, attribute_names: Sequence[str], num_attributes: int, where: str,
+                missing: float = MISSING) -> List[float]:
+    """A list of floats (``missing``, ``model.regression.loss_mask_val``, where an attribute has no
+    value) of length ``num_attributes`` from a list or a ``name:value`` string."""
     if isinstance(label, (int, float)) and not isinstance(label, bool):
         label = [label]
     if isinstance(label, list):
@@ -117,7 +119,7 @@ def parse_label(label, attribute_names: Sequence[str], num_attributes: int, wher
         return [float(v) for v in label]
     if not isinstance(label, str):
         raise DataError(f"{where}: field 'label' must be a list of numbers or a 'name:value,...' string")
-    values = [MISSING] * num_attributes
+    values = [float(missing)] * num_attributes
     for part in filter(None, (p.strip() for p in label.split(","))):
         name, sep, value = part.partition(":")
         if not sep:
@@ -141,11 +143,12 @@ class RegressionRewardDataset(torch.utils.data.Dataset):
 
     def __init__(self, paths, tokenizer, seq_length: int, num_attributes: int,
                  attribute_names: Optional[Sequence[str]] = None, key: str = "model.data.data_prefix.train",
-                 records=None, add_eos: bool = True):
+                 records=None, add_eos: bool = True, missing: float = MISSING):
         self.tokenizer = tokenizer
         self.seq_length = int(seq_length)
         self.add_eos = add_eos
         self.num_attributes = int(num_attributes)
+        self.missing = float(missing)  # the loss's mask value: missing attributes and padding rows
         names = list(attribute_names) if attribute_names else list(STEERLM_ATTRIBUTES)
         records = records if records is not None else read_files(paths, key)
         self.items = []
@@ -159,7 +162,8 @@ class RegressionRewardDataset(torch.utils.data.Dataset):
                     f"model.regression.num_attributes={self.num_attributes} but model.regression.attribute_names "
                     f"lists {len(names)} names ({names}); string labels need one name per attribute"
                 )
-            self.items.append((record["text"], parse_label(record["label"], names, self.num_attributes, where)))
+            self.items.append((record["text"], parse_label(record["label"], names, self.num_attributes, where,
+                                                           self.missing)))
         self.attribute_names = names if len(names) == self.num_attributes else [f"attr{i}" for i in range(num_attributes)]
 
     def __len__(self) -> int:
@@ -167,7 +171,7 @@ class RegressionRewardDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, idx: int) -> Dict:
         if idx < 0:
-            return {"tokens": [self.tokenizer.eos_id], "label": [MISSING] * self.num_attributes, "padding": True}
+            return {"tokens": [self.tokenizer.eos_id], "label": [self.missing] * self.num_attributes, "padding": True}
         text, label = self.items[idx]
         return {"tokens": tokenize_text(self.tokenizer, text, self.seq_length, self.add_eos), "label": label}
 

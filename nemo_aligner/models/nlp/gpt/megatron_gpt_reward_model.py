@@ -119,6 +119,9 @@ class MegatronGPTRewardModel(MegatronGPTModel, SupervisedInterface, Inferrable):
 
     def _regression_loss(self, mb, output):
         pred = output.float()
+        if pred.shape != mb["labels"].shape:  # broadcasting would silently fit the wrong values
+            raise ConfigError(f"the reward head outputs {list(pred.shape)} values per micro-batch but the labels are "
+                              f"{list(mb['labels'].shape)}: check model.regression.num_attributes")
         loss, per_attr_sq, per_attr_n = masked_mse(pred, mb["labels"], self.loss_mask_val)
         metrics = {"loss": loss.detach().clone(), "sq_sum": per_attr_sq.sum().detach(), "count": per_attr_n.sum().detach()}
         for i in range(self.num_attributes):
