@@ -156,3 +156,62 @@ def test_generate_prompts_take_their_own_attributes(tmp_path):
             read_prompts(cfg)
     with pytest.raises(DataError, match=r"steerlm\.attributes: attribute 'x'"):
         read_prompts(OmegaConf.create({"prompts": ["z"], "steerlm": {"attributes": "x"}}))
+
+
+def test_generate_inputs_follow_what_training_did():
+    """A string `prompts` is one prompt; string attributes are normalised to training's label form;
+    typed escapes in end strings are the characters; the model's own chat tokens build the prompt."""
+    from nemo_aligner.algorithms.generate import model_chat_tokens, read_prompts, unescape
+
+    assert read_prompts(OmegaConf.create({"prompts": "sort dcba ="})) == [("sort dcba =", None)]
+    cfg = OmegaConf.create({"prompts": ["z"], "steerlm": {"attributes": "quality: 4.0, verbosity:1"}})
+    assert read_prompts(cfg) == [("z", "quality:4,verbosity:1")]
+    with pytest.raises(DataError, match=r"steerlm\.attributes: an empty label"):
+        read_prompts(OmegaConf.create({"prompts": ["z"], "steerlm": {"attributes": " "}}))
+    assert unescape("\\n") == "\n" and unescape("a\\tb\\\\n") == "a\tb\\n" and unescape("x\n") == "x\n"
+    custom = {"system_turn_start": "<extra_id_0>", "turn_start": "<extra_id_1>", "label_start": "<extra_id_2>",
+              "end_of_turn": "\n", "end_of_name": "\n"}
+    tokens = model_chat_tokens(OmegaConf.create({"data": {"chat_prompt_tokens": custom}}))
+    assert tokens == custom and model_chat_tokens(OmegaConf.create({})) is None
+    assert steer_prompt("q", "quality:4", chat_tokens=tokens) == \
+        "<extra_id_0>System\n\n<extra_id_1>User\nq\n<extra_id_1>Assistant\n<extra_id_2>quality:4\n"
+
+
+def test_annotation_renders_and_truncates_as_training_does():
+    """A null system is rendered empty (as SFT does); texts keep their last seq_length tokens (as
+    reward-model training does); non-finite server values and an empty clip range are errors."""
+    from nemo_aligner.data.nlp.steerlm_annotate import annotate_records
+    from nemo_aligner.servers.clients import RemoteGPTRMClient
+    from nemo_aligner.utils.errors import ConfigError
+
+    record = dict(CHAT, system=None, __line__=3)
+    assert assistant_turn_texts(record)[0][1] == render_turns("", CHAT["conversations"][:2], with_labels=False)
+
+    class Done:
+        def __init__(self, value):
+            self.value = value
+
+        def result(self):
+            return self.value
+
+    class Client:  # the real client's tokenization, no server
+        infer_texts = RemoteGPTRMClient.infer_texts
+
+        def __init__(self, values):
+            self.tokenizer, self.values, self.sent = ByteTokenizer(), values, []
+
+        def infer_tokens(self, tokens, lengths):
+            self.sent.append([list(row[:n]) for row, n in zip(tokens, lengths)])
+            return Done(self.values[: len(lengths)])
+
+    client = Client([[1.0, 2.0], [3.0, 0.0]])
+    texts = [t for _, t in assistant_turn_texts(record)]
+    assert annotate_records([record], client, ["quality", "verbosity"], max_length=10, where="c.jsonl") == 2
+    tok = ByteTokenizer()
+    assert client.sent[0] == [(tok.text_to_ids(t) + [tok.eos_id])[-10:] for t in texts]
+    assert record["conversations"][1]["label"] == "quality:1,verbosity:2"
+    with pytest.raises(DataError, match=r"c\.jsonl:3: conversations\[1\]: the server returned non-finite values"):
+        annotate_records([dict(CHAT, __line__=3)], Client([[float("nan"), 1.0], [1.0, 1.0]]), ["quality", "verbosity"],
+                         where="c.jsonl")
+    with pytest.raises(ConfigError, match=r"--min-value 5 is above --max-value 4"):
+        annotate_records([dict(CHAT, __line__=3)], client, ["quality", "verbosity"], min_value=5, max_value=4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
@@ -23,13 +24,33 @@ def _attributes(value, where: str) -> str:
     """A prompt's SteerLM attributes (``{"quality": 4}`` or ``"quality:4"``), checked, as the label
     string the prompt carries; errors name ``where``."""
     if isinstance(value, str):
-        parse_label(value, where)
-        return value
+        parsed = parse_label(value, where)
+        if not parsed:
+            raise DataError(f"{where}: an empty label; give attributes like 'quality:4'")
+        return format_label(parsed)  # as training writes labels: "quality:4", not "quality: 4.0"
     if isinstance(value, dict) and value and all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                                  for v in value.values()):
         return format_label(value)
     raise DataError(f"{where}: must be a label string like 'quality:4' or a mapping of attribute "
                     f"names to numbers, got {value!r}")
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def unescape(text: str) -> str:
+    """``\\n``, ``\\t``, ``\\r`` and ``\\\\`` as the characters they name: Hydra's command line passes a
+    typed ``\\n`` through as two characters, and a newline is the chat template's end of turn."""
+    return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], text)
+
+
+def model_chat_tokens(model_cfg) -> Optional[dict]:
+    """The chat template's strings a model was trained with (SFT keeps ``model.data.chat_prompt_tokens``
+    in the .nemo's config); None: NeMo's defaults."""
+    tokens = (model_cfg.get("data") or {}).get("chat_prompt_tokens")
+    if tokens is None:
+        return None
+    return OmegaConf.to_container(tokens) if not isinstance(tokens, dict) else dict(tokens)
 
 
 def read_prompts(cfg: DictConfig) -> List[Tuple[str, Optional[str]]]:
@@ -39,7 +60,10 @@ def read_prompts(cfg: DictConfig) -> List[Tuple[str, Optional[str]]]:
     if default is not None:
         default = default if isinstance(default, str) else OmegaConf.to_container(default)
         default = _attributes(default, "steerlm.attributes")
-    prompts = [(str(p), default) for p in (cfg.get("prompts") or [])]
+    given = cfg.get("prompts") or []
+    if isinstance(given, str):  # prompts='one prompt': one prompt, not one per character
+        given = [given]
+    prompts = [(str(p), default) for p in given]
     if cfg.get("prompts_file"):
         for record in read_jsonl(cfg.prompts_file):
             where = f"{cfg.prompts_file}:{record['__line__']}"
@@ -71,9 +95,12 @@ def run_generate(cfg: DictConfig) -> List[dict]:
     model = load_model(GPTSFTModel, cfg.model, cfg.trainer.precision, cfg.gpt_model_file, key="gpt_model_file",
                        trainable=False)
     system = str((cfg.get("steerlm") or {}).get("system") or "")
-    prompts_in = [p if attrs is None else steer_prompt(p, attrs, system=system) for p, attrs in prompts]
+    chat_tokens = model_chat_tokens(model.cfg)
+    prompts_in = [p if attrs is None else steer_prompt(p, attrs, system=system, chat_tokens=chat_tokens)
+                  for p, attrs in prompts]
     sampling = SamplingParams(use_greedy=bool(inf.greedy), temperature=float(inf.temperature), top_k=int(inf.top_k),
-                              top_p=float(inf.top_p), end_strings=[str(s) for s in inf.get("end_strings") or []])
+                              top_p=float(inf.top_p),
+                              end_strings=[unescape(str(s)) for s in inf.get("end_strings") or []])
     length = LengthParams(max_length=int(inf.tokens_to_generate), min_length=int(inf.min_tokens_to_generate))
     responses = generate_texts(model, prompts_in, sampling, length, seed=inf.get("seed"),
                                batch_size=int(cfg.get("batch_size", 16)))

@@ -180,10 +180,14 @@ class RemoteGPTRMClient(TritonModelClient):
         lengths = np.asarray(lengths, dtype=np.int64).reshape(-1, 1)
         return RewardFuture(self.send("rewards", tokens=tokens, sequence_lengths=lengths))
 
-    def infer_texts(self, texts: Sequence[str]) -> "RewardFuture":
+    def infer_texts(self, texts: Sequence[str], max_length: Optional[int] = None) -> "RewardFuture":
+        """Score texts, tokenized as reward-model training does (EOS appended; with ``max_length``,
+        only the last ``max_length`` tokens kept)."""
+        from nemo_aligner.data.nlp.reward_datasets import tokenize_text
+
         if self.tokenizer is None:
             raise ValueError("RemoteGPTRMClient.infer_texts needs a tokenizer")
-        ids: List[List[int]] = [self.tokenizer.text_to_ids(t) + [self.tokenizer.eos_id] for t in texts]
+        ids: List[List[int]] = [tokenize_text(self.tokenizer, t, max_length) for t in texts]
         width = max(len(i) for i in ids)
         tokens = np.full((len(ids), width), self.tokenizer.eos_id, dtype=np.int64)
         for row, seq in enumerate(ids):

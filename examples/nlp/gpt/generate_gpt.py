@@ -1,7 +1,7 @@
 """Generate from a .nemo; with steerlm.attributes, steer a SteerLM model.
 
     python examples/nlp/gpt/generate_gpt.py gpt_model_file=results/steerlm/checkpoints/megatron_gpt_steerlm.nemo \
-        "prompts=[reverse abcd =]" "steerlm.attributes={quality: 4}" inference.end_strings=["\n"]
+        "prompts=['reverse abcd =']" "steerlm.attributes={quality: 4}" "inference.end_strings=['\n']"
 """
 
 from nemo_aligner.algorithms.generate import run_generate

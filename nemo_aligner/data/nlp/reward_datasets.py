@@ -52,11 +52,12 @@ def warn_identical_pairs(places: List[str]) -> None:
                        "" if len(places) == 1 else f", also {', '.join(places[1:4])}{' ...' if len(places) > 4 else ''}")
 
 
-def tokenize_text(tokenizer, text: str, seq_length: int, add_eos: bool = True) -> List[int]:
+def tokenize_text(tokenizer, text: str, seq_length: Optional[int], add_eos: bool = True) -> List[int]:
+    """Token ids of ``text`` (EOS appended), keeping the last ``seq_length`` (all when None)."""
     ids = tokenizer.text_to_ids(text)
     if add_eos:
         ids.append(tokenizer.eos_id)
-    return ids[-seq_length:]
+    return ids[-seq_length:] if seq_length else ids
 
 
 class RewardComparisonDataset(torch.utils.data.Dataset):

@@ -8,6 +8,7 @@ become the turn's ``label`` (``"quality:4,verbosity:2"``).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from typing import Dict, List, Optional, Sequence
 
@@ -28,9 +29,12 @@ def values_to_label(values: Sequence[float], names: Sequence[str], min_value: fl
 
 def annotate_records(records: List[Dict], client, names: Optional[Sequence[str]] = None, batch_size: int = 32,
                      min_value: float = 0, max_value: float = 4, assistant: str = "Assistant",
-                     chat_tokens: Optional[dict] = None, where: str = "input") -> int:
+                     chat_tokens: Optional[dict] = None, where: str = "input", max_length: Optional[int] = None) -> int:
     """Set ``label`` on every Assistant turn of ``records`` in place; returns the number labelled.
-    ``client`` is a :class:`RemoteGPTRMClient` with a tokenizer."""
+    ``client`` is a :class:`RemoteGPTRMClient` with a tokenizer; ``max_length`` keeps each text's
+    last tokens, as reward-model training does."""
+    if min_value > max_value:
+        raise ConfigError(f"--min-value {min_value} is above --max-value {max_value}")
     jobs = []
     for record in records:
         require_fields(record, ["conversations"], where, types=(list,))
@@ -38,7 +42,7 @@ def annotate_records(records: List[Dict], client, names: Optional[Sequence[str]]
             if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
                 raise DataError(f"{where}:{record['__line__']}: conversations[{turn_no}] needs 'from' and 'value'")
         jobs += [(record, i, text) for i, text in assistant_turn_texts(record, chat_tokens, assistant)]
-    futures = [client.infer_texts([text for _, _, text in jobs[s : s + batch_size]])
+    futures = [client.infer_texts([text for _, _, text in jobs[s : s + batch_size]], max_length)
                for s in range(0, len(jobs), batch_size)]
     start = 0
     for future in futures:
@@ -53,6 +57,9 @@ def annotate_records(records: List[Dict], client, names: Optional[Sequence[str]]
             raise ConfigError(f"--attributes names {len(names)} attributes ({','.join(names)}) but the server "
                               f"returns {rewards.shape[1]}")
         for row, (record, turn_no, _) in zip(rewards, jobs[start : start + len(rewards)]):
+            if not np.isfinite(row).all():
+                raise DataError(f"{where}:{record['__line__']}: conversations[{turn_no}]: the server returned "
+                                f"non-finite values {row.tolist()}")
             record["conversations"][turn_no]["label"] = values_to_label(row, names, min_value, max_value)
         start += len(rewards)
     return len(jobs)
@@ -60,7 +67,9 @@ def annotate_records(records: List[Dict], client, names: Optional[Sequence[str]]
 
 def main(argv=None) -> None:
     from nemo_aligner.servers.clients import RemoteGPTRMClient
-    from nemo_aligner.utils.nemo_file import load_tokenizer
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.utils.nemo_file import load_tokenizer, read_model_config
     from nemo_aligner.utils.tokenizers import ByteTokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -71,18 +80,41 @@ def main(argv=None) -> None:
     parser.add_argument("--model-name", default="reward_model")
     parser.add_argument("--attributes", default=None,
                         help="comma-separated names of the server's outputs (default: NeMo's 9 attributes)")
-    parser.add_argument("--tokenizer-from", default=None, help="a .nemo whose tokenizer to use (default: byte)")
+    parser.add_argument("--tokenizer-from", default=None,
+                        help="the reward model's .nemo: its tokenizer, context length and chat tokens (default: byte "
+                             "tokenizer, no truncation, NeMo's chat tokens)")
+    parser.add_argument("--seq-length", type=int, default=None,
+                        help="keep each text's last N tokens, as reward-model training does (default: the "
+                             "--tokenizer-from model's model.data.seq_length or encoder_seq_length)")
+    parser.add_argument("--chat-prompt-tokens", default=None,
+                        help="JSON object overriding the chat template's special strings, as SFT's "
+                             "model.data.chat_prompt_tokens (default: the --tokenizer-from model's, else NeMo's)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--min-value", type=float, default=0)
     parser.add_argument("--max-value", type=float, default=4)
     parser.add_argument("--timeout-s", type=float, default=60.0)
     args = parser.parse_args(argv)
     tokenizer = load_tokenizer(args.tokenizer_from, "--tokenizer-from") if args.tokenizer_from else ByteTokenizer()
+    seq_length, chat_tokens = args.seq_length, None
+    if args.tokenizer_from:
+        model_cfg = read_model_config(args.tokenizer_from, "--tokenizer-from")
+        data = model_cfg.get("data") or {}
+        seq_length = seq_length or data.get("seq_length") or model_cfg.get("encoder_seq_length")
+        chat_tokens = data.get("chat_prompt_tokens")
+        chat_tokens = OmegaConf.to_container(chat_tokens) if chat_tokens is not None else None
+    if args.chat_prompt_tokens:
+        try:
+            chat_tokens = json.loads(args.chat_prompt_tokens)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"--chat-prompt-tokens is not JSON: {err}") from None
+        if not isinstance(chat_tokens, dict):
+            raise ConfigError("--chat-prompt-tokens must be a JSON object like {\"turn_start\": \"<extra_id_1>\"}")
     records = read_jsonl(args.input_file)
     client = RemoteGPTRMClient(args.host, args.port, tokenizer, args.model_name, timeout_s=args.timeout_s,
                                key="--host/--port")
     names = [n.strip() for n in args.attributes.split(",")] if args.attributes else None
     count = annotate_records(records, client, names, args.batch_size, args.min_value, args.max_value,
-                             where=args.input_file)
+                             chat_tokens=chat_tokens, where=args.input_file,
+                             max_length=int(seq_length) if seq_length else None)
     write_jsonl(args.output_file, ({k: v for k, v in r.items() if not k.startswith("__")} for r in records))
     print(f"labelled {count} assistant turns of {len(records)} conversations: {args.output_file}", flush=True)

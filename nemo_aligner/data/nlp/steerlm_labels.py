@@ -51,7 +51,7 @@ def render_turns(system: str, turns: Sequence[Mapping], chat_tokens: Optional[di
                  with_labels: bool = True) -> str:
     """NeMo's chat template for ``turns`` (``{"from", "value", "label"?}``), exactly as SFT trains on it."""
     t = dict(DEFAULT_CHAT_TOKENS, **(chat_tokens or {}))
-    text = f"{t['system_turn_start']}System{t['end_of_name']}{system}{t['end_of_turn']}"
+    text = f"{t['system_turn_start']}System{t['end_of_name']}{system or ''}{t['end_of_turn']}"  # null: none, as SFT
     for turn in turns:
         text += f"{t['turn_start']}{turn['from']}{t['end_of_name']}"
         if with_labels and turn.get("label") is not None:
@@ -78,5 +78,5 @@ def assistant_turn_texts(record: Mapping, chat_tokens: Optional[dict] = None,
     """``(turn index, text)`` for each Assistant turn: the conversation up to and including that
     turn, rendered without labels (what a SteerLM regression reward model scores)."""
     turns = record["conversations"]
-    return [(i, render_turns(record.get("system", ""), turns[: i + 1], chat_tokens, with_labels=False))
+    return [(i, render_turns(record.get("system") or "", turns[: i + 1], chat_tokens, with_labels=False))
             for i, turn in enumerate(turns) if turn.get("from") == assistant]
