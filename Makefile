@@ -5,6 +5,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# torch's CPU wheel: a local copy if pip's find-links has one (CI machines, offline), else from
+# PyTorch's CPU index; then its dependencies from the usual index. Plain PyPI would give Linux the
+# CUDA build (GBs).
+install_torch = ($(1) -m pip install -q --no-index --no-deps torch==$(TORCH_VERSION) 2>/dev/null || \
+	$(1) -m pip install -q --no-deps torch==$(TORCH_VERSION) --index-url $(TORCH_INDEX)) && \
+	$(1) -m pip install -q torch==$(TORCH_VERSION)
 # Bytecode caching cuts every test subprocess's start-up by ~10 s (megatron-core imports).
 unexport PYTHONDONTWRITEBYTECODE
 
@@ -15,8 +22,8 @@ install: $(STAMP)
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch first, from the CPU wheel on the machine: otherwise pip resolves a CUDA build (GBs).
-	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	# torch first, the CPU wheel: otherwise pip resolves a CUDA build (GBs).
+	$(call install_torch,$(PY))
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
@@ -40,7 +47,6 @@ clean:
 # uses neither pin).
 BENCH_VENV := .venv-bench
 BENCH_PY := $(BENCH_VENV)/bin/python
-TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: bench-venv
 bench-venv: $(BENCH_VENV)/.installed
@@ -48,7 +54,7 @@ bench-venv: $(BENCH_VENV)/.installed
 $(BENCH_VENV)/.installed: benchmarks/requirements-trl.txt setup.py
 	test -x $(BENCH_PY) || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_PY) -m pip install -q --upgrade pip
-	$(BENCH_PY) -m pip install -q torch==$(TORCH_VERSION) --index-url $(TORCH_INDEX)
+	$(call install_torch,$(BENCH_PY))
 	$(BENCH_PY) -m pip install -q -r benchmarks/requirements-trl.txt
 	$(BENCH_PY) -m pip install -q --no-deps -e .
 	cd benchmarks && $(abspath $(BENCH_PY)) -c "import numpy, torch, nemo_aligner, megatron.core, trl, datasets; \

@@ -1,10 +1,27 @@
 """nemo-aligner: pip install -e .[test]  (install torch==2.13.0 first on CPU machines)."""
 
 import os
+import shutil
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class BuildPyWithExamples(build_py):
+    """Copy ``examples/`` (the Hydra scripts and their configs) into the built package as
+    ``nemo_aligner/_examples``: the Python API composes those configs, and ``ppo_local`` and the demo
+    run those scripts, so a wheel or ``pip install .`` needs them too (see utils/examples_path.py)."""
+
+    def run(self):
+        super().run()
+        source = os.path.join(HERE, "examples")
+        if self.dry_run or not os.path.isdir(source):
+            return
+        target = os.path.join(self.build_lib, "nemo_aligner", "_examples")
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
 
 
 def read_version() -> str:
@@ -47,6 +64,7 @@ setup(
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "filelock"],
         "gpu": ["transformer-engine[pytorch]"],
     },
+    cmdclass={"build_py": BuildPyWithExamples},
     entry_points={
         "console_scripts": [
             "nemo-aligner-builtin-data=nemo_aligner.data.nlp.builtin_task:main",

@@ -16,9 +16,9 @@ import sys
 from nemo_aligner.data.nlp.builtin_task import BuiltinTask
 from nemo_aligner.data.nlp.jsonl import read_jsonl
 from nemo_aligner.utils.checkpoint_io import recover_replaced_dir, remove_dir_atomically
+from nemo_aligner.utils.examples_path import examples_dir
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = os.path.join(REPO, "examples", "nlp", "gpt")
+SCRIPTS = examples_dir("nlp", "gpt")
 
 
 def remove_stage_dir(path: str) -> None:

@@ -24,10 +24,10 @@ import tempfile
 import time
 from typing import List, Optional
 
+from nemo_aligner.utils.examples_path import examples_dir
 from nemo_aligner.utils.ports import free_port
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPTS = os.path.join(REPO, "examples", "nlp", "gpt")
+SCRIPTS = examples_dir("nlp", "gpt")
 READY = "critic server ready"
 
 

@@ -21,9 +21,9 @@ from nemo_aligner.trainers.arguments import (Rule, check_fit_kwargs, check_model
                                              check_trainer_config)
 from nemo_aligner.trainers.callbacks import Callback, CallbackList
 from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.utils.examples_path import examples_dir
 
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                        "examples", "nlp", "gpt", "conf")
+CONF_DIR = examples_dir("nlp", "gpt", "conf")
 
 
 @dataclass
@@ -45,8 +45,8 @@ def compose_config(config_name: str, values: Dict[str, Any]) -> DictConfig:
     import nemo_aligner.utils.hydra_runner  # noqa: F401  (registers the config resolvers)
 
     if not os.path.isdir(CONF_DIR):
-        raise ConfigError(f"the algorithm configs are not at {CONF_DIR}: install nemo-aligner from a source "
-                          "checkout (pip install -e .)")
+        raise ConfigError(f"the algorithm configs are not at {CONF_DIR}: this install has neither a source "
+                          "checkout's examples/ nor the copy a wheel carries; reinstall nemo-aligner (pip install .)")
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
