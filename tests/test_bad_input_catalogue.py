@@ -190,6 +190,12 @@ def config_values(**overrides):
     return lambda: check_config_values(sft_config(**overrides))
 
 
+def run_limits(**overrides):
+    from nemo_aligner.utils.config_checks import check_run_limits_keys
+
+    return lambda: check_run_limits_keys(sft_config(**overrides))
+
+
 def parallel(world, tp, pp, heads, groups, layers):
     from nemo_aligner.utils.distributed import check_parallel_sizes
 
@@ -272,6 +278,12 @@ def generate_config(**overrides):
 
 
 CONFIG_CASES = {
+    "peft-lora": (config_values(**{"model.peft.peft_scheme": "lora"}),
+                  r"model\.peft\.peft_scheme='lora' is not supported \(NeMo-Aligner's key is accepted only as 'none'"),
+    "top-level-max-steps": (run_limits(**{"trainer.max_steps": 100}),
+                            r"trainer\.max_steps=100 is not read: this run's limit is trainer\.sft\.max_steps \(now -1\)"),
+    "top-level-max-epochs": (run_limits(**{"trainer.max_epochs": 3}),
+                             r"trainer\.max_epochs=3 is not read: this run's limit is trainer\.sft\.max_epochs"),
     "generate-negative-tokens": (generate_config(**{"inference.tokens_to_generate": -1}),
                                  r"inference\.tokens_to_generate=-1 must be >= 0"),
     "generate-zero-batch": (generate_config(batch_size=0), r"batch_size=0 must be > 0"),

@@ -212,6 +212,12 @@ def test_sampling_settings():
     a = sample(logits, SamplingParams(), torch.Generator().manual_seed(5))
     b = sample(logits, SamplingParams(), torch.Generator().manual_seed(5))
     assert torch.equal(a, b)
+    # From a config, 0 is a value (only null means the default): temperature 0 samples the top token.
+    zero = SamplingParams.from_cfg(OmegaConf.create({"temperature": 0.0, "top_p": 0.0, "top_k": None}))
+    assert (zero.temperature, zero.top_p, zero.top_k) == (0.0, 0.0, 0)
+    assert (sample(logits, zero, g) == 0).all()
+    unset = SamplingParams.from_cfg(OmegaConf.create({"temperature": None, "top_p": None}))
+    assert (unset.temperature, unset.top_p) == (1.0, 1.0)
 
 
 def test_tp2_and_pp2_generate_like_one_process(tmp_path, base_nemo):

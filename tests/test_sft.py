@@ -203,3 +203,35 @@ def test_resume_with_a_changed_config_says_what_it_keeps(tmp_path, builtin_data)
     assert saved["algorithm"] == "sft" and saved["train_samples"] == 96
     with pytest.raises(CheckpointError, match=r"was saved by a 'sft' run; this is 'dpo' \(trainer\.dpo\)"):
         check_resumed_run(ckpt, saved, dict(saved, algorithm="dpo"), "trainer.dpo")
+
+
+def test_save_best_model_writes_the_best_checkpoints_weights(tmp_path, builtin_data):
+    """NeMo's checkpoint_callback_params.save_best_model: the final .nemo holds the best checkpoint's
+    weights. mode=max on the validation loss makes the first checkpoint (step 3, before the loss
+    falls) the best, so the .nemo must equal it and differ from the last (step 6)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from nemo_aligner.utils import nemo_file
+
+    log_dir = tmp_path / "sft"
+    proc = run_script("train_gpt_sft.py", sft_overrides(builtin_data, log_dir, 6, SMALL + [
+        "trainer.sft.val_check_interval=3", "model.optim.lr=1e-3", "model.optim.sched.warmup_steps=0",
+        "exp_manager.checkpoint_callback_params.mode=max", "exp_manager.checkpoint_callback_params.save_top_k=-1",
+        "exp_manager.checkpoint_callback_params.save_best_model=True"]))
+    val = val_losses(log_dir)
+    assert val[3] > val[6], val  # step 3 is the best by mode=max
+    checkpoints = {int(name.split("step=")[1].split("-")[0]): log_dir / "checkpoints" / name
+                   for name in os.listdir(log_dir / "checkpoints") if "step=" in name and not name.endswith(".nemo")}
+    assert sorted(checkpoints) == [3, 6]
+
+    def weights(directory, name):
+        dcp_to_torch_save(str(directory), str(tmp_path / name))
+        state = torch.load(tmp_path / name, weights_only=False)
+        return state["model.output_layer.weight"]
+
+    with nemo_file.extracted(str(log_dir / "checkpoints" / "megatron_gpt_sft.nemo")) as directory:
+        final = weights(nemo_file.weights_dir(directory), "final.pt")
+    assert torch.equal(final, weights(checkpoints[3], "best.pt"))
+    assert not torch.equal(final, weights(checkpoints[6], "last.pt"))
+    assert "best checkpoint" in proc.stderr + proc.stdout

@@ -239,3 +239,13 @@ def test_free_ports_do_not_follow_the_training_seed():
         draws.append([free_port() for _ in range(5)])
     assert draws[0] != draws[1]
     assert all(20000 <= p <= 32000 for p in draws[0] + draws[1])
+
+
+def test_nemo_keys_without_an_implementation_are_accepted_only_when_off():
+    from nemo_aligner.utils.config_checks import _is_off
+
+    assert _is_off("none", ("none", None)) and _is_off("None", ("none", None)) and _is_off(None, ("none", None))
+    assert not _is_off("lora", ("none", None))
+    assert _is_off(1, (1, 1.0, None)) and _is_off(1.0, (1, 1.0, None)) and not _is_off(1.2, (1, 1.0, None))
+    assert not _is_off(True, (1, 1.0, None))  # True == 1 in Python, but is not a penalty of 1
+    assert _is_off(False, (False, None)) and not _is_off(True, (False, None)) and not _is_off(0, (False, None))

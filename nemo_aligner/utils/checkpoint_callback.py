@@ -46,7 +46,8 @@ class CheckpointCallback:
     """
 
     def __init__(self, dirpath: str, filename: str, monitor: str = "val_loss", mode: str = "min",
-                 save_top_k: int = 1, save_nemo_on_train_end: bool = True, nemo_name: str = "model"):
+                 save_top_k: int = 1, save_nemo_on_train_end: bool = True, nemo_name: str = "model",
+                 save_best_model: bool = False):
         if mode not in ("min", "max"):
             raise ConfigError(f"exp_manager.checkpoint_callback_params.mode={mode!r} must be 'min' or 'max'")
         self.dirpath = dirpath
@@ -55,6 +56,7 @@ class CheckpointCallback:
         self.mode = mode
         self.save_top_k = int(save_top_k)
         self.save_nemo_on_train_end = save_nemo_on_train_end
+        self.save_best_model = save_best_model  # the final .nemo holds the best checkpoint's weights
         self.nemo_path = os.path.join(dirpath, f"{nemo_name}.nemo")
         self.last_saved: Optional[str] = None
 

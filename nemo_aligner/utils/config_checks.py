@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Iterator, Tuple
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from nemo_aligner.utils.errors import ConfigError
 
@@ -33,6 +33,15 @@ NON_NEGATIVE_NUMBERS = frozenset({
     "hidden_dropout", "attention_dropout", "initial_policy_kl_penalty", "reference_policy_kl_penalty",
     "ref_policy_kl_penalty",
 })
+# Keys NeMo-Aligner's configs carry that this project does not implement: accepted at the value that
+# means "off", an error otherwise (silently ignoring, say, a LoRA request would train every weight).
+UNSUPPORTED_UNLESS = {
+    "peft_scheme": ("none", None),
+    "repetition_penalty": (1, 1.0, None),
+    "add_BOS": (False, None),
+    "all_probs": (False, None),
+    "compute_logprob": (False, None),
+}
 # -1 (or null) means "no limit" for these.
 INTS_OR_UNLIMITED = frozenset({"max_steps", "max_epochs"})
 # Lightning's ``limit_*_batches``: a fraction (float <= 1.0) or a count (int; -1 or null: all).
@@ -52,10 +61,24 @@ def _leaves(node, prefix: str) -> Iterator[Tuple[str, object]]:
         yield prefix, node
 
 
+def _is_off(value, allowed) -> bool:
+    """Whether ``value`` is one of ``allowed`` (strings case-blind; True is not 1)."""
+    if isinstance(value, str):
+        return value.lower() in {a.lower() for a in allowed if isinstance(a, str)}
+    return any(value is a if a is None or isinstance(a, bool) else
+               (not isinstance(value, bool) and isinstance(value, (int, float)) and value == a) for a in allowed)
+
+
 def check_config_values(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` naming the first key whose value has the wrong type or range."""
     for path, value in _leaves(cfg, ""):
         name = path.rsplit(".", 1)[-1]
+        if name in UNSUPPORTED_UNLESS:
+            allowed = UNSUPPORTED_UNLESS[name]
+            if not _is_off(value, allowed):
+                raise ConfigError(f"{path}={value!r} is not supported (NeMo-Aligner's key is accepted only as "
+                                  f"{allowed[0]!r}, i.e. off)")
+            continue
         if value is None:
             continue
         if name in POSITIVE_INTS or name in NON_NEGATIVE_INTS:
@@ -80,3 +103,22 @@ def check_config_values(cfg: DictConfig) -> None:
             if value < 0:
                 raise ConfigError(f"{path}={value} must be >= 0")
 
+
+
+def check_run_limits_keys(cfg: DictConfig) -> None:
+    """``trainer.max_steps``/``max_epochs`` follow ``trainer.<algorithm>.*`` (the keys the trainers
+    read, as in NeMo-Aligner); a value set on the top-level key would be ignored silently, so it is
+    an error naming the key to set."""
+    trainer = cfg.get("trainer")
+    if not isinstance(trainer, DictConfig):
+        return
+    for key in ("max_steps", "max_epochs"):
+        if key not in trainer or OmegaConf.is_interpolation(trainer, key):
+            continue
+        sections = [name for name in trainer if isinstance(trainer.get(name), DictConfig) and key in trainer[name]]
+        if len(sections) != 1:
+            continue
+        given, read = trainer.get(key), trainer[sections[0]].get(key)
+        if given != read:
+            raise ConfigError(f"trainer.{key}={given} is not read: this run's limit is trainer.{sections[0]}.{key} "
+                              f"(now {read}); set that key instead")

@@ -119,6 +119,7 @@ def exp_manager(exp_cfg: DictConfig, full_cfg: DictConfig, default_name: str = "
             save_top_k=int(params.get("save_top_k", 1) if params.get("save_top_k") is not None else 1),
             save_nemo_on_train_end=bool(params.get("save_nemo_on_train_end", True)),
             nemo_name=name,
+            save_best_model=bool(params.get("save_best_model", False)),
         )
     if resume_from:
         logger.info("resuming from %s", resume_from)

@@ -41,9 +41,13 @@ class SamplingParams:
     def from_cfg(cls, cfg) -> "SamplingParams":
         if cfg is None:
             return cls()
+        def value(key, default):  # 0 is a setting (temperature 0: the top token), only null is unset
+            given = cfg.get(key, default)
+            return default if given is None else given
+
         return cls(
-            use_greedy=bool(cfg.get("use_greedy", False)), temperature=float(cfg.get("temperature", 1.0) or 1.0),
-            top_k=int(cfg.get("top_k", 0) or 0), top_p=float(cfg.get("top_p", 1.0) or 1.0),
+            use_greedy=bool(cfg.get("use_greedy", False)), temperature=float(value("temperature", 1.0)),
+            top_k=int(value("top_k", 0)), top_p=float(value("top_p", 1.0)),
             end_strings=[str(s) for s in (cfg.get("end_strings") or [])])
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from nemo_aligner.utils import nemo_file
-from nemo_aligner.utils.config_checks import check_config_values
+from nemo_aligner.utils.config_checks import check_config_values, check_run_limits_keys
 from nemo_aligner.utils.distributed import check_parallel_sizes, init_distributed, initialize_model_parallel
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.model_config import merge_checkpoint_config
@@ -61,6 +61,7 @@ def init_run(cfg: DictConfig, restore_path: Optional[str] = None,
     """
     check_accelerator(cfg.trainer)
     check_config_values(cfg)
+    check_run_limits_keys(cfg)
     arch = effective_model_config(cfg.model, restore_path, restore_key)
     init_distributed(devices=cfg.trainer.get("devices", 1), num_nodes=cfg.trainer.get("num_nodes", 1),
                      timeout_minutes=timeout_minutes)
