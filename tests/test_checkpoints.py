@@ -285,3 +285,28 @@ def test_a_damaged_checkpoint_is_an_error_naming_it(tmp_path, mcore_single):
     (ckpt / "common.pt").unlink()
     with pytest.raises(CheckpointError, match=r"step=4: common\.pt is missing"):
         load_common(str(ckpt))
+
+
+def test_concurrent_jobs_never_share_an_extraction_directory(tmp_path, monkeypatch):
+    """Local rank 0 extracts a .nemo for its job and removes the directory afterwards: two torchrun jobs
+    (whose run id is "none" unless given) loading one file must get different directories, while
+    the ranks of one job agree on theirs."""
+    from nemo_aligner.utils.nemo_file import _extract_dir_for
+
+    nemo = tmp_path / "m.nemo"
+    nemo.write_bytes(b"x")
+    for key in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID", "SLURM_STEP_ID"):
+        monkeypatch.delenv(key, raising=False)
+
+    def directory(**env):
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                m.setenv(key, value)
+            return _extract_dir_for(str(nemo))
+
+    job_a = directory(TORCHELASTIC_RUN_ID="none", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    job_b = directory(TORCHELASTIC_RUN_ID="none", MASTER_ADDR="127.0.0.1", MASTER_PORT="29501")
+    assert job_a != job_b
+    assert job_a == directory(TORCHELASTIC_RUN_ID="none", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    assert directory(SLURM_JOB_ID="7", SLURM_STEP_ID="0") != directory(SLURM_JOB_ID="7", SLURM_STEP_ID="1")
+    assert directory(TORCHELASTIC_RUN_ID="abc", MASTER_PORT="1") == directory(TORCHELASTIC_RUN_ID="abc", MASTER_PORT="2")

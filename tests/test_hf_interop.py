@@ -131,4 +131,140 @@ def test_export_refuses_what_it_would_destroy_or_drop(tmp_path, mcore_single):
         export_to_hf(rm, str(tmp_path / "rm_hf"))
     assert not (tmp_path / "rm_hf").exists()
     out = export_to_hf(policy, str(tmp_path / "policy_hf"))
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
+
+
+def test_llama3_rope_scaling_imports_and_exports(tmp_path, mcore_single):
+    """Llama 3.1/3.2's RoPE scaling (rope_type llama3) maps to NeMo's scale_positional_embedding and
+    back; the logits match transformers' (the scaling changes most rotary frequencies at every
+    position, so a model without it differs). Other scalings stay refused."""
+    import transformers as tf
+
+    from nemo_aligner.utils.hf_interop import export_to_hf, import_hf_model
+    from nemo_aligner.utils.nemo_file import read_model_config
+
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         rope_theta=500000.0, rope_scaling=scaling, rms_norm_eps=1e-5)
+    hf = tf.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # sharper attention, so positions (and so the scaling) move the logits visibly
+        for name, p in hf.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(30.0)
+    hf.save_pretrained(tmp_path / "hf")
+    tokens = torch.randint(0, VOCAB, (2, 64))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    nemo = import_hf_model(str(tmp_path / "hf"), str(tmp_path / "m.nemo"))
+    model_cfg = read_model_config(nemo)
+    assert model_cfg.scale_positional_embedding is True and model_cfg.rope_scaling_factor == 32.0
+    torch.testing.assert_close(our_logits(nemo, tokens), expected, atol=2e-5, rtol=1e-4)
+    out = export_to_hf(nemo, str(tmp_path / "out"))
+    back = tf.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, expected, atol=2e-5, rtol=1e-4)
+    plain = json.load(open(tmp_path / "hf" / "config.json"))
+    plain.pop("rope_scaling", None)
+    plain["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "config.json").write_text(json.dumps(plain))
+    for name in os.listdir(tmp_path / "hf"):
+        if name.endswith(".safetensors"):
+            os.link(tmp_path / "hf" / name, tmp_path / "plain" / name)
+    unscaled = our_logits(import_hf_model(str(tmp_path / "plain"), str(tmp_path / "p.nemo")), tokens)
+    assert (unscaled - expected).abs().max() > 1e-3  # the scaling mattered
+    for other in ({"rope_type": "linear", "factor": 2.0}, dict(scaling, high_freq_factor=8.0)):
+        bad = dict(plain, rope_parameters=dict(other, rope_theta=500000.0))
+        (tmp_path / "plain" / "config.json").write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=r"RoPE scaling .* is not supported \(only Llama 3's 'llama3' type"):
+            import_hf_model(str(tmp_path / "plain"), str(tmp_path / "x.nemo"))
+
+
+def test_import_refuses_what_it_would_convert_wrongly(tmp_path, mcore_single):
+    """Heads other than a causal LM's, sliding-window attention, GPT-2's per-layer attention scaling,
+    tensors that would be dropped and a tokenizer larger than the model are errors naming the cause."""
+    import transformers as tf
+
+    from nemo_aligner.utils.errors import CheckpointError
+    from nemo_aligner.utils.hf_interop import import_hf_model
+
+    def saved(model, name, edit=None):
+        model.save_pretrained(tmp_path / name)
+        if edit:
+            path = tmp_path / name / "config.json"
+            path.write_text(json.dumps(dict(json.load(open(path)), **edit)))
+        return str(tmp_path / name)
+
+    qwen = tiny_hf("qwen2", tie=True)
+    classifier = tf.Qwen2ForSequenceClassification(qwen.config)
+    with pytest.raises(ConfigError, match=r"architectures=\['Qwen2ForSequenceClassification'\] is not a causal"):
+        import_hf_model(saved(classifier, "cls"), str(tmp_path / "x.nemo"))
+    with pytest.raises(ConfigError, match=r"sliding-window attention"):
+        import_hf_model(saved(qwen, "sw", {"use_sliding_window": True, "sliding_window": 4}), str(tmp_path / "x.nemo"))
+    with pytest.raises(ConfigError, match=r"scale_attn_by_inverse_layer_idx=True"):
+        import_hf_model(saved(tiny_hf("gpt2"), "g", {"scale_attn_by_inverse_layer_idx": True}), str(tmp_path / "x.nemo"))
+    # a checkpoint with a tensor the architecture has no place for (the classifier's head, renamed)
+    from safetensors.torch import load_file, save_file
+
+    directory = saved(qwen, "extra")
+    weights = os.path.join(directory, "model.safetensors")
+    state = load_file(weights)
+    state["score.weight"] = torch.zeros(2, 64)
+    save_file(state, weights, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) have no place in the converted model \(score\.weight\)"):
+        import_hf_model(directory, str(tmp_path / "x.nemo"))
+    del state["score.weight"], state["model.norm.weight"]
+    save_file(state, weights, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"no tensor 'model\.norm\.weight' that this architecture needs"):
+        import_hf_model(directory, str(tmp_path / "x.nemo"))
+    # a tokenizer of 8 tokens on a model of 6 rows: ids 6 and 7 would have no embedding
+    from test_checkpoints import make_hf_tokenizer
+
+    small = saved(tiny_hf("llama"), "small_vocab", {"vocab_size": 6})
+    state = {k: (v[:6] if v.shape[0] == VOCAB else v) for k, v in load_file(os.path.join(small, "model.safetensors")).items()}
+    save_file(state, os.path.join(small, "model.safetensors"), metadata={"format": "pt"})
+    make_hf_tokenizer(small)
+    with pytest.raises(ConfigError, match=r"the tokenizer has 8 tokens, more than the model's vocab_size=6"):
+        import_hf_model(small, str(tmp_path / "x.nemo"))
+
+
+def test_export_carries_special_token_ids_chat_template_and_the_original_tokenizer(tmp_path, mcore_single):
+    """generate() on an export stops at the model's EOS: config.json and generation_config.json name
+    the tokenizer's ids; the chat template travels; the exported tokenizer is the imported one (no
+    pad token added)."""
+    import transformers as tf
+
+    from test_checkpoints import make_hf_tokenizer
+    from nemo_aligner.utils.hf_interop import export_to_hf, import_hf_model
+
+    hf = tiny_hf("llama")
+    hf.save_pretrained(tmp_path / "hf")
+    make_hf_tokenizer(str(tmp_path / "hf"))
+    tok = tf.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok.save_pretrained(tmp_path / "hf")
+    assert tok.pad_token is None and tok.eos_token_id == 2 and tok.bos_token_id == 1
+    nemo = import_hf_model(str(tmp_path / "hf"), str(tmp_path / "m.nemo"))
+    out = export_to_hf(nemo, str(tmp_path / "out"))
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert (config["eos_token_id"], config["bos_token_id"]) == (2, 1) and "pad_token_id" not in config
+    generation = tf.GenerationConfig.from_pretrained(out)
+    assert generation.eos_token_id == 2
+    back = tf.AutoTokenizer.from_pretrained(out)
+    assert back.pad_token is None and back.chat_template == tok.chat_template
+    assert back.apply_chat_template([{"role": "user", "content": "abc"}], tokenize=False) == "abc"
+
+
+def test_export_refuses_configs_hugging_face_cannot_express(tmp_path, mcore_single):
+    from nemo_aligner.utils.hf_interop import hf_config_from_nemo
+
+    base = {"normalization": "rmsnorm", "activation": "swiglu", "position_embedding_type": "rope", "bias": False,
+            "num_attention_heads": 4, "hidden_size": 64, "ffn_hidden_size": 96, "num_layers": 2,
+            "max_position_embeddings": 64, "padded_vocab_size": 384}
+    assert hf_config_from_nemo(dict(base, seq_len_interpolation_factor=None, rotary_percentage=1.0))[0] == "llama"
+    for key, value in (("qk_layernorm", True), ("rotary_percentage", 0.5), ("seq_len_interpolation_factor", 4)):
+        with pytest.raises(ConfigError, match=rf"model\.{key}={value}: Llama, Qwen2 and GPT-2 configs cannot express"):
+            hf_config_from_nemo(dict(base, **{key: value}))

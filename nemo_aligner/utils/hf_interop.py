@@ -23,8 +23,6 @@ from nemo_aligner.utils.errors import CheckpointError, ConfigError
 logger = logging.getLogger(__name__)
 
 ARCHITECTURES = ("llama", "qwen2", "gpt2")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
 
 
 # ----------------------------------------------------------------------------- configs
@@ -34,6 +32,15 @@ def nemo_config_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
     if arch not in ARCHITECTURES:
         raise ConfigError(f"{where}: model_type={hf.get('model_type')!r} is not supported; "
                           f"supported: {', '.join(ARCHITECTURES)}")
+    heads_of = [a for a in hf.get("architectures") or [] if not (a.endswith("ForCausalLM") or a == "GPT2LMHeadModel")]
+    if heads_of:  # a classifier's score head (or another head) would be dropped without a word
+        raise ConfigError(f"{where}: architectures={heads_of} is not a causal language model; only *ForCausalLM "
+                          "(GPT2LMHeadModel) checkpoints are imported")
+    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or []):
+        raise ConfigError(f"{where}: sliding-window attention (use_sliding_window/layer_types) is not supported")
+    if arch == "gpt2" and (hf.get("scale_attn_by_inverse_layer_idx") or hf.get("scale_attn_weights") is False):
+        raise ConfigError(f"{where}: scale_attn_by_inverse_layer_idx=True or scale_attn_weights=False is not "
+                          "supported (attention would be scaled differently)")
     vocab = int(hf["vocab_size"])
     common = {"make_vocab_size_divisible_by": 128, "padded_vocab_size": -(-vocab // 128) * 128,
               "hidden_dropout": 0.0, "attention_dropout": 0.0, "ffn_dropout": 0.0,
@@ -55,8 +62,9 @@ def nemo_config_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
     # transformers < 5: rope_theta / rope_scaling; >= 5: rope_parameters {rope_theta, rope_type}
     rope = dict(hf.get("rope_parameters") or {})
     scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    scaled = {}
     if scaling:
-        raise ConfigError(f"{where}: RoPE scaling {scaling} is not supported")
+        scaled = {"scale_positional_embedding": True, "rope_scaling_factor": _llama3_rope_factor(scaling, where)}
     rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     head_dim = int(hf.get("head_dim") or hidden // heads)
@@ -72,12 +80,31 @@ def nemo_config_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
                       position_embedding_type="rope", rotary_base=int(rope_theta),
                       normalization="rmsnorm", layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
                       activation="swiglu", bias=False, qkv_bias=qkv_bias,
-                      share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)))
+                      share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)), **scaled)
+
+
+# Llama 3.1/3.2 RoPE scaling as megatron-core implements it (rope_scaling=True): only the factor varies.
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _llama3_rope_factor(scaling: dict, where: str) -> float:
+    """The factor of Llama 3's RoPE scaling (``rope_type: llama3``), or a ConfigError for any other."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    fixed_ok = all(float(scaling.get(k, v)) == v for k, v in _LLAMA3_ROPE.items())
+    if kind != "llama3" or not fixed_ok or "factor" not in scaling:
+        raise ConfigError(f"{where}: RoPE scaling {scaling} is not supported (only Llama 3's 'llama3' type with "
+                          f"{_LLAMA3_ROPE})")
+    return float(scaling["factor"])
 
 
 def hf_config_from_nemo(cfg: dict) -> Tuple[str, dict]:
     """``(architecture, config.json dict)`` for a model config, or a ConfigError naming what does not fit."""
     norm, act, pos = cfg.get("normalization"), cfg.get("activation"), cfg.get("position_embedding_type")
+    for key, plain in (("qk_layernorm", False), ("rotary_percentage", 1.0), ("seq_len_interpolation_factor", None)):
+        value = cfg.get(key)
+        if value is not None and value != plain and not (plain is None and value == 1):
+            raise ConfigError(f"model.{key}={value}: Llama, Qwen2 and GPT-2 configs cannot express it, so the export "
+                              "would compute something else")
     vocab = int(cfg.get("hf_vocab_size") or cfg["padded_vocab_size"])
     if norm == "layernorm" and act in ("approx-gelu", "gelu") and pos == "learned_absolute" and cfg.get("bias", True):
         if cfg.get("num_query_groups") not in (None, cfg["num_attention_heads"]):
@@ -106,6 +133,10 @@ def hf_config_from_nemo(cfg: dict) -> Tuple[str, dict]:
                "attention_dropout": 0.0, "initializer_range": cfg.get("init_method_std", 0.02), "torch_dtype": "float32"}
         if arch == "llama":
             out.update(attention_bias=False, mlp_bias=False)
+        if cfg.get("scale_positional_embedding"):
+            scaling = dict(_LLAMA3_ROPE, rope_type="llama3", factor=float(cfg.get("rope_scaling_factor") or 8.0))
+            out["rope_scaling"] = scaling
+            out["rope_parameters"] = dict(scaling, rope_theta=out["rope_theta"])
         return arch, out
     raise ConfigError(f"this model (normalization={norm}, activation={act}, position_embedding_type={pos}, "
                       f"bias={cfg.get('bias')}) matches none of {', '.join(ARCHITECTURES)}")
@@ -152,15 +183,47 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
-def hf_to_mcore(hf: Dict[str, torch.Tensor], arch: str, cfg: dict) -> Dict[str, torch.Tensor]:
-    """HF state dict -> megatron-core ``GPTModel`` state dict (local layer spec names)."""
+class _ReadOnce(dict):
+    """An HF state dict that remembers which tensors the conversion read, and names a missing one."""
+
+    def __init__(self, state: Dict[str, torch.Tensor], where: str):
+        super().__init__(state)
+        self.where = where
+        self.used = set()
+
+    def __getitem__(self, key):
+        if not super().__contains__(key):
+            raise CheckpointError(f"{self.where}: the weights have no tensor {key!r} that this architecture needs")
+        self.used.add(key)
+        return super().__getitem__(key)
+
+
+# Tensors an HF checkpoint may hold that carry no weights: attention-mask buffers, RoPE's inverse
+# frequencies, and a tied model's copy of its embedding.
+_NOT_WEIGHTS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+
+
+def _check_all_read(hf: _ReadOnce, tied: bool) -> None:
+    left = sorted(k for k in hf if k not in hf.used and not k.endswith(_NOT_WEIGHTS)
+                  and not (tied and k.endswith("lm_head.weight")))
+    if left:
+        raise CheckpointError(f"{hf.where}: {len(left)} tensor(s) have no place in the converted model "
+                              f"({', '.join(left[:4])}{' ...' if len(left) > 4 else ''}); refusing to drop them")
+
+
+def hf_to_mcore(hf: Dict[str, torch.Tensor], arch: str, cfg: dict, where: str = "weights") -> Dict[str, torch.Tensor]:
+    """HF state dict -> megatron-core ``GPTModel`` state dict (local layer spec names). Every HF tensor
+    must find its place (a CheckpointError names any left over or missing)."""
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     groups = cfg.get("num_query_groups") or heads
     head_dim = cfg.get("kv_channels") or hidden // heads
     padded = cfg["padded_vocab_size"]
+    tied = bool(cfg["share_embeddings_and_output_weights"])
     out: Dict[str, torch.Tensor] = {}
     if arch == "gpt2":
         hf = {k[len("transformer."):] if k.startswith("transformer.") else k: v for k, v in hf.items()}
+    hf = _ReadOnce(hf, where)
+    if arch == "gpt2":
         out["embedding.word_embeddings.weight"] = _pad_rows(hf["wte.weight"], padded)
         out["embedding.position_embeddings.weight"] = hf["wpe.weight"]
         for i in range(cfg["num_layers"]):
@@ -178,8 +241,9 @@ def hf_to_mcore(hf: Dict[str, torch.Tensor], arch: str, cfg: dict) -> Dict[str, 
             out[o + "mlp.linear_fc2.weight"] = hf[p + "mlp.c_proj.weight"].t()
             out[o + "mlp.linear_fc2.bias"] = hf[p + "mlp.c_proj.bias"]
         out["decoder.final_layernorm.weight"], out["decoder.final_layernorm.bias"] = hf["ln_f.weight"], hf["ln_f.bias"]
-        if not cfg["share_embeddings_and_output_weights"]:
+        if not tied:
             out["output_layer.weight"] = _pad_rows(hf["lm_head.weight"], padded)
+        _check_all_read(hf, tied)
         return {k: v.contiguous() for k, v in out.items()}
     out["embedding.word_embeddings.weight"] = _pad_rows(hf["model.embed_tokens.weight"], padded)
     for i in range(cfg["num_layers"]):
@@ -196,8 +260,9 @@ def hf_to_mcore(hf: Dict[str, torch.Tensor], arch: str, cfg: dict) -> Dict[str, 
         out[o + "mlp.linear_fc1.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
         out[o + "mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
     out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
-    if not cfg["share_embeddings_and_output_weights"]:
+    if not tied:
         out["output_layer.weight"] = _pad_rows(hf["lm_head.weight"], padded)
+    _check_all_read(hf, tied)
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -286,8 +351,9 @@ def import_hf_model(hf_dir: str, nemo_path: str) -> str:
             raise ConfigError(f"{hf_dir}: no tokenizer files, and the vocabulary ({cfg['hf_vocab_size']}) is too small "
                               f"for the built-in byte tokenizer ({tokenizer.vocab_size})")
         logger.warning("%s has no tokenizer files: using the built-in byte tokenizer", hf_dir)
-    if tokenizer.vocab_size > cfg["padded_vocab_size"]:
-        raise ConfigError(f"{hf_dir}: the tokenizer has {tokenizer.vocab_size} tokens, the model {cfg['hf_vocab_size']}")
+    if tokenizer.vocab_size > cfg["hf_vocab_size"]:  # ids past the model's rows: lost again at export
+        raise ConfigError(f"{hf_dir}: the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
+                          f"vocab_size={cfg['hf_vocab_size']}")
     _ensure_single_process_parallel_state()
     # The local spec's parameter names are the ones converted here (Transformer Engine's fuse the layer
     # norms into the linears); the .nemo's sharded checkpoint loads into either spec.
@@ -295,7 +361,7 @@ def import_hf_model(hf_dir: str, nemo_path: str) -> str:
     model = GPTSFTModel(model_cfg, tokenizer, "32", trainable=False)
     with open_dict(model.cfg):
         model.cfg.pop("force_local_spec", None)
-    state = hf_to_mcore({k: v.float() for k, v in read_hf_weights(hf_dir).items()}, arch, cfg)
+    state = hf_to_mcore({k: v.float() for k, v in read_hf_weights(hf_dir).items()}, arch, cfg, where=hf_dir)
     result = model.module.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:
@@ -311,7 +377,8 @@ def import_hf_model(hf_dir: str, nemo_path: str) -> str:
 # What save_pretrained writes for a causal LM and its tokenizer: an export may replace these.
 _EXPORT_FILES = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
-                 "chat_template.jinja", "model.safetensors.index.json"}
+                 "chat_template.jinja", "chat_template.json", "vocab.txt", "spiece.model",
+                 "model.safetensors.index.json"}
 
 
 def _check_export_target(out_dir: str) -> None:
@@ -390,12 +457,26 @@ def export_to_hf(nemo_path: str, out_dir: str) -> str:
     os.makedirs(tmp)
     state = {k: v.cpu() for k, v in model.module.state_dict().items() if isinstance(v, torch.Tensor)}
     save_file(mcore_to_hf(state, arch, cfg), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    tokenizer = model.tokenizer
+    # The special-token ids generate() stops and pads with (a config without them falls back to the
+    # architecture's defaults: Llama's eos 2, Qwen2's none).
+    pad = getattr(tokenizer, "own_pad_id", None) if getattr(tokenizer, "library", "") == "huggingface" else None
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": pad}
+    hf_cfg.update({k: v for k, v in ids.items() if v is not None})
     with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
         json.dump(hf_cfg, f, indent=2)
-    tokenizer = model.tokenizer
     if getattr(tokenizer, "library", "") == "huggingface":
-        tokenizer.tokenizer.save_pretrained(tmp)
-    else:
+        # the files as imported (chat template, generation settings included), not a re-save of the
+        # tokenizer as loaded here (which sets pad = eos where it had no pad token)
+        for source in tokenizer.files():
+            shutil.copy(source, os.path.join(tmp, os.path.basename(source)))
+        if not tokenizer.files():
+            tokenizer.tokenizer.save_pretrained(tmp)
+    if not os.path.exists(os.path.join(tmp, "generation_config.json")):
+        from transformers import GenerationConfig
+
+        GenerationConfig(**{k: v for k, v in ids.items() if v is not None}).save_pretrained(tmp)
+    if getattr(tokenizer, "library", "") != "huggingface":
         logger.warning("the model uses the built-in byte tokenizer, which transformers cannot load: %s has "
                        "weights and config only (token ids are UTF-8 bytes; see docs/hf_interop.md)", out_dir)
     replace_dir_atomically(tmp, out_dir)  # an earlier export stays whole until the new one is in

@@ -15,6 +15,7 @@ ARCHITECTURE_KEYS = (
     "max_position_embeddings", "position_embedding_type", "normalization", "activation", "bias", "qkv_bias",
     "share_embeddings_and_output_weights", "rotary_percentage", "rotary_base", "layernorm_epsilon",
     "make_vocab_size_divisible_by", "padded_vocab_size", "qk_layernorm", "tokenizer",
+    "scale_positional_embedding", "rope_scaling_factor",
 )
 # Keys describing the checkpoint itself, never copied into a new model's config.
 _CHECKPOINT_ONLY = ("mcore_gpt", "dist_ckpt_format", "target", "precision", "nemo_version")

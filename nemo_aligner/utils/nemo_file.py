@@ -85,11 +85,26 @@ def read_model_config(path: str, key: str = "restore_from_path") -> DictConfig:
     return OmegaConf.create(yaml.safe_load(data))
 
 
+def _job_tag() -> str:
+    """What the processes of one job on this node share and no other job's do: local rank 0 extracts
+    for all of them, and removes the directory afterwards, so two jobs must never share one.
+    torchrun's run id is the string "none" unless given, so the rendezvous address (a free port per
+    job) is used; a Slurm step's tasks share its job and step ids; a lone process, its pid."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        return run_id
+    if os.environ.get("MASTER_PORT"):
+        return f"{os.environ.get('MASTER_ADDR', '')}-{os.environ['MASTER_PORT']}"
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '')}"
+    return f"pid{os.getpid()}"
+
+
 def _extract_dir_for(path: str) -> str:
     stat = os.stat(path)
     digest = hashlib.sha1(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    job = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or os.environ.get("MASTER_PORT", "")
-    return os.path.join(tempfile.gettempdir(), f"nemo_aligner_{os.getuid()}_{digest}_{job}")
+    tag = hashlib.sha1(_job_tag().encode()).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), f"nemo_aligner_{os.getuid()}_{digest}_{tag}")
 
 
 def _unsafe_member(member: tarfile.TarInfo) -> bool:

@@ -78,6 +78,11 @@ class ByteTokenizer:
         return {"library": "byte", "type": None, "model": None}
 
 
+# Files of a Hugging Face model directory that belong with its tokenizer (besides *token* files).
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "vocab.txt", "spiece.model", "chat_template.jinja",
+                   "chat_template.json", "generation_config.json")
+
+
 class HFTokenizer:
     """A Hugging Face tokenizer loaded from a local directory (never from the hub)."""
 
@@ -90,6 +95,7 @@ class HFTokenizer:
 
         self.path = path
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.own_pad_id = self.tokenizer.pad_token_id  # before the fallback below: what an export declares
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
 
@@ -119,12 +125,12 @@ class HFTokenizer:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
     def files(self) -> List[str]:
-        """Files that make up this tokenizer (stored inside a ``.nemo``)."""
+        """Files that make up this tokenizer (stored inside a ``.nemo``), with the chat template and
+        the generation settings (EOS ids) that travel with it into an export."""
         names = []
         for name in sorted(os.listdir(self.path)):
             full = os.path.join(self.path, name)
-            is_tokenizer_file = "token" in name or name in ("vocab.json", "merges.txt", "vocab.txt", "spiece.model")
-            if os.path.isfile(full) and is_tokenizer_file:
+            if os.path.isfile(full) and ("token" in name or name in TOKENIZER_FILES):
                 names.append(full)
         return names
 

@@ -188,6 +188,10 @@ def build_gpt_model(cfg, vocab_size: int, precision="32", pre_process: Optional[
         rotary_percent=float(_get(cfg, "rotary_percentage", 1.0)),
         rotary_base=int(_get(cfg, "rotary_base", 10000)),
         seq_len_interpolation_factor=_get(cfg, "seq_len_interpolation_factor"),
+        # NeMo's key for Llama 3.x RoPE scaling (megatron-core's rope_scaling: low/high frequency
+        # factors 1 and 4 over an original context of 8192, as Llama 3.1 and 3.2)
+        rope_scaling=bool(_get(cfg, "scale_positional_embedding", False)),
+        rope_scaling_factor=float(_get(cfg, "rope_scaling_factor", 8.0) or 8.0),
         **extra,
     )
     from nemo_aligner.models.nlp.gpt import lean_ops
