@@ -211,3 +211,16 @@ def test_reward_standardization_at_inference(mcore_single):
 
     with pytest.raises(ConfigError, match="reward_standardization.enable=True needs"):
         tiny_reward_model(reward_standardization={"enable": True, "mean": None, "std": 1.0})
+
+
+def test_per_attribute_validation_mse_is_weighted_by_that_attributes_labels():
+    """A batch with one helpfulness label (error 1) and one with nine (error 0): the mean over the
+    ten labels is 0.1, whatever the batches' other labels."""
+    from nemo_aligner.algorithms.supervised import aggregate_validation
+
+    out = aggregate_validation([
+        {"loss": 0.5, "mse": 0.5, "labels": 2.0, "mse_helpfulness": 1.0, "labels_helpfulness": 1.0},
+        {"loss": 0.0, "mse": 0.0, "labels": 18.0, "mse_helpfulness": 0.0, "labels_helpfulness": 9.0},
+    ])
+    assert out["mse_helpfulness"] == pytest.approx(0.1) and out["labels_helpfulness"] == 10.0
+    assert out["mse"] == pytest.approx(0.05) and out["labels"] == 20.0

@@ -235,3 +235,39 @@ def test_save_best_model_writes_the_best_checkpoints_weights(tmp_path, builtin_d
     assert torch.equal(final, weights(checkpoints[3], "best.pt"))
     assert not torch.equal(final, weights(checkpoints[6], "last.pt"))
     assert "best checkpoint" in proc.stderr + proc.stdout
+
+
+def test_checkpoints_between_validations_carry_no_stale_score_and_lr_is_the_one_used(tmp_path, builtin_data):
+    """A save at a step that did not validate (step 3 here, validation every 2) is not scored with an
+    earlier validation: pruning and save_best_model must not prefer it over the checkpoint that
+    earned that score. The logged learning rate is the one the step used (NeMo's warm-up: step k
+    of a 4-step warm-up uses lr * k / 5)."""
+    from nemo_aligner.utils.checkpoint_callback import list_checkpoints
+
+    log_dir = tmp_path / "sft"
+    run_script("train_gpt_sft.py", sft_overrides(builtin_data, log_dir, 4, SMALL + [
+        "trainer.sft.val_check_interval=2", "trainer.sft.save_interval=3", "model.optim.lr=1e-3",
+        "model.optim.sched.name=Constant", "model.optim.sched.warmup_steps=4",
+        "exp_manager.checkpoint_callback_params.save_top_k=-1"]))
+    states = {state["step"]: state for _, state in list_checkpoints(str(log_dir / "checkpoints"))}
+    assert sorted(states) == [3, 4]
+    assert states[3]["monitor_value"] is None  # validated at step 2, saved at 3: no score
+    assert states[4]["monitor_value"] == pytest.approx(val_losses(log_dir)[4])
+    lrs = {r["step"]: r["train/lr"] for r in read_metrics(log_dir) if "train/lr" in r}
+    assert [lrs[k] for k in (1, 2, 3, 4)] == pytest.approx([1e-3 * k / 5 for k in (1, 2, 3, 4)], rel=1e-6)
+
+
+def test_a_fresh_run_sets_an_earlier_runs_checkpoints_aside(tmp_path, builtin_data):
+    """Without resume_if_exists, a run into a directory holding an earlier run's checkpoints moves them
+    aside (whole) instead of pruning, ranking or resuming across the two runs."""
+    log_dir = tmp_path / "sft"
+    first = sft_overrides(builtin_data, log_dir, 2, SMALL + ["trainer.sft.val_check_interval=2"])
+    run_script("train_gpt_sft.py", first)
+    before = sorted(os.listdir(log_dir / "checkpoints"))
+    proc = run_script("train_gpt_sft.py", sft_overrides(builtin_data, log_dir, 1, SMALL + [
+        "trainer.sft.val_check_interval=1", "exp_manager.resume_if_exists=False"]))
+    aside = [name for name in os.listdir(log_dir) if name.startswith("checkpoints.before-")]
+    assert len(aside) == 1 and sorted(os.listdir(log_dir / aside[0])) == before
+    now = [name for name in os.listdir(log_dir / "checkpoints") if "step=" in name]
+    assert len(now) == 1 and "step=1" in now[0]
+    assert "were moved to" in proc.stderr + proc.stdout

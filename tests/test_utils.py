@@ -249,3 +249,11 @@ def test_nemo_keys_without_an_implementation_are_accepted_only_when_off():
     assert _is_off(1, (1, 1.0, None)) and _is_off(1.0, (1, 1.0, None)) and not _is_off(1.2, (1, 1.0, None))
     assert not _is_off(True, (1, 1.0, None))  # True == 1 in Python, but is not a penalty of 1
     assert _is_off(False, (False, None)) and not _is_off(True, (False, None)) and not _is_off(0, (False, None))
+
+
+def test_limit_batches_zero_fraction_turns_the_loop_off():
+    from nemo_aligner.data.nlp.builders import limit_batches
+
+    assert limit_batches(0.0, 10) == 0 == limit_batches(0, 10)
+    assert limit_batches(0.01, 10) == 1 and limit_batches(0.5, 10) == 5 and limit_batches(None, 10) == 10
+    assert limit_batches(-1, 10) == 10 and limit_batches(3, 10) == 3

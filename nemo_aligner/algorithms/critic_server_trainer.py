@@ -92,12 +92,13 @@ class CriticServerTrainer:
                     self.logger.log_metrics({"skipped_step": 1.0, "skipped_steps": float(self.nonfinite.total)},
                                             step=self.step + 1, prefix="critic/")
                     continue
+                lr = current_lr(self.optimizer)  # the rate this update uses
                 success, grad_norm, _ = self.optimizer.step()
                 if success:
                     self.scheduler.step(increment=1)
                 self.step += 1
                 losses.append(loss)
-                self.logger.log_metrics({"loss": loss, "lr": current_lr(self.optimizer),
+                self.logger.log_metrics({"loss": loss, "lr": lr,
                                          "grad_norm": float(grad_norm or 0.0)}, step=self.step, prefix="critic/")
         finally:
             self.model.finish_training()

@@ -30,7 +30,7 @@ from nemo_aligner.utils.distributed import comm_device, host_all_reduce, is_glob
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.generation import SamplingParams
 from nemo_aligner.utils.optim import current_lr
-from nemo_aligner.utils.run_control import NonFiniteGuard, RunTimer, compute_max_steps
+from nemo_aligner.utils.run_control import NonFiniteGuard, RunTimer, compute_max_steps, interval_steps
 from nemo_aligner.utils.train_checkpoint import load_train_checkpoint, run_identity
 
 logger = logging.getLogger(__name__)
@@ -123,8 +123,9 @@ class PPOTrainer:
         self.steps_per_epoch = self.sampler.batches_per_epoch
         self.max_steps = compute_max_steps(cfg.get("max_steps"), cfg.get("max_epochs"), self.steps_per_epoch,
                                            key=f"trainer.{name}")
-        self.val_check_interval = int(cfg.get("val_check_interval") or 0)
-        self.save_interval = int(cfg.get("save_interval") or 0)
+        # ints, or a fraction of an epoch (Lightning's float form, as the supervised trainers take)
+        self.val_check_interval = interval_steps(cfg.get("val_check_interval"), self.steps_per_epoch)
+        self.save_interval = interval_steps(cfg.get("save_interval"), self.steps_per_epoch)
         self.critic_warmup_steps = int(cfg.get("critic_warmup_steps", 0) or 0)
         self.val_at_start = bool(cfg.get("val_at_start", True))
         self.kl_penalty = float(cfg.get("initial_policy_kl_penalty", 0.01))
@@ -307,11 +308,12 @@ class PPOTrainer:
                 if not self.nonfinite.check(loss, self.model):
                     metrics.append(self._skip_nonfinite_update())
                     continue
+                lr = current_lr(self.optimizer)  # the rate this update uses
                 success, grad_norm, _ = self.optimizer.step()
                 if success:
                     self.scheduler.step(increment=1)
                 self.ppo_optimization_step += 1
-                m = dict(m, grad_norm=float(grad_norm or 0.0), lr=current_lr(self.optimizer))
+                m = dict(m, grad_norm=float(grad_norm or 0.0), lr=lr)
                 metrics.append(m)
         finally:
             self.model.finish_training()
@@ -363,10 +365,12 @@ class PPOTrainer:
         return rows
 
     # ----------------------------------------------------------------- checkpoints
-    def save(self) -> None:
+    def save(self, val_metrics: Optional[Dict[str, float]] = None) -> None:
+        """Save the actor (and ask the critic to save), scored by this step's validation if it ran
+        (an earlier step's score would let pruning prefer this checkpoint over the one that earned it)."""
         critic_future = self.rm_critic.save() if self.has_critic and dist.get_rank() == 0 else None
         if self.ckpt_callback is not None:
-            metrics = dict(self.last_val)
+            metrics = dict(val_metrics or {})
             metrics.setdefault("val_global_rewards", float("nan"))
             self.ckpt_callback.save(self.model, self.optimizer, self.scheduler, self.state_dict(), metrics)
         if critic_future is not None:
@@ -448,7 +452,7 @@ class PPOTrainer:
                                       f"validation reward {val['val_global_rewards']:.4f}")
                     out_of_time = self.timer.is_finished()
                     if (self.save_interval and self.step % self.save_interval == 0) or is_end or out_of_time:
-                        self.save()
+                        self.save(val if ran_val else None)
                     self.callbacks.on_step_end(self.step, dict(metrics, **(val if ran_val else {})))
                     if self.epoch > epoch_before:
                         self.callbacks.on_epoch_end(epoch_before)

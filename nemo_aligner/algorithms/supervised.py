@@ -28,15 +28,24 @@ _WEIGHT_KEYS = ("tokens", "pairs", "samples", "labels")
 
 def aggregate_validation(per_batch: list) -> Dict[str, float]:
     """Average each metric over validation batches, weighted by the batch's count of tokens,
-    pairs or labels when it reports one (a padded last batch then weighs what it holds);
+    pairs or labels when it reports one (a padded last batch then weighs what it holds; a
+    per-attribute ``mse_<a>`` by its own ``labels_<a>``);
     ``loss`` is the exact per-token mean when batches report ``loss_sum`` and ``tokens``."""
     if not per_batch:
         return {}
     weight_key = next((k for k in _WEIGHT_KEYS if all(k in m for m in per_batch)), None)
     weights = [float(m[weight_key]) if weight_key else 1.0 for m in per_batch]
     total = sum(weights) or 1.0
+    # "mse_<attribute>" is a mean over that attribute's own labels ("labels_<attribute>"), which a
+    # batch may lack (missing labels): weighted by those counts, not by all of the batch's labels.
+    own = {key: "labels_" + key[len("mse_"):] for key in per_batch[0]
+           if key.startswith("mse_") and all("labels_" + key[len("mse_"):] in m for m in per_batch)}
     out = {key: sum(w * m[key] for w, m in zip(weights, per_batch)) / total
-           for key in per_batch[0] if key not in _WEIGHT_KEYS}
+           for key in per_batch[0] if key not in _WEIGHT_KEYS and key not in own and key not in own.values()}
+    for key, count_key in own.items():
+        counts = [float(m[count_key]) for m in per_batch]
+        out[key] = sum(c * m[key] for c, m in zip(counts, per_batch)) / max(sum(counts), 1.0)
+        out[count_key] = sum(counts)
     if weight_key:
         out[weight_key] = sum(weights)
     if weight_key == "tokens" and all("loss_sum" in m for m in per_batch):
@@ -120,11 +129,12 @@ class SupervisedTrainer:
         self.model.finish_training_step()
         if not self.nonfinite.check(loss, self.model):
             return loss, self._skip_nonfinite_step(metrics)
+        lr = current_lr(self.optimizer)  # the rate this step uses (the scheduler moves it on below)
         success, grad_norm, _ = self.optimizer.step()
         if success:
             self.scheduler.step(increment=1)
         metrics = dict(metrics)
-        metrics["lr"] = current_lr(self.optimizer)
+        metrics["lr"] = lr
         if grad_norm is not None:
             metrics["grad_norm"] = float(grad_norm)
         if not success:
@@ -173,10 +183,13 @@ class SupervisedTrainer:
             self.last_val_metrics = metrics
         return metrics
 
-    def save(self) -> Optional[str]:
+    def save(self, val_metrics: Optional[Dict[str, float]] = None) -> Optional[str]:
+        """Save a checkpoint scored by ``val_metrics``: this step's validation, or none (a save between
+        validations must not carry an earlier step's score, or pruning could keep it over the
+        checkpoint that earned that score)."""
         if self.ckpt_callback is None:
             return None
-        metrics = dict(self.last_val_metrics) or {}
+        metrics = dict(val_metrics or {})
         metrics.update({f"train_{k}": v for k, v in self.last_train_metrics.items()})
         return self.ckpt_callback.save(self.model, self.optimizer, self.scheduler, self.state_dict(), metrics)
 
@@ -230,7 +243,7 @@ class SupervisedTrainer:
                     out_of_time = self.timer.is_finished()
                     run_save = (self.save_interval > 0 and self.step % self.save_interval == 0) or is_train_end or out_of_time
                     if run_save:
-                        self.save()
+                        self.save(val if run_val else None)
                     self.callbacks.on_step_end(self.step, dict(metrics, **{f"val_{k}": v for k, v in (val if run_val else {}).items()}))
                     if self.epoch > epoch_before:
                         self.callbacks.on_epoch_end(epoch_before)

@@ -85,19 +85,16 @@ def _fields(record: dict) -> List[str]:
     return sorted(k for k in record if not str(k).startswith("__"))
 
 
-def _field(record: Any, names, where: str, what: str) -> Any:
-    for name in names:
-        if name in record:
-            return record[name]
-    raise DataError(f"{where}: needs a {what} field ({' or '.join(repr(n) for n in names)}); has {_fields(record)}")
-
-
 def _named_field(record: dict, names, where: str, what: str) -> Tuple[str, Any]:
     """``(name, value)`` of the first of ``names`` the record has."""
     for name in names:
         if name in record:
             return name, record[name]
-    _field(record, names, where, what)  # raises
+    raise DataError(f"{where}: needs a {what} field ({' or '.join(repr(n) for n in names)}); has {_fields(record)}")
+
+
+def _field(record: dict, names, where: str, what: str) -> Any:
+    return _named_field(record, names, where, what)[1]
 
 
 def _text(value: Any, where: str, name: str, allow_empty: bool = False) -> str:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from nemo_aligner.utils.checkpoint_callback import CheckpointCallback, incomplete_checkpoints, latest_checkpoint
+from nemo_aligner.utils.checkpoint_callback import (CheckpointCallback, incomplete_checkpoints, latest_checkpoint,
+                                                    list_checkpoints)
 from nemo_aligner.utils.checkpoint_io import recover_interrupted_saves
 from nemo_aligner.utils.distributed import barrier, get_rank, is_global_rank_zero
 from nemo_aligner.utils.errors import CheckpointError
@@ -58,6 +60,23 @@ def setup_console_logging(log_dir: Optional[str] = None) -> None:
             root.addHandler(file_handler)
 
 
+def set_aside_earlier_checkpoints(checkpoint_dir: str) -> Optional[str]:
+    """A run that does not resume starts with its own checkpoint directory: an earlier run's
+    checkpoints there are moved, whole, to ``checkpoints.before-<UTC time>`` (pruning, the best
+    checkpoint and a later resume would otherwise mix the two runs, and pruning would delete the new
+    run's checkpoints in favour of the old run's better ones). Returns where they went."""
+    if not list_checkpoints(checkpoint_dir):
+        return None
+    target = f"{checkpoint_dir}.before-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    while os.path.exists(target):
+        target += "_"
+    os.replace(checkpoint_dir, target)
+    os.makedirs(checkpoint_dir)
+    logger.warning("%s held an earlier run's checkpoints and this run does not resume "
+                   "(exp_manager.resume_if_exists=False): they were moved to %s", checkpoint_dir, target)
+    return target
+
+
 def exp_manager(exp_cfg: DictConfig, full_cfg: DictConfig, default_name: str = "megatron_gpt") -> Experiment:
     """Create the log directory, loggers and checkpoint callback; find the checkpoint to resume.
 
@@ -70,9 +89,12 @@ def exp_manager(exp_cfg: DictConfig, full_cfg: DictConfig, default_name: str = "
     log_dir = _log_dir(exp_cfg, name)
     checkpoint_dir = os.path.join(log_dir, "checkpoints")
     setup_console_logging(log_dir)
+    fresh = not exp_cfg.get("resume_if_exists", False) and not exp_cfg.get("resume_from_checkpoint")
     if is_global_rank_zero():
         os.makedirs(checkpoint_dir, exist_ok=True)
         recover_interrupted_saves(checkpoint_dir)
+        if fresh:
+            set_aside_earlier_checkpoints(checkpoint_dir)
     barrier()
 
     resume_from = None

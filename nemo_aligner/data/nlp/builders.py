@@ -77,6 +77,8 @@ def limit_batches(limit, total: int) -> int:
     if limit is None:
         return total
     if isinstance(limit, float) and limit <= 1.0:
+        if limit <= 0.0:  # 0.0 turns the loop off, as 0 does (and as in Lightning)
+            return 0
         return max(int(total * limit), 1 if total else 0)
     limit = int(limit)
     return total if limit < 0 else min(limit, total)

@@ -149,6 +149,7 @@ class MegatronGPTRewardModel(MegatronGPTModel, SupervisedInterface, Inferrable):
         metrics = {"loss": mse, "mse": mse, "labels": m["count"]}
         for i, name in enumerate(self.attribute_names()):
             metrics[f"mse_{name}"] = m[f"sq_{i}"] / max(m[f"n_{i}"], 1.0)
+            metrics[f"labels_{name}"] = m[f"n_{i}"]  # what mse_<name> is a mean over (validation weights it)
         return m["loss"], metrics
 
     def attribute_names(self):
