@@ -124,3 +124,31 @@ def test_reference_weights_stay_while_the_policy_trains(mcore_single):
     moved = [k for k, v in model.module.state_dict().items() if isinstance(v, torch.Tensor) and not torch.equal(v, start[k])]
     assert moved  # the policy itself did train
     assert metrics["reward_margin"] > 0 and metrics["accuracy"] == 1.0
+
+
+@pytest.mark.parametrize("algorithm,parallel", [
+    ("dpo", "model.tensor_model_parallel_size=2"), ("dpo", "model.pipeline_model_parallel_size=2"),
+    ("kto", "model.pipeline_model_parallel_size=2")], ids=["dpo-tp2", "dpo-pp2", "kto-pp2"])
+def test_two_processes_match_one(tmp_path, builtin_data, sft_nemo, algorithm, parallel):
+    """DPO and KTO (their paired/mismatched micro-batches, the reference policy swapped in, the KL
+    estimate) at TP=2 or PP=2 give the losses of one process, step for step."""
+    from conftest import train_losses, val_losses
+
+    def overrides(log_dir):
+        return [f"pretrained_checkpoint.restore_from_path={sft_nemo}",
+                f"++model.data.data_prefix={{train: [{builtin_data[algorithm + '_train']}], "
+                f"validation: [{builtin_data[algorithm + '_val']}]}}",
+                f"exp_manager.explicit_log_dir={log_dir}", f"trainer.{algorithm}.max_steps=3",
+                f"trainer.{algorithm}.max_epochs=100", f"trainer.{algorithm}.val_check_interval=3",
+                "model.global_batch_size=8", "model.micro_batch_size=2", "model.optim.lr=1e-3",
+                "model.optim.sched.warmup_steps=0", "exp_manager.create_checkpoint_callback=False",
+                f"trainer.{algorithm}.limit_val_batches=2"]
+
+    script = f"train_gpt_{algorithm}.py"
+    run_script(script, overrides(tmp_path / "one"))
+    run_script(script, overrides(tmp_path / "two") + ["trainer.devices=2", parallel], nproc=2)
+    a, b = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    assert sorted(a) == [1, 2, 3] and a[3] != a[1]  # it trains
+    for step in (1, 2, 3):
+        assert b[step] == pytest.approx(a[step], rel=2e-5, abs=1e-6), step
+    assert val_losses(tmp_path / "two")[3] == pytest.approx(val_losses(tmp_path / "one")[3], rel=2e-5, abs=1e-6)
