@@ -114,7 +114,7 @@ class CheckpointCallback:
                     remove_dir_atomically(path)
                 except FileNotFoundError:  # already gone (another process pruned it)
                     continue
-                logger.info("removed checkpoint %s (not in the top %d by %s)", path, self.save_top_k, self.monitor)
+                logger.debug("removed checkpoint %s (not in the top %d by %s)", path, self.save_top_k, self.monitor)
 
     def best(self) -> Optional[str]:
         found = [item for item in self.checkpoints() if item[1].get("monitor_value") is not None
