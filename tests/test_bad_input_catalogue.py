@@ -267,6 +267,16 @@ def reinforce_one_response():
     return lambda: run_reinforce_actor(cfg)
 
 
+def grpo_sampling(**overrides):
+    from nemo_aligner.algorithms.grpo import run_grpo
+
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "examples", "nlp", "gpt", "conf",
+                                      "gpt_grpo.yaml"))
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key, value)
+    return lambda: run_grpo(cfg)
+
+
 def generate_config(**overrides):
     from nemo_aligner.utils.config_checks import check_config_values
 
@@ -289,6 +299,11 @@ CONFIG_CASES = {
     "generate-zero-batch": (generate_config(batch_size=0), r"batch_size=0 must be > 0"),
     "dpo-beta-zero": (dpo_beta(0.0, "ipo"), r"model\.dpo\.ref_policy_kl_penalty=0\.0 \(beta\) must be > 0"),
     "dpo-beta-negative": (dpo_beta(-0.1), r"model\.dpo\.ref_policy_kl_penalty=-0\.1 \(beta\) must be > 0"),
+    "grpo-greedy-rollouts": (grpo_sampling(**{"model.grpo.sampling_params.use_greedy": True}),
+                             r"model\.grpo\.sampling_params: use_greedy=True, temperature=1\.0 gives \d+ identical "
+                             r"responses per prompt"),
+    "grpo-temperature-zero": (grpo_sampling(**{"model.grpo.sampling_params.temperature": 0.0}),
+                              r"model\.grpo\.sampling_params: use_greedy=False, temperature=0\.0 gives"),
     "reinforce-one-response-per-prompt": (reinforce_one_response(),
                                           r"model\.reinforce\.num_responses_per_prompt=1: the baseline comes from "
                                           r"the other responses"),

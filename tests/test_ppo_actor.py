@@ -168,3 +168,30 @@ def test_metrics_ignore_micro_batches_without_a_trained_token(mcore_single):
     assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # was 0.5: (1 + 0) / 2
     assert metrics["clip_fraction"] == 0.0 and "tokens" not in metrics
     assert torch.isfinite(torch.tensor(metrics["loss"]))
+
+
+def test_validation_is_greedy_with_the_configured_end_strings(mcore_single):
+    """Validation responses stop where training rollouts do (a chat model's turn ends at an end
+    string, not at EOS): greedy, but with the model's own end strings and other settings."""
+    from types import SimpleNamespace
+
+    from nemo_aligner.algorithms.ppo import PPOTrainer
+    from nemo_aligner.utils.generation import SamplingParams
+
+    seen = []
+
+    def generate_rollouts(tokens, micro_batch_size, seed, sampling, timer):
+        seen.append(sampling)
+        return {"rewards": torch.ones(len(tokens))}
+
+    model = SimpleNamespace(sampling_params=SamplingParams(temperature=0.7, top_k=5, end_strings=["<extra_id_1>"]),
+                            prepare_for_inference=lambda: None, finish_inference=lambda: None)
+    logged = {}
+    trainer = SimpleNamespace(
+        val_dataloader=[{"tokens": [[1, 2]], "text": ["p"]}], model=model, generate_rollouts=generate_rollouts,
+        resolve_rewards=lambda batch, timer: None, sample_rows=lambda texts, batch, n: [], val_rollout_micro_batch_size=1,
+        seed=0, dp_group=None, logger=SimpleNamespace(log_metrics=lambda m, step, prefix: logged.update(m)),
+        step=3, best_val_reward=None)
+    assert PPOTrainer.validate(trainer) == {"val_global_rewards": 1.0}
+    assert seen[0].use_greedy and seen[0].end_strings == ["<extra_id_1>"] and seen[0].top_k == 5
+    assert model.sampling_params.use_greedy is False  # the training settings are left as they were

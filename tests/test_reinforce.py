@@ -32,6 +32,21 @@ def test_leave_one_out_baseline_excludes_the_sample_itself():
 
 
 @pytest.mark.parametrize("leave_one_out, normalize_std", [(True, True), (False, True), (True, False)])
+def test_responses_cut_at_max_length_set_no_baseline(leave_one_out, normalize_std):
+    """Rows without EOS are not trained on, so they count in no baseline, deviation or all-equal test
+    (NeMo-Aligner's valid mask): each advantage equals the one computed on the ended rows alone."""
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 2.0, 0.0, 5.0, 3.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    ended = torch.tensor([True, True, True, False, True, True, False, True])
+    got = group_advantages(rewards, groups, leave_one_out, normalize_std, valid=ended)
+    assert got[:4].tolist() == [0.0] * 4  # every ended row of group 0 scored 1: nothing to learn
+    alone = group_advantages(rewards[ended][3:], groups[ended][3:], leave_one_out, normalize_std)
+    assert got[[4, 5, 7]].tolist() == pytest.approx(alone.tolist()) and got[6].item() == 0.0
+    unmasked = group_advantages(rewards, groups, leave_one_out, normalize_std)
+    assert unmasked[0].item() != 0.0  # without the mask the cut row would drag group 0 off zero
+
+
+@pytest.mark.parametrize("leave_one_out, normalize_std", [(True, True), (False, True), (True, False)])
 def test_a_group_with_equal_rewards_gets_no_advantage(leave_one_out, normalize_std):
     """Equal rewards in a group (common early in GRPO, or from a collapsed policy): exactly 0 for
     each response. Computed in float32, the leave-one-out mean differs from the reward by rounding,

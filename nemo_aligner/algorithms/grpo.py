@@ -13,20 +13,17 @@ from typing import Dict, Optional
 from omegaconf import DictConfig
 
 from nemo_aligner.algorithms.ppo_actor_run import print_rl_summary, setup_actor
-from nemo_aligner.algorithms.reinforce import ReinforceTrainer
+from nemo_aligner.algorithms.reinforce import ReinforceTrainer, check_group_sampling
 from nemo_aligner.algorithms.reinforce_actor_run import build_reward_source
 from nemo_aligner.algorithms.run_helpers import fit_and_export
 from nemo_aligner.trainers.callbacks import CallbackList
-from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.run_control import RunTimer, max_time_of
 
 
 def run_grpo(cfg: DictConfig, reward_source=None, callbacks: Optional[CallbackList] = None) -> Dict[str, float]:
     """Train ``pretrained_checkpoint.restore_from_path`` with GRPO; rewards from ``reward_source``
     (the API's reward function or environment) or, by default, ``reward_fn``/``remote_rm``."""
-    n = int(cfg.model.grpo.get("num_responses_per_prompt", 16))
-    if n < 2:
-        raise ConfigError(f"model.grpo.num_responses_per_prompt={n}: group-relative advantages need >= 2")
+    n = check_group_sampling(cfg.model.grpo, "grpo")
     setup = setup_actor(cfg, "grpo", "megatron_gpt_grpo", responses_per_prompt=n)
     source = reward_source or build_reward_source(cfg, setup.model.tokenizer)
     trainer = ReinforceTrainer(cfg.trainer.grpo, setup.model, setup.optimizer, setup.scheduler, setup.train_dl,

@@ -13,6 +13,8 @@ One step::
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 from contextlib import contextmanager
@@ -339,8 +341,10 @@ class PPOTrainer:
             for data in self.val_dataloader:
                 if not data["tokens"]:
                     continue
+                # greedy, with the configured end strings (a chat model's turn ends at one, not at EOS)
+                greedy = dataclasses.replace(self.model.sampling_params, use_greedy=True)
                 batch = self.generate_rollouts(data["tokens"], self.val_rollout_micro_batch_size, self.seed,
-                                               SamplingParams(use_greedy=True), timer)
+                                               greedy, timer)
                 self.resolve_rewards(batch, timer)
                 total += torch.tensor([batch["rewards"].sum(), batch["rewards"].numel()], dtype=torch.float64)
                 if not table:

@@ -14,7 +14,7 @@ the reward source (a reward-model server or a Python function, no critic) and th
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -22,29 +22,51 @@ import torch
 from nemo_aligner.algorithms.ppo import PPOTrainer, Timer
 from nemo_aligner.utils import ppo_utils
 from nemo_aligner.utils.distributed import host_all_reduce
+from nemo_aligner.utils.errors import ConfigError
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, leave_one_out: bool = True,
-                     normalize_std: bool = False, eps: float = 1e-6) -> torch.Tensor:
+                     normalize_std: bool = False, eps: float = 1e-6,
+                     valid: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Sequence advantages against the other responses to the same prompt.
 
     ``leave_one_out``: ``r_i - mean_{j != i} r_j`` (RLOO); otherwise ``r_i - mean_j r_j`` over the
     whole group. ``normalize_std`` divides by the group's (population) standard deviation (GRPO).
-    A group whose rewards are all equal gets exactly 0: computed, its baseline would differ from the
+    ``valid`` (the rows that ended, which alone are trained on): baselines, deviations and the
+    all-equal test use only valid rows, as NeMo-Aligner does; invalid rows get 0. A group whose
+    (valid) rewards are all equal gets exactly 0: computed, its baseline would differ from the
     rewards by rounding, which ``normalize_std`` divides by a standard deviation of 0 (+ ``eps``).
     """
     r = rewards.double()
-    same = (group_ids.unsqueeze(0) == group_ids.unsqueeze(1)).double()
-    size = same.sum(1)
-    group_mean = same @ r / size
-    baseline = ppo_utils.rloo_baseline(r, group_ids) if leave_one_out else group_mean
+    valid = torch.ones_like(r, dtype=torch.bool) if valid is None else valid.bool()
+    members = group_ids.unsqueeze(0) == group_ids.unsqueeze(1)
+    counted = (members & valid.unsqueeze(0)).double()  # [i, j]: j is a valid member of i's group
+    size = counted.sum(1).clamp(min=1.0)
+    group_mean = counted @ r / size
+    baseline = ppo_utils.rloo_baseline(r, group_ids, valid) if leave_one_out else group_mean
     advantages = r - baseline
     if normalize_std:
-        var = same @ (r - group_mean) ** 2 / size
+        var = counted @ (r - group_mean) ** 2 / size
         advantages = advantages / (var.sqrt() + eps)
-    members = same.bool()
-    all_equal = (torch.where(members, r, -torch.inf).amax(1) == torch.where(members, r, torch.inf).amin(1))
-    return advantages.masked_fill(all_equal, 0.0).to(rewards.dtype)
+    seen = counted.bool()
+    all_equal = (torch.where(seen, r, -torch.inf).amax(1) == torch.where(seen, r, torch.inf).amin(1))
+    return advantages.masked_fill(all_equal | ~valid, 0.0).to(rewards.dtype)
+
+
+def check_group_sampling(rl_cfg, name: str) -> int:
+    """``num_responses_per_prompt`` of a group-baseline method, checked: at least 2, and sampled (greedy
+    or temperature 0 would give identical responses, so every advantage would be 0)."""
+    n = int(rl_cfg.get("num_responses_per_prompt", 4))
+    if n < 2:  # the baseline is the other responses' (or the group's) mean: with one, every advantage is 0
+        raise ConfigError(f"model.{name}.num_responses_per_prompt={n}: the baseline comes from the other responses "
+                          "to the same prompt, so it needs >= 2 (with 1 every advantage is 0)")
+    sampling = rl_cfg.get("sampling_params") or {}
+    greedy, temperature = bool(sampling.get("use_greedy", False)), sampling.get("temperature", 1.0)
+    if greedy or (temperature is not None and float(temperature) <= 0):
+        raise ConfigError(f"model.{name}.sampling_params: use_greedy={greedy}, temperature={temperature} gives {n} "
+                          "identical responses per prompt, so every advantage is 0; sample (use_greedy=False, "
+                          "temperature > 0)")
+    return n
 
 
 class ReinforceTrainer(PPOTrainer):
@@ -81,7 +103,9 @@ class ReinforceTrainer(PPOTrainer):
         kl = self.rollout_kl(batch, mask)
         sequence_kl = kl.sum(-1)
         penalised = batch["rewards"] - self.kl_penalty * sequence_kl
-        advantages = group_advantages(penalised, batch["group_ids"], self.leave_one_out, self.normalize_rewards)
+        # Responses cut at max_length (no EOS) are not trained on, so they set no one's baseline either.
+        advantages = group_advantages(penalised, batch["group_ids"], self.leave_one_out, self.normalize_rewards,
+                                      valid=batch["is_end"])
         batch.update(mask=mask, advantages=advantages.unsqueeze(1) * mask, rewards_with_kl=penalised)
         stats = torch.tensor([batch["rewards"].sum(), batch["rewards"].numel(), kl.sum(), mask.sum(),
                               (batch["response_lengths"] - batch["prompt_lengths"]).float().sum(),

@@ -7,7 +7,7 @@ from typing import Dict
 from omegaconf import DictConfig
 
 from nemo_aligner.algorithms.ppo_actor_run import print_rl_summary, setup_actor
-from nemo_aligner.algorithms.reinforce import ReinforceTrainer
+from nemo_aligner.algorithms.reinforce import ReinforceTrainer, check_group_sampling
 from nemo_aligner.algorithms.run_helpers import fit_and_export
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.reward_sources import FunctionRewardSource, RemoteRewardSource, load_reward_fn
@@ -25,10 +25,7 @@ def build_reward_source(cfg: DictConfig, tokenizer):
 
 def run_reinforce_actor(cfg: DictConfig) -> Dict[str, float]:
     rl = cfg.model.reinforce
-    n = int(rl.get("num_responses_per_prompt", 4))
-    if n < 2:  # the baseline is the other responses' (or the group's) mean: with one, every advantage is 0
-        raise ConfigError(f"model.reinforce.num_responses_per_prompt={n}: the baseline comes from the other responses "
-                          "to the same prompt, so it needs >= 2 (with 1 every advantage is 0)")
+    n = check_group_sampling(rl, "reinforce")
     setup = setup_actor(cfg, "reinforce", "megatron_gpt_reinforce_actor", responses_per_prompt=n)
     source = build_reward_source(cfg, setup.model.tokenizer)
     trainer = ReinforceTrainer(cfg.trainer.reinforce, setup.model, setup.optimizer, setup.scheduler, setup.train_dl,

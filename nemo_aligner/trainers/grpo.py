@@ -23,7 +23,7 @@ class GRPOTrainer(BaseTrainer):
     section_rules = {
         "num_prompts_per_step": ("int", (1, False)), "num_generations_per_prompt": ("int", (2, False)),
         "normalize_rewards": ("bool", None), "use_leave_one_out_baseline": ("bool", None),
-        "max_new_tokens": ("int", (1, False)), "temperature": ("float", (0.0, False)),
+        "max_new_tokens": ("int", (1, False)), "temperature": ("float", (0.0, True)),
         "kl_penalty": ("float", (0.0, False)), "num_val_prompts": ("int", (1, False)),
         "rollout_micro_batch_size": ("int", (1, False)), "save_period": ("int", (0, False)),
     }
