@@ -171,6 +171,48 @@ def test_api_data_errors_name_the_users_record(tmp_path):
     assert sft_records(resolve_dataset(str(path))[0][:1]) == ([{"input": "a", "output": "b"}], False)
 
 
+def test_reward_functions_and_environments_get_the_prompt_records_other_fields(weak_sft, tmp_path):
+    """A prompt record's other fields (a reference answer here) reach the reward function as the
+    keyword arguments its signature names (TRL passes dataset columns so) and an environment as
+    step(conversations, metadata) (NeMo-RL's form); a field the function needs and a record lacks is
+    an error naming it."""
+    from nemo_aligner import GRPOTrainer
+    from nemo_aligner.environments import EnvironmentInterface, EnvironmentReturn
+    from nemo_aligner.utils.errors import ConfigError
+
+    out, data, model = weak_sft
+    words = ["abc", "dog", "tree", "sun"]
+    records = [{"prompt": f"reverse {w} =", "answer": w[::-1], "task_id": i} for i, w in enumerate(words)]
+    seen = []
+
+    def reward(prompt, response, answer):
+        seen.append((prompt, answer))
+        return float(response.strip().startswith(answer))
+
+    trainer = GRPOTrainer.from_pretrained(model, num_prompts_per_step=4, num_generations_per_prompt=2,
+                                          max_sequence_length=64, max_new_tokens=6, output_dir=str(tmp_path / "g"))
+    trainer.fit(dataset=records, reward_fn=reward, max_steps=1)
+    assert seen and all(prompt.endswith(f"reverse {answer[::-1]} =") for prompt, answer in seen)
+
+    class Checker(EnvironmentInterface):
+        calls = []
+
+        def step(self, conversations, metadata=None):
+            self.calls.append(metadata)
+            return EnvironmentReturn(rewards=[float(c[-1]["content"].strip().startswith(m["answer"]))
+                                              for c, m in zip(conversations, metadata)],
+                                     done=[True] * len(conversations), observations=[None] * len(conversations))
+
+    env = Checker()
+    trainer.fit(dataset=records, environment=env, max_steps=1)
+    rows = [m for call in env.calls for m in call]
+    assert rows and all(set(m) == {"answer", "task_id"} for m in rows)
+    assert sorted({m["task_id"] for m in rows}) == [0, 1, 2, 3]
+    with pytest.raises(ConfigError, match=r"reward_fn takes \['answer'\], which the prompt .* has no field for "
+                                          r"\(its other fields: \['task_id'\]\)"):
+        trainer.fit(dataset=[{"prompt": r["prompt"], "task_id": 0} for r in records], reward_fn=reward, max_steps=1)
+
+
 def test_direct_config_environment_and_nemo_rl_alias(weak_sft, tmp_path):
     import subprocess
     import sys

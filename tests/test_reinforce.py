@@ -133,3 +133,31 @@ def test_rloo_raises_the_task_reward(tmp_path, weak_policy):
     assert val[100] >= val[0] - 0.01, val
     assert all(r["train/init_policy_kl"] >= 0 for r in metrics if "train/init_policy_kl" in r)
     assert "REINFORCE finished: 100 steps" in proc.stdout
+
+
+def test_prompt_files_carry_their_other_fields_to_the_reward_function():
+    """A jsonl prompt record's fields besides ``text`` travel with its responses: a reward function
+    gets those its signature names (all of them with **kwargs), the others nothing extra."""
+    import numpy as np
+
+    from nemo_aligner.data.nlp.prompt_dataset import PromptDataset, collate_prompts
+
+    tok = ByteTokenizer()
+    records = [{"text": "reverse ab =", "answer": "ba", "level": 1, "__line__": 1},
+               {"text": "sort cab =", "metadata": {"answer": "abc"}, "__line__": 2}]
+    ds = PromptDataset(None, tok, 32, records=records)
+    batch = collate_prompts([ds[0], ds[1], ds[-1]])
+    assert batch["metadata"] == [{"answer": "ba", "level": 1}, {"answer": "abc"}]
+    rows = [tok.text_to_ids("reverse ab =ba"), tok.text_to_ids("sort cab =abc")]
+    tokens = np.full((2, 16), tok.eos_id)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = r
+    prompt_lengths, lengths = np.array([12, 10]), np.array([len(r) for r in rows])
+    got = []
+    named = FunctionRewardSource(lambda p, r, answer: got.append(answer) or float(r == answer), tok)
+    assert named.score(tokens, prompt_lengths, lengths, batch["metadata"]).result().tolist() == [1.0, 1.0]
+    every = FunctionRewardSource(lambda p, r, **fields: got.append(fields) or 0.0, tok)
+    every.score(tokens, prompt_lengths, lengths, batch["metadata"])
+    plain = FunctionRewardSource(lambda p, r: 0.5, tok)
+    assert plain.score(tokens, prompt_lengths, lengths, batch["metadata"]).result().tolist() == [0.5, 0.5]
+    assert got == ["ba", "abc", {"answer": "ba", "level": 1}, {"answer": "abc"}]

@@ -169,15 +169,18 @@ class PPOTrainer:
 
     # ----------------------------------------------------------------- rollouts
     def generate_rollouts(self, prompts: List[List[int]], micro_batch_size: int, seed: int,
-                          sampling: Optional[SamplingParams], timer: Timer) -> Dict[str, torch.Tensor]:
-        """Generate for this rank's prompts; each micro-batch goes to the critic/RM server at once."""
+                          sampling: Optional[SamplingParams], timer: Timer,
+                          metadata: Optional[List[dict]] = None) -> Dict[str, torch.Tensor]:
+        """Generate for this rank's prompts; each micro-batch goes to the critic/RM server at once
+        (with its rows' prompt ``metadata``, for reward functions and environments)."""
         outputs, futures = [], []
         for i in range(0, len(prompts), micro_batch_size):
             chunk = prompts[i : i + micro_batch_size]
             with timer("generate"):
                 out = self.model.infer(chunk, seed=seed + i, sampling=sampling)
             outputs.append(out)
-            futures.append(self.request_scores(out) if is_mp_source() else None)
+            rows = metadata[i : i + micro_batch_size] if metadata is not None else None
+            futures.append(self.request_scores(out, rows) if is_mp_source() else None)
         width = max(o.tokens.shape[1] for o in outputs)
         tokens = torch.cat([pad_columns(o.tokens, width, self.model.tokenizer.eos_id) for o in outputs])
         batch = {
@@ -189,8 +192,9 @@ class PPOTrainer:
         batch["_futures"] = futures
         return batch
 
-    def request_scores(self, out):
-        """Ask the critic/reward server about one generated micro-batch; returns a future."""
+    def request_scores(self, out, metadata: Optional[List[dict]] = None):
+        """Ask the critic/reward server about one generated micro-batch; returns a future (the
+        server scores tokens: ``metadata`` is for reward functions and environments)."""
         return self.rm_critic.infer_rm_critic(out.tokens.numpy(), out.response_lengths.numpy())
 
     def resolve_rewards(self, batch: Dict, timer: Timer) -> None:
@@ -209,10 +213,11 @@ class PPOTrainer:
         batch["rewards"] = torch.tensor(np.concatenate([r for r, _ in answers]), dtype=torch.float32)
         batch["values"] = torch.cat([pad_columns(torch.tensor(v, dtype=torch.float32), width, 0.0) for _, v in answers])
 
-    def make_rollout_batch(self, prompts: List[List[int]], timer: Timer, step_seed: int) -> Dict[str, torch.Tensor]:
+    def make_rollout_batch(self, prompts: List[List[int]], timer: Timer, step_seed: int,
+                           metadata: Optional[List[dict]] = None) -> Dict[str, torch.Tensor]:
         self.model.prepare_for_inference()
         try:
-            batch = self.generate_rollouts(prompts, self.rollout_micro_batch_size, step_seed, None, timer)
+            batch = self.generate_rollouts(prompts, self.rollout_micro_batch_size, step_seed, None, timer, metadata)
             batch["logprobs"] = None
             if self.rollout_logprobs_needed:
                 with timer("logprobs"):
@@ -344,7 +349,7 @@ class PPOTrainer:
                 # greedy, with the configured end strings (a chat model's turn ends at one, not at EOS)
                 greedy = dataclasses.replace(self.model.sampling_params, use_greedy=True)
                 batch = self.generate_rollouts(data["tokens"], self.val_rollout_micro_batch_size, self.seed,
-                                               greedy, timer)
+                                               greedy, timer, data.get("metadata"))
                 self.resolve_rewards(batch, timer)
                 total += torch.tensor([batch["rewards"].sum(), batch["rewards"].numel()], dtype=torch.float64)
                 if not table:
@@ -381,11 +386,11 @@ class PPOTrainer:
             critic_future.result()  # the critic's checkpoint is written before we go on
 
     # ----------------------------------------------------------------- loop
-    def run_step(self, prompts, texts) -> Dict[str, float]:
+    def run_step(self, prompts, texts, metadata: Optional[List[dict]] = None) -> Dict[str, float]:
         timer = Timer()
         step_seed = self.seed + 1000003 * (self.step + 1) + 7919 * self.dp_rank
         start = time.monotonic()
-        batch = self.make_rollout_batch(prompts, timer, step_seed)
+        batch = self.make_rollout_batch(prompts, timer, step_seed, metadata)
         with timer("advantages"):
             metrics = self.compute_advantages(batch)
         critic_future = None
@@ -437,7 +442,7 @@ class PPOTrainer:
                         self.critic_warmup(data["tokens"])
                     self.callbacks.on_step_begin(self.step + 1)
                     epoch_before = self.epoch
-                    metrics = self.run_step(data["tokens"], data["text"])
+                    metrics = self.run_step(data["tokens"], data["text"], data.get("metadata"))
                     self.step += 1
                     self.consumed_samples += self.prompts_per_step
                     metrics.update(consumed_samples=self.consumed_samples, epoch=self.epoch,

@@ -84,16 +84,20 @@ class ReinforceTrainer(PPOTrainer):
         self.has_critic = False
 
     # ----------------------------------------------------------------- rollouts
-    def request_scores(self, out):
-        return self.rm_critic.score(out.tokens.numpy(), out.prompt_lengths.numpy(), out.response_lengths.numpy())
+    def request_scores(self, out, metadata=None):
+        return self.rm_critic.score(out.tokens.numpy(), out.prompt_lengths.numpy(), out.response_lengths.numpy(),
+                                    metadata=metadata)
 
     def store_answers(self, batch: Dict, answers: list) -> None:
         batch["rewards"] = torch.tensor(np.concatenate([np.asarray(a, dtype=np.float32).reshape(-1) for a in answers]))
 
-    def make_rollout_batch(self, prompts: List[List[int]], timer: Timer, step_seed: int) -> Dict[str, torch.Tensor]:
+    def make_rollout_batch(self, prompts: List[List[int]], timer: Timer, step_seed: int,
+                           metadata: Optional[List[dict]] = None) -> Dict[str, torch.Tensor]:
         """``num_responses_per_prompt`` samples of each prompt, with ``group_ids`` saying whose they are."""
         repeated = [p for p in prompts for _ in range(self.responses_per_prompt)]
-        batch = super().make_rollout_batch(repeated, timer, step_seed)
+        if metadata is not None:
+            metadata = [m for m in metadata for _ in range(self.responses_per_prompt)]
+        batch = super().make_rollout_batch(repeated, timer, step_seed, metadata)
         batch["group_ids"] = torch.arange(len(prompts)).repeat_interleave(self.responses_per_prompt)
         return batch
 

@@ -106,7 +106,8 @@ def _text(value: Any, where: str, name: str, allow_empty: bool = False) -> str:
 
 
 def prompt_records(records: List[Any], what: str = "dataset") -> List[dict]:
-    """GRPO prompts: strings, or dicts with ``prompt``/``text``/``input``/``question``."""
+    """GRPO prompts: strings, or dicts with ``prompt``/``text``/``input``/``question`` (their other fields
+    travel as metadata to the reward function or environment)."""
     out = []
     for i, r in enumerate(records):
         if isinstance(r, str):
@@ -116,7 +117,8 @@ def prompt_records(records: List[Any], what: str = "dataset") -> List[dict]:
             name, text = _named_field(_as_dict(r, what, i), ("prompt", "text", "input", "question"), where, "prompt")
         if not isinstance(text, str) or not text:
             raise DataError(f"{_where(r, what, i)}: the prompt ({name!r}) must be a non-empty string")
-        out.append({"text": text})
+        extra = {} if isinstance(r, str) else {k: v for k, v in r.items() if k != name and not str(k).startswith("__")}
+        out.append({"text": text, "metadata": extra} if extra else {"text": text})  # for reward_fn / environment
     return out
 
 

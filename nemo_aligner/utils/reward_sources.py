@@ -1,15 +1,19 @@
 """Where critic-free RL gets its rewards: a reward-model server or a Python function.
 
-Both answer ``score(tokens, prompt_lengths, response_lengths)`` with a future whose ``result()``
-is a float32 array [B], so the trainer overlaps scoring with generation either way.
+All answer ``score(tokens, prompt_lengths, response_lengths, metadata=None)`` with a future whose
+``result()`` is a float32 array [B], so the trainer overlaps scoring with generation either way.
+``metadata`` holds each row's prompt record fields besides the prompt (a reference answer, say):
+a reward function receives those its signature names (or all, with ``**kwargs``), as TRL passes
+dataset columns; an environment receives the list, as NeMo-RL's ``step(conversations, metadata)``.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from concurrent.futures import Future
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import numpy as np
 
@@ -43,18 +47,49 @@ def decode_rollouts(tokenizer, tokens: np.ndarray, prompt_lengths: np.ndarray, r
         yield tokenizer.ids_to_text([int(t) for t in tokens[b, :p]]), tokenizer.ids_to_text(ids)
 
 
+def keyword_fields(fn) -> Callable[[dict], dict]:
+    """Which of a row's metadata ``fn`` takes as keyword arguments: those its signature names after
+    ``(prompt, response)``, or all of them when it has ``**kwargs``."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return lambda meta: {}
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return lambda meta: dict(meta)
+    names = {p.name for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return lambda meta: {k: v for k, v in meta.items() if k in names}
+
+
+def required_fields(fn) -> set:
+    """The metadata fields ``fn`` cannot do without (parameters after ``(prompt, response)`` with no default)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())[2:]
+    except (TypeError, ValueError):
+        return set()
+    return {p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
 class FunctionRewardSource:
-    """Rewards from ``fn(prompt_text, response_text)``, computed at once (a finished future)."""
+    """Rewards from ``fn(prompt_text, response_text, **fields)``, computed at once (a finished future);
+    ``fields`` are the prompt record's metadata the function's signature asks for."""
 
     def __init__(self, fn: RewardFn, tokenizer, key: str = "reward_fn"):
         self.fn = fn
         self.tokenizer = tokenizer
         self.key = key
+        self.fields = keyword_fields(fn)
+        self.required = required_fields(fn)
 
-    def score(self, tokens: np.ndarray, prompt_lengths: np.ndarray, response_lengths: np.ndarray) -> Future:
+    def score(self, tokens: np.ndarray, prompt_lengths: np.ndarray, response_lengths: np.ndarray,
+              metadata: Optional[List[dict]] = None) -> Future:
         rewards = np.zeros(len(tokens), dtype=np.float32)
         for b, (prompt, response) in enumerate(decode_rollouts(self.tokenizer, tokens, prompt_lengths, response_lengths)):
-            value = self.fn(prompt, response)
+            meta = metadata[b] if metadata else {}
+            missing = self.required - set(meta)
+            if missing:
+                raise ConfigError(f"{self.key} takes {sorted(missing)}, which the prompt {prompt[-80:]!r} has no field "
+                                  f"for (its other fields: {sorted(meta)})")
+            value = self.fn(prompt, response, **self.fields(meta))
             try:
                 rewards[b] = float(value)
             except (TypeError, ValueError):
@@ -86,7 +121,8 @@ class RemoteRewardSource:
         self.pad_id = pad_id
         self.pad_to_length: Optional[int] = cfg.get("pad_to_length")
 
-    def score(self, tokens: np.ndarray, prompt_lengths: np.ndarray, response_lengths: np.ndarray):
+    def score(self, tokens: np.ndarray, prompt_lengths: np.ndarray, response_lengths: np.ndarray,
+              metadata: Optional[List[dict]] = None):
         if self.pad_to_length and tokens.shape[1] < int(self.pad_to_length):
             tokens = np.pad(tokens, ((0, 0), (0, int(self.pad_to_length) - tokens.shape[1])), constant_values=self.pad_id)
         return self.client.infer_tokens(tokens, response_lengths)
@@ -103,13 +139,24 @@ class EnvironmentRewardSource:
         self.environment = environment
         self.tokenizer = tokenizer
         self._warned = False
+        try:
+            inspect.signature(environment.step).bind([], [])
+            self._takes_metadata = True
+        except TypeError:
+            self._takes_metadata = False
+        except ValueError:  # no signature to read: NeMo-RL's form
+            self._takes_metadata = True
 
-    def score(self, tokens: np.ndarray, prompt_lengths: np.ndarray, response_lengths: np.ndarray) -> Future:
+    def score(self, tokens: np.ndarray, prompt_lengths: np.ndarray, response_lengths: np.ndarray,
+              metadata: Optional[List[dict]] = None) -> Future:
         import logging
 
         conversations = [[{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
                          for prompt, response in decode_rollouts(self.tokenizer, tokens, prompt_lengths, response_lengths)]
-        result = self.environment.step(conversations)
+        if self._takes_metadata:
+            result = self.environment.step(conversations, metadata if metadata is not None else [{}] * len(conversations))
+        else:  # an environment written as step(conversations)
+            result = self.environment.step(conversations)
         rewards = np.asarray(result.rewards, dtype=np.float32).reshape(-1)
         if len(rewards) != len(conversations):
             raise ConfigError(f"environment.step returned {len(rewards)} rewards for {len(conversations)} conversations")

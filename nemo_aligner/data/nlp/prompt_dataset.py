@@ -29,7 +29,7 @@ class PromptDataset(torch.utils.data.Dataset):
                 ids = ids[-max_prompt_length:]
             if not ids:
                 ids = [tokenizer.eos_id]
-            self.items.append({"text": record[text_key], "tokens": ids})
+            self.items.append({"text": record[text_key], "tokens": ids, "metadata": record_metadata(record, text_key)})
         if truncated:
             logger.warning("%d prompt(s) longer than %d tokens keep only their last %d tokens (%s)", truncated,
                            max_prompt_length, max_prompt_length, key)
@@ -39,11 +39,21 @@ class PromptDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, idx: int) -> Dict:
         if idx < 0:
-            return {"text": None, "tokens": None}
+            return {"text": None, "tokens": None, "metadata": None}
         return self.items[idx]
+
+
+def record_metadata(record: Dict, text_key: str) -> Dict:
+    """A prompt record's other fields (a reference answer, a task id ...), given to reward functions
+    and environments with each of its responses. A lone ``metadata`` object is taken as it is."""
+    extra = {k: v for k, v in record.items() if k != text_key and not str(k).startswith("__")}
+    if set(extra) == {"metadata"} and isinstance(extra["metadata"], dict):
+        return dict(extra["metadata"])
+    return extra
 
 
 def collate_prompts(samples: Sequence[Dict]) -> Dict[str, list]:
     """Lists (prompts stay ragged: generation aligns them itself); padding rows are dropped."""
     real = [s for s in samples if s["tokens"] is not None]
-    return {"text": [s["text"] for s in real], "tokens": [s["tokens"] for s in real]}
+    return {"text": [s["text"] for s in real], "tokens": [s["tokens"] for s in real],
+            "metadata": [s.get("metadata") or {} for s in real]}
