@@ -55,8 +55,8 @@ def run_reward_model(cfg: DictConfig) -> Dict[str, float]:
             and bool(regression.get("merge_attributes", False)) and int(regression.get("num_attributes", 1) or 1) > 1):
         # the merged head outputs one value, which the loss would fit to every attribute's label
         raise ConfigError("model.regression.merge_attributes=True is for serving (one reward per response, e.g. "
-                          "for PPO); train with it False, then serve with model.regression.merge_attributes=True "
-                          "and attribute_weights")
+                          "for PPO); train with it False, then serve with ++model.regression.merge_attributes=True "
+                          "and ++model.regression.attribute_weights=[...]")
     info = init_run(cfg, restore, "pretrained_checkpoint.restore_from_path")
     exp = exp_manager(cfg.get("exp_manager"), cfg, default_name=str(cfg.get("name", "megatron_gpt")))
     # A new head is expected when starting from an SFT (or base) model.

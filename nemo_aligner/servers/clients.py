@@ -33,9 +33,9 @@ def check_reachable(host: str, port: int, key: str, timeout_s: float = 3.0, wait
                 time.sleep(1.0)
                 continue
             waited = f" after waiting {wait_s:.0f}s" if wait_s else ""
+            hint = f"check {key}" if key.startswith("--") else f"check {key}.ip and {key}.port"  # CLI flags or config keys
             raise RemoteServerError(
-                f"cannot reach the server at {host}:{port}{waited} ({err.strerror or err}); is it running? "
-                f"check {key}.ip and {key}.port"
+                f"cannot reach the server at {host}:{port}{waited} ({err.strerror or err}); is it running? {hint}"
             ) from None
 
 
@@ -171,8 +171,10 @@ class RemoteGPTRMClient(TritonModelClient):
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 5555, tokenizer=None, model_name: str = "reward_model",
-                 timeout_s: float = 60.0, key: str = "remote_rm", retries: int = 0, settings_key: Optional[str] = None):
-        super().__init__(host, port, model_name, key, timeout_s, retries=retries, settings_key=settings_key)
+                 timeout_s: float = 60.0, key: str = "remote_rm", retries: int = 0, settings_key: Optional[str] = None,
+                 wait_s: float = 0.0):
+        super().__init__(host, port, model_name, key, timeout_s, retries=retries, settings_key=settings_key,
+                         wait_s=wait_s)
         self.tokenizer = tokenizer
 
     def infer_tokens(self, tokens, lengths) -> "RewardFuture":

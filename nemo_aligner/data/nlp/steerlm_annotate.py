@@ -93,6 +93,8 @@ def main(argv=None) -> None:
     parser.add_argument("--min-value", type=float, default=0)
     parser.add_argument("--max-value", type=float, default=4)
     parser.add_argument("--timeout-s", type=float, default=60.0)
+    parser.add_argument("--wait-s", type=float, default=0.0,
+                        help="wait this long for a server that is still starting (default: fail at once)")
     args = parser.parse_args(argv)
     tokenizer = load_tokenizer(args.tokenizer_from, "--tokenizer-from") if args.tokenizer_from else ByteTokenizer()
     seq_length, chat_tokens = args.seq_length, None
@@ -111,7 +113,7 @@ def main(argv=None) -> None:
             raise ConfigError("--chat-prompt-tokens must be a JSON object like {\"turn_start\": \"<extra_id_1>\"}")
     records = read_jsonl(args.input_file)
     client = RemoteGPTRMClient(args.host, args.port, tokenizer, args.model_name, timeout_s=args.timeout_s,
-                               key="--host/--port")
+                               key="--host and --port", wait_s=args.wait_s)
     names = [n.strip() for n in args.attributes.split(",")] if args.attributes else None
     count = annotate_records(records, client, names, args.batch_size, args.min_value, args.max_value,
                              chat_tokens=chat_tokens, where=args.input_file,
