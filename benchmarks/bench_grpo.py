@@ -10,7 +10,7 @@ Both sides: fp32, no vLLM, the same prompts, group size, learning rate (constant
 (0.01), exactly ``--new-tokens`` new tokens per response (EOS refused before that; our end strings
 off, TRL ``min_new_tokens``), vocabulary padding rows never sampled, all of a step's rollouts
 generated in one batch, the same micro-batch for training and for the reference log-prob pass, and one
-optimizer step per GRPO step.
+optimizer step per GRPO step, no activation checkpointing (TRL enables it by default).
 Times are per step, averaged over ``--steps`` steps after one warm-up step on each side, in ``--rounds``
 alternating runs of each side; the ratio is the median of the rounds' ratios.
 """
@@ -122,6 +122,9 @@ def main(argv=None) -> dict:
                               learning_rate=1e-6, lr_scheduler_type="constant", max_steps=args.steps + 1,
                               logging_steps=1, report_to="none", use_cpu=True, bf16=False, fp16=False, beta=0.01,
                               save_strategy="no", temperature=1.0, dataloader_num_workers=0, seed=0,
+                              # TRL turns activation checkpointing on by default (it recomputes the
+                              # forward in backward); ours does not recompute, so neither does TRL here
+                              gradient_checkpointing=False,
                               model_init_kwargs={"dtype": "float32"})
 
     def trl_reward(prompts, completions, **kwargs):

@@ -114,11 +114,13 @@ def matmul_peak_gflops(n: int = 2048, repeats: int = 5, dtype: torch.dtype = tor
 
 
 def alternate(contenders: Dict[str, Callable[[], float]], rounds: int) -> Dict[str, List[float]]:
-    """Run each contender once per round, in turn; each call returns its measured seconds."""
+    """Run each contender once per round, in turn, the order reversed every other round (neither
+    always runs first); each call returns its measured seconds."""
     times: Dict[str, List[float]] = {name: [] for name in contenders}
-    for _ in range(rounds):
-        for name, run in contenders.items():
-            times[name].append(run())
+    order = list(contenders)
+    for r in range(rounds):
+        for name in (order if r % 2 == 0 else order[::-1]):
+            times[name].append(contenders[name]())
     return times
 
 
