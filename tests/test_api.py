@@ -299,7 +299,7 @@ def test_api_arguments_are_checked_before_anything_runs(weak_sft, tmp_path):
         (dict(reward_fn=reward, max_steps="two"), ConfigError, r"GRPOTrainer\.fit\(max_steps\)='two' must be an integer"),
         (dict(reward_fn=reward, max_steps=-3), ConfigError, r"GRPOTrainer\.fit\(max_steps\)=-3 must be >= 1"),
         (dict(reward_fn=lambda completions, **kw: [0.0]), ConfigError,
-         r"cannot be called as reward_fn\(prompt, response\) -> float"),
+         r"cannot be called as reward_fn\(prompt, response, \*\*fields\) -> float"),
         (dict(reward_fn=5), ConfigError, r"reward_fn must be a function \(prompt, response\) -> float, got int"),
         (dict(environment=lambda conversations: None), ConfigError, r"environment must have a step\(conversations\)"),
     ]

@@ -180,7 +180,7 @@ def test_validation_is_greedy_with_the_configured_end_strings(mcore_single):
 
     seen = []
 
-    def generate_rollouts(tokens, micro_batch_size, seed, sampling, timer):
+    def generate_rollouts(tokens, micro_batch_size, seed, sampling, timer, metadata=None):
         seen.append(sampling)
         return {"rewards": torch.ones(len(tokens))}
 
