@@ -14,7 +14,6 @@ One step::
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import time
 from contextlib import contextmanager
