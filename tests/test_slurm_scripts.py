@@ -12,12 +12,18 @@ from conftest import REPO
 
 SLURM = os.path.join(REPO, "examples", "nlp", "gpt", "slurm")
 
+# The critic logs its call only once its SIGTERM handler is set, and the actor ends only after that
+# line is there (a real actor runs far longer than a critic takes to start), so the test is not
+# a race between the two background jobs.
 FAKE_SRUN = """#!/bin/bash
-echo "$@" >> "$FAKE_LOG"
 case "$*" in
   *--het-group=0*) trap 'echo critic-stopped >> "$FAKE_LOG"; exit 0' TERM
+                   echo "$@" >> "$FAKE_LOG"
                    for _ in $(seq 200); do sleep 0.1; done; exit 9 ;;  # never outlives a test by much
-  *--het-group=1*) exit "${ACTOR_EXIT:-0}" ;;
+  *--het-group=1*) echo "$@" >> "$FAKE_LOG"
+                   for _ in $(seq 200); do grep -q -- "--het-group=0" "$FAKE_LOG" && break; sleep 0.05; done
+                   exit "${ACTOR_EXIT:-0}" ;;
+  *) echo "$@" >> "$FAKE_LOG" ;;
 esac
 """
 
