@@ -58,11 +58,14 @@ def token_id_problem(ids: np.ndarray, vocab_size: int) -> Optional[str]:
     return None
 
 
+def _learned_positions(cfg) -> bool:
+    return str(cfg.get("position_embedding_type", "rope")) == "learned_absolute"
+
+
 def request_limits(cfg) -> Tuple[Optional[int], int]:
     """``(longest sequence, vocabulary rows)`` a server can take for a model config: learned
     positions end at the table's size (RoPE has no such limit, None)."""
-    learned = str(cfg.get("position_embedding_type", "rope")) == "learned_absolute"
-    longest = int(cfg.get("max_position_embeddings") or cfg.encoder_seq_length) if learned else None
+    longest = int(cfg.get("max_position_embeddings") or cfg.encoder_seq_length) if _learned_positions(cfg) else None
     return longest, int(cfg.padded_vocab_size)
 
 
@@ -74,8 +77,8 @@ class TrainedLengthWarning:
     extrapolations (e.g. a reward model with a shorter context than the actor it scores)."""
 
     def __init__(self, cfg, server: str):
-        rope = str(cfg.get("position_embedding_type", "rope")) != "learned_absolute"
-        self.length = int(cfg.encoder_seq_length) if rope else None
+        # learned positions: longer requests are refused before they get here
+        self.length = None if _learned_positions(cfg) else int(cfg.encoder_seq_length)
         self.server = server
         self.warned = False
 
