@@ -10,7 +10,7 @@ from typing import List, Optional, Tuple
 from omegaconf import DictConfig, OmegaConf
 
 from nemo_aligner.data.nlp.jsonl import read_jsonl, write_jsonl
-from nemo_aligner.data.nlp.steerlm_labels import format_label, parse_label, steer_prompt
+from nemo_aligner.data.nlp.steerlm_labels import format_label, model_chat_tokens, parse_label, steer_prompt
 from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
 from nemo_aligner.models.nlp.gpt.loading import load_model
 from nemo_aligner.utils.distributed import is_global_rank_zero
@@ -42,15 +42,6 @@ def unescape(text: str) -> str:
     """``\\n``, ``\\t``, ``\\r`` and ``\\\\`` as the characters they name: Hydra's command line passes a
     typed ``\\n`` through as two characters, and a newline is the chat template's end of turn."""
     return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], text)
-
-
-def model_chat_tokens(model_cfg) -> Optional[dict]:
-    """The chat template's strings a model was trained with (SFT keeps ``model.data.chat_prompt_tokens``
-    in the .nemo's config); None: NeMo's defaults."""
-    tokens = (model_cfg.get("data") or {}).get("chat_prompt_tokens")
-    if tokens is None:
-        return None
-    return OmegaConf.to_container(tokens) if not isinstance(tokens, dict) else dict(tokens)
 
 
 def read_prompts(cfg: DictConfig) -> List[Tuple[str, Optional[str]]]:

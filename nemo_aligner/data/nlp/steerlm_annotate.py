@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from nemo_aligner.data.nlp.jsonl import read_jsonl, require_fields, write_jsonl
-from nemo_aligner.data.nlp.steerlm_labels import NEMO_ATTRIBUTES, assistant_turn_texts, format_label
+from nemo_aligner.data.nlp.steerlm_labels import NEMO_ATTRIBUTES, assistant_turn_texts, format_label, model_chat_tokens
 from nemo_aligner.utils.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -67,8 +67,6 @@ def annotate_records(records: List[Dict], client, names: Optional[Sequence[str]]
 
 def main(argv=None) -> None:
     from nemo_aligner.servers.clients import RemoteGPTRMClient
-    from omegaconf import OmegaConf
-
     from nemo_aligner.utils.nemo_file import load_tokenizer, read_model_config
     from nemo_aligner.utils.tokenizers import ByteTokenizer
 
@@ -100,10 +98,8 @@ def main(argv=None) -> None:
     seq_length, chat_tokens = args.seq_length, None
     if args.tokenizer_from:
         model_cfg = read_model_config(args.tokenizer_from, "--tokenizer-from")
-        data = model_cfg.get("data") or {}
-        seq_length = seq_length or data.get("seq_length") or model_cfg.get("encoder_seq_length")
-        chat_tokens = data.get("chat_prompt_tokens")
-        chat_tokens = OmegaConf.to_container(chat_tokens) if chat_tokens is not None else None
+        seq_length = seq_length or (model_cfg.get("data") or {}).get("seq_length") or model_cfg.get("encoder_seq_length")
+        chat_tokens = model_chat_tokens(model_cfg)
     if args.chat_prompt_tokens:
         try:
             chat_tokens = json.loads(args.chat_prompt_tokens)

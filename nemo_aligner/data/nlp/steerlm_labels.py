@@ -47,6 +47,17 @@ def parse_label(label: str, where: str = "label") -> Dict[str, float]:
     return out
 
 
+def model_chat_tokens(model_cfg) -> Optional[dict]:
+    """The chat template's strings a model was trained with (SFT keeps ``model.data.chat_prompt_tokens``
+    in the .nemo's config); None: NeMo's defaults."""
+    from omegaconf import OmegaConf
+
+    tokens = (model_cfg.get("data") or {}).get("chat_prompt_tokens")
+    if tokens is None:
+        return None
+    return OmegaConf.to_container(tokens) if not isinstance(tokens, dict) else dict(tokens)
+
+
 def render_turns(system: str, turns: Sequence[Mapping], chat_tokens: Optional[dict] = None,
                  with_labels: bool = True) -> str:
     """NeMo's chat template for ``turns`` (``{"from", "value", "label"?}``), exactly as SFT trains on it."""
