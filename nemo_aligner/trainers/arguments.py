@@ -108,19 +108,16 @@ def check_fit_kwargs(given: Iterable[str], values_fn: Callable, owner: str) -> N
 
 def check_reward_fn(reward_fn: Any, owner: str):
     """A callable ``(prompt, response, **fields) -> float``, or its ``"module:function"`` path (loaded here)."""
-    if isinstance(reward_fn, str):
-        from nemo_aligner.utils.reward_sources import load_reward_fn
+    from nemo_aligner.utils.reward_sources import load_reward_fn, reward_fn_fields
 
+    if isinstance(reward_fn, str):
         reward_fn = load_reward_fn(reward_fn)
     if not callable(reward_fn):
         raise ConfigError(f"{owner}: reward_fn must be a function (prompt, response) -> float, "
                           f"got {type(reward_fn).__name__}")
     try:
-        signature = inspect.signature(reward_fn)
         # parameters after (prompt, response) are filled from the prompt record's other fields
-        fields = {p.name: None for p in list(signature.parameters.values())[2:]
-                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        signature.bind("prompt", "response", **fields)
+        inspect.signature(reward_fn).bind("prompt", "response", **dict.fromkeys(reward_fn_fields(reward_fn)[1]))
     except TypeError:
         raise ConfigError(f"{owner}: reward_fn{inspect.signature(reward_fn)} cannot be called as "
                           "reward_fn(prompt, response, **fields) -> float (one response at a time, the prompt "

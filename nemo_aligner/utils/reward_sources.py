@@ -13,7 +13,7 @@ import importlib
 import inspect
 import math
 from concurrent.futures import Future
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
@@ -47,26 +47,18 @@ def decode_rollouts(tokenizer, tokens: np.ndarray, prompt_lengths: np.ndarray, r
         yield tokenizer.ids_to_text([int(t) for t in tokens[b, :p]]), tokenizer.ids_to_text(ids)
 
 
-def keyword_fields(fn) -> Callable[[dict], dict]:
-    """Which of a row's metadata ``fn`` takes as keyword arguments: those its signature names after
-    ``(prompt, response)``, or all of them when it has ``**kwargs``."""
+def reward_fn_fields(fn) -> Tuple[Optional[frozenset], frozenset]:
+    """``(accepted, required)``: the metadata fields ``fn`` takes as keyword arguments after
+    ``(prompt, response)`` (None: all of them, it has ``**kwargs``) and those without a default."""
     try:
         params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return lambda meta: {}
+    except (TypeError, ValueError):  # no signature to read: the two text arguments only
+        return frozenset(), frozenset()
+    named = [p for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    required = frozenset(p.name for p in named if p.default is p.empty)
     if any(p.kind is p.VAR_KEYWORD for p in params):
-        return lambda meta: dict(meta)
-    names = {p.name for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return lambda meta: {k: v for k, v in meta.items() if k in names}
-
-
-def required_fields(fn) -> set:
-    """The metadata fields ``fn`` cannot do without (parameters after ``(prompt, response)`` with no default)."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())[2:]
-    except (TypeError, ValueError):
-        return set()
-    return {p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        return None, required
+    return frozenset(p.name for p in named), required
 
 
 class FunctionRewardSource:
@@ -77,8 +69,7 @@ class FunctionRewardSource:
         self.fn = fn
         self.tokenizer = tokenizer
         self.key = key
-        self.fields = keyword_fields(fn)
-        self.required = required_fields(fn)
+        self.accepted, self.required = reward_fn_fields(fn)
 
     def score(self, tokens: np.ndarray, prompt_lengths: np.ndarray, response_lengths: np.ndarray,
               metadata: Optional[List[dict]] = None) -> Future:
@@ -89,7 +80,8 @@ class FunctionRewardSource:
             if missing:
                 raise ConfigError(f"{self.key} takes {sorted(missing)}, which the prompt {prompt[-80:]!r} has no field "
                                   f"for (its other fields: {sorted(meta)})")
-            value = self.fn(prompt, response, **self.fields(meta))
+            fields = meta if self.accepted is None else {k: v for k, v in meta.items() if k in self.accepted}
+            value = self.fn(prompt, response, **fields)
             try:
                 rewards[b] = float(value)
             except (TypeError, ValueError):
