@@ -42,6 +42,8 @@ setup(
     python_requires=">=3.10,<3.12",
     packages=find_packages(include=["nemo_aligner", "nemo_aligner.*", "nemo_rl", "nemo_rl.*"]),
     include_package_data=True,
+    # the fused CPU decode kernels' source, compiled on first use (utils/cpu_decode_ext.py)
+    package_data={"nemo_aligner": ["csrc/*.cpp"]},
     install_requires=[
         "torch==2.13.0",
         "megatron-core==0.16.1",

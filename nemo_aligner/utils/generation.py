@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nemo_aligner.models.nlp.gpt.lean_ops import rotary_from_tables
-from nemo_aligner.utils import cpu_gemm
+from nemo_aligner.utils import cpu_decode_ext, cpu_gemm
 from nemo_aligner.utils.errors import ConfigError
 
 
@@ -146,13 +146,24 @@ def _is_mcore_parallel_layer(module) -> bool:
     return type(module).__module__ == "megatron.core.tensor_parallel.layers"
 
 
+def _cpu_rms_norm_params(norm) -> Optional[tuple]:
+    """``(weight, eps)`` of torch's own 1-D RMSNorm with a float32 CPU weight, else None."""
+    if not isinstance(norm, torch.nn.RMSNorm) or len(norm.normalized_shape) != 1:
+        return None
+    weight = norm.weight
+    if weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    return weight, torch.finfo(torch.float32).eps if norm.eps is None else norm.eps
+
+
 def _direct_norm(norm):
     """``norm`` as a direct functional call when it is torch's own RMSNorm/LayerNorm (no module
     call per token); any other norm module is called as is."""
+    cpu_params = _cpu_rms_norm_params(norm)
+    if cpu_params is not None:
+        return _cpu_rms_norm(norm.normalized_shape[0], *cpu_params)
     if isinstance(norm, torch.nn.RMSNorm) and len(norm.normalized_shape) == 1:
         shape, weight, eps = tuple(norm.normalized_shape), norm.weight, norm.eps
-        if weight is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
-            return _cpu_rms_norm(shape[0], weight, torch.finfo(torch.float32).eps if eps is None else eps)
         return lambda x: F.rms_norm(x, shape, weight, eps)
     if type(norm) is torch.nn.LayerNorm and len(norm.normalized_shape) == 1:
         shape, weight, bias, eps = tuple(norm.normalized_shape), norm.weight, norm.bias, norm.eps
@@ -211,6 +222,29 @@ class KVCacheDecoder:
             self.final_norm = _direct_norm(module.decoder.final_layernorm)
             weight = module.shared_embedding_or_output_weight() if module.share_embeddings_and_output_weights else None
             self.output = self._linear(module.output_layer, weight)
+        self.fused = self._fused_plan(module)
+
+    def _fused_plan(self, module) -> Optional[dict]:
+        """What a decode step needs to run through the fused CPU kernels (``cpu_decode_ext``), or None
+        where they do not apply: only float32 on the CPU, one model-parallel rank, torch RMSNorms and
+        no query/key norms (the common Llama-style shape); anything else runs the Python step."""
+        if (self.device.type != "cpu" or self.dtype != torch.float32 or self.tp != 1 or self.pp != 1
+                or not getattr(module, "post_process", False)):
+            return None
+        norms = []
+        for layer, plan in zip(module.decoder.layers, self.layers):
+            if plan["q_norm"] is not None or plan["k_norm"] is not None:
+                return None
+            norms += [_cpu_rms_norm_params(layer.input_layernorm), _cpu_rms_norm_params(layer.pre_mlp_layernorm)]
+        norms.append(_cpu_rms_norm_params(module.decoder.final_layernorm))
+        if any(n is None for n in norms) or (self.rope is not None and self.rope_table.shape[-1] > self.head_dim):
+            return None
+        ext = cpu_decode_ext.load()
+        if ext is None:
+            return None
+        swiglu = self.config.gated_linear_unit and self.config.activation_func is F.silu
+        return dict(ext=ext, norms=[(w.detach(), float(eps)) for w, eps in norms], swiglu=swiglu,
+                    rope_table=self.rope_table.contiguous() if self.rope is not None else None)
 
     def _linear(self, linear, weight: Optional[torch.Tensor] = None):
         """A megatron-core parallel linear layer (bias included) as a callable; without tensor
@@ -294,14 +328,41 @@ class KVCacheDecoder:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
         return plan["proj"](out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim))
 
-    def _mlp(self, plan: dict, x: torch.Tensor) -> torch.Tensor:
-        x = plan["fc1"](x)
+    def _activation(self, x: torch.Tensor) -> torch.Tensor:
         if self.config.gated_linear_unit:
             gate, up = torch.chunk(x, 2, dim=-1)
-            x = self.config.activation_func(gate).mul_(up)
-        else:
-            x = self.config.activation_func(x)
-        return plan["fc2"](x)
+            return self.config.activation_func(gate).mul_(up)
+        return self.config.activation_func(x)
+
+    def _mlp(self, plan: dict, x: torch.Tensor) -> torch.Tensor:
+        return plan["fc2"](self._activation(plan["fc1"](x)))
+
+    def _fused_step(self, tokens: torch.Tensor, positions: torch.Tensor, start: int, key_mask: torch.Tensor,
+                    padded: bool) -> torch.Tensor:
+        """One decode step (``tokens`` [B, 1] at slot ``start``) through the fused CPU kernels: per
+        layer four kernel calls around the four matmuls. Returns the logits [B, V]."""
+        fused = self.fused
+        ext, norms = fused["ext"], fused["norms"]
+        batch = tokens.shape[0]
+        per_group = self.heads // self.groups
+        mask = key_mask if padded else None
+        hidden = self.embed(tokens, positions).view(batch, -1)  # [B, H]: a fresh tensor
+        weight, eps = norms[0]
+        normed = ext.add_rms_norm(hidden, None, weight, eps)
+        for index, plan in enumerate(self.layers):
+            qkv = plan["qkv"](normed)
+            cache = self.layer_cache[index]
+            ext.rope_cache_write(qkv, fused["rope_table"], positions[:, 0], cache, start, self.groups, per_group)
+            out = plan["proj"](ext.decode_attention(qkv, cache, start + 1, mask, self.scale, self.groups, per_group))
+            weight, eps = norms[2 * index + 1]
+            normed = ext.add_rms_norm(out, hidden, weight, eps)  # out += hidden: the residual stream
+            hidden = out
+            inner = plan["fc1"](normed)
+            out = plan["fc2"](ext.swiglu(inner) if fused["swiglu"] else self._activation(inner))
+            weight, eps = norms[2 * index + 2]  # the next layer's input norm, or the final norm
+            normed = ext.add_rms_norm(out, hidden, weight, eps)
+            hidden = out
+        return self.output(normed).float()
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, start: int, key_mask: torch.Tensor,
@@ -321,6 +382,10 @@ class KVCacheDecoder:
         device = self.device  # inputs may come from the host; on the CPU these are no-ops
         tokens, positions, key_mask = tokens.to(device), positions.to(device), key_mask.to(device)
         rows = rows.to(device) if rows is not None else None
+        if self.fused is not None and tokens.shape[1] == 1 and rows is None:
+            if padded is None:
+                padded = not bool(key_mask[:, : start + 1].all())
+            return self._fused_step(tokens, positions, start, key_mask, padded)
 
         if self.first_stage:
             hidden = self.embed(tokens, positions)  # [S, B, H]

@@ -1,0 +1,304 @@
+// Fused float32 CPU kernels for one decode step of a megatron-core GPT (one new token per row).
+//
+// A decode step of a small model is a few hundred small ops; eager PyTorch pays a dispatch, an
+// allocation and a pass over memory for each. These kernels do a layer's glue in four calls:
+//   add_rms_norm      residual add + RMSNorm, one pass
+//   rope_cache_write  RoPE on the new queries and key + the key/value write into the cache
+//   decode_attention  one query per row against the cache: each cached key and value read once
+//   swiglu            silu(gate) * up, one pass
+// The matmuls stay with torch (packed oneDNN/MKL GEMMs). Built at first use by
+// nemo_aligner/utils/cpu_decode_ext.py; the Python decode loop is the reference
+// (tests/test_cpu_decode_ext.py compares them).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define NA_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kMinTaskFloats = 1 << 15;  // below this much work a kernel runs on one thread
+
+inline void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, ": expected a float32 CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+}
+
+inline int64_t grain_rows(int64_t row_floats) {
+  return std::max<int64_t>(1, kMinTaskFloats / std::max<int64_t>(1, row_floats));
+}
+
+#ifdef NA_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp for x in [-87.3, 88.3] (clamped), Cephes' expf polynomial: ~1 ulp.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 y = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+inline float exp1(float x) {
+  return std::exp(std::min(std::max(x, -87.3f), 88.3f));
+}
+
+// y[i] = exp(x[i]) for n floats.
+inline void exp_array(const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+#ifdef NA_AVX2
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, exp8(_mm256_loadu_ps(x + i)));
+#endif
+  for (; i < n; ++i) y[i] = exp1(x[i]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#ifdef NA_AVX2
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  s = hsum(_mm256_add_ps(acc0, acc1));
+#endif
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y[i] += a * x[i]
+inline void axpy(float a, const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+#ifdef NA_AVX2
+  __m256 va = _mm256_set1_ps(a);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+}  // namespace
+
+// x [B, H] += residual (when given, in place); returns RMSNorm(x) * weight as a new [B, H] tensor.
+at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight, double eps) {
+  check_f32(x, "x");
+  check_f32(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1), "add_rms_norm: x [B, H], weight [H]");
+  const int64_t rows = x.size(0), h = x.size(1);
+  const float* res = nullptr;
+  if (residual.has_value()) {
+    check_f32(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes(), "add_rms_norm: residual must have x's shape");
+    res = residual->data_ptr<float>();
+  }
+  at::Tensor out = at::empty_like(x);
+  float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, grain_rows(h), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = xp + r * h;
+      if (res != nullptr) {
+        const float* rr = res + r * h;
+        for (int64_t i = 0; i < h; ++i) row[i] += rr[i];
+      }
+      const float inv = 1.0f / std::sqrt(dot(row, row, h) / static_cast<float>(h) + feps);
+      float* o = op + r * h;
+      for (int64_t i = 0; i < h; ++i) o[i] = row[i] * inv * w[i];
+    }
+  });
+  return out;
+}
+
+// qkv [B, groups * (per_group + 2) * d]: per query group its per_group query heads, then one key and
+// one value head (megatron-core's layout). Rotates the queries and the key in place by RoPE (the
+// first 2 * half channels of each head, halves not interleaved; rope_table [max_len, 2 * half]: cos
+// then sin, row positions[b]), then writes key and value into cache [B, groups, 2, T, d] at `slot`.
+void rope_cache_write(at::Tensor qkv, const c10::optional<at::Tensor>& rope_table, const at::Tensor& positions,
+                      at::Tensor cache, int64_t slot, int64_t groups, int64_t per_group) {
+  check_f32(qkv, "qkv");
+  check_f32(cache, "cache");
+  TORCH_CHECK(cache.dim() == 5 && cache.size(2) == 2, "rope_cache_write: cache [B, groups, 2, T, d]");
+  const int64_t rows = qkv.size(0), d = cache.size(4), t_len = cache.size(3);
+  TORCH_CHECK(cache.size(0) == rows && cache.size(1) == groups, "rope_cache_write: cache rows/groups mismatch");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == groups * (per_group + 2) * d, "rope_cache_write: qkv width");
+  TORCH_CHECK(slot >= 0 && slot < t_len, "rope_cache_write: slot out of range");
+  const float* table = nullptr;
+  int64_t rot = 0, table_len = 0;
+  if (rope_table.has_value()) {
+    check_f32(*rope_table, "rope_table");
+    rot = rope_table->size(1);
+    table_len = rope_table->size(0);
+    TORCH_CHECK(rot % 2 == 0 && rot <= d, "rope_cache_write: rope table width");
+    table = rope_table->data_ptr<float>();
+  }
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == rows, "rope_cache_write: positions [B] int64");
+  auto pos = positions.reshape({rows});
+  auto pacc = pos.accessor<int64_t, 1>();
+  const int64_t half = rot / 2;
+  float* q = qkv.data_ptr<float>();
+  float* c = cache.data_ptr<float>();
+  const int64_t row_width = qkv.size(1);
+  for (int64_t b = 0; b < rows; ++b) {
+    const float* cs = nullptr;
+    if (table != nullptr) {
+      const int64_t p = pacc[b];
+      TORCH_CHECK(p >= 0 && p < table_len, "rope_cache_write: position out of the RoPE table");
+      cs = table + p * rot;
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      float* group = q + b * row_width + g * (per_group + 2) * d;
+      if (cs != nullptr) {
+        for (int64_t j = 0; j <= per_group; ++j) {  // the queries and the key
+          float* x1 = group + j * d;
+          float* x2 = x1 + half;
+          for (int64_t i = 0; i < half; ++i) {
+            const float a = x1[i], bb = x2[i], co = cs[i], si = cs[half + i];
+            x1[i] = a * co - bb * si;
+            x2[i] = bb * co + a * si;
+          }
+        }
+      }
+      float* dst = c + ((b * groups + g) * 2 * t_len + slot) * d;
+      std::memcpy(dst, group + per_group * d, d * sizeof(float));                // key
+      std::memcpy(dst + t_len * d, group + (per_group + 1) * d, d * sizeof(float));  // value
+    }
+  }
+}
+
+// One query per row against the cache: qkv as in rope_cache_write (the queries already rotated),
+// cache [B, groups, 2, T, d], slots [0, end) attended (those with key_mask[b, t] false skipped).
+// Returns [B, groups * per_group * d]: softmax(scale * q k^T) v per query head.
+at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cache, int64_t end,
+                            const c10::optional<at::Tensor>& key_mask, double scale, int64_t groups,
+                            int64_t per_group) {
+  check_f32(qkv, "qkv");
+  check_f32(cache, "cache");
+  const int64_t rows = qkv.size(0), d = cache.size(4), t_len = cache.size(3);
+  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == rows && cache.size(1) == groups && cache.size(2) == 2,
+              "decode_attention: cache [B, groups, 2, T, d]");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == groups * (per_group + 2) * d, "decode_attention: qkv width");
+  TORCH_CHECK(end >= 1 && end <= t_len, "decode_attention: end out of range");
+  const bool* mask = nullptr;
+  int64_t mask_stride = 0;
+  at::Tensor mask_c;
+  if (key_mask.has_value()) {
+    TORCH_CHECK(key_mask->scalar_type() == at::kBool && key_mask->dim() == 2 && key_mask->size(0) == rows &&
+                    key_mask->size(1) >= end, "decode_attention: key_mask [B, >= end] bool");
+    mask_c = key_mask->contiguous();
+    mask = mask_c.data_ptr<bool>();
+    mask_stride = mask_c.size(1);
+  }
+  at::Tensor out = at::empty({rows, groups * per_group * d}, qkv.options());
+  const float* q = qkv.data_ptr<float>();
+  const float* c = cache.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t row_width = qkv.size(1);
+  const float fscale = static_cast<float>(scale);
+  const int64_t tasks = rows * groups;
+  at::parallel_for(0, tasks, grain_rows(2 * end * d), [&](int64_t begin, int64_t stop) {
+    std::vector<float> scores(per_group * end);
+    std::vector<float> acc(per_group * d);
+    std::vector<float> inv_sum(per_group);
+    for (int64_t task = begin; task < stop; ++task) {
+      const int64_t b = task / groups, g = task % groups;
+      const float* qg = q + b * row_width + g * (per_group + 2) * d;
+      const float* keys = c + (b * groups + g) * 2 * t_len * d;
+      const float* values = keys + t_len * d;
+      const bool* m = mask != nullptr ? mask + b * mask_stride : nullptr;
+      constexpr float kSkip = -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < end; ++t) {
+        const bool keep = m == nullptr || m[t];
+        const float* k = keys + t * d;
+        for (int64_t j = 0; j < per_group; ++j) scores[j * end + t] = keep ? dot(qg + j * d, k, d) * fscale : kSkip;
+      }
+      for (int64_t j = 0; j < per_group; ++j) {
+        float* s = scores.data() + j * end;
+        float mx = kSkip;
+        for (int64_t t = 0; t < end; ++t) mx = std::max(mx, s[t]);
+        // every slot masked cannot happen (a row always sees its own new key); guard anyway
+        if (mx == kSkip) mx = 0.f;
+        for (int64_t t = 0; t < end; ++t) s[t] -= mx;  // masked slots stay -inf: exp gives 0
+        exp_array(s, s, end);
+        float sum = 0.f;
+        for (int64_t t = 0; t < end; ++t) sum += s[t];
+        inv_sum[j] = sum > 0.f ? 1.0f / sum : 0.f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < end; ++t) {
+        if (m != nullptr && !m[t]) continue;
+        const float* v = values + t * d;
+        for (int64_t j = 0; j < per_group; ++j) axpy(scores[j * end + t], v, acc.data() + j * d, d);
+      }
+      float* og = o + (b * groups + g) * per_group * d;
+      for (int64_t j = 0; j < per_group; ++j)
+        for (int64_t i = 0; i < d; ++i) og[j * d + i] = acc[j * d + i] * inv_sum[j];
+    }
+  });
+  return out;
+}
+
+// x [B, 2F] (gate then up, as megatron-core's fc1 output) -> silu(gate) * up [B, F].
+at::Tensor swiglu(const at::Tensor& x) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "swiglu: x [B, 2F]");
+  const int64_t rows = x.size(0), f = x.size(1) / 2;
+  at::Tensor out = at::empty({rows, f}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(2 * f), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = xp + r * 2 * f;
+      const float* up = gate + f;
+      float* o = op + r * f;
+      int64_t i = 0;
+#ifdef NA_AVX2
+      const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+      for (; i + 8 <= f; i += 8) {
+        __m256 g = _mm256_loadu_ps(gate + i);
+        __m256 e = exp8(_mm256_sub_ps(zero, g));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+      }
+#endif
+      for (; i < f; ++i) o[i] = gate[i] / (1.0f + exp1(-gate[i])) * up[i];
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "nemo_aligner fused CPU decode-step kernels (float32)";
+  m.def("add_rms_norm", &add_rms_norm, "x += residual; RMSNorm(x) * weight");
+  m.def("rope_cache_write", &rope_cache_write, "RoPE on queries and key in place, key/value into the cache");
+  m.def("decode_attention", &decode_attention, "one query per row against the KV cache");
+  m.def("swiglu", &swiglu, "silu(gate) * up");
+}

@@ -1,0 +1,84 @@
+"""The fused CPU decode-step kernels (``nemo_aligner/csrc/cpu_decode.cpp``), compiled on first use.
+
+A float32 decode step on the CPU runs the matmuls through torch and each layer's glue (residual
+add + RMSNorm, RoPE + cache write, attention over the cache, SwiGLU) through these kernels: four
+calls a layer instead of ~45 small torch ops (see benchmarks/README.md). The extension is built
+once per machine and flag set with ``torch.utils.cpp_extension`` (a C++ compiler and the Python
+headers; ~1 min) into torch's extension cache (``TORCH_EXTENSIONS_DIR``).
+
+``NEMO_ALIGNER_DECODE_EXT``: ``auto`` (default: use it where it builds, else the Python loop with
+one warning), ``on`` (an error where it cannot build), ``off``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from types import ModuleType
+from typing import Optional
+
+from nemo_aligner.utils.cpu_gemm import cpuinfo
+from nemo_aligner.utils.errors import ConfigError
+
+ENV_VAR = "NEMO_ALIGNER_DECODE_EXT"
+MODES = ("auto", "on", "off")
+SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "cpu_decode.cpp")
+
+log = logging.getLogger(__name__)
+
+
+def mode() -> str:
+    """``NEMO_ALIGNER_DECODE_EXT`` (``auto`` when unset); an unknown value is an error naming it."""
+    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise ConfigError(f"{ENV_VAR}={value!r}: expected one of {', '.join(MODES)}")
+    return value
+
+
+def compile_flags() -> list:
+    """Optimisation flags for this CPU: AVX2 + FMA kernels where the CPU has both (checked in
+    ``/proc/cpuinfo``, not ``-march=native``, so a shared extension cache never holds code for a
+    CPU other than the one its flags name), portable scalar code elsewhere."""
+    flags = ["-O3", "-fopenmp"]
+    cpu_flags = set(cpuinfo("flags").split())
+    if platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma"} <= cpu_flags:
+        flags += ["-mavx2", "-mfma"]
+    return flags
+
+
+def _build_name(flags: list) -> str:
+    # One build per source and flag set: an edited source or another CPU kind gets its own.
+    with open(SOURCE, "rb") as f:
+        digest = hashlib.sha1(f.read() + " ".join(flags).encode()).hexdigest()[:12]
+    return f"nemo_aligner_cpu_decode_{digest}"
+
+
+@functools.lru_cache(maxsize=None)
+def _load(requested: str) -> Optional[ModuleType]:
+    if requested == "off":
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        flags = compile_flags()
+        name = _build_name(flags)
+        log.info("loading the fused CPU decode kernels (%s; the first build on a machine takes ~1 min)", name)
+        # -fopenmp at compile time only: the kernels' at::parallel_for then runs on the OpenMP
+        # runtime torch already loaded (the same libgomp.so.1), not a second thread pool.
+        return cpp_extension.load(name=name, sources=[SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                                  verbose=False)
+    except Exception as error:  # a missing compiler or headers: the Python loop still works
+        if requested == "on":
+            raise ConfigError(f"{ENV_VAR}=on, but the fused CPU decode kernels could not be built: {error}") from error
+        log.warning("the fused CPU decode kernels could not be built (%s); decoding with the Python loop "
+                    "(set %s=off to skip the attempt)", str(error).strip().splitlines()[-1:] or error, ENV_VAR)
+        return None
+
+
+def load() -> Optional[ModuleType]:
+    """The compiled kernels module, or None where ``NEMO_ALIGNER_DECODE_EXT`` is ``off`` or (in
+    ``auto``) they cannot be built. Built once per process and machine."""
+    return _load(mode())
