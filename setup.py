@@ -61,6 +61,7 @@ setup(
         "transformers",
         "safetensors",
         "matplotlib",  # make demo: results/demo/report.png
+        "ninja",  # builds the fused CPU decode kernels on first use (utils/cpu_decode_ext.py)
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "filelock"],

@@ -20,8 +20,9 @@ from common import (bench_device, build_pair, default_precision, device_descript
 def kernel_floor(module, prompts: torch.Tensor, new_tokens: int, rounds: int = 3) -> dict:
     """A lower bound for our generation on this machine's kernels: ``prefill_s``, our prefill of
     ``prompts`` [B, P]; ``decode_step_s``, one decode step's unskippable work run back to back with
-    nothing else (every layer's matmuls through the decode loop's own MKL-packed callables, one query
-    per row attending over a separate per-layer cache at its mean length, the output layer).
+    nothing else (every layer's matmuls through the decode loop's own packed callables, one query
+    per row attending over a per-layer cache at its mean length with the loop's own attention: the
+    fused kernel where it runs, else SDPA; the output layer).
     Medians of ``rounds``."""
     from nemo_aligner.utils.generation import KVCacheDecoder
 
@@ -34,11 +35,21 @@ def kernel_floor(module, prompts: torch.Tensor, new_tokens: int, rounds: int = 3
     inner = torch.randn(1, batch, module.decoder.layers[0].mlp.linear_fc2.weight.shape[1], **like)
     q = torch.randn(batch, decoder.heads, 1, decoder.head_dim, **like)
     gqa = decoder.heads != decoder.groups
+    per_group = decoder.heads // decoder.groups
+    qkv = torch.randn(batch, decoder.groups * (per_group + 2) * decoder.head_dim, **like)
+    end = prompt + new_tokens // 2
+
+    def attention(index, keys, values):
+        if decoder.fused is not None:  # the loop's own attention kernel
+            decoder.fused["ext"].decode_attention(qkv, decoder.layer_cache[index], end, None, decoder.scale,
+                                                  decoder.groups, per_group)
+        else:
+            F.scaled_dot_product_attention(q, keys, values, scale=decoder.scale, enable_gqa=gqa)
 
     def decode_step():
-        for plan, keys, values in zip(decoder.layers, decoder.layer_keys, decoder.layer_values):
+        for index, (plan, keys, values) in enumerate(zip(decoder.layers, decoder.layer_keys, decoder.layer_values)):
             plan["qkv"](x), plan["proj"](x), plan["fc1"](x), plan["fc2"](inner)
-            F.scaled_dot_product_attention(q, keys, values, scale=decoder.scale, enable_gqa=gqa)
+            attention(index, keys, values)
         decoder.output(x)
 
     def timed(fn) -> float:

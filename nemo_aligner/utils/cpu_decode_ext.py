@@ -17,6 +17,8 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import sysconfig
 from types import ModuleType
 from typing import Optional
 
@@ -63,6 +65,10 @@ def _load(requested: str) -> Optional[ModuleType]:
     try:
         from torch.utils import cpp_extension
 
+        if shutil.which("ninja") is None:
+            # torch runs `ninja` from PATH; the `ninja` package puts it beside this interpreter,
+            # which is not on PATH when a venv's python is run without activating the venv.
+            os.environ["PATH"] = os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")])
         flags = compile_flags()
         name = _build_name(flags)
         log.info("loading the fused CPU decode kernels (%s; the first build on a machine takes ~1 min)", name)

@@ -1,0 +1,187 @@
+"""The fused CPU decode kernels (nemo_aligner/csrc/cpu_decode.cpp) against torch: each kernel on its
+own (odd widths hit the scalar tails), a whole decode step against the Python step, and generate()
+with and without them; the build's fallback and errors."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import TINY_ARCH
+from nemo_aligner.utils import cpu_decode_ext
+from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.utils.generation import KVCacheDecoder, LengthParams, SamplingParams, _rotate_in_place, generate
+from test_generation import PROMPTS, build
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module = cpu_decode_ext.load()
+    # Every dev and CI machine has a compiler: a build failure here is a failure, not a skip.
+    assert module is not None, "the fused CPU decode kernels did not build"
+    return module
+
+
+@pytest.mark.parametrize("width", [64, 37])
+def test_add_rms_norm(ext, width):
+    torch.manual_seed(0)
+    x, residual, weight = torch.randn(5, width) * 3, torch.randn(5, width), torch.rand(width) + 0.5
+    expected_sum = (x.double() + residual.double())
+    expected = expected_sum * torch.rsqrt(expected_sum.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+    out = ext.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.allclose(x.double(), expected_sum, atol=1e-6)  # the residual was added in place
+    assert torch.allclose(out.double(), expected, rtol=1e-6, atol=1e-6)
+    before = x.clone()
+    plain = ext.add_rms_norm(x, None, weight, 1e-5)
+    assert torch.equal(x, before)  # no residual: x untouched
+    assert torch.allclose(plain, F.rms_norm(x, (width,), weight, 1e-5), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("width", [1024, 45])
+def test_swiglu(ext, width):
+    torch.manual_seed(1)
+    x = torch.randn(7, 2 * width) * 10  # large gates: exp saturates on both sides
+    x[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -90.0])
+    gate, up = x.chunk(2, dim=-1)
+    assert torch.allclose(ext.swiglu(x), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+def _layout(batch, groups, per_group, d, length, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(batch, groups * (per_group + 2) * d, generator=g)
+    cache = torch.randn(batch, groups, 2, length, d, generator=g)
+    return qkv, cache
+
+
+@pytest.mark.parametrize("per_group,d,rot", [(2, 16, 16), (1, 12, 6), (3, 8, 0)],
+                         ids=["gqa", "odd_head_partial_rotary", "no_rope"])
+def test_rope_cache_write(ext, per_group, d, rot):
+    batch, groups, length, slot = 3, 2, 9, 5
+    qkv, cache = _layout(batch, groups, per_group, d, length)
+    positions = torch.tensor([5, 2, 0])
+    table = None
+    if rot:
+        angles = torch.rand(12, rot // 2) * 6
+        table = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    expected_qkv = qkv.clone().view(batch, groups, per_group + 2, d)
+    if table is not None:
+        cos, sin = table[positions, : rot // 2], table[positions, rot // 2 :]
+        _rotate_in_place(expected_qkv[:, :, : per_group + 1], cos[:, None, None], sin[:, None, None])
+    expected_cache = cache.clone()
+    expected_cache[:, :, :, slot] = expected_qkv[:, :, per_group:]
+    ext.rope_cache_write(qkv, table, positions, cache, slot, groups, per_group)
+    assert torch.allclose(qkv.view_as(expected_qkv), expected_qkv, atol=1e-6)
+    assert torch.allclose(cache, expected_cache, atol=1e-6)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ext.rope_cache_write(qkv, table, positions, cache, length, groups, per_group)
+
+
+@pytest.mark.parametrize("per_group,d,masked", [(2, 16, True), (1, 12, False), (4, 64, True)])
+def test_decode_attention_equals_sdpa(ext, per_group, d, masked):
+    batch, groups, length, end = 4, 2, 40, 33
+    qkv, cache = _layout(batch, groups, per_group, d, length, seed=3)
+    qkv *= 2  # peaked softmaxes too
+    mask = None
+    if masked:  # left padding of different lengths, as generate() makes
+        mask = torch.arange(length)[None, :] >= torch.tensor([0, 3, 17, 30])[:, None]
+    scale = d ** -0.5
+    out = ext.decode_attention(qkv, cache, end, mask, scale, groups, per_group)
+    q = qkv.view(batch, groups, per_group + 2, d)[:, :, :per_group].reshape(batch, groups * per_group, 1, d)
+    keys, values = cache[:, :, 0, :end], cache[:, :, 1, :end]
+    sdpa_mask = mask[:, None, None, :end] if mask is not None else None
+    expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=sdpa_mask, scale=scale,
+                                              enable_gqa=per_group > 1)
+    assert torch.allclose(out, expected.reshape(batch, -1), atol=2e-6, rtol=1e-5)
+
+
+def test_kernels_refuse_bad_shapes(ext):
+    qkv, cache = _layout(2, 2, 1, 8, 6)
+    with pytest.raises(RuntimeError, match="qkv width"):
+        ext.decode_attention(qkv[:, :-1].contiguous(), cache, 3, None, 1.0, 2, 1)
+    with pytest.raises(RuntimeError, match="float32"):
+        ext.swiglu(torch.ones(2, 4, dtype=torch.float64))
+
+
+def _step_logits(model, decoder_fused: bool, padded_prompts):
+    """Logits of a prefill and six decode steps fed the same tokens, fused or Python decode steps."""
+    tok = model.tokenizer
+    prompts = [tok.text_to_ids(p) for p in padded_prompts]
+    longest, steps = max(map(len, prompts)), 6
+    total = longest + steps
+    pad = torch.tensor([longest - len(p) for p in prompts])
+    tokens = torch.full((len(prompts), total), tok.eos_id)
+    for b, p in enumerate(prompts):
+        tokens[b, pad[b] : longest] = torch.tensor(p)
+    tokens[:, longest:] = torch.randint(3, tok.vocab_size, (len(prompts), steps), generator=torch.Generator().manual_seed(4))
+    slots = torch.arange(total).unsqueeze(0)
+    positions, key_mask = (slots - pad[:, None]).clamp(min=0), slots >= pad[:, None]
+    decoder = KVCacheDecoder(model.module, len(prompts), total)
+    assert (decoder.fused is not None) or not decoder_fused
+    if not decoder_fused:
+        decoder.fused = None
+    logits = [decoder.forward(tokens[:, :longest], positions[:, :longest], 0, key_mask)]
+    for slot in range(longest, total):
+        logits.append(decoder.forward(tokens[:, slot : slot + 1], positions[:, slot : slot + 1], slot, key_mask))
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("extra", [{}, {"rotary_percentage": 0.5}, {"num_query_groups": 4},
+                                   {"hidden_size": 48, "num_attention_heads": 4, "num_query_groups": 1},
+                                   {"activation": "gelu"}],
+                         ids=["gqa", "partial_rotary", "mha", "odd_head_dim_mqa", "gelu_not_gated"])
+@pytest.mark.parametrize("texts", [PROMPTS, ["sort cba = ", "sort abc = "]], ids=["padded", "unpadded"])
+def test_fused_step_equals_python_step(mcore_single, ext, extra, texts):
+    model = build(dict(TINY_ARCH, **extra), seed=5)
+    fused, python = _step_logits(model, True, texts), _step_logits(model, False, texts)
+    assert torch.equal(fused[0], python[0])  # the prefill runs the same Python code either way
+    assert torch.allclose(fused, python, atol=2e-5, rtol=1e-5), (fused - python).abs().max()
+
+
+def test_fused_kernels_not_used_where_they_do_not_apply(mcore_single):
+    from conftest import TINY_GPT2_ARCH
+
+    for arch in (TINY_GPT2_ARCH, dict(TINY_ARCH, qk_layernorm=True)):  # LayerNorm; query/key norms
+        model = build(arch)
+        assert KVCacheDecoder(model.module, 2, 8).fused is None
+
+
+@pytest.mark.parametrize("use_greedy", [True, False])
+def test_generate_same_tokens_with_and_without_the_kernels(mcore_single, monkeypatch, use_greedy):
+    model = build(TINY_ARCH, seed=6)
+    tok = model.tokenizer
+    prompts = [tok.text_to_ids(p) for p in PROMPTS]
+    sampling = SamplingParams(use_greedy=use_greedy, temperature=0.7, top_k=0, top_p=0.9)
+    runs = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv(cpu_decode_ext.ENV_VAR, mode)
+        runs[mode] = generate(model.module, tok, prompts, sampling, LengthParams(max_length=12, min_length=2), seed=7)
+    assert torch.equal(runs["on"].tokens, runs["off"].tokens)
+    assert torch.equal(runs["on"].response_lengths, runs["off"].response_lengths)
+    assert torch.equal(runs["on"].is_end, runs["off"].is_end)
+
+
+def test_mode_values(monkeypatch):
+    monkeypatch.setenv(cpu_decode_ext.ENV_VAR, "sometimes")
+    with pytest.raises(ConfigError, match=cpu_decode_ext.ENV_VAR):
+        cpu_decode_ext.load()
+    monkeypatch.setenv(cpu_decode_ext.ENV_VAR, "off")
+    assert cpu_decode_ext.load() is None
+
+
+def test_a_failed_build_falls_back_or_is_an_error(monkeypatch, tmp_path, caplog):
+    broken = tmp_path / "broken.cpp"
+    broken.write_text('#error "no compiler for this"\n')
+    monkeypatch.setattr(cpu_decode_ext, "SOURCE", str(broken))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    cpu_decode_ext._load.cache_clear()
+    try:
+        monkeypatch.setenv(cpu_decode_ext.ENV_VAR, "auto")
+        with caplog.at_level(logging.WARNING, logger=cpu_decode_ext.__name__):
+            assert cpu_decode_ext.load() is None
+        assert "decoding with the Python loop" in caplog.text
+        monkeypatch.setenv(cpu_decode_ext.ENV_VAR, "on")
+        with pytest.raises(ConfigError, match="could not be built"):
+            cpu_decode_ext.load()
+    finally:
+        cpu_decode_ext._load.cache_clear()  # the real kernels for the tests after this one
