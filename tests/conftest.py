@@ -114,6 +114,15 @@ def built_once(tmp_path_factory, name: str, build):
         return json.loads(result.read_text())
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_decode_kernels():
+    """The fused CPU decode kernels, built (first run on a machine) or imported once per test
+    process up front, so the tests' child processes (some killed on purpose) only import them."""
+    from nemo_aligner.utils import cpu_decode_ext
+
+    return cpu_decode_ext.load()
+
+
 @pytest.fixture(scope="session")
 def builtin_data(tmp_path_factory):
     """Every built-in data format (small), written once per session."""

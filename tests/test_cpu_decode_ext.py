@@ -3,6 +3,10 @@ own (odd widths hit the scalar tails), a whole decode step against the Python st
 with and without them; the build's fallback and errors."""
 
 import logging
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -183,5 +187,29 @@ def test_a_failed_build_falls_back_or_is_an_error(monkeypatch, tmp_path, caplog)
         monkeypatch.setenv(cpu_decode_ext.ENV_VAR, "on")
         with pytest.raises(ConfigError, match="could not be built"):
             cpu_decode_ext.load()
+        # nothing half-built is left to be imported later: only the lock file
+        assert [p.endswith(".lock") for p in os.listdir(cpu_decode_ext.cache_root())] == [True]
     finally:
         cpu_decode_ext._load.cache_clear()  # the real kernels for the tests after this one
+
+
+def test_a_build_lock_held_by_a_killed_process_does_not_block(ext, tmp_path):
+    """A run killed while building (Ctrl-C, kill -9, a fault-injection test) holds the build lock
+    only while it lives: the next run imports (or builds) at once instead of waiting forever."""
+    flags = cpu_decode_ext.compile_flags()
+    name = cpu_decode_ext._build_name(flags)
+    lock_path = os.path.join(cpu_decode_ext.cache_root(), name + ".lock")
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time\n"
+        f"f = open({lock_path!r}, 'w'); fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(600)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=30)
+        module = cpu_decode_ext._build_or_import(name, flags)
+        assert module.swiglu(torch.zeros(1, 2)).shape == (1, 1)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()

@@ -4,7 +4,7 @@ A float32 decode step on the CPU runs the matmuls through torch and each layer's
 add + RMSNorm, RoPE + cache write, attention over the cache, SwiGLU) through these kernels: four
 calls a layer instead of ~45 small torch ops (see benchmarks/README.md). The extension is built
 once per machine and flag set with ``torch.utils.cpp_extension`` (a C++ compiler and the Python
-headers; ~1 min) into torch's extension cache (``TORCH_EXTENSIONS_DIR``).
+headers; ~1 min) into torch's extension cache (:func:`cache_root`).
 
 ``NEMO_ALIGNER_DECODE_EXT``: ``auto`` (default: use it where it builds, else the Python loop with
 one warning), ``on`` (an error where it cannot build), ``off``.
@@ -12,13 +12,17 @@ one warning), ``on`` (an error where it cannot build), ``off``.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
 import shutil
+import sys
 import sysconfig
+import tempfile
 from types import ModuleType
 from typing import Optional
 
@@ -52,10 +56,61 @@ def compile_flags() -> list:
 
 
 def _build_name(flags: list) -> str:
-    # One build per source and flag set: an edited source or another CPU kind gets its own.
+    # One build per source, flag set, torch and Python: an edited source, another CPU kind or a
+    # torch upgrade gets its own.
+    import torch
+
     with open(SOURCE, "rb") as f:
-        digest = hashlib.sha1(f.read() + " ".join(flags).encode()).hexdigest()[:12]
-    return f"nemo_aligner_cpu_decode_{digest}"
+        key = f.read() + " ".join(flags + [torch.__version__, sys.version]).encode()
+    return f"nemo_aligner_cpu_decode_{hashlib.sha1(key).hexdigest()[:12]}"
+
+
+def cache_root() -> str:
+    """Where builds are kept: ``$TORCH_EXTENSIONS_DIR/nemo_aligner``, else
+    ``~/.cache/torch_extensions/nemo_aligner``."""
+    base = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "torch_extensions")
+    return os.path.join(base, "nemo_aligner")
+
+
+def _import(name: str, path: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build_or_import(name: str, flags: list) -> ModuleType:
+    """Import the build ``name``, building it first where it is missing. Builds go to a private
+    temporary directory that is renamed into place when complete, under an exclusive ``flock``
+    (the kernel releases it if the process dies, so an interrupted build never blocks later runs,
+    and a half-written build is never imported)."""
+    from torch.utils import cpp_extension
+
+    root = cache_root()
+    os.makedirs(root, exist_ok=True)
+    final = os.path.join(root, name)
+    library = os.path.join(final, name + ".so")
+    with open(os.path.join(root, name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build per machine; others wait for it, then import
+        if os.path.exists(library):
+            return _import(name, library)
+        log.info("building the fused CPU decode kernels into %s (once per machine, ~1 min)", final)
+        if shutil.which("ninja") is None:
+            # torch runs `ninja` from PATH; the `ninja` package puts it beside this interpreter,
+            # which is not on PATH when a venv's python is run without activating the venv.
+            os.environ["PATH"] = os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")])
+        scratch = tempfile.mkdtemp(prefix=name + ".building-", dir=root)
+        try:
+            # -fopenmp at compile time: the kernels' at::parallel_for then runs on the OpenMP
+            # runtime torch already loaded (the same libgomp.so.1), not a second thread pool.
+            module = cpp_extension.load(name=name, sources=[SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                                        build_directory=scratch, verbose=False)
+            os.rename(scratch, final)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        return module
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,24 +118,13 @@ def _load(requested: str) -> Optional[ModuleType]:
     if requested == "off":
         return None
     try:
-        from torch.utils import cpp_extension
-
-        if shutil.which("ninja") is None:
-            # torch runs `ninja` from PATH; the `ninja` package puts it beside this interpreter,
-            # which is not on PATH when a venv's python is run without activating the venv.
-            os.environ["PATH"] = os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")])
         flags = compile_flags()
-        name = _build_name(flags)
-        log.info("loading the fused CPU decode kernels (%s; the first build on a machine takes ~1 min)", name)
-        # -fopenmp at compile time only: the kernels' at::parallel_for then runs on the OpenMP
-        # runtime torch already loaded (the same libgomp.so.1), not a second thread pool.
-        return cpp_extension.load(name=name, sources=[SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                                  verbose=False)
+        return _build_or_import(_build_name(flags), flags)
     except Exception as error:  # a missing compiler or headers: the Python loop still works
         if requested == "on":
             raise ConfigError(f"{ENV_VAR}=on, but the fused CPU decode kernels could not be built: {error}") from error
         log.warning("the fused CPU decode kernels could not be built (%s); decoding with the Python loop "
-                    "(set %s=off to skip the attempt)", str(error).strip().splitlines()[-1:] or error, ENV_VAR)
+                    "(set %s=off to skip the attempt)", (str(error).strip().splitlines() or [repr(error)])[-1], ENV_VAR)
         return None
 
 
