@@ -40,7 +40,8 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10,<3.12",
-    packages=find_packages(include=["nemo_aligner", "nemo_aligner.*", "nemo_rl", "nemo_rl.*"]),
+    # csrc holds no Python: listed so setuptools installs its C++ source as package data
+    packages=find_packages(include=["nemo_aligner", "nemo_aligner.*", "nemo_rl", "nemo_rl.*"]) + ["nemo_aligner.csrc"],
     include_package_data=True,
     # the fused CPU decode kernels' source, compiled on first use (utils/cpu_decode_ext.py)
     package_data={"nemo_aligner": ["csrc/*.cpp"]},
