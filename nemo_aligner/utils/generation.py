@@ -5,7 +5,9 @@ layers, output layer) directly, so tensor parallelism works unchanged, and repla
 megatron-core's attention with ``scaled_dot_product_attention`` over a cache allocated once
 (no per-step concatenation, keys cached after rotation, logits for the last position only).
 Prompts of different lengths are left-aligned into one batch: each row gets its own
-positions and a padding mask, so a single prefill covers every prompt.
+positions and a padding mask, so a single prefill covers every prompt. On the CPU in float32 (one
+rank, RMSNorm models) decode steps run each layer's glue through fused C++ kernels
+(``cpu_decode_ext``); the Python step below is their reference and the fallback.
 
 Generation returns tokens only. Log-probs for training are recomputed by the model's
 training forward, so sampling settings (temperature, top-k, top-p) cannot bias them.
