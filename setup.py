@@ -43,7 +43,7 @@ setup(
     # csrc holds no Python: listed so setuptools installs its C++ source as package data
     packages=find_packages(include=["nemo_aligner", "nemo_aligner.*", "nemo_rl", "nemo_rl.*"]) + ["nemo_aligner.csrc"],
     include_package_data=True,
-    # the fused CPU decode kernels' source, compiled on first use (utils/cpu_decode_ext.py)
+    # the fused CPU decode kernels' source, compiled on first use (utils/cpu_kernels.py)
     package_data={"nemo_aligner": ["csrc/*.cpp"]},
     install_requires=[
         "torch==2.13.0",
@@ -62,7 +62,7 @@ setup(
         "transformers",
         "safetensors",
         "matplotlib",  # make demo: results/demo/report.png
-        "ninja",  # builds the fused CPU decode kernels on first use (utils/cpu_decode_ext.py)
+        "ninja",  # builds the fused CPU decode kernels on first use (utils/cpu_kernels.py)
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "filelock"],

@@ -118,9 +118,9 @@ def built_once(tmp_path_factory, name: str, build):
 def cpu_decode_kernels():
     """The fused CPU decode kernels, built (first run on a machine) or imported once per test
     process up front, so the tests' child processes (some killed on purpose) only import them."""
-    from nemo_aligner.utils import cpu_decode_ext
+    from nemo_aligner.utils import cpu_kernels
 
-    return cpu_decode_ext.load()
+    return cpu_kernels.load()
 
 
 @pytest.fixture(scope="session")

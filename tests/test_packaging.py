@@ -18,15 +18,15 @@ def test_built_package_carries_the_configs_and_scripts(tmp_path):
     for name in ("conf/gpt_grpo.yaml", "conf/gpt_sft.yaml", "serve_ppo_critic.py", "train_gpt_ppo_actor.py"):
         assert (packaged / name).is_file(), name
     assert not (build / "nemo_aligner" / "_examples" / "nlp" / "gpt" / "__pycache__").exists()
-    assert (build / "nemo_aligner" / "csrc" / "cpu_decode.cpp").is_file()  # the decode kernels' source
+    assert (build / "nemo_aligner" / "csrc" / "cpu_kernels.cpp").is_file()  # the decode kernels' source
     # Run from elsewhere, with the built package first on the path: it must use its own copy.
     env = dict(subprocess_env(), PYTHONPATH=str(build))
     check = """
 import os, nemo_aligner
 from nemo_aligner.trainers.base import CONF_DIR, compose_config
 from nemo_aligner.launchers import ppo_local
-from nemo_aligner.utils import cpu_decode_ext
-assert cpu_decode_ext.SOURCE.startswith(os.environ["PYTHONPATH"]) and os.path.isfile(cpu_decode_ext.SOURCE)
+from nemo_aligner.utils import cpu_kernels
+assert cpu_kernels.SOURCE.startswith(os.environ["PYTHONPATH"]) and os.path.isfile(cpu_kernels.SOURCE)
 assert nemo_aligner.__file__.startswith(os.environ["PYTHONPATH"]), nemo_aligner.__file__
 assert CONF_DIR.startswith(os.environ["PYTHONPATH"]) and ppo_local.SCRIPTS.startswith(os.environ["PYTHONPATH"])
 print("LR", compose_config("gpt_grpo", {"model.optim.lr": 3e-6}).model.optim.lr)

@@ -7,7 +7,7 @@ megatron-core's attention with ``scaled_dot_product_attention`` over a cache all
 Prompts of different lengths are left-aligned into one batch: each row gets its own
 positions and a padding mask, so a single prefill covers every prompt. On the CPU in float32 (one
 rank, RMSNorm models) decode steps run each layer's glue through fused C++ kernels
-(``cpu_decode_ext``); the Python step below is their reference and the fallback.
+(``cpu_kernels``); the Python step below is their reference and the fallback.
 
 Generation returns tokens only. Log-probs for training are recomputed by the model's
 training forward, so sampling settings (temperature, top-k, top-p) cannot bias them.
@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nemo_aligner.models.nlp.gpt.lean_ops import rotary_from_tables
-from nemo_aligner.utils import cpu_decode_ext, cpu_gemm
+from nemo_aligner.utils import cpu_gemm, cpu_kernels
 from nemo_aligner.utils.errors import ConfigError
 
 
@@ -227,7 +227,7 @@ class KVCacheDecoder:
         self.fused = self._fused_plan(module)
 
     def _fused_plan(self, module) -> Optional[dict]:
-        """What a decode step needs to run through the fused CPU kernels (``cpu_decode_ext``), or None
+        """What a decode step needs to run through the fused CPU kernels (``cpu_kernels``), or None
         where they do not apply: only float32 on the CPU, one model-parallel rank, torch RMSNorms and
         no query/key norms (the common Llama-style shape); anything else runs the Python step."""
         if (self.device.type != "cpu" or self.dtype != torch.float32 or self.tp != 1 or self.pp != 1
@@ -241,7 +241,7 @@ class KVCacheDecoder:
         norms.append(_cpu_rms_norm_params(module.decoder.final_layernorm))
         if any(n is None for n in norms) or (self.rope is not None and self.rope_table.shape[-1] > self.head_dim):
             return None
-        ext = cpu_decode_ext.load()
+        ext = cpu_kernels.load()
         if ext is None:
             return None
         swiglu = self.config.gated_linear_unit and self.config.activation_func is F.silu

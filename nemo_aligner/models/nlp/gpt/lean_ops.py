@@ -16,14 +16,16 @@ untouched: it is used through ``apply_rope_fusion`` on the TE spec.
 SwiGLU: the local MLP chunks fc1's output and multiplies ``silu(gate) * up``; autograd then
 concatenates the two halves' gradients (a full copy per layer). ``SwiGLU`` writes both halves
 of the gradient into one buffer, saves fc1's output and ``silu(gate)`` (what autograd saves
-too) and uses aten's fused silu derivative. It is plugged in as the MLP's
+too) and uses aten's fused silu derivative; for contiguous float32 CPU tensors, the fused C++
+kernels (``utils.cpu_kernels``) do each direction in one pass and save only fc1's output. It is plugged in as the MLP's
 activation module (``MLPSubmodules.activation_func``), the hook megatron-core provides for
 Transformer Engine's activations.
 
 RMSNorm: torch's ``rms_norm`` has no fused CPU kernel; autograd differentiates its composite
 (power, mean, reciprocal square root, two products), ~10 passes over the activations per norm.
 ``RMSNorm`` (a ``torch.nn.RMSNorm`` with the same parameters and state) computes the float32
-backward directly in ~6; ``use_lean_norms`` switches a built model's norms to it.
+backward directly in ~6 (one pass each way with the fused CPU kernels, for contiguous CPU
+tensors); ``use_lean_norms`` switches a built model's norms to it.
 """
 
 from __future__ import annotations
@@ -119,9 +121,23 @@ def install() -> None:
         rope_utils._apply_rotary_pos_emb_bshd = _apply_rotary_pos_emb_bshd
 
 
+def _fused_cpu_kernels(x: torch.Tensor):
+    """The fused CPU kernels (``utils.cpu_kernels``) for a contiguous float32 CPU tensor, else None."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
+        return None
+    from nemo_aligner.utils import cpu_kernels
+
+    return cpu_kernels.load()
+
+
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
+        kernels = _fused_cpu_kernels(x)
+        ctx.kernels = kernels
+        if kernels is not None:  # one pass each way; only x is saved (silu(gate) is recomputed)
+            ctx.save_for_backward(x)
+            return kernels.swiglu(x.view(-1, x.shape[-1])).view(*x.shape[:-1], x.shape[-1] // 2)
         gate, up = x.chunk(2, dim=-1)
         activated = torch.nn.functional.silu(gate)
         # silu(gate) is kept (as autograd keeps it for silu(gate) * up): recomputing it in
@@ -131,6 +147,10 @@ class _SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.kernels is not None:
+            (x,) = ctx.saved_tensors
+            flat = x.view(-1, x.shape[-1])
+            return ctx.kernels.swiglu_backward(grad.contiguous().view(flat.shape[0], -1), flat).view_as(x)
         x, activated = ctx.saved_tensors
         gate, up = x.chunk(2, dim=-1)
         out = torch.empty_like(x)
@@ -163,6 +183,12 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
         h = x.shape[-1]
+        kernels = _fused_cpu_kernels(x) if weight.is_contiguous() else None
+        ctx.kernels = kernels
+        if kernels is not None:  # one pass each way; saves the input and rstd
+            out, rstd = kernels.rms_norm_forward(x.view(-1, h), weight, eps)
+            ctx.save_for_backward(x, weight, rstd)
+            return out.view_as(x)
         rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True).pow_(2).div_(h).add_(eps).rsqrt_()
         normed = x * rstd
         ctx.save_for_backward(normed, weight, rstd)
@@ -170,6 +196,12 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.kernels is not None:
+            x, weight, rstd = ctx.saved_tensors
+            h = x.shape[-1]
+            grad_x, grad_weight = ctx.kernels.rms_norm_backward(grad.contiguous().view(-1, h), x.view(-1, h), weight,
+                                                                rstd)
+            return grad_x.view_as(x), grad_weight, None
         normed, weight, rstd = ctx.saved_tensors
         h = normed.shape[-1]
         grad = grad.contiguous()

@@ -1,13 +1,16 @@
-"""The fused CPU decode-step kernels (``nemo_aligner/csrc/cpu_decode.cpp``), compiled on first use.
+"""Fused float32 CPU kernels (``nemo_aligner/csrc/cpu_kernels.cpp``), compiled on first use.
 
-A float32 decode step on the CPU runs the matmuls through torch and each layer's glue (residual
-add + RMSNorm, RoPE + cache write, attention over the cache, SwiGLU) through these kernels: four
-calls a layer instead of ~45 small torch ops (see benchmarks/README.md). The extension is built
-once per machine and flag set with ``torch.utils.cpp_extension`` (a C++ compiler and the Python
-headers; ~1 min) into torch's extension cache (:func:`cache_root`).
+- Decode steps: each layer's glue (residual add + RMSNorm, RoPE + cache write, attention over the
+  cache, SwiGLU) runs in four kernel calls instead of ~45 small torch ops; the matmuls stay with
+  torch (``generation.KVCacheDecoder``).
+- Training: SwiGLU forward and backward in one pass each (``lean_ops.SwiGLU``).
 
-``NEMO_ALIGNER_DECODE_EXT``: ``auto`` (default: use it where it builds, else the Python loop with
-one warning), ``on`` (an error where it cannot build), ``off``.
+See benchmarks/README.md for measurements. The extension is built once per machine and flag set
+with ``torch.utils.cpp_extension`` (a C++ compiler and the Python headers; ~30-60 s) into
+:func:`cache_root`.
+
+``NEMO_ALIGNER_CPU_KERNELS``: ``auto`` (default: use them where they build, else torch's ops with
+one warning), ``on`` (an error where they cannot build), ``off``.
 """
 
 from __future__ import annotations
@@ -29,15 +32,15 @@ from typing import Optional
 from nemo_aligner.utils.cpu_gemm import cpuinfo
 from nemo_aligner.utils.errors import ConfigError
 
-ENV_VAR = "NEMO_ALIGNER_DECODE_EXT"
+ENV_VAR = "NEMO_ALIGNER_CPU_KERNELS"
 MODES = ("auto", "on", "off")
-SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "cpu_decode.cpp")
+SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "cpu_kernels.cpp")
 
 log = logging.getLogger(__name__)
 
 
 def mode() -> str:
-    """``NEMO_ALIGNER_DECODE_EXT`` (``auto`` when unset); an unknown value is an error naming it."""
+    """``NEMO_ALIGNER_CPU_KERNELS`` (``auto`` when unset); an unknown value is an error naming it."""
     value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
     if value not in MODES:
         raise ConfigError(f"{ENV_VAR}={value!r}: expected one of {', '.join(MODES)}")
@@ -62,7 +65,7 @@ def _build_name(flags: list) -> str:
 
     with open(SOURCE, "rb") as f:
         key = f.read() + " ".join(flags + [torch.__version__, sys.version]).encode()
-    return f"nemo_aligner_cpu_decode_{hashlib.sha1(key).hexdigest()[:12]}"
+    return f"nemo_aligner_cpu_kernels_{hashlib.sha1(key).hexdigest()[:12]}"
 
 
 def cache_root() -> str:
@@ -95,7 +98,7 @@ def _build_or_import(name: str, flags: list) -> ModuleType:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one build per machine; others wait for it, then import
         if os.path.exists(library):
             return _import(name, library)
-        log.info("building the fused CPU decode kernels into %s (once per machine, ~1 min)", final)
+        log.info("building the fused CPU kernels into %s (once per machine, ~30-60 s)", final)
         if shutil.which("ninja") is None:
             # torch runs `ninja` from PATH; the `ninja` package puts it beside this interpreter,
             # which is not on PATH when a venv's python is run without activating the venv.
@@ -122,13 +125,14 @@ def _load(requested: str) -> Optional[ModuleType]:
         return _build_or_import(_build_name(flags), flags)
     except Exception as error:  # a missing compiler or headers: the Python loop still works
         if requested == "on":
-            raise ConfigError(f"{ENV_VAR}=on, but the fused CPU decode kernels could not be built: {error}") from error
-        log.warning("the fused CPU decode kernels could not be built (%s); decoding with the Python loop "
+            raise ConfigError(f"{ENV_VAR}=on, but the fused CPU kernels could not be built: {error}") from error
+        log.warning("the fused CPU kernels could not be built (%s); decoding with the Python loop and "
+                    "training with torch's ops "
                     "(set %s=off to skip the attempt)", (str(error).strip().splitlines() or [repr(error)])[-1], ENV_VAR)
         return None
 
 
 def load() -> Optional[ModuleType]:
-    """The compiled kernels module, or None where ``NEMO_ALIGNER_DECODE_EXT`` is ``off`` or (in
-    ``auto``) they cannot be built. Built once per process and machine."""
+    """The compiled kernels module, or None where ``NEMO_ALIGNER_CPU_KERNELS`` is ``off`` or (in
+    ``auto``) they cannot be built. Built once per machine, imported once per process."""
     return _load(mode())

@@ -1,14 +1,16 @@
-// Fused float32 CPU kernels for one decode step of a megatron-core GPT (one new token per row).
+// Fused float32 CPU kernels for megatron-core GPTs.
 //
-// A decode step of a small model is a few hundred small ops; eager PyTorch pays a dispatch, an
-// allocation and a pass over memory for each. These kernels do a layer's glue in four calls:
+// A decode step (one new token per row) of a small model is a few hundred small ops; eager
+// PyTorch pays a dispatch, an allocation and a pass over memory for each. These kernels do a
+// layer's glue in four calls:
 //   add_rms_norm      residual add + RMSNorm, one pass
 //   rope_cache_write  RoPE on the new queries and key + the key/value write into the cache
 //   decode_attention  one query per row against the cache: each cached key and value read once
 //   swiglu            silu(gate) * up, one pass
+// Training uses swiglu and swiglu_backward (one pass each instead of five elementwise ops) and
+// rms_norm_forward/backward (one pass each instead of ~6 and ~7 ops).
 // The matmuls stay with torch (packed oneDNN/MKL GEMMs). Built at first use by
-// nemo_aligner/utils/cpu_decode_ext.py; the Python decode loop is the reference
-// (tests/test_cpu_decode_ext.py compares them).
+// nemo_aligner/utils/cpu_kernels.py; torch's ops are the reference (tests/test_cpu_kernels.py).
 
 #include <torch/extension.h>
 
@@ -295,10 +297,126 @@ at::Tensor swiglu(const at::Tensor& x) {
   return out;
 }
 
+// The gradient of swiglu: grad [N, F], x [N, 2F] (gate then up) -> dx [N, 2F]. With s = sigmoid(gate):
+// d_gate = grad * up * s * (1 + gate * (1 - s)) (aten's silu_backward), d_up = grad * gate * s.
+// One pass, and nothing saved from the forward but x (silu(gate) is recomputed with s).
+at::Tensor swiglu_backward(const at::Tensor& grad, const at::Tensor& x) {
+  check_f32(grad, "grad");
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && grad.dim() == 2 && grad.size(0) == x.size(0) &&
+                  grad.size(1) * 2 == x.size(1), "swiglu_backward: grad [N, F], x [N, 2F]");
+  const int64_t rows = x.size(0), f = grad.size(1);
+  at::Tensor dx = at::empty_like(x);
+  const float* gp = grad.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  float* dp = dx.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(3 * f), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = gp + r * f;
+      const float* gate = xp + r * 2 * f;
+      const float* up = gate + f;
+      float* d_gate = dp + r * 2 * f;
+      float* d_up = d_gate + f;
+      int64_t i = 0;
+#ifdef NA_AVX2
+      const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+      for (; i + 8 <= f; i += 8) {
+        __m256 a = _mm256_loadu_ps(gate + i), u = _mm256_loadu_ps(up + i), gr = _mm256_loadu_ps(g + i);
+        __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, a))));
+        __m256 silu = _mm256_mul_ps(a, s);
+        _mm256_storeu_ps(d_up + i, _mm256_mul_ps(gr, silu));
+        __m256 deriv = _mm256_mul_ps(s, _mm256_fmadd_ps(a, _mm256_sub_ps(one, s), one));
+        _mm256_storeu_ps(d_gate + i, _mm256_mul_ps(_mm256_mul_ps(gr, u), deriv));
+      }
+#endif
+      for (; i < f; ++i) {
+        const float a = gate[i], s = 1.0f / (1.0f + exp1(-a));
+        d_up[i] = g[i] * (a * s);
+        d_gate[i] = g[i] * up[i] * (s * (1.0f + a * (1.0f - s)));
+      }
+    }
+  });
+  return dx;
+}
+
+// RMSNorm for training: x [N, H] -> (x * rstd * weight, rstd [N]), rstd = rsqrt(mean(x^2) + eps).
+std::vector<at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_f32(x, "x");
+  check_f32(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1), "rms_norm_forward: x [N, H], weight [H]");
+  const int64_t rows = x.size(0), h = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  at::Tensor rstd = at::empty({rows}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* rp = rstd.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, grain_rows(h), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * h;
+      const float inv = 1.0f / std::sqrt(dot(row, row, h) / static_cast<float>(h) + feps);
+      rp[r] = inv;
+      float* o = op + r * h;
+      for (int64_t i = 0; i < h; ++i) o[i] = row[i] * inv * w[i];
+    }
+  });
+  return {out, rstd};
+}
+
+// Its gradient: grad, x [N, H], weight [H], rstd [N] -> (dx [N, H], dweight [H]). With n = x * rstd and
+// gn = grad * weight: dx = rstd * (gn - n * mean(gn * n)), dweight = sum over rows of grad * n.
+std::vector<at::Tensor> rms_norm_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
+                                          const at::Tensor& rstd) {
+  check_f32(grad, "grad");
+  check_f32(x, "x");
+  check_f32(weight, "weight");
+  check_f32(rstd, "rstd");
+  TORCH_CHECK(x.dim() == 2 && grad.sizes() == x.sizes() && weight.size(0) == x.size(1) && rstd.numel() == x.size(0),
+              "rms_norm_backward: grad, x [N, H], weight [H], rstd [N]");
+  const int64_t rows = x.size(0), h = x.size(1);
+  at::Tensor dx = at::empty_like(x);
+  // Row blocks, each with its own partial sum of grad * n (no shared accumulator between threads).
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows * h / kMinTaskFloats));
+  std::vector<float> partial(static_cast<size_t>(blocks * h), 0.f);
+  const float* gp = grad.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  const float* rp = rstd.data_ptr<float>();
+  float* dp = dx.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t block_begin, int64_t block_end) {
+    std::vector<float> normed(h), gn(h);
+    for (int64_t block = block_begin; block < block_end; ++block) {
+      float* acc = partial.data() + block * h;
+      for (int64_t r = rows * block / blocks; r < rows * (block + 1) / blocks; ++r) {
+        const float* g = gp + r * h;
+        const float* row = xp + r * h;
+        const float inv = rp[r];
+        for (int64_t i = 0; i < h; ++i) {
+          normed[i] = row[i] * inv;
+          gn[i] = g[i] * w[i];
+        }
+        const float mean = dot(gn.data(), normed.data(), h) / static_cast<float>(h);
+        float* d = dp + r * h;
+        for (int64_t i = 0; i < h; ++i) d[i] = (gn[i] - normed[i] * mean) * inv;
+        for (int64_t i = 0; i < h; ++i) acc[i] += g[i] * normed[i];
+      }
+    }
+  });
+  at::Tensor dweight = at::zeros({h}, x.options());
+  float* dw = dweight.data_ptr<float>();
+  for (int64_t block = 0; block < blocks; ++block)
+    for (int64_t i = 0; i < h; ++i) dw[i] += partial[block * h + i];
+  return {dx, dweight};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "nemo_aligner fused CPU decode-step kernels (float32)";
   m.def("add_rms_norm", &add_rms_norm, "x += residual; RMSNorm(x) * weight");
   m.def("rope_cache_write", &rope_cache_write, "RoPE on queries and key in place, key/value into the cache");
   m.def("decode_attention", &decode_attention, "one query per row against the KV cache");
   m.def("swiglu", &swiglu, "silu(gate) * up");
+  m.def("swiglu_backward", &swiglu_backward, "the gradient of swiglu");
+  m.def("rms_norm_forward", &rms_norm_forward, "RMSNorm for training: (output, rstd)");
+  m.def("rms_norm_backward", &rms_norm_backward, "the gradient of RMSNorm: (dx, dweight)");
 }

@@ -1,6 +1,6 @@
-"""The fused CPU decode kernels (nemo_aligner/csrc/cpu_decode.cpp) against torch: each kernel on its
-own (odd widths hit the scalar tails), a whole decode step against the Python step, and generate()
-with and without them; the build's fallback and errors."""
+"""The fused CPU kernels (nemo_aligner/csrc/cpu_kernels.cpp) against torch: each kernel on its own
+(odd widths hit the scalar tails), a whole decode step against the Python step, generate() and the
+training ops with and without them; the build's fallback and errors."""
 
 import logging
 import os
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import TINY_ARCH
-from nemo_aligner.utils import cpu_decode_ext
+from nemo_aligner.utils import cpu_kernels
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.generation import KVCacheDecoder, LengthParams, SamplingParams, _rotate_in_place, generate
 from test_generation import PROMPTS, build
@@ -21,7 +21,7 @@ from test_generation import PROMPTS, build
 
 @pytest.fixture(scope="module")
 def ext():
-    module = cpu_decode_ext.load()
+    module = cpu_kernels.load()
     # Every dev and CI machine has a compiler: a build failure here is a failure, not a skip.
     assert module is not None, "the fused CPU decode kernels did not build"
     return module
@@ -49,6 +49,51 @@ def test_swiglu(ext, width):
     x[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -90.0])
     gate, up = x.chunk(2, dim=-1)
     assert torch.allclose(ext.swiglu(x), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows,width", [(300, 512), (5, 45)])  # two row blocks / odd widths (scalar tails)
+def test_swiglu_backward(ext, rows, width):
+    torch.manual_seed(8)
+    x = (torch.randn(rows, 2 * width) * 4).requires_grad_()
+    grad = torch.randn(rows, width)
+    gate, up = x.chunk(2, dim=-1)
+    (F.silu(gate) * up).backward(grad)
+    assert torch.allclose(ext.swiglu_backward(grad, x.detach()), x.grad, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("rows,width", [(300, 256), (7, 37)])
+def test_rms_norm_forward_and_backward(ext, rows, width):
+    torch.manual_seed(9)
+    x = (torch.randn(rows, width) * 2).requires_grad_()
+    weight = (torch.rand(width) + 0.5).requires_grad_()
+    grad = torch.randn(rows, width)
+    F.rms_norm(x, (width,), weight, 1e-6).backward(grad)
+    out, rstd = ext.rms_norm_forward(x.detach(), weight.detach(), 1e-6)
+    assert torch.allclose(out, F.rms_norm(x.detach(), (width,), weight.detach(), 1e-6), rtol=1e-5, atol=1e-6)
+    grad_x, grad_weight = ext.rms_norm_backward(grad, x.detach(), weight.detach(), rstd)
+    assert torch.allclose(grad_x, x.grad, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(grad_weight, weight.grad, rtol=1e-5, atol=1e-4)
+
+
+def test_training_ops_equal_with_and_without_the_kernels(ext, monkeypatch):
+    """lean_ops' SwiGLU and RMSNorm (the training forward's) give the same values and gradients
+    through the kernels (float32 CPU) as through torch's ops."""
+    from nemo_aligner.models.nlp.gpt import lean_ops
+
+    torch.manual_seed(10)
+    x0, h0, w0 = torch.randn(16, 3, 96), torch.randn(16, 3, 48), torch.rand(48) + 0.5
+    g_mlp, g_norm = torch.randn(16, 3, 48), torch.randn(16, 3, 48)
+    results = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv(cpu_kernels.ENV_VAR, mode)
+        x, h = x0.clone().requires_grad_(), h0.clone().requires_grad_()
+        norm = lean_ops.RMSNorm(48, eps=1e-5)
+        norm.weight = torch.nn.Parameter(w0.clone())
+        mlp_out, norm_out = lean_ops.SwiGLU()(x), norm(h)
+        (mlp_out * g_mlp).sum().add_((norm_out * g_norm).sum()).backward()
+        results[mode] = (mlp_out.detach(), norm_out.detach(), x.grad, h.grad, norm.weight.grad)
+    for off, on in zip(results["off"], results["on"]):
+        assert torch.allclose(off, on, rtol=1e-5, atol=1e-5)
 
 
 def _layout(batch, groups, per_group, d, length, seed=2):
@@ -158,7 +203,7 @@ def test_generate_same_tokens_with_and_without_the_kernels(mcore_single, monkeyp
     sampling = SamplingParams(use_greedy=use_greedy, temperature=0.7, top_k=0, top_p=0.9)
     runs = {}
     for mode in ("off", "on"):
-        monkeypatch.setenv(cpu_decode_ext.ENV_VAR, mode)
+        monkeypatch.setenv(cpu_kernels.ENV_VAR, mode)
         runs[mode] = generate(model.module, tok, prompts, sampling, LengthParams(max_length=12, min_length=2), seed=7)
     assert torch.equal(runs["on"].tokens, runs["off"].tokens)
     assert torch.equal(runs["on"].response_lengths, runs["off"].response_lengths)
@@ -166,39 +211,39 @@ def test_generate_same_tokens_with_and_without_the_kernels(mcore_single, monkeyp
 
 
 def test_mode_values(monkeypatch):
-    monkeypatch.setenv(cpu_decode_ext.ENV_VAR, "sometimes")
-    with pytest.raises(ConfigError, match=cpu_decode_ext.ENV_VAR):
-        cpu_decode_ext.load()
-    monkeypatch.setenv(cpu_decode_ext.ENV_VAR, "off")
-    assert cpu_decode_ext.load() is None
+    monkeypatch.setenv(cpu_kernels.ENV_VAR, "sometimes")
+    with pytest.raises(ConfigError, match=cpu_kernels.ENV_VAR):
+        cpu_kernels.load()
+    monkeypatch.setenv(cpu_kernels.ENV_VAR, "off")
+    assert cpu_kernels.load() is None
 
 
 def test_a_failed_build_falls_back_or_is_an_error(monkeypatch, tmp_path, caplog):
     broken = tmp_path / "broken.cpp"
     broken.write_text('#error "no compiler for this"\n')
-    monkeypatch.setattr(cpu_decode_ext, "SOURCE", str(broken))
+    monkeypatch.setattr(cpu_kernels, "SOURCE", str(broken))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
-    cpu_decode_ext._load.cache_clear()
+    cpu_kernels._load.cache_clear()
     try:
-        monkeypatch.setenv(cpu_decode_ext.ENV_VAR, "auto")
-        with caplog.at_level(logging.WARNING, logger=cpu_decode_ext.__name__):
-            assert cpu_decode_ext.load() is None
+        monkeypatch.setenv(cpu_kernels.ENV_VAR, "auto")
+        with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+            assert cpu_kernels.load() is None
         assert "decoding with the Python loop" in caplog.text
-        monkeypatch.setenv(cpu_decode_ext.ENV_VAR, "on")
+        monkeypatch.setenv(cpu_kernels.ENV_VAR, "on")
         with pytest.raises(ConfigError, match="could not be built"):
-            cpu_decode_ext.load()
+            cpu_kernels.load()
         # nothing half-built is left to be imported later: only the lock file
-        assert [p.endswith(".lock") for p in os.listdir(cpu_decode_ext.cache_root())] == [True]
+        assert [p.endswith(".lock") for p in os.listdir(cpu_kernels.cache_root())] == [True]
     finally:
-        cpu_decode_ext._load.cache_clear()  # the real kernels for the tests after this one
+        cpu_kernels._load.cache_clear()  # the real kernels for the tests after this one
 
 
 def test_a_build_lock_held_by_a_killed_process_does_not_block(ext, tmp_path):
     """A run killed while building (Ctrl-C, kill -9, a fault-injection test) holds the build lock
     only while it lives: the next run imports (or builds) at once instead of waiting forever."""
-    flags = cpu_decode_ext.compile_flags()
-    name = cpu_decode_ext._build_name(flags)
-    lock_path = os.path.join(cpu_decode_ext.cache_root(), name + ".lock")
+    flags = cpu_kernels.compile_flags()
+    name = cpu_kernels._build_name(flags)
+    lock_path = os.path.join(cpu_kernels.cache_root(), name + ".lock")
     holder = subprocess.Popen([sys.executable, "-c", (
         "import fcntl, sys, time\n"
         f"f = open({lock_path!r}, 'w'); fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(600)")],
@@ -207,7 +252,7 @@ def test_a_build_lock_held_by_a_killed_process_does_not_block(ext, tmp_path):
         assert holder.stdout.readline().strip() == "locked"
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait(timeout=30)
-        module = cpu_decode_ext._build_or_import(name, flags)
+        module = cpu_kernels._build_or_import(name, flags)
         assert module.swiglu(torch.zeros(1, 2)).shape == (1, 1)
     finally:
         if holder.poll() is None:
