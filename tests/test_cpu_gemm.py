@@ -20,8 +20,10 @@ def test_packed_linear_equals_f_linear(backend, with_bias):
     packed = cpu_gemm.pack(weight, rows, backend)
     assert (packed is None) == (backend == "plain")
     call = cpu_gemm.linear(weight, bias, packed, rows, backend)
-    # a decode step's [1, rows, in], a smaller batch, a prefill's [S, rows, in] and a strided input
-    for x in (torch.randn(1, rows, 64), torch.randn(3, 64), torch.randn(16, rows, 64), torch.randn(1, rows, 128)[..., ::2]):
+    # a decode step's [1, rows, in], a smaller batch, a prefill's [S, rows, in], a strided input,
+    # and row counts around our kernel's 6-row blocks
+    for x in (torch.randn(1, rows, 64), torch.randn(3, 64), torch.randn(16, rows, 64), torch.randn(1, rows, 128)[..., ::2],
+              torch.randn(5, 64), torch.randn(7, 64), torch.randn(1, 64)):
         with torch.inference_mode():
             out = call(x)
         assert torch.allclose(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
@@ -36,18 +38,21 @@ def test_only_float32_cpu_matrices_are_packed():
     assert cpu_gemm.pack(torch.randn(4, 4), 2, backend) is not None
 
 
-@pytest.mark.parametrize("machine,vendor,expected", [
-    ("x86_64", "GenuineIntel", "mkl"),
-    ("x86_64", "AuthenticAMD", "onednn"),
-    ("x86_64", "", "onednn"),
-    ("aarch64", "", "plain"),
+@pytest.mark.parametrize("machine,vendor,expected,without_native", [
+    ("x86_64", "GenuineIntel", "mkl", "mkl"),
+    ("x86_64", "AuthenticAMD", "native", "onednn"),
+    ("x86_64", "", "native", "onednn"),
+    ("aarch64", "", "plain", "plain"),
 ])
-def test_auto_choice_follows_the_cpu(monkeypatch, machine, vendor, expected):
+def test_auto_choice_follows_the_cpu(monkeypatch, machine, vendor, expected, without_native):
     monkeypatch.delenv(cpu_gemm.ENV_VAR, raising=False)
     monkeypatch.setattr(cpu_gemm.platform, "machine", lambda: machine)
     monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: vendor)
     monkeypatch.setattr(cpu_gemm, "available", lambda b: True)
     assert cpu_gemm.decode_gemm_backend() == expected
+    # where our kernels do not build (no compiler, no AVX2), oneDNN as before
+    monkeypatch.setattr(cpu_gemm, "available", lambda b: b != "native")
+    assert cpu_gemm.decode_gemm_backend() == without_native
     # a build without the preferred library falls back to plain matmuls
     monkeypatch.setattr(cpu_gemm, "available", lambda b: b == "plain")
     assert cpu_gemm.decode_gemm_backend() == "plain"
@@ -58,7 +63,7 @@ def test_environment_override_and_its_errors(monkeypatch):
         monkeypatch.setenv(cpu_gemm.ENV_VAR, backend.upper())
         assert cpu_gemm.decode_gemm_backend() == backend
     monkeypatch.setenv(cpu_gemm.ENV_VAR, "blas")
-    with pytest.raises(ConfigError, match="NEMO_ALIGNER_DECODE_GEMM='blas'.*auto, mkl, onednn, plain"):
+    with pytest.raises(ConfigError, match="NEMO_ALIGNER_DECODE_GEMM='blas'.*auto, native, mkl, onednn, plain"):
         cpu_gemm.decode_gemm_backend()
     monkeypatch.setenv(cpu_gemm.ENV_VAR, "mkl")
     monkeypatch.setattr(cpu_gemm, "available", lambda b: b != "mkl")

@@ -144,6 +144,25 @@ def test_decode_attention_equals_sdpa(ext, per_group, d, masked):
     assert torch.allclose(out, expected.reshape(batch, -1), atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("n,k", [(96, 64), (37, 19), (16, 1024), (400, 256)])
+def test_packed_linear_against_float64(ext, n, k):
+    """Every row count from 1 to 13 (6-row blocks and each remainder), columns not a multiple of
+    the 16-column panel, with and without bias: as close to a float64 product as F.linear is."""
+    assert ext.has_packed_linear()
+    torch.manual_seed(11)
+    weight, bias = torch.randn(n, k), torch.randn(n)
+    packed = ext.pack_linear(weight)
+    for rows in range(1, 14):
+        x = torch.randn(rows, k)
+        for b in (None, bias):
+            exact = F.linear(x.double(), weight.double(), b.double() if b is not None else None)
+            ours = ext.packed_linear(x, packed, n, b)
+            reference_error = (F.linear(x, weight, b).double() - exact).abs().max()
+            assert (ours.double() - exact).abs().max() <= 4 * reference_error + 1e-6, (rows, b is None)
+    with pytest.raises(RuntimeError, match="does not match"):
+        ext.packed_linear(torch.randn(2, k + 1), packed, n, None)
+
+
 def test_kernels_refuse_bad_shapes(ext):
     qkv, cache = _layout(2, 2, 1, 8, 6)
     with pytest.raises(RuntimeError, match="qkv width"):
