@@ -3,7 +3,9 @@
 - Decode steps: each layer's glue (residual add + RMSNorm, RoPE + cache write, attention over the
   cache, SwiGLU) runs in four kernel calls instead of ~45 small torch ops; the matmuls stay with
   torch (``generation.KVCacheDecoder``).
-- Training: SwiGLU forward and backward in one pass each (``lean_ops.SwiGLU``).
+- Decode matmuls: ``pack_linear``/``packed_linear``, an AVX2/FMA GEMM for a few dozen rows
+  (``cpu_gemm``'s ``native`` backend).
+- Training: SwiGLU and RMSNorm forward and backward in one pass each (``lean_ops``).
 
 See benchmarks/README.md for measurements. The extension is built once per machine and flag set
 with ``torch.utils.cpp_extension`` (a C++ compiler and the Python headers; ~30-60 s) into
