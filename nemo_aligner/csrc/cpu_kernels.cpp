@@ -107,6 +107,13 @@ inline void axpy(float a, const float* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
+// o = row * rsqrt(mean(row^2) + eps) * w over h floats; returns the rsqrt.
+inline float rms_norm_row(const float* row, const float* w, float* o, int64_t h, float eps) {
+  const float inv = 1.0f / std::sqrt(dot(row, row, h) / static_cast<float>(h) + eps);
+  for (int64_t i = 0; i < h; ++i) o[i] = row[i] * inv * w[i];
+  return inv;
+}
+
 }  // namespace
 
 // x [B, H] += residual (when given, in place); returns RMSNorm(x) * weight as a new [B, H] tensor.
@@ -133,9 +140,7 @@ at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& residual,
         const float* rr = res + r * h;
         for (int64_t i = 0; i < h; ++i) row[i] += rr[i];
       }
-      const float inv = 1.0f / std::sqrt(dot(row, row, h) / static_cast<float>(h) + feps);
-      float* o = op + r * h;
-      for (int64_t i = 0; i < h; ++i) o[i] = row[i] * inv * w[i];
+      rms_norm_row(row, w, op + r * h, h, feps);
     }
   });
   return out;
@@ -353,13 +358,7 @@ std::vector<at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor& 
   float* rp = rstd.data_ptr<float>();
   const float feps = static_cast<float>(eps);
   at::parallel_for(0, rows, grain_rows(h), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = xp + r * h;
-      const float inv = 1.0f / std::sqrt(dot(row, row, h) / static_cast<float>(h) + feps);
-      rp[r] = inv;
-      float* o = op + r * h;
-      for (int64_t i = 0; i < h; ++i) o[i] = row[i] * inv * w[i];
-    }
+    for (int64_t r = begin; r < end; ++r) rp[r] = rms_norm_row(xp + r * h, w, op + r * h, h, feps);
   });
   return {out, rstd};
 }
