@@ -17,7 +17,6 @@ one warning), ``on`` (an error where they cannot build), ``off``.
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -30,6 +29,11 @@ import sysconfig
 import tempfile
 from types import ModuleType
 from typing import Optional
+
+try:
+    import fcntl
+except ImportError:  # not a POSIX system: no build lock, so no build (torch's ops are used)
+    fcntl = None
 
 from nemo_aligner.utils.cpu_gemm import cpuinfo
 from nemo_aligner.utils.errors import ConfigError
@@ -92,6 +96,8 @@ def _build_or_import(name: str, flags: list) -> ModuleType:
     and a half-written build is never imported)."""
     from torch.utils import cpp_extension
 
+    if fcntl is None:
+        raise RuntimeError("building the kernels needs fcntl (a POSIX system)")
     root = cache_root()
     os.makedirs(root, exist_ok=True)
     final = os.path.join(root, name)
