@@ -277,3 +277,28 @@ def test_a_build_lock_held_by_a_killed_process_does_not_block(ext, tmp_path):
         if holder.poll() is None:
             holder.kill()
             holder.wait()
+
+
+def test_a_build_finished_elsewhere_meanwhile_is_kept(ext, monkeypatch, tmp_path):
+    """On a network file system flock may lock one node only, so another node can finish the same
+    build first: its build stays, ours is used from memory, and no scratch directory is left."""
+    import shutil
+
+    from torch.utils import cpp_extension
+
+    flags = cpu_kernels.compile_flags()
+    name = cpu_kernels._build_name(flags)
+    built = os.path.join(cpu_kernels.cache_root(), name, name + ".so")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    final = os.path.join(cpu_kernels.cache_root(), name)
+
+    def build_while_another_node_finishes(name, sources, build_directory, **kwargs):
+        os.makedirs(final)
+        shutil.copy(built, os.path.join(final, name + ".so"))  # the other node's build
+        shutil.copy(built, os.path.join(build_directory, name + ".so"))
+        return cpu_kernels._import(name, os.path.join(build_directory, name + ".so"))
+
+    monkeypatch.setattr(cpp_extension, "load", build_while_another_node_finishes)
+    module = cpu_kernels._build_or_import(name, flags)
+    assert module.swiglu(torch.zeros(1, 2)).shape == (1, 1)
+    assert sorted(os.listdir(cpu_kernels.cache_root())) == [name, name + ".lock"]

@@ -12,7 +12,7 @@ library's packed GEMM runs that fastest depends on the CPU (measured, see benchm
   results differ from ``F.linear`` by float32 rounding only.
 
 - Our own AVX2/FMA kernel (``native``: ``packed_linear`` in ``utils.cpu_kernels``, 16-column
-  weight panels and a 6 x 16 register block) runs the same matmuls at 1.3-1.5x oneDNN's speed on
+  weight panels and a 6 x 16 register block) runs the same matmuls at 1.2-1.4x oneDNN's speed on
   that AMD EPYC (tiny model at 32 and 64 rows, small model at 32). It is the choice on non-Intel x86
   CPUs where the kernels build; on Intel CPUs MKL stays the choice (AVX-512 there, not measured
   against ours).

@@ -117,7 +117,14 @@ def _build_or_import(name: str, flags: list) -> ModuleType:
             # runtime torch already loaded (the same libgomp.so.1), not a second thread pool.
             module = cpp_extension.load(name=name, sources=[SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                         build_directory=scratch, verbose=False)
-            os.rename(scratch, final)
+            try:
+                os.rename(scratch, final)
+            except OSError:
+                if not os.path.exists(library):
+                    raise
+                # another machine sharing this directory finished first (flock may be local to a
+                # node on network file systems): keep its build, ours stays loaded from memory
+                shutil.rmtree(scratch, ignore_errors=True)
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
