@@ -115,9 +115,9 @@ def built_once(tmp_path_factory, name: str, build):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def cpu_decode_kernels():
-    """The fused CPU decode kernels, built (first run on a machine) or imported once per test
-    process up front, so the tests' child processes (some killed on purpose) only import them."""
+def fused_cpu_kernels():
+    """The fused CPU kernels, built (first run on a machine) or imported once per test process up
+    front, so the tests' child processes (some killed on purpose) only import them."""
     from nemo_aligner.utils import cpu_kernels
 
     return cpu_kernels.load()
