@@ -161,3 +161,18 @@ def test_prompt_files_carry_their_other_fields_to_the_reward_function():
     plain = FunctionRewardSource(lambda p, r: 0.5, tok)
     assert plain.score(tokens, prompt_lengths, lengths, batch["metadata"]).result().tolist() == [0.5, 0.5]
     assert got == ["ba", "abc", {"answer": "ba", "level": 1}, {"answer": "abc"}]
+
+
+def test_api_prompt_records_carry_the_same_metadata_as_prompt_files():
+    """The Python API's prompt records reach reward functions with the fields a prompt file's record
+    would give (one rule, record_metadata), including a record whose only other field is ``metadata``."""
+    from nemo_aligner.data.nlp.prompt_dataset import PromptDataset, record_metadata
+    from nemo_aligner.trainers.datasets import prompt_records
+
+    users = [{"prompt": "reverse ab =", "answer": "ba", "level": 1}, {"question": "sort cab =", "metadata": {"answer": "abc"}},
+             "x =", {"prompt": "y =", "text": "a reference called text"}]
+    written = prompt_records(users)  # what the API writes to its prompt file
+    ds = PromptDataset(None, ByteTokenizer(), 32, records=written)
+    expected = [record_metadata(u, k) for u, k in zip(users[:2], ("prompt", "question"))] + [{}, {"text": "a reference called text"}]
+    assert [ds[i]["metadata"] for i in range(len(users))] == expected
+    assert expected[1] == {"answer": "abc"}

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 from nemo_aligner.data.nlp.jsonl import read_jsonl
+from nemo_aligner.data.nlp.prompt_dataset import record_metadata
 from nemo_aligner.utils.errors import ConfigError, DataError
 
 
@@ -117,7 +118,8 @@ def prompt_records(records: List[Any], what: str = "dataset") -> List[dict]:
             name, text = _named_field(_as_dict(r, what, i), ("prompt", "text", "input", "question"), where, "prompt")
         if not isinstance(text, str) or not text:
             raise DataError(f"{_where(r, what, i)}: the prompt ({name!r}) must be a non-empty string")
-        extra = {} if isinstance(r, str) else {k: v for k, v in r.items() if k != name and not str(k).startswith("__")}
+        # the prompt file's rule (record_metadata), then wrapped: PromptDataset unwraps a lone "metadata"
+        extra = {} if isinstance(r, str) else record_metadata(r, name)
         out.append({"text": text, "metadata": extra} if extra else {"text": text})  # for reward_fn / environment
     return out
 
