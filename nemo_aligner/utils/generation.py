@@ -384,9 +384,11 @@ class KVCacheDecoder:
         device = self.device  # inputs may come from the host; on the CPU these are no-ops
         tokens, positions, key_mask = tokens.to(device), positions.to(device), key_mask.to(device)
         rows = rows.to(device) if rows is not None else None
-        if self.fused is not None and tokens.shape[1] == 1 and rows is None:
-            if padded is None:
-                padded = not bool(key_mask[:, : start + 1].all())
+        s = tokens.shape[1]
+        end = start + s
+        if padded is None:
+            padded = not bool(key_mask[:, :end].all())
+        if self.fused is not None and s == 1 and rows is None:
             return self._fused_step(tokens, positions, start, key_mask, padded)
 
         if self.first_stage:
@@ -395,16 +397,12 @@ class KVCacheDecoder:
             hidden = torch.empty(tokens.shape[1], tokens.shape[0], self.config.hidden_size, dtype=self.dtype,
                                  device=device)
             dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
-        s = tokens.shape[1]
-        end = start + s
         rope = None
         if self.rope is not None:
             table = F.embedding(positions.t(), self.rope_table)[:, :, None, None]  # [S, B, 1, 1, rot]
             half = table.shape[-1] // 2
             rope = (table[..., :half], table[..., half:])  # cos, sin: [S, B, 1, 1, rot/2]
         mask = None
-        if padded is None:
-            padded = not bool(key_mask[:, :end].all())
         if s == 1:  # one new token sees every real cached slot: no causal part, no mask without padding
             mask = key_mask[:, None, None, :end] if padded else None
         elif padded or start > 0:
