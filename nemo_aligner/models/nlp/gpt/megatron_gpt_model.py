@@ -82,6 +82,10 @@ class MegatronGPTModel:
             # beta=1; cpu_compat provides megatron-core's fused kernel on the CPU).
             self.transformer_config.gradient_accumulation_fusion = True
         module = self.build_module()
+        if torch.cuda.is_available():
+            # megatron-core creates its parallel linears on the GPU but norms, heads and other plain
+            # torch modules on the CPU: move the whole stage (as Megatron-LM's get_model does).
+            module.cuda(torch.cuda.current_device())
         if self.dtype != torch.float32:
             from megatron.core.transformer.module import Float16Module
 
