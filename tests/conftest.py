@@ -27,8 +27,10 @@ TINY_GPT2_ARCH = {
 }
 
 
-def subprocess_env(nproc: int = 1) -> dict:
-    """The environment for a test's child processes; ``nproc`` processes on this node."""
+def subprocess_env(nproc: int = 1, like_nproc: int = None, cpu_only: bool = False) -> dict:
+    """The environment for a test's child processes; ``nproc`` processes on this node. They run on
+    the device kind a run of ``like_nproc`` processes gets (a one-process reference compared with a
+    two-process run: same kind, same numerics), or on the CPU with ``cpu_only``."""
     env = dict(os.environ)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
@@ -39,20 +41,22 @@ def subprocess_env(nproc: int = 1) -> dict:
     import torch
 
     gpus = torch.cuda.device_count()
-    if 0 < gpus < nproc:  # NCCL needs a GPU per process: such a run takes the CPU (gloo) path
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    if cpu_only or 0 < gpus < max(nproc, like_nproc or 0):
+        env["CUDA_VISIBLE_DEVICES"] = ""  # NCCL needs a GPU per process: such a run takes the CPU (gloo) path
     return env
 
 
-def run_python(path: str, args, nproc: int = 1, timeout: int = 300, check: bool = True, cwd=None):
-    """Run a script alone or under torchrun with ``nproc`` processes; returns the CompletedProcess."""
+def run_python(path: str, args, nproc: int = 1, timeout: int = 300, check: bool = True, cwd=None,
+               like_nproc: int = None, cpu_only: bool = False):
+    """Run a script alone or under torchrun with ``nproc`` processes; returns the CompletedProcess.
+    ``like_nproc``, ``cpu_only``: its device kind (``subprocess_env``)."""
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                "--master_addr=127.0.0.1", f"--master_port={free_port()}", path]
     else:
         cmd = [sys.executable, path]
     cmd += [str(a) for a in args]
-    proc = subprocess.run(cmd, env=subprocess_env(nproc), cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=subprocess_env(nproc, like_nproc, cpu_only), cwd=cwd, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
@@ -221,13 +225,14 @@ def reward_model(tmp_path_factory, task_data, sft_nemo):
 class ServerProcess:
     """A server script (python or torchrun) in its own session, whose output goes to a log; always stopped."""
 
-    def __init__(self, tmp_path, script: str, ready_text: str, nproc: int = 1):
+    def __init__(self, tmp_path, script: str, ready_text: str, nproc: int = 1, like_nproc: int = None):
         import tempfile
         from pathlib import Path
 
         self.script = os.path.join(SCRIPTS, script)
         self.ready_text = ready_text
         self.nproc = nproc
+        self.like_nproc = like_nproc  # its device kind (subprocess_env)
         self.port = free_port()
         # Short: PyTriton's unix sockets live in the workspace (paths under ~108 bytes).
         self.workspace = Path(tempfile.mkdtemp(prefix="ws_", dir="/tmp"))
@@ -242,7 +247,7 @@ class ServerProcess:
                    f"--master_port={free_port()}", self.script, f"trainer.devices={self.nproc}", *args]
         else:
             cmd = [sys.executable, self.script, *args]
-        self.proc = subprocess.Popen(cmd, env=subprocess_env(self.nproc), stdout=self.log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(cmd, env=subprocess_env(self.nproc, self.like_nproc), stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         return self
 

@@ -11,7 +11,7 @@ BASE = ["model.encoder_seq_length=32", "model.data.train_ds.micro_batch_size=4",
         "model.data.train_ds.global_batch_size=8", "trainer.sft.max_steps=2", "trainer.sft.val_check_interval=2"]
 
 
-def run_bad(tmp_path, train, val, extra=(), nproc=1):
+def run_bad(tmp_path, train, val, extra=(), nproc=1, cpu_only=False):
     """Run the SFT script on a bad input, in a log directory holding an earlier run's files: those
     must come out intact (appended to at most)."""
     log_dir = tmp_path / "logs"
@@ -22,7 +22,7 @@ def run_bad(tmp_path, train, val, extra=(), nproc=1):
         path.write_text(text)
     overrides = BASE + [f"model.data.train_ds.file_path={train}", f"model.data.validation_ds.file_path={val}",
                         f"exp_manager.explicit_log_dir={log_dir}", *extra]
-    proc = run_script("train_gpt_sft.py", overrides, nproc=nproc, check=False)
+    proc = run_script("train_gpt_sft.py", overrides, nproc=nproc, check=False, cpu_only=cpu_only)
     assert proc.returncode != 0, proc.stdout[-2000:]
     for path, text in earlier.items():
         assert path.read_text().startswith(text), path
@@ -99,7 +99,8 @@ def test_batch_sizes_checked(tmp_path, builtin_data):
 
 
 def test_sequence_parallel_on_cpu(tmp_path, builtin_data):
-    proc = run_bad(tmp_path, builtin_data["sft_train"], builtin_data["sft_val"], ["model.sequence_parallel=True"])
+    proc = run_bad(tmp_path, builtin_data["sft_train"], builtin_data["sft_val"], ["model.sequence_parallel=True"],
+                   cpu_only=True)
     assert "model.sequence_parallel=True needs Transformer Engine on a GPU" in proc.stderr
 
 

@@ -247,20 +247,22 @@ def test_rng_state_written_on_the_other_device_kind_keeps_the_tracker(mcore_sing
 
     from nemo_aligner.utils.train_checkpoint import rng_state, set_rng_state
 
+    here = "cuda" if torch.cuda.is_available() else "cpu"
+    other = {"cuda": "cpu", "cpu": "cuda"}[here]
     state = rng_state()
-    assert state["tracker_device"] == "cpu"
+    assert state["tracker_device"] == here
     expected = torch.rand(3)
     tracker = get_cuda_rng_tracker()
     kept = {k: v.clone() for k, v in tracker.get_states().items()}
-    foreign = dict(state, tracker_device="cuda", tracker={k: torch.zeros(16, dtype=torch.uint8) for k in kept})
+    foreign = dict(state, tracker_device=other, tracker={k: torch.zeros(16, dtype=torch.uint8) for k in kept})
     with caplog.at_level(logging.WARNING, logger="nemo_aligner.utils.train_checkpoint"):
         set_rng_state(foreign)
     assert torch.equal(torch.rand(3), expected)
     assert all(torch.equal(tracker.get_states()[k], v) for k, v in kept.items())
-    assert "written on cuda, resuming on cpu" in caplog.text
+    assert f"written on {other}, resuming on {here}" in caplog.text
 
     with tracker.fork():
-        torch.rand(5)  # advances the tracker's stream
+        torch.rand(5, device=here)  # advances the tracker's stream (the CUDA generator's on a GPU)
     assert any(not torch.equal(tracker.get_states()[k], v) for k, v in kept.items())
     set_rng_state(dict(state, tracker=kept))
     assert all(torch.equal(tracker.get_states()[k], v) for k, v in kept.items())

@@ -119,8 +119,8 @@ def test_reference_weights_stay_while_the_policy_trains(mcore_single):
         model.optimizer.step()
     ref_after = model.reference_logps(batch)
     assert torch.equal(ref_before[0], ref_after[0]) and torch.equal(ref_before[1], ref_after[1])
-    for k, v in model.ref_state.items():
-        assert torch.equal(v, start[k]), k
+    for k, v in model.ref_state.items():  # a CPU copy while the model is on a GPU
+        assert torch.equal(v, start[k].to(v.device)), k
     moved = [k for k, v in model.module.state_dict().items() if isinstance(v, torch.Tensor) and not torch.equal(v, start[k])]
     assert moved  # the policy itself did train
     assert metrics["reward_margin"] > 0 and metrics["accuracy"] == 1.0
@@ -145,10 +145,12 @@ def test_two_processes_match_one(tmp_path, builtin_data, sft_nemo, algorithm, pa
                 f"trainer.{algorithm}.limit_val_batches=2"]
 
     script = f"train_gpt_{algorithm}.py"
-    run_script(script, overrides(tmp_path / "one"))
+    run_script(script, overrides(tmp_path / "one"), like_nproc=2)  # the device kind of the two-process run
     run_script(script, overrides(tmp_path / "two") + ["trainer.devices=2", parallel], nproc=2)
     a, b = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
     assert sorted(a) == [1, 2, 3] and a[3] != a[1]  # it trains
+    # rel 5e-5: TP=2 sums in another order, and Adam's first steps magnify the rounding of near-zero
+    # gradients (2.2e-5 seen at step 2 on a 16-core machine with other MKL kernels)
     for step in (1, 2, 3):
-        assert b[step] == pytest.approx(a[step], rel=2e-5, abs=1e-6), step
-    assert val_losses(tmp_path / "two")[3] == pytest.approx(val_losses(tmp_path / "one")[3], rel=2e-5, abs=1e-6)
+        assert b[step] == pytest.approx(a[step], rel=5e-5, abs=1e-6), step
+    assert val_losses(tmp_path / "two")[3] == pytest.approx(val_losses(tmp_path / "one")[3], rel=5e-5, abs=1e-6)

@@ -45,9 +45,10 @@ def our_logits(nemo_path, tokens):
 
     model = load_model(GPTSFTModel, OmegaConf.create({"micro_batch_size": 1}), "32", nemo_path, trainable=False)
     model.eval()
-    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    tokens = tokens.to(model.device)
+    positions = torch.arange(tokens.shape[1], device=model.device).unsqueeze(0).expand_as(tokens)
     with torch.no_grad():
-        return model.module(tokens, positions, None)[..., :VOCAB]
+        return model.module(tokens, positions, None)[..., :VOCAB].cpu()
 
 
 @pytest.mark.parametrize("arch,tie", [("llama", False), ("qwen2", True), ("gpt2", True)])

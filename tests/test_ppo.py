@@ -203,7 +203,7 @@ def test_critic_server_two_processes_match_one(tmp_path, rm_nemo, critic_batch):
 
     results = {}
     for tag, nproc, extra in (("one", 1, []), ("pp2", 2, ["model.pipeline_model_parallel_size=2"]), ("dp2", 2, [])):
-        srv = ServerProcess(tmp_path, "serve_ppo_critic.py", "critic server ready", nproc=nproc)
+        srv = ServerProcess(tmp_path, "serve_ppo_critic.py", "critic server ready", nproc=nproc, like_nproc=2)
         srv.start([f"pretrained_checkpoint.restore_from_path={rm_nemo}", f"exp_manager.explicit_log_dir={tmp_path / tag}",
                    f"trainer.ppo.port={srv.port}", f"trainer.ppo.grpc_port={free_port()}",
                    f"trainer.ppo.metrics_port={free_port()}", f"trainer.ppo.workspace_dir={srv.workspace}",

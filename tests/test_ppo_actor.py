@@ -40,8 +40,10 @@ def test_logprobs_match_an_independent_computation(mcore_single):
     lp = model.get_logprobs(out.tokens)
     assert lp.shape == (4, out.tokens.shape[1] - 1)
     with torch.no_grad():
-        logits = model.module(out.tokens, torch.arange(out.tokens.shape[1]).unsqueeze(0).expand_as(out.tokens), None)
-        ref = torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, out.tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+        tokens = out.tokens.to(model.device)
+        logits = model.module(tokens, torch.arange(tokens.shape[1], device=model.device).unsqueeze(0).expand_as(tokens),
+                              None)
+        ref = torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1).cpu()
     assert torch.allclose(lp, ref, atol=1e-5)
 
 
@@ -131,6 +133,7 @@ def test_optimizer_offload_moves_states_not_model_parameters(mcore_single, preci
     mask = create_mask(out.prompt_lengths, out.response_lengths, out.tokens.shape[1] - 1)
     batch = {"tokens": out.tokens, "logprobs": model.get_logprobs(out.tokens), "advantages": mask, "mask": mask,
              "is_end": torch.ones(4, dtype=torch.bool)}
+    model.prepare_for_training()  # on a GPU: brings back what generation offloaded (as the trainers do)
     model.prepare_for_training_step()
     model.get_loss_and_metrics(batch, forward_only=False)
     model.optimizer.step()  # Adam's states exist from here

@@ -114,10 +114,10 @@ def test_head_reads_last_real_token(mcore_single, avg_pool):
     assert alone[0].item() == pytest.approx(rewards[0].item(), abs=1e-5)
     if not avg_pool:
         # By hand: the head applied to the final hidden state of the last real token.
-        module = model.module
+        module, device = model.module, model.device
         with torch.no_grad():
-            hidden = module.decoder(module.embedding(a[:1], torch.arange(24).unsqueeze(0)), attention_mask=None,
-                                    rotary_pos_emb=module.rotary_pos_emb(24))
+            embedded = module.embedding(a[:1].to(device), torch.arange(24, device=device).unsqueeze(0))
+            hidden = module.decoder(embedded, attention_mask=None, rotary_pos_emb=module.rotary_pos_emb(24))
             by_hand = hidden[n - 1, 0] @ module.rm_head.weight[0] + module.rm_head.bias[0]
         assert by_hand.item() == pytest.approx(rewards[0].item(), abs=1e-5)
     assert module_head_dtype(model) == torch.float32
@@ -204,6 +204,11 @@ def test_odd_comparison_file_stops_the_script(tmp_path, task_data):
 def test_reward_standardization_at_inference(mcore_single):
     plain = tiny_reward_model()
     scaled = tiny_reward_model(reward_standardization={"enable": True, "mean": 0.5, "std": 2.0})
+    # the same weights: on a GPU a second build after the same seed differs (megatron-core initialises
+    # from its CUDA RNG tracker, which the first build moved on)
+    with torch.no_grad():
+        for p, q in zip(scaled.module.parameters(), plain.module.parameters()):
+            p.copy_(q)
     tokens, lengths = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]), torch.tensor([4, 3])
     raw = plain.infer(tokens, lengths)
     assert scaled.infer(tokens, lengths).tolist() == pytest.approx(((raw - 0.5) / 2.0).tolist(), abs=1e-6)

@@ -70,8 +70,8 @@ def test_attribute_annotate_labels_from_the_server(tmp_path, mcore_single):
                 out.append(model.infer(torch.tensor([ids]), torch.tensor([len(ids)]))[0])
         return torch.stack(out)
 
-    raw = local_values()
     head = model.module.rm_head
+    raw = local_values().to(head.bias.device)
     with torch.no_grad():  # an affine change of the head spreads the outputs over about -1..5, so that
         # rounding and clipping at both ends matter
         scale = 6.0 / (raw.max(0).values - raw.min(0).values)
