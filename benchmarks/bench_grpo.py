@@ -4,13 +4,15 @@ project's venv (TRL's datasets/pyarrow/pandas need numpy>=2, nvidia-pytriton pin
 the separate venv with ``make bench-venv`` (pins in ``benchmarks/requirements-trl.txt``), then
 
     cd benchmarks && ../.venv-bench/bin/python bench_grpo.py [--shape tiny] [--prompts 8] [--generations 8] [--steps 4] [--rounds 3]
-        [--prompt-prefix-tokens N] [--override KEY=VALUE ...]
+        [--prompt-prefix-tokens N] [--override KEY=VALUE ...] [--precision 32|bf16]
 
-Both sides: fp32, no vLLM, the same prompts, group size, learning rate (constant), KL coefficient
-(0.01), exactly ``--new-tokens`` new tokens per response (EOS refused before that; our end strings
-off, TRL ``min_new_tokens``), vocabulary padding rows never sampled, all of a step's rollouts
-generated in one batch, the same micro-batch for training and for the reference log-prob pass, and one
-optimizer step per GRPO step, no activation checkpointing (TRL enables it by default).
+Both sides: fp32 on the CPU; on a GPU, bf16 (ours: bf16 weights, float32 master weights in the
+optimizer; TRL: float32 weights under bf16 autocast, ``bf16=True``, as HF's Trainer runs); no vLLM;
+the same prompts, group size, learning rate (constant) and KL coefficient (0.01); exactly
+``--new-tokens`` new tokens per response (EOS refused before that; our end strings off, TRL
+``min_new_tokens``); vocabulary padding rows never sampled; all of a step's rollouts generated in
+one batch; the same micro-batch for training and for the reference log-prob pass; one optimizer step
+per GRPO step; no activation checkpointing (TRL enables it by default).
 Times are per step, averaged over ``--steps`` steps after one warm-up step on each side, in ``--rounds``
 alternating runs of each side; the ratio is the median of the rounds' ratios.
 """
@@ -26,7 +28,7 @@ import time
 
 import torch
 
-from common import build_pair, device_description, init_single_process, machine, write_json
+from common import build_pair, default_precision, device_description, init_single_process, machine, write_json
 
 
 def byte_tokenizer_dir(path: str) -> str:
@@ -72,6 +74,8 @@ def main(argv=None) -> dict:
                              "same task and reward)")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for ours (repeatable), e.g. model.grpo.share_prompt_prefix=false")
+    parser.add_argument("--precision", choices=["32", "bf16"], default=default_precision(),
+                        help="bf16 on a GPU, 32 on the CPU by default (both sides)")
     args = parser.parse_args(argv)
 
     try:
@@ -82,12 +86,12 @@ def main(argv=None) -> dict:
 
     from nemo_aligner.data.nlp.builtin_task import BuiltinTask
 
-    if torch.cuda.is_available():  # TRL is configured for the CPU below; a GPU comparison is not written yet
-        raise SystemExit("bench_grpo.py compares on the CPU only: run it with CUDA_VISIBLE_DEVICES= (empty)")
+    on_gpu = torch.cuda.is_available()
+    bf16 = args.precision == "bf16"
     init_single_process()
     work = tempfile.mkdtemp(prefix="bench_grpo_")
     context = 128 + args.prompt_prefix_tokens
-    ours, hf = build_pair(args.shape, context)
+    ours, hf = build_pair(args.shape, context, precision=args.precision)
     # The byte tokenizer makes one token of each ASCII character.
     prefix = ("Instruction: answer the task below with its result only, nothing else. " * 64)[: args.prompt_prefix_tokens]
     prompts = [prefix + BuiltinTask.prompt_text(i)
@@ -120,7 +124,7 @@ def main(argv=None) -> dict:
                               generation_kwargs={"min_new_tokens": args.new_tokens,  # as our min_length
                                                  "suppress_tokens": list(range(vocab, padded_vocab))},
                               learning_rate=1e-6, lr_scheduler_type="constant", max_steps=args.steps + 1,
-                              logging_steps=1, report_to="none", use_cpu=True, bf16=False, fp16=False, beta=0.01,
+                              logging_steps=1, report_to="none", use_cpu=not on_gpu, bf16=bf16, fp16=False, beta=0.01,
                               save_strategy="no", temperature=1.0, dataloader_num_workers=0, seed=0,
                               # TRL turns activation checkpointing on by default (it recomputes the
                               # forward in backward); ours does not recompute, so neither does TRL here
@@ -207,7 +211,7 @@ def main(argv=None) -> dict:
                                           max_sequence_length=context, max_new_tokens=args.new_tokens,
                                           global_batch_size=rollouts, micro_batch_size=micro,
                                           rollout_micro_batch_size=rollouts, kl_penalty=0.01, temperature=1.0,
-                                          output_dir=os.path.join(work, f"ours{run}"),
+                                          output_dir=os.path.join(work, f"ours{run}"), precision=args.precision,
                                           overrides={"trainer.grpo.val_at_start": False,
                                                      "model.grpo.length_params.min_length": args.new_tokens,
                                                      # TRL stops only at EOS: no end strings, so every
@@ -242,7 +246,7 @@ def main(argv=None) -> dict:
     trl_phases = row["trl_profiled_blocks_s"]
     prompt_tokens = statistics.mean(len(p) for p in prompts)  # bytes: one token each
     print(f"\nGRPO step, {args.prompts} prompts (~{prompt_tokens:.0f} tokens) x {args.generations} responses, "
-          f"up to {args.new_tokens} new tokens, {args.shape} model, fp32, {device_description()}")
+          f"up to {args.new_tokens} new tokens, {args.shape} model, {'bf16' if bf16 else 'fp32'}, {device_description()}")
     print(f"TRL {trl.__version__}: {trl_step:.2f} s/step; ours: {ours_step:.2f} s/step; "
           f"ratio (ours/TRL time, median of {args.rounds} alternating rounds) {row['ratio']:.2f} "
           f"(rounds: {', '.join(f'{r:.2f}' for r in row['round_ratios'])})")
@@ -253,7 +257,7 @@ def main(argv=None) -> dict:
           + ", ".join(f"{k} {v:.2f}s" for k, v in sorted(trl_phases.items())))
     payload = {"benchmark": "grpo", "machine": machine(), "args": vars(args), "trl_version": trl.__version__,
                "rows": [row]}
-    print("written", write_json("grpo", payload))
+    print("written", write_json("grpo" + ("_bf16" if bf16 else ""), payload))
     return payload
 
 

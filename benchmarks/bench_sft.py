@@ -42,7 +42,8 @@ def main(argv=None) -> dict:
     peak = matmul_peak_gflops(dtype=torch.bfloat16 if bf16 else torch.float32)
     rows = []
     for shape in args.shapes:
-        ours, hf = build_pair(shape, args.seq, trainable=True, precision=args.precision)
+        ours, hf = build_pair(shape, args.seq, trainable=True, precision=args.precision,
+                              micro_batch=args.batch)  # one micro-batch per step, as HF's
         ours.setup_optimization(max_steps=1000, clip_grad=1.0)
         hf.train()
         hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, weight_decay=0.0, fused=True)

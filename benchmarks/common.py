@@ -18,15 +18,18 @@ import torch
 SHAPES = {
     "tiny": dict(num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4),
     "small": dict(num_layers=12, hidden_size=768, ffn_hidden_size=3072, num_attention_heads=12),
+    # for GPUs: the two above leave an H100 mostly idle
+    "medium": dict(num_layers=24, hidden_size=1024, ffn_hidden_size=4096, num_attention_heads=16),
 }
 
 
-def model_cfg(shape: str, seq: int) -> dict:
-    """A Llama-shaped model config (RoPE, RMSNorm, SwiGLU, untied embeddings), as the built-in models."""
+def model_cfg(shape: str, seq: int, micro_batch: int = 8) -> dict:
+    """A Llama-shaped model config (RoPE, RMSNorm, SwiGLU, untied embeddings), as the built-in models;
+    ``micro_batch`` is its micro- and global batch size."""
     return dict(SHAPES[shape], num_query_groups=None, encoder_seq_length=seq, max_position_embeddings=seq,
                 position_embedding_type="rope", normalization="rmsnorm", activation="swiglu", bias=False,
-                share_embeddings_and_output_weights=False, make_vocab_size_divisible_by=128, micro_batch_size=8,
-                global_batch_size=8, hidden_dropout=0.0, attention_dropout=0.0,
+                share_embeddings_and_output_weights=False, make_vocab_size_divisible_by=128, micro_batch_size=micro_batch,
+                global_batch_size=micro_batch, hidden_dropout=0.0, attention_dropout=0.0,
                 optim={"name": "fused_adam", "lr": 1e-4, "weight_decay": 0.0, "sched": {"name": "Constant"}})
 
 
@@ -70,8 +73,10 @@ def default_precision() -> str:
     return "bf16" if torch.cuda.is_available() else "32"
 
 
-def build_pair(shape: str, seq: int, model_cls=None, trainable: bool = False, precision: str = "32"):
-    """``(our model, the HF model with identical weights)`` in eval mode, on ``bench_device()``.
+def build_pair(shape: str, seq: int, model_cls=None, trainable: bool = False, precision: str = "32",
+               micro_batch: int = 8):
+    """``(our model, the HF model with identical weights)`` in eval mode, on ``bench_device()``;
+    ``micro_batch``: ours (see ``model_cfg``).
     ``precision`` is ours (bf16: bf16 weights); the HF model keeps float32 weights (callers use
     autocast or cast it)."""
     import transformers
@@ -82,7 +87,7 @@ def build_pair(shape: str, seq: int, model_cls=None, trainable: bool = False, pr
     from nemo_aligner.utils.tokenizers import ByteTokenizer
 
     torch.manual_seed(0)
-    ours = (model_cls or GPTSFTModel)(OmegaConf.create(model_cfg(shape, seq)), ByteTokenizer(), precision,
+    ours = (model_cls or GPTSFTModel)(OmegaConf.create(model_cfg(shape, seq, micro_batch)), ByteTokenizer(), precision,
                                       trainable=trainable)
     cfg = OmegaConf.to_container(ours.cfg, resolve=True)
     arch, hf_cfg = hf_config_from_nemo(cfg)
