@@ -246,7 +246,8 @@ def main(argv=None) -> dict:
     trl_phases = row["trl_profiled_blocks_s"]
     prompt_tokens = statistics.mean(len(p) for p in prompts)  # bytes: one token each
     print(f"\nGRPO step, {args.prompts} prompts (~{prompt_tokens:.0f} tokens) x {args.generations} responses, "
-          f"up to {args.new_tokens} new tokens, {args.shape} model, {'bf16' if bf16 else 'fp32'}, {device_description()}")
+          f"up to {args.new_tokens} new tokens, {args.shape} model, {'bf16' if bf16 else 'fp32'}, "
+          f"{device_description()}")
     print(f"TRL {trl.__version__}: {trl_step:.2f} s/step; ours: {ours_step:.2f} s/step; "
           f"ratio (ours/TRL time, median of {args.rounds} alternating rounds) {row['ratio']:.2f} "
           f"(rounds: {', '.join(f'{r:.2f}' for r in row['round_ratios'])})")

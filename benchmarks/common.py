@@ -28,8 +28,8 @@ def model_cfg(shape: str, seq: int, micro_batch: int = 8) -> dict:
     ``micro_batch`` is its micro- and global batch size."""
     return dict(SHAPES[shape], num_query_groups=None, encoder_seq_length=seq, max_position_embeddings=seq,
                 position_embedding_type="rope", normalization="rmsnorm", activation="swiglu", bias=False,
-                share_embeddings_and_output_weights=False, make_vocab_size_divisible_by=128, micro_batch_size=micro_batch,
-                global_batch_size=micro_batch, hidden_dropout=0.0, attention_dropout=0.0,
+                share_embeddings_and_output_weights=False, make_vocab_size_divisible_by=128,
+                micro_batch_size=micro_batch, global_batch_size=micro_batch, hidden_dropout=0.0, attention_dropout=0.0,
                 optim={"name": "fused_adam", "lr": 1e-4, "weight_decay": 0.0, "sched": {"name": "Constant"}})
 
 
@@ -87,8 +87,8 @@ def build_pair(shape: str, seq: int, model_cls=None, trainable: bool = False, pr
     from nemo_aligner.utils.tokenizers import ByteTokenizer
 
     torch.manual_seed(0)
-    ours = (model_cls or GPTSFTModel)(OmegaConf.create(model_cfg(shape, seq, micro_batch)), ByteTokenizer(), precision,
-                                      trainable=trainable)
+    ours = (model_cls or GPTSFTModel)(OmegaConf.create(model_cfg(shape, seq, micro_batch)), ByteTokenizer(),
+                                      precision, trainable=trainable)
     cfg = OmegaConf.to_container(ours.cfg, resolve=True)
     arch, hf_cfg = hf_config_from_nemo(cfg)
     hf_cfg = dict(hf_cfg, vocab_size=cfg["padded_vocab_size"])  # keep the padded rows: identical logits

@@ -56,7 +56,8 @@ def run_python(path: str, args, nproc: int = 1, timeout: int = 300, check: bool 
     else:
         cmd = [sys.executable, path]
     cmd += [str(a) for a in args]
-    proc = subprocess.run(cmd, env=subprocess_env(nproc, like_nproc, cpu_only), cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=subprocess_env(nproc, like_nproc, cpu_only), cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
@@ -247,8 +248,8 @@ class ServerProcess:
                    f"--master_port={free_port()}", self.script, f"trainer.devices={self.nproc}", *args]
         else:
             cmd = [sys.executable, self.script, *args]
-        self.proc = subprocess.Popen(cmd, env=subprocess_env(self.nproc, self.like_nproc), stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(cmd, env=subprocess_env(self.nproc, self.like_nproc), stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
         return self
 
     def wait_ready(self, timeout=240):
