@@ -84,6 +84,17 @@ def run_script(name: str, overrides, nproc: int = 1, **kwargs):
     return run_python(os.path.join(SCRIPTS, name), overrides, nproc=nproc, **kwargs)
 
 
+def forward_logits(model, tokens):
+    """megatron-core's own full forward (no cache) of ``tokens`` [B, S] from positions 0..S-1, on the
+    model's device (a GPU when one is visible); the logits come back on the host."""
+    import torch
+
+    tokens = tokens.to(model.device)
+    positions = torch.arange(tokens.shape[1], device=model.device).unsqueeze(0).expand_as(tokens)
+    with torch.no_grad():
+        return model.module(tokens, positions, None).cpu()
+
+
 def read_metrics(log_dir: str) -> list:
     with open(os.path.join(log_dir, "metrics.jsonl"), encoding="utf-8") as f:
         return [json.loads(line) for line in f]

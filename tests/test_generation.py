@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import TINY_ARCH, TINY_GPT2_ARCH, WORKERS, run_python
+from conftest import TINY_ARCH, TINY_GPT2_ARCH, WORKERS, forward_logits, run_python
 from nemo_aligner.utils import cpu_gemm
 from nemo_aligner.utils.generation import LengthParams, SamplingParams, generate, sample
 from nemo_aligner.utils.tokenizers import ByteTokenizer
@@ -29,10 +29,7 @@ def build(arch, seed=0):
 
 def full_logits(model, ids):
     """Last-position logits of an unpadded sequence from megatron-core's own forward (no cache)."""
-    tokens = torch.tensor([ids], device=model.device)
-    with torch.no_grad():
-        logits = model.module(tokens, torch.arange(len(ids), device=model.device).unsqueeze(0), None)
-    return logits[0, -1].float().cpu()
+    return forward_logits(model, torch.tensor([ids]))[0, -1].float()
 
 
 @pytest.mark.parametrize("arch,texts", [(TINY_ARCH, PROMPTS), (TINY_GPT2_ARCH, PROMPTS),

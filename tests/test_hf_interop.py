@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from conftest import forward_logits
 from nemo_aligner.utils.errors import ConfigError
 
 VOCAB = 300  # >= the byte tokenizer's, so the directories need no tokenizer files
@@ -45,10 +46,7 @@ def our_logits(nemo_path, tokens):
 
     model = load_model(GPTSFTModel, OmegaConf.create({"micro_batch_size": 1}), "32", nemo_path, trainable=False)
     model.eval()
-    tokens = tokens.to(model.device)
-    positions = torch.arange(tokens.shape[1], device=model.device).unsqueeze(0).expand_as(tokens)
-    with torch.no_grad():
-        return model.module(tokens, positions, None)[..., :VOCAB].cpu()
+    return forward_logits(model, tokens)[..., :VOCAB]
 
 
 @pytest.mark.parametrize("arch,tie", [("llama", False), ("qwen2", True), ("gpt2", True)])

@@ -5,7 +5,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import TINY_ARCH
+from conftest import TINY_ARCH, forward_logits
 from nemo_aligner.utils.tokenizers import ByteTokenizer
 
 
@@ -39,11 +39,8 @@ def test_logprobs_match_an_independent_computation(mcore_single):
     model.eval()
     lp = model.get_logprobs(out.tokens)
     assert lp.shape == (4, out.tokens.shape[1] - 1)
-    with torch.no_grad():
-        tokens = out.tokens.to(model.device)
-        logits = model.module(tokens, torch.arange(tokens.shape[1], device=model.device).unsqueeze(0).expand_as(tokens),
-                              None)
-        ref = torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1).cpu()
+    logits = forward_logits(model, out.tokens)
+    ref = torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, out.tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
     assert torch.allclose(lp, ref, atol=1e-5)
 
 
