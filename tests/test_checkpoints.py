@@ -35,7 +35,7 @@ def test_nemo_file_layout(base_nemo):
     assert json.loads(common)["sharded_backend"] == "torch_dist"
     assert config["mcore_gpt"] is True and config["dist_ckpt_format"] == "torch_dist"
     assert config["num_layers"] == 2 and config["hidden_size"] == 64
-    assert config["tokenizer"]["library"] == "byte"
+    assert config["tokenizer"]["library"] == "byte-level"  # NeMo's name; pad 256, bos 257, eos 258 as NeMo 1.x
 
 
 def test_nemo_keys_use_megatron_core_names(base_nemo, mcore_single):

@@ -55,7 +55,8 @@ def nemo_config_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
                           num_query_groups=None, max_position_embeddings=int(hf["n_positions"]),
                           encoder_seq_length=int(hf["n_positions"]), position_embedding_type="learned_absolute",
                           normalization="layernorm", layernorm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
-                          activation="gelu" if act == "gelu" else "approx-gelu", bias=True, qkv_bias=True,
+                          # NeMo's name for GPT-2's tanh GELU: gelu with openai_gelu (its approx-gelu is x*sigmoid(1.702x))
+                          activation="gelu", openai_gelu=act != "gelu", bias=True, qkv_bias=True,
                           share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", True)))
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act={hf.get('hidden_act')!r} is not supported (silu only)")
@@ -100,20 +101,23 @@ def _llama3_rope_factor(scaling: dict, where: str) -> float:
 def hf_config_from_nemo(cfg: dict) -> Tuple[str, dict]:
     """``(architecture, config.json dict)`` for a model config, or a ConfigError naming what does not fit."""
     norm, act, pos = cfg.get("normalization"), cfg.get("activation"), cfg.get("position_embedding_type")
+    act = act[len("fast-"):] if isinstance(act, str) and act.startswith("fast-") else act  # same maths
     for key, plain in (("qk_layernorm", False), ("rotary_percentage", 1.0), ("seq_len_interpolation_factor", None)):
         value = cfg.get(key)
         if value is not None and value != plain and not (plain is None and value == 1):
             raise ConfigError(f"model.{key}={value}: Llama, Qwen2 and GPT-2 configs cannot express it, so the export "
                               "would compute something else")
     vocab = int(cfg.get("hf_vocab_size") or cfg["padded_vocab_size"])
-    if norm == "layernorm" and act in ("approx-gelu", "gelu") and pos == "learned_absolute" and cfg.get("bias", True):
+    if norm == "layernorm" and act in ("approx-gelu", "gelu") and pos == "learned_absolute" and cfg.get("bias", True) \
+            and not cfg.get("layernorm_zero_centered_gamma"):
         if cfg.get("num_query_groups") not in (None, cfg["num_attention_heads"]):
             raise ConfigError("GPT-2 has no grouped-query attention (model.num_query_groups)")
         return "gpt2", {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab,
                         "n_embd": cfg["hidden_size"], "n_layer": cfg["num_layers"], "n_head": cfg["num_attention_heads"],
                         "n_inner": cfg["ffn_hidden_size"], "n_positions": cfg["max_position_embeddings"],
                         "layer_norm_epsilon": cfg.get("layernorm_epsilon", 1e-5),
-                        "activation_function": "gelu_new" if act == "approx-gelu" else "gelu",
+                        "activation_function": "quick_gelu" if act == "approx-gelu" else
+                        ("gelu_new" if cfg.get("openai_gelu") else "gelu"),
                         "tie_word_embeddings": bool(cfg.get("share_embeddings_and_output_weights", True)),
                         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
                         "initializer_range": cfg.get("init_method_std", 0.02), "torch_dtype": "float32"}

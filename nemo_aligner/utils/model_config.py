@@ -15,7 +15,9 @@ ARCHITECTURE_KEYS = (
     "max_position_embeddings", "position_embedding_type", "normalization", "activation", "bias", "qkv_bias",
     "share_embeddings_and_output_weights", "rotary_percentage", "rotary_base", "layernorm_epsilon",
     "make_vocab_size_divisible_by", "padded_vocab_size", "qk_layernorm", "tokenizer",
-    "scale_positional_embedding", "rope_scaling_factor",
+    "scale_positional_embedding", "rope_scaling_factor", "openai_gelu", "layernorm_zero_centered_gamma",
+    "rotary_interleaved", "apply_query_key_layer_scaling", "transformer_block_type", "headscale",
+    "normalize_attention_scores", "num_moe_experts", "window_size",
 )
 # Keys describing the checkpoint itself, never copied into a new model's config.
 _CHECKPOINT_ONLY = ("mcore_gpt", "dist_ckpt_format", "target", "precision", "nemo_version")

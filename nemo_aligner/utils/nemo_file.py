@@ -18,6 +18,7 @@ import hashlib
 
 import logging
 import os
+import re
 import shutil
 import tarfile
 import tempfile
@@ -54,8 +55,8 @@ def check_exists(path: str, key: str) -> None:
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, MODEL_CONFIG)):
             raise CheckpointError(f"{key}={path}: directory has no {MODEL_CONFIG}; not an extracted .nemo")
-    elif not tarfile.is_tarfile(path):
-        raise CheckpointError(f"{key}={path}: not a .nemo file (not a tar archive)")
+    elif not tarfile.is_tarfile(path):  # plain or compressed (gz, bz2, xz)
+        raise CheckpointError(f"{key}={path}: not a .nemo file (not a tar archive, plain or compressed)")
 
 
 def _member_name(tar: tarfile.TarFile, name: str) -> Optional[str]:
@@ -75,7 +76,7 @@ def read_model_config(path: str, key: str = "restore_from_path") -> DictConfig:
         with open(os.path.join(path, MODEL_CONFIG), encoding="utf-8") as f:
             return OmegaConf.create(yaml.safe_load(f))
     try:
-        with tarfile.open(path, "r:") as tar:
+        with tarfile.open(path, "r:*") as tar:  # NeMo writes plain tars; gz-compressed ones exist too
             member = _member_name(tar, MODEL_CONFIG)
             if member is None:
                 raise CheckpointError(f"{key}={path}: the archive has no {MODEL_CONFIG}")
@@ -127,7 +128,7 @@ def extracted(path: str, key: str = "restore_from_path") -> Iterator[str]:
         try:
             shutil.rmtree(target, ignore_errors=True)
             os.makedirs(target)
-            with tarfile.open(path, "r:") as tar:
+            with tarfile.open(path, "r:*") as tar:
                 unsafe = next((m.name for m in tar.getmembers() if _unsafe_member(m)), None)
                 if unsafe is not None:
                     raise tarfile.FilterError(f"member {unsafe!r}: absolute path, '..' or a link")
@@ -155,6 +156,12 @@ def weights_dir(nemo_dir: str) -> str:
 
 # ----------------------------------------------------------------- tokenizer artifacts
 _TOKENIZER_DIRS = []
+# NeMo stores an artifact as "<uuid4 hex>_<original name>" and refers to it as "nemo:<that name>".
+_ARTIFACT_NAME = re.compile(r"^[0-9a-f]{32}_(.+)$")
+# model.tokenizer keys whose value is a file (NeMo's register_artifact keys).
+TOKENIZER_ARTIFACT_KEYS = ("model", "vocab_file", "merge_file", "tokenizer_model")
+# Directories in which NeMo 2 exports and some converters pack a whole Hugging Face tokenizer.
+_PACKED_TOKENIZER_DIRS = ("nemo_tokenizer", "tokenizer", "hf_tokenizer")
 
 
 @atexit.register
@@ -163,34 +170,85 @@ def _remove_tokenizer_dirs() -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def restore_tokenizer_files(tokenizer_cfg: DictConfig, nemo_dir: str) -> DictConfig:
-    """Copy ``nemo:<uuid>_<name>`` artifacts into a private directory; return the config pointing at it."""
-    files = list(tokenizer_cfg.get("files") or [])
-    if not files:
-        return tokenizer_cfg
-    target = tempfile.mkdtemp(prefix="nemo_aligner_tokenizer_")
-    _TOKENIZER_DIRS.append(target)
-    for ref in files:
-        stored = ref[len(_NEMO_PREFIX):] if ref.startswith(_NEMO_PREFIX) else ref
-        src = os.path.join(nemo_dir, stored)
+def original_artifact_name(stored: str) -> str:
+    match = _ARTIFACT_NAME.match(os.path.basename(stored))
+    return match.group(1) if match else os.path.basename(stored)
+
+
+def _find_artifact(ref: str, nemo_dir: str, key: str) -> str:
+    """The file a tokenizer entry names: ``nemo:<name>`` inside the .nemo; otherwise a path on disk,
+    or, as NeMo's restore also finds it, a file of that name inside the .nemo."""
+    if ref.startswith(_NEMO_PREFIX):
+        src = os.path.join(nemo_dir, ref[len(_NEMO_PREFIX):])
         if not os.path.isfile(src):
-            raise CheckpointError(f"{nemo_dir}: tokenizer artifact {ref} is missing")
-        original = stored.split("_", 1)[1] if "_" in stored else stored
-        shutil.copy(src, os.path.join(target, original))
-    cfg = OmegaConf.create(OmegaConf.to_container(tokenizer_cfg))
-    cfg.type = target
-    return cfg
+            raise CheckpointError(f"{key}={ref}: the .nemo has no file {ref[len(_NEMO_PREFIX):]!r}")
+        return src
+    if os.path.isfile(ref):
+        return ref
+    base = os.path.basename(ref)
+    for entry in sorted(os.listdir(nemo_dir)):
+        if entry == base or (original_artifact_name(entry) == base and entry != original_artifact_name(entry)):
+            return os.path.join(nemo_dir, entry)
+    raise CheckpointError(f"{key}={ref}: neither a file in the .nemo nor on disk")
+
+
+def restore_tokenizer_files(tokenizer_cfg: DictConfig, nemo_dir: str) -> tuple:
+    """Copy the tokenizer files a .nemo holds into a private directory (the extracted .nemo is
+    removed after loading). Returns ``(config with local paths, directory of a packed Hugging
+    Face tokenizer or None)``; ``type`` is left as the checkpoint has it."""
+    cfg = OmegaConf.to_container(tokenizer_cfg, resolve=True) if isinstance(tokenizer_cfg, DictConfig) \
+        else dict(tokenizer_cfg or {})
+    target = None
+
+    def private_dir() -> str:
+        nonlocal target
+        if target is None:
+            target = tempfile.mkdtemp(prefix="nemo_aligner_tokenizer_")
+            _TOKENIZER_DIRS.append(target)
+        return target
+
+    def restore(ref: str, key: str) -> str:
+        src = _find_artifact(str(ref), nemo_dir, key)
+        dst = os.path.join(private_dir(), original_artifact_name(src))
+        shutil.copy(src, dst)
+        return dst
+
+    for key in TOKENIZER_ARTIFACT_KEYS:
+        if cfg.get(key):
+            cfg[key] = restore(cfg[key], f"model.tokenizer.{key}")
+    if cfg.get("files"):
+        cfg["files"] = [restore(ref, "model.tokenizer.files") for ref in cfg["files"]]
+    packed = None
+    if str(cfg.get("library", "")).lower() in ("huggingface", "hf"):
+        for sub in _PACKED_TOKENIZER_DIRS:
+            src = os.path.join(nemo_dir, sub)
+            if os.path.isdir(src):
+                for name in os.listdir(src):
+                    if os.path.isfile(os.path.join(src, name)):
+                        shutil.copy(os.path.join(src, name), os.path.join(private_dir(), name))
+        if target is not None and any(os.path.isfile(os.path.join(target, n))
+                                      for n in ("tokenizer.json", "tokenizer_config.json")):
+            packed = target
+    return cfg, packed
 
 
 def _tokenizer_artifacts(tokenizer) -> tuple[dict, list]:
-    """Tokenizer config for the yaml and ``(stored_name, source_path)`` pairs to add to the tar."""
+    """Tokenizer config for the yaml and ``(stored_name, source_path)`` pairs to add to the tar:
+    NeMo's file keys (``model``, ``vocab_file``, ``merge_file``) become ``nemo:<uuid>_<name>``, and
+    the other files of a Hugging Face tokenizer are listed under ``files``."""
     cfg = dict(tokenizer.config())
-    sources = tokenizer.files() if hasattr(tokenizer, "files") else []
-    if not sources:
-        return cfg, []
     tag = uuid.uuid4().hex
-    pairs = [(f"{tag}_{os.path.basename(src)}", src) for src in sources]
-    cfg["files"] = [f"{_NEMO_PREFIX}{name}" for name, _ in pairs]
+    pairs = []
+    artifacts = tokenizer.artifacts() if hasattr(tokenizer, "artifacts") else {}
+    for key, src in artifacts.items():
+        name = f"{tag}_{original_artifact_name(src)}"
+        pairs.append((name, src))
+        cfg[key] = f"{_NEMO_PREFIX}{name}"
+    extra = [s for s in (tokenizer.files() if hasattr(tokenizer, "files") else []) if s not in artifacts.values()]
+    if extra:
+        names = [f"{tag}_{original_artifact_name(src)}" for src in extra]
+        pairs.extend(zip(names, extra))
+        cfg["files"] = [f"{_NEMO_PREFIX}{name}" for name in names]
     return cfg, pairs
 
 
@@ -242,7 +300,7 @@ def save_nemo(model, path: str) -> str:
 
 def list_members(path: str) -> list:
     """Names inside a .nemo (tests, diagnostics)."""
-    with tarfile.open(path, "r:") as tar:
+    with tarfile.open(path, "r:*") as tar:
         return [m.name[2:] if m.name.startswith("./") else m.name for m in tar.getmembers()]
 
 
@@ -254,4 +312,5 @@ def load_tokenizer(path: str, key: str = "restore_from_path"):
 
     cfg = read_model_config(path, key)
     with extracted(path, key) as directory:
-        return build_tokenizer(restore_tokenizer_files(cfg.get("tokenizer") or OmegaConf.create({}), directory))
+        tokenizer_cfg, packed = restore_tokenizer_files(cfg.get("tokenizer") or OmegaConf.create({}), directory)
+        return build_tokenizer(tokenizer_cfg, padded_vocab_size=cfg.get("padded_vocab_size"), packed_dir=packed)

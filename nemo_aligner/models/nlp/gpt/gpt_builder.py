@@ -11,19 +11,55 @@ import torch.nn.functional as F
 from nemo_aligner.utils.errors import ConfigError
 
 _POSITION_EMBEDDINGS = {"rope", "learned_absolute"}
-_NORMALIZATIONS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
+# NeMo's normalization names; layernorm1p is LayerNorm with a zero-centred gamma (weight + 1).
+_NORMALIZATIONS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm", "layernorm1p": "LayerNorm"}
+
+
 def openai_gelu(x: torch.Tensor) -> torch.Tensor:
-    """GELU's tanh approximation (GPT-2's ``gelu_new``; NeMo's ``approx-gelu``)."""
+    """GELU's tanh approximation (GPT-2's ``gelu_new``; NeMo's ``gelu`` with ``openai_gelu: True``)."""
     return F.gelu(x, approximate="tanh")
 
 
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """NeMo's ``approx-gelu``: x * sigmoid(1.702 x)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    return torch.pow(F.relu(x), 2)
+
+
+# NeMo's activation names (nemo/collections/nlp/parts/utils_funcs.py: activation_to_func); the
+# "fast-" gated units are the same maths (megatron-core fuses both halves into one fc1).
 _ACTIVATIONS = {
     "gelu": (F.gelu, False),
-    "approx-gelu": (openai_gelu, False),
-    "swiglu": (F.silu, True),
-    "geglu": (F.gelu, True),
+    "approx-gelu": (quick_gelu, False),
+    "squared-relu": (squared_relu, False),
     "relu": (F.relu, False),
+    "swiglu": (F.silu, True),
+    "fast-swiglu": (F.silu, True),
+    "geglu": (F.gelu, True),
+    "fast-geglu": (F.gelu, True),
+    "reglu": (F.relu, True),
+    "fast-reglu": (F.relu, True),
 }
+
+
+def activation_from_cfg(cfg):
+    """``(activation function, gated)`` as NeMo picks them; ``openai_gelu: True`` wins over the name."""
+    act = str(_get(cfg, "activation", "gelu")).lower()
+    if act not in _ACTIVATIONS:
+        raise ConfigError(f"model.activation={act!r} is not supported (supported: {', '.join(sorted(_ACTIVATIONS))})")
+    func, gated = _ACTIVATIONS[act]
+    if bool(_get(cfg, "openai_gelu", False)):
+        func = openai_gelu
+    return func, gated
+
+
+def zero_centered_gamma(cfg) -> bool:
+    """NeMo's ``normalization: layernorm1p`` (or ``layernorm_zero_centered_gamma: True``)."""
+    return str(_get(cfg, "normalization", "layernorm")).lower() == "layernorm1p" or \
+        bool(_get(cfg, "layernorm_zero_centered_gamma", False))
 
 
 def precision_dtype(precision) -> torch.dtype:
@@ -61,20 +97,43 @@ def _get(cfg, key, default=None):
     return default if value is None else value
 
 
+# NeMo architecture keys whose other values this project does not compute: (key, NeMo's default, allowed).
+_UNSUPPORTED_ARCHITECTURE = (
+    ("transformer_block_type", "pre_ln", ("pre_ln",)),
+    ("rotary_interleaved", False, (False,)),
+    ("headscale", False, (False,)),
+    ("normalize_attention_scores", True, (True,)),
+    ("num_moe_experts", None, (None, 0, 1)),
+    ("window_size", None, (None,)),
+)
+
+
+def check_supported_architecture(cfg) -> None:
+    """Refuse, naming the key, a checkpoint architecture that would otherwise be computed wrongly."""
+    for key, default, allowed in _UNSUPPORTED_ARCHITECTURE:
+        value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+        if value is None and None in allowed:
+            continue
+        if value not in [a for a in allowed if a is not None]:
+            raise ConfigError(f"model.{key}={value!r} is not supported (supported: "
+                              f"{', '.join(repr(a) for a in allowed)})")
+
+
 def transformer_config_from_cfg(cfg, precision="32"):
     """A ``TransformerConfig`` from a NeMo model config (``cfg.model``)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    check_supported_architecture(cfg)
 
     pos = str(_get(cfg, "position_embedding_type", "learned_absolute"))
     if pos not in _POSITION_EMBEDDINGS:
         raise ConfigError(f"model.position_embedding_type={pos!r} must be one of {sorted(_POSITION_EMBEDDINGS)}")
     norm = str(_get(cfg, "normalization", "layernorm")).lower()
     if norm not in _NORMALIZATIONS:
-        raise ConfigError(f"model.normalization={norm!r} must be one of {sorted(_NORMALIZATIONS)}")
-    act = str(_get(cfg, "activation", "gelu")).lower()
-    if act not in _ACTIVATIONS:
-        raise ConfigError(f"model.activation={act!r} must be one of {sorted(_ACTIVATIONS)}")
-    activation_func, gated = _ACTIVATIONS[act]
+        raise ConfigError(f"model.normalization={norm!r} is not supported (supported: {', '.join(sorted(_NORMALIZATIONS))})")
+    if zero_centered_gamma(cfg) and _NORMALIZATIONS[norm] != "LayerNorm":
+        raise ConfigError(f"model.layernorm_zero_centered_gamma=True needs a LayerNorm, not model.normalization={norm!r}")
+    activation_func, gated = activation_from_cfg(cfg)
 
     hidden = int(_get(cfg, "hidden_size"))
     heads = int(_get(cfg, "num_attention_heads"))
@@ -139,6 +198,7 @@ def layer_spec(cfg, config):
 
     normalization = config.normalization
     if te_available() and not bool(_get(cfg, "force_local_spec", False)):
+        config.layernorm_zero_centered_gamma = zero_centered_gamma(cfg)
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=bool(_get(cfg, "qk_layernorm", False))
         )
@@ -197,4 +257,6 @@ def build_gpt_model(cfg, vocab_size: int, precision="32", pre_process: Optional[
     from nemo_aligner.models.nlp.gpt import lean_ops
 
     lean_ops.use_lean_norms(model)  # torch's RMSNorm only exists in the local spec
+    if zero_centered_gamma(cfg) and not config.layernorm_zero_centered_gamma:
+        lean_ops.use_zero_centered_layernorms(model)  # megatron-core's local spec has no layernorm1p
     return model

@@ -31,6 +31,7 @@ tensors); ``use_lean_norms`` switches a built model's norms to it.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 _original = None
 
@@ -233,3 +234,22 @@ def use_lean_norms(module: torch.nn.Module) -> None:
     for m in module.modules():
         if type(m) is torch.nn.RMSNorm:
             m.__class__ = RMSNorm
+
+
+class LayerNorm1P(torch.nn.LayerNorm):
+    """NeMo's ``layernorm1p``: LayerNorm whose stored weight is gamma - 1 (zero-centred), so a weight
+    of zeros is the identity scale; same parameter names as ``torch.nn.LayerNorm``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+def use_zero_centered_layernorms(module: torch.nn.Module) -> None:
+    """Switch every ``torch.nn.LayerNorm`` in ``module`` to :class:`LayerNorm1P`, in place; their
+    weights start at zero (gamma 1), as NeMo initialises them."""
+    for m in module.modules():
+        if type(m) is torch.nn.LayerNorm:
+            m.__class__ = LayerNorm1P
+            if m.weight is not None:
+                with torch.no_grad():
+                    m.weight.zero_()

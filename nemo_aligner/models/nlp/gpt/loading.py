@@ -27,8 +27,10 @@ def load_model(model_cls: Type, cfg: DictConfig, precision, restore_path: Option
     ckpt_cfg = nemo_file.read_model_config(restore_path, key)
     merged = merge_checkpoint_config(ckpt_cfg, cfg)
     with nemo_file.extracted(restore_path, key) as directory:
-        tokenizer_cfg = nemo_file.restore_tokenizer_files(merged.get("tokenizer") or OmegaConf.create({}), directory)
-        tokenizer = build_tokenizer(tokenizer_cfg)
+        tokenizer_cfg, packed = nemo_file.restore_tokenizer_files(merged.get("tokenizer") or OmegaConf.create({}),
+                                                                  directory)
+        tokenizer = build_tokenizer(tokenizer_cfg, padded_vocab_size=merged.get("padded_vocab_size"),
+                                    packed_dir=packed)
         with open_dict(merged):
             merged.tokenizer = tokenizer_cfg
         model = model_cls(merged, tokenizer, precision, **kwargs)
