@@ -195,6 +195,8 @@ def load_sharded(
             if isinstance(value, ShardedObject) and any(tag in value.key for tag in allow_missing):
                 continue  # extra state of a module that is new in this model (e.g. a reward head)
             if isinstance(value, ShardedTensor):
+                if value.key not in stored and _norm_alias(value.key) in stored:
+                    value.key = _norm_alias(value.key)  # Transformer Engine's fused norm names, or the reverse
                 if value.key not in stored:
                     if any(tag in value.key for tag in allow_missing):
                         missing.append(value.key)
@@ -225,6 +227,19 @@ def load_sharded(
         raise CheckpointError(f"{what} {directory}: could not be loaded ({_short(err)}); the checkpoint is "
                               "damaged or incomplete: move it aside to resume from an earlier one") from err
     return loaded, [k for k in missing if k not in not_allowed]
+
+
+def _norm_alias(key: str) -> str:
+    """The other spec's name of a layer norm (``...input_layernorm.weight`` <->
+    ``...self_attention.linear_qkv.layer_norm_weight``), else ``key`` itself."""
+    from nemo_aligner.utils.legacy_checkpoint import TE_NORM_ALIASES
+
+    for local, te in TE_NORM_ALIASES.items():
+        if key.endswith(f"layers.{local}"):
+            return key[: -len(local)] + te
+        if key.endswith(f"layers.{te}"):
+            return key[: -len(te)] + local
+    return key
 
 
 def _dcp_exception() -> type:

@@ -19,6 +19,8 @@ ARCHITECTURE_KEYS = (
     "rotary_interleaved", "apply_query_key_layer_scaling", "transformer_block_type", "headscale",
     "normalize_attention_scores", "num_moe_experts", "window_size",
 )
+# Keys a checkpoint sets unless the run sets them (null in the shipped configs: "the checkpoint's").
+CHECKPOINT_UNLESS_SET = ("encoder_seq_length", "seq_len_interpolation_factor")
 # Keys describing the checkpoint itself, never copied into a new model's config.
 _CHECKPOINT_ONLY = ("mcore_gpt", "dist_ckpt_format", "target", "precision", "nemo_version")
 
@@ -41,5 +43,10 @@ def merge_checkpoint_config(ckpt_cfg: DictConfig, run_cfg: DictConfig,
         run.pop(key, None)
     if ignored:
         logger.info("using the checkpoint's architecture: %s", ", ".join(ignored))
+    for key in CHECKPOINT_UNLESS_SET:
+        if run.get(key) is None:
+            run.pop(key, None)  # null: keep the checkpoint's value
+        elif base.get(key) is not None and run[key] != base[key]:
+            logger.info("model.%s=%s set by the run (the checkpoint's is %s)", key, run[key], base[key])
     merged = OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(run))
     return merged

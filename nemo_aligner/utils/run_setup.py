@@ -38,6 +38,31 @@ def effective_model_config(model_cfg: DictConfig, restore_path: Optional[str], k
     return merge_checkpoint_config(nemo_file.read_model_config(restore_path, key), model_cfg)
 
 
+def resolve_sequence_length(model_cfg: DictConfig, arch: DictConfig, restore_path: Optional[str]) -> int:
+    """Set ``model.encoder_seq_length`` when the config leaves it null: the checkpoint's value, or
+    ``max_position_embeddings`` for a model built from scratch. Interpolations of it in the data and
+    generation keys then resolve to the value the model is built with."""
+    from omegaconf import open_dict
+
+    value = model_cfg.get("encoder_seq_length")
+    if value is None:
+        value = arch.get("encoder_seq_length") or arch.get("max_position_embeddings")
+        if value is None:
+            raise ConfigError("model.encoder_seq_length is required: "
+                              + ("the checkpoint has none" if restore_path else "model.restore_from_path is empty and "
+                                 "model.max_position_embeddings is not set either"))
+        with open_dict(model_cfg):
+            model_cfg.encoder_seq_length = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"model.encoder_seq_length={value!r} must be a positive integer")
+    learned = str(arch.get("position_embedding_type") or "learned_absolute") == "learned_absolute"
+    max_pos = arch.get("max_position_embeddings")
+    if learned and max_pos is not None and int(value) > int(max_pos):
+        raise ConfigError(f"model.encoder_seq_length={value} is longer than the model's learned position embeddings "
+                          f"(max_position_embeddings={max_pos})")
+    return int(value)
+
+
 def check_accelerator(trainer_cfg: DictConfig) -> None:
     accelerator = str(trainer_cfg.get("accelerator", "auto") or "auto").lower()
     if accelerator not in ("auto", "cpu", "gpu", "cuda"):
@@ -60,9 +85,10 @@ def init_run(cfg: DictConfig, restore_path: Optional[str] = None,
     wait in a collective until rank 0 gets a request.
     """
     check_accelerator(cfg.trainer)
+    arch = effective_model_config(cfg.model, restore_path, restore_key)
+    resolve_sequence_length(cfg.model, arch, restore_path)
     check_config_values(cfg)
     check_run_limits_keys(cfg)
-    arch = effective_model_config(cfg.model, restore_path, restore_key)
     init_distributed(devices=cfg.trainer.get("devices", 1), num_nodes=cfg.trainer.get("num_nodes", 1),
                      timeout_minutes=timeout_minutes)
     world = dist.get_world_size()

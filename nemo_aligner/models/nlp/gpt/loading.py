@@ -13,6 +13,59 @@ from nemo_aligner.utils.tokenizers import build_tokenizer
 
 logger = logging.getLogger(__name__)
 
+class CheckpointWeights:
+    """The weights of an extracted .nemo, whichever format NeMo wrote them in: a torch_dist or zarr
+    distributed checkpoint in ``model_weights/``, or legacy ``model_weights.ckpt`` files."""
+
+    def __init__(self, nemo_dir: str, model_cfg: DictConfig, what: str):
+        from nemo_aligner.utils.checkpoint_io import is_sharded_checkpoint
+        from nemo_aligner.utils.errors import CheckpointError
+        from nemo_aligner.utils.legacy_checkpoint import legacy_weight_files
+        from nemo_aligner.utils.zarr_checkpoint import is_zarr_checkpoint
+
+        self.what, self.cfg, self.nemo_dir = what, model_cfg, nemo_dir
+        self.directory = nemo_file.weights_dir(nemo_dir)
+        self._full = None
+        if is_sharded_checkpoint(self.directory):
+            self.kind = "zarr" if is_zarr_checkpoint(self.directory) else "torch_dist"
+        elif legacy_weight_files(nemo_dir):
+            self.kind = "legacy"
+        else:
+            raise CheckpointError(f"{what}: holds neither model_weights/ (a distributed checkpoint) nor "
+                                  "model_weights.ckpt (NeMo's earlier format)")
+
+    def full_state(self) -> dict:
+        """The whole model's tensors (legacy and zarr formats), read once."""
+        if self._full is None:
+            from nemo_aligner.models.nlp.gpt.gpt_builder import activation_from_cfg
+            from nemo_aligner.utils.legacy_checkpoint import read_legacy_weights
+            from nemo_aligner.utils.zarr_checkpoint import read_zarr_weights
+
+            if self.kind == "legacy":
+                self._full = read_legacy_weights(self.nemo_dir, gated=activation_from_cfg(self.cfg)[1])
+            else:
+                self._full = read_zarr_weights(self.directory, int(self.cfg.num_layers))
+        return self._full
+
+    def vocab_rows(self):
+        """Rows of the stored embedding (or output layer), None if the checkpoint has neither."""
+        if self.kind == "torch_dist":
+            from nemo_aligner.utils.checkpoint_io import checkpoint_shapes
+
+            shapes = checkpoint_shapes(self.directory)
+            shape = shapes.get("model.embedding.word_embeddings.weight") or shapes.get("model.output_layer.weight")
+            return None if shape is None else int(shape[0])
+        from nemo_aligner.utils.legacy_checkpoint import vocab_rows
+
+        return vocab_rows(self.full_state())
+
+    def load_into(self, model, allow_missing=()) -> list:
+        if self.kind == "torch_dist":
+            return model.load_weights(self.directory, what=self.what, allow_missing=allow_missing)
+        logger.info("%s: reading %s weights", self.what, "legacy model_weights.ckpt" if self.kind == "legacy" else "zarr")
+        return model.load_full_state_dict(self.full_state(), what=self.what, allow_missing=allow_missing)
+
+
 def load_model(model_cls: Type, cfg: DictConfig, precision, restore_path: Optional[str] = None,
                key: str = "model.restore_from_path", allow_missing=(), **kwargs):
     """``model_cls(cfg, tokenizer, precision, **kwargs)``, with weights from ``restore_path`` if set.
@@ -26,7 +79,12 @@ def load_model(model_cls: Type, cfg: DictConfig, precision, restore_path: Option
         return model_cls(cfg, tokenizer, precision, **kwargs)
     ckpt_cfg = nemo_file.read_model_config(restore_path, key)
     merged = merge_checkpoint_config(ckpt_cfg, cfg)
+    what = f"{key}={restore_path}"
     with nemo_file.extracted(restore_path, key) as directory:
+        weights = CheckpointWeights(directory, merged, what)
+        if merged.get("padded_vocab_size") is None and weights.vocab_rows() is not None:
+            with open_dict(merged):  # NeMo pads with the TP size it trained with: the stored rows decide
+                merged.padded_vocab_size = weights.vocab_rows()
         tokenizer_cfg, packed = nemo_file.restore_tokenizer_files(merged.get("tokenizer") or OmegaConf.create({}),
                                                                   directory)
         tokenizer = build_tokenizer(tokenizer_cfg, padded_vocab_size=merged.get("padded_vocab_size"),
@@ -34,6 +92,6 @@ def load_model(model_cls: Type, cfg: DictConfig, precision, restore_path: Option
         with open_dict(merged):
             merged.tokenizer = tokenizer_cfg
         model = model_cls(merged, tokenizer, precision, **kwargs)
-        model.load_weights(nemo_file.weights_dir(directory), what=f"{key}={restore_path}", allow_missing=allow_missing)
+        weights.load_into(model, allow_missing)
     logger.info("restored weights from %s", restore_path)
     return model

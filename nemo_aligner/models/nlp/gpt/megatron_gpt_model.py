@@ -343,3 +343,54 @@ class MegatronGPTModel:
 
             raise CheckpointError(f"{what} {directory}: no values for {unexpected[:3]} ({len(unexpected)} tensors)")
         return missing
+
+    def load_full_state_dict(self, full: Dict[str, torch.Tensor], what: str = "checkpoint", allow_missing=()) -> list:
+        """Load this stage's share of a whole-model state dict (megatron-core local-spec names, global
+        per-layer numbers, unsharded tensors: what the legacy and zarr readers return); returns the
+        keys left new (``allow_missing``)."""
+        from megatron.core import parallel_state
+
+        from nemo_aligner.utils.errors import CheckpointError
+        from nemo_aligner.utils.legacy_checkpoint import TE_NORM_ALIASES
+
+        te_to_local = {te: local for local, te in TE_NORM_ALIASES.items()}
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        module = self.module
+        layer_numbers = {}
+        if getattr(module, "decoder", None) is not None:
+            layer_numbers = {i: layer.layer_number - 1 for i, layer in enumerate(module.decoder.layers)}
+        state, new = {}, []
+        for name, param in module.named_parameters():
+            key = name
+            if name.startswith("decoder.layers."):
+                _, _, index, rest = name.split(".", 3)
+                key = f"decoder.layers.{layer_numbers[int(index)]}.{te_to_local.get(rest, rest)}"
+            if key == "output_layer.weight" and key not in full and \
+                    (getattr(param, "shared", False) or self.cfg.get("share_embeddings_and_output_weights", True)):
+                key = "embedding.word_embeddings.weight"  # tied: the last stage's copy of the embedding
+            if key not in full:
+                if any(tag in key for tag in allow_missing):
+                    new.append(key)
+                    continue
+                raise CheckpointError(f"{what}: tensor {key!r} is missing from the checkpoint; it was saved from a "
+                                      "different model")
+            tensor = full[key]
+            if getattr(param, "tensor_model_parallel", False) and tp > 1:
+                dim = param.partition_dim
+                if self.transformer_config.gated_linear_unit and key.endswith(("mlp.linear_fc1.weight",
+                                                                                "mlp.linear_fc1.bias")):
+                    gate, up = tensor.chunk(2, dim=0)
+                    tensor = torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]])
+                else:
+                    tensor = tensor.chunk(tp, dim=dim)[tp_rank]
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise CheckpointError(f"{what}: tensor {key!r} has shape {list(tensor.shape)} for this rank but "
+                                      f"{list(param.shape)} in the model built from the config; the model.* "
+                                      "architecture keys do not match this checkpoint")
+            state[name] = tensor
+        result = module.load_state_dict(state, strict=False)
+        unexpected = [k for k in result.missing_keys if not k.endswith("_extra_state") and k in state]
+        if unexpected:
+            raise CheckpointError(f"{what}: no values for {unexpected[:3]} ({len(unexpected)} tensors)")
+        return new
