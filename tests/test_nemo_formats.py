@@ -1,0 +1,413 @@
+""".nemo files as NeMo writes them: every tokenizer library, activation, archive and weight format.
+
+Each checkpoint is built here from a tiny model's weights in the layout NeMo uses, loaded with
+``load_model`` and compared with a forward of the original weights; tokenizers are compared with
+their own libraries id for id.
+"""
+
+import base64
+import json
+import os
+import shutil
+import tarfile
+
+import pytest
+import torch
+import yaml
+from omegaconf import OmegaConf
+
+from conftest import TINY_ARCH, forward_logits
+
+TEXTS = ["hello world, the quick brown fox", "  two  spaces and ünïcödé 123", "<extra_id_0>User\nhi<extra_id_1>", ""]
+
+
+# ----------------------------------------------------------------- tokenizers
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    lines = ["the quick brown fox jumps over the lazy dog", "hello world, alignment with nemo aligner",
+             "ünïcödé text 123 and more words here", "User System Assistant turn"] * 40
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def sp_model(corpus):
+    import sentencepiece as spm
+
+    prefix = corpus.parent / "sp"
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(prefix), vocab_size=90, model_type="bpe",
+                                   character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
+                                   minloglevel=2)
+    return str(prefix) + ".model"
+
+
+def test_sentencepiece_ids_equal_the_library(sp_model):
+    import sentencepiece as spm
+
+    from nemo_aligner.utils.tokenizers import build_tokenizer
+
+    sp = spm.SentencePieceProcessor(model_file=sp_model)
+    tok = build_tokenizer({"library": "sentencepiece", "model": sp_model, "sentencepiece_legacy": False})
+    for text in TEXTS:
+        assert tok.text_to_ids(text) == sp.encode(text)
+    assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (1, 2, 90)
+    assert tok.pad_id == 2  # the model has no pad piece: EOS pads
+
+
+def test_sentencepiece_legacy_special_tokens_follow_nemo(sp_model):
+    """NeMo's legacy mode: unknown special tokens get ids after the pieces and are split out of text
+    (a '▁' piece right after one is dropped); a known piece keeps its id; the key's absence means legacy."""
+    import sentencepiece as spm
+
+    from nemo_aligner.utils.tokenizers import build_tokenizer
+
+    sp = spm.SentencePieceProcessor(model_file=sp_model)
+    cfg = {"library": "sentencepiece", "model": sp_model,
+           "special_tokens": {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+                              "additional_special_tokens": None}}
+    cfg["special_tokens"].pop("additional_special_tokens")
+    tok = build_tokenizer(dict(cfg, additional_special_tokens=["<extra_id_0>", "<extra_id_1>"]))
+    assert tok.legacy  # no sentencepiece_legacy key: NeMo's default for library sentencepiece
+    assert tok.vocab_size == 93 and tok.pad_id == 90 and tok.eos_id == 2  # <pad> 90, markers 91, 92
+    ids = tok.text_to_ids("<extra_id_0>User\nhi<extra_id_1> world")
+    sep = sp.piece_to_id("\u2581")
+
+    def after_special(text):  # NeMo drops a lone '▁' piece that starts the text after a special token
+        pieces = sp.encode(text)
+        return pieces[1:] if pieces and pieces[0] == sep else pieces
+
+    assert sp.encode("User\nhi")[0] == sep  # so the rule is exercised
+    assert ids == [91] + after_special("User\nhi") + [92] + after_special(" world")
+    assert tok.ids_to_text(ids, skip_special=False).startswith("<extra_id_0>")
+
+
+def test_gpt2_bpe_ids_equal_the_tokenizers_library(corpus, tmp_path):
+    from tokenizers import ByteLevelBPETokenizer
+
+    from nemo_aligner.utils.tokenizers import build_tokenizer
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train([str(corpus)], vocab_size=320, min_frequency=1, special_tokens=["<|endoftext|>"], show_progress=False)
+    bpe.save_model(str(tmp_path))
+    reference = ByteLevelBPETokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
+    reference.add_special_tokens(["<|endoftext|>"])
+    tok = build_tokenizer({"library": "megatron", "type": "GPT2BPETokenizer",
+                           "vocab_file": str(tmp_path / "vocab.json"), "merge_file": str(tmp_path / "merges.txt")})
+    for text in TEXTS + ["end<|endoftext|>next"]:
+        assert tok.text_to_ids(text) == reference.encode(text).ids
+    assert tok.eos_id == reference.token_to_id("<|endoftext|>")
+
+
+def _tiktoken_vocab(path, merges=(b"th", b"he", b"the", b" the", b"wo", b"rld", b"or", b"ld")):
+    entries = [{"rank": i, "token_bytes": base64.b64encode(bytes([i])).decode(), "token_str": chr(i)} for i in range(256)]
+    for j, piece in enumerate(merges):
+        entries.append({"rank": 256 + j, "token_bytes": base64.b64encode(piece).decode(), "token_str": piece.decode()})
+    path.write_text(json.dumps(entries), encoding="utf-8")
+    return {piece: i for i, piece in enumerate([bytes([i]) for i in range(256)] + list(merges))}
+
+
+def test_tiktoken_ids_equal_the_library_shifted_by_the_special_ids(tmp_path):
+    import tiktoken
+
+    from nemo_aligner.utils.tokenizers import build_tokenizer
+    from nemo_aligner.utils.tokenizers.tiktoken_tokenizer import PATTERN_TIKTOKEN
+
+    ranks = _tiktoken_vocab(tmp_path / "vocab.json")
+    enc = tiktoken.Encoding(name="reference", pat_str=PATTERN_TIKTOKEN, mergeable_ranks=ranks, special_tokens={})
+    tok = build_tokenizer({"library": "tiktoken", "vocab_file": str(tmp_path / "vocab.json")})
+    for text in TEXTS + ["the world"]:
+        assert tok.text_to_ids(text) == [t + 1000 for t in enc.encode(text)]
+        assert tok.ids_to_text(tok.text_to_ids(text)) == text
+    assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (1, 2, 4, 1000 + len(ranks))
+
+
+def test_byte_level_layouts():
+    from nemo_aligner.utils.tokenizers import build_tokenizer
+
+    nemo1 = build_tokenizer({"library": "byte-level"})  # NeMo 1.x: 259 ids, specials never parsed from text
+    assert (nemo1.vocab_size, nemo1.pad_id, nemo1.bos_id, nemo1.eos_id) == (259, 256, 257, 258)
+    assert nemo1.text_to_ids("é<eos>") == list("é<eos>".encode())
+    nemo2 = build_tokenizer({"library": "byte-level"}, padded_vocab_size=512)  # NeMo 2.x
+    assert (nemo2.vocab_size, nemo2.eos_id, nemo2.pad_id, nemo2.bos_id) == (512, 0, 1, None)
+    builtin = build_tokenizer(None)
+    assert (builtin.pad_id, builtin.bos_id, builtin.eos_id) == (256, 257, 258)  # NeMo 1.x's ids
+    assert builtin.text_to_ids("a<extra_id_0>") == [97, 259]
+    assert build_tokenizer(builtin.config()).text_to_ids("a<extra_id_0>") == [97, 259]
+    old = build_tokenizer({"library": "byte"})  # this project's earlier checkpoints
+    assert (old.bos_id, old.eos_id, old.pad_id) == (256, 257, 258)
+
+
+def test_refusals_name_the_key_and_what_is_supported(tmp_path):
+    from nemo_aligner.utils.errors import ConfigError
+    from nemo_aligner.utils.tokenizers import build_tokenizer
+
+    cases = [({"library": "regex"}, "model.tokenizer.library='regex' is not supported (supported: byte-level"),
+             ({"library": "megatron", "type": "BertWordPieceCase"}, "model.tokenizer.type='BertWordPieceCase'"),
+             ({"library": "sentencepiece", "model": str(tmp_path / "none.model")}, "model.tokenizer.model="),
+             ({"library": "huggingface", "type": "no-such-org/no-such-model"}, "nothing is downloaded")]
+    for cfg, message in cases:
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            build_tokenizer(cfg)
+
+
+# ----------------------------------------------------------------- checkpoints
+def _reference(tiny_cfg, tokenizer, seed=0):
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+
+    torch.manual_seed(seed)
+    model = GPTSFTModel(OmegaConf.create(tiny_cfg), tokenizer)
+    with torch.no_grad():  # norms away from their initial 1 (or 0 for layernorm1p) so their maths is tested
+        for name, p in model.module.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def _nemo_dir(path, config: dict, tokenizer_files=()):
+    path.mkdir(parents=True)
+    (path / "model_config.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
+    for name, src in tokenizer_files:
+        shutil.copy(src, path / name)
+    return path
+
+
+def _tar(directory, out, mode="w:"):
+    with tarfile.open(out, mode) as tar:
+        for name in sorted(os.listdir(directory)):
+            tar.add(os.path.join(directory, name), arcname=f"./{name}")
+    return str(out)
+
+
+def _load(path, run_cfg=None):
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.models.nlp.gpt.loading import load_model
+
+    cfg = OmegaConf.create(dict(micro_batch_size=1, **(run_cfg or {})))
+    return load_model(GPTSFTModel, cfg, "32", restore_path=str(path))
+
+
+def _model_config(tiny_cfg, tokenizer_cfg, **extra):
+    cfg = {k: v for k, v in tiny_cfg.items() if k not in ("micro_batch_size",)}
+    cfg.update(tokenizer=tokenizer_cfg, precision=32, **extra)
+    return cfg
+
+
+def _legacy_names(state: dict, tp: int) -> list:
+    """NeMo's Megatron (pre-mcore) key names for a megatron-core state dict, split over ``tp`` ranks as
+    NeMo's tensor parallel layers hold them (fc1's gate and up halves in two linears)."""
+    layer_map = {"input_layernorm": "input_layernorm", "self_attention.linear_qkv": "self_attention.query_key_value",
+                 "self_attention.linear_proj": "self_attention.dense", "pre_mlp_layernorm": "post_attention_layernorm",
+                 "mlp.linear_fc2": "mlp.dense_4h_to_h"}
+    shards = [{} for _ in range(tp)]
+
+    def put(name, tensor, dim):
+        parts = tensor.chunk(tp, dim=dim) if dim is not None else [tensor] * tp
+        for r in range(tp):
+            shards[r][name] = parts[r].clone()
+
+    for key, tensor in state.items():
+        if key.endswith("_extra_state"):
+            continue
+        if key == "embedding.word_embeddings.weight":
+            put("model.language_model.embedding.word_embeddings.weight", tensor, 0)
+        elif key == "output_layer.weight":
+            put("model.language_model.output_layer.weight", tensor, 0)
+        elif key.startswith("decoder.final_layernorm"):
+            put("model.language_model.encoder." + key[len("decoder."):], tensor, None)
+        else:
+            _, _, index, rest = key.split(".", 3)
+            prefix = f"model.language_model.encoder.layers.{index}."
+            module, param = rest.rsplit(".", 1)
+            if module == "mlp.linear_fc1":
+                gate, up = tensor.chunk(2, dim=0)
+                put(prefix + f"mlp.dense_h_to_4h.{param}", gate, 0)
+                put(prefix + f"mlp.dense_h_to_4h_2.{param}", up, 0)
+                continue
+            dim = {"self_attention.linear_qkv": 0, "self_attention.linear_proj": 1, "mlp.linear_fc2": 1}.get(module)
+            put(prefix + f"{layer_map[module]}.{param}", tensor, dim)
+    return shards
+
+
+def _zarr_write(directory, key, tensor):
+    """One tensor as megatron-core's zarr strategy stored it: a zarr v2 array, Blosc-compressed, a chunk per layer."""
+    import numcodecs
+    import numpy as np
+
+    array_dir = directory / key
+    array_dir.mkdir(parents=True)
+    data = tensor.detach().contiguous().numpy()
+    chunks = [1] + list(data.shape[1:]) if data.ndim > 1 else list(data.shape)
+    codec = numcodecs.Blosc(cname="lz4", clevel=5, shuffle=1)
+    meta = {"zarr_format": 2, "shape": list(data.shape), "chunks": chunks, "dtype": "<f4", "order": "C",
+            "compressor": codec.get_config(), "fill_value": None, "filters": None}
+    (array_dir / ".zarray").write_text(json.dumps(meta))
+    for i in range(data.shape[0] if data.ndim > 1 else 1):
+        block = data[i:i + 1] if data.ndim > 1 else data
+        name = ".".join(["0"] * data.ndim) if data.ndim <= 1 else ".".join([str(i)] + ["0"] * (data.ndim - 1))
+        (array_dir / name).write_bytes(codec.encode(np.ascontiguousarray(block)))
+
+
+TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+            "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+
+
+@pytest.fixture(scope="module")
+def llama_like(mcore_single, tmp_path_factory):
+    """A NeMo-converted-Llama-shaped model (fast-swiglu, RMSNorm, RoPE, GQA, untied) and its logits."""
+    from nemo_aligner.utils.tokenizers import build_tokenizer
+
+    tok = build_tokenizer({"library": "byte-level"})
+    tiny = dict(TINY_ARCH, activation="fast-swiglu", encoder_seq_length=24, micro_batch_size=1)
+    model = _reference(tiny, tok)
+    tokens = torch.randint(0, 259, (2, 12), generator=torch.Generator().manual_seed(1))
+    state = {k: v.detach().clone() for k, v in model.module.state_dict().items() if not k.endswith("_extra_state")}
+    return tiny, tok, state, tokens, forward_logits(model, tokens), tmp_path_factory.mktemp("llama_like")
+
+
+def test_legacy_megatron_names_tp2_sharded_gz_nemo(llama_like):
+    """NeMo's pre-mcore names, TP=2 shards in mp_rank_0X/, a gzip-compressed tar, no padded_vocab_size in the
+    config: loads at TP=1 and computes the original logits."""
+    tiny, tok, state, tokens, logits, work = llama_like
+    directory = _nemo_dir(work / "legacy_dir", _model_config(tiny, tok.config(), mcore_gpt=False))
+    for rank, shard in enumerate(_legacy_names(state, tp=2)):
+        (directory / f"mp_rank_0{rank}").mkdir()
+        torch.save(shard, directory / f"mp_rank_0{rank}" / "model_weights.ckpt")
+    nemo = _tar(directory, work / "legacy.nemo", mode="w:gz")
+    loaded = _load(nemo)
+    assert loaded.cfg.encoder_seq_length == 24  # the checkpoint's, not a default
+    torch.testing.assert_close(forward_logits(loaded, tokens), logits, rtol=0, atol=0)
+
+
+def test_legacy_mcore_names_with_te_norms_in_one_ckpt(llama_like):
+    tiny, tok, state, tokens, logits, work = llama_like
+    stored = {}
+    for key, tensor in state.items():
+        for local, te in TE_NAMES.items():
+            key = key.replace(local, te)
+        stored["model.module." + key] = tensor  # megatron_amp_O2's prefix
+    stored["model.module.decoder.layers.0.self_attention.core_attention._extra_state"] = torch.empty(0)
+    directory = _nemo_dir(work / "mcore_ckpt_dir", _model_config(tiny, tok.config(), mcore_gpt=True,
+                                                                   megatron_amp_O2=True))
+    torch.save(stored, directory / "model_weights.ckpt")
+    torch.testing.assert_close(forward_logits(_load(_tar(directory, work / "mcore_ckpt.nemo")), tokens), logits,
+                               rtol=0, atol=0)
+
+
+def test_zarr_distributed_checkpoint(llama_like):
+    tiny, tok, state, tokens, logits, work = llama_like
+    directory = _nemo_dir(work / "zarr_dir", _model_config(tiny, tok.config(), mcore_gpt=True,
+                                                             dist_ckpt_format="zarr"))
+    weights = directory / "model_weights"
+    weights.mkdir()
+    (weights / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr", "sharded_backend_version": 1,
+                                                       "common_backend": "torch", "common_backend_version": 1}))
+    layers = {}
+    for key, tensor in state.items():
+        if key.startswith("decoder.layers."):
+            _, _, index, rest = key.split(".", 3)
+            layers.setdefault(TE_NAMES.get(rest, rest), {})[int(index)] = tensor
+        else:
+            _zarr_write(weights, "model." + key, tensor)
+    for rest, per_layer in layers.items():
+        _zarr_write(weights, "model.decoder.layers." + rest, torch.stack([per_layer[i] for i in sorted(per_layer)]))
+    torch.testing.assert_close(forward_logits(_load(_tar(directory, work / "zarr.nemo")), tokens), logits,
+                               rtol=0, atol=0)
+
+
+def test_sentencepiece_nemo_round_trip_keeps_nemo_keys(llama_like, sp_model, tmp_path):
+    """A .nemo whose tokenizer is a packed sentencepiece model (nemo:<uuid>_tokenizer.model) loads with
+    that tokenizer, and saving writes the same keys back (no local paths)."""
+    from nemo_aligner.utils.nemo_file import save_nemo
+
+    tiny, _, state, tokens, _, work = llama_like
+    import sentencepiece as spm
+
+    stored = "0123456789abcdef0123456789abcdef_tokenizer.model"
+    cfg = _model_config(tiny, {"library": "sentencepiece", "type": None, "model": f"nemo:{stored}",
+                               "vocab_file": None, "merge_file": None, "sentencepiece_legacy": False},
+                        mcore_gpt=True)
+    directory = _nemo_dir(tmp_path / "sp_dir", cfg, tokenizer_files=[(stored, sp_model)])
+    torch.save({"model." + k: v for k, v in state.items()}, directory / "model_weights.ckpt")
+    loaded = _load(_tar(directory, tmp_path / "sp.nemo"))
+    assert loaded.tokenizer.text_to_ids("hello world") == spm.SentencePieceProcessor(model_file=sp_model).encode(
+        "hello world")
+    assert loaded.cfg.padded_vocab_size == state["embedding.word_embeddings.weight"].shape[0]
+    out = save_nemo(loaded, str(tmp_path / "again.nemo"))
+    with tarfile.open(out) as tar:
+        written = yaml.safe_load(tar.extractfile("./model_config.yaml").read())
+        names = [m.name[2:] for m in tar.getmembers()]
+    tok_cfg = written["tokenizer"]
+    assert tok_cfg["library"] == "sentencepiece" and tok_cfg["sentencepiece_legacy"] is False
+    assert tok_cfg["model"].startswith("nemo:") and tok_cfg["model"][len("nemo:"):] in names
+    assert tok_cfg["model"].endswith("_tokenizer.model") and "/" not in tok_cfg["model"]
+    again = _load(out)
+    torch.testing.assert_close(forward_logits(again, tokens), forward_logits(loaded, tokens), rtol=0, atol=0)
+
+
+def test_hf_hub_name_with_packed_tokenizer_files(llama_like, tmp_path):
+    """``library: huggingface`` with a hub name for ``type`` and the tokenizer's files packed in the .nemo:
+    loads offline, and the name (not a temporary directory) is written back."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from nemo_aligner.utils.nemo_file import save_nemo
+
+    tiny, _, state, _, _, work = llama_like
+    vocab = {chr(c): i for i, c in enumerate(range(32, 127))}
+    vocab.update({"<unk>": len(vocab), "</s>": len(vocab) + 1})
+    hf = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    src = tmp_path / "hf"
+    PreTrainedTokenizerFast(tokenizer_object=hf, eos_token="</s>", unk_token="<unk>").save_pretrained(src)
+    tag = "fedcba9876543210fedcba9876543210"
+    files = [(f"{tag}_{name}", src / name) for name in os.listdir(src)]
+    cfg = _model_config(tiny, {"library": "huggingface", "type": "meta-llama/Meta-Llama-3-8B", "use_fast": True,
+                               "files": [f"nemo:{n}" for n, _ in files]}, mcore_gpt=True)
+    directory = _nemo_dir(tmp_path / "hf_dir", cfg, tokenizer_files=files)
+    torch.save({"model." + k: v for k, v in state.items()}, directory / "model_weights.ckpt")
+    loaded = _load(_tar(directory, tmp_path / "hf.nemo"))
+    reference = AutoTokenizer.from_pretrained(src)
+    assert loaded.tokenizer.text_to_ids("hi there") == reference.encode("hi there", add_special_tokens=False)
+    with tarfile.open(save_nemo(loaded, str(tmp_path / "hf_again.nemo"))) as tar:
+        written = yaml.safe_load(tar.extractfile("./model_config.yaml").read())["tokenizer"]
+    assert written["type"] == "meta-llama/Meta-Llama-3-8B" and written["library"] == "huggingface"
+    assert all(ref.startswith("nemo:") for ref in written["files"])
+
+
+@pytest.mark.parametrize("norm", ["layernorm1p", "layernorm"])
+def test_layernorm1p_is_layernorm_with_weight_plus_one(mcore_single, norm):
+    """The same stored weights give LayerNorm(gamma = w + 1) under layernorm1p and LayerNorm(gamma = w)
+    under layernorm; checked against F.layer_norm of the whole model's first norm."""
+    import torch.nn.functional as F
+
+    from nemo_aligner.utils.tokenizers import build_tokenizer
+
+    tiny = dict(TINY_ARCH, normalization=norm, activation="squared-relu", encoder_seq_length=16, micro_batch_size=1)
+    model = _reference(tiny, build_tokenizer(None))
+    norm_module = model.module.decoder.layers[0].input_layernorm
+    x = torch.randn(3, 64)
+    gamma = norm_module.weight + (1 if norm == "layernorm1p" else 0)
+    torch.testing.assert_close(norm_module(x), F.layer_norm(x, (64,), gamma, norm_module.bias, norm_module.eps))
+
+
+def test_encoder_seq_length_comes_from_the_checkpoint_unless_set(base_nemo, tmp_path):
+    """The shipped configs leave model.encoder_seq_length null: a run takes the .nemo's value; a value set by
+    the user wins."""
+    from omegaconf import open_dict
+
+    from conftest import REPO
+    from nemo_aligner.utils.nemo_file import read_model_config
+    from nemo_aligner.utils.run_setup import effective_model_config, resolve_sequence_length
+
+    nemo, _ = base_nemo
+    shipped = OmegaConf.load(os.path.join(REPO, "examples/nlp/gpt/conf/gpt_sft.yaml"))
+    assert shipped.model.encoder_seq_length is None
+    own = int(read_model_config(nemo).encoder_seq_length)
+    model_cfg = shipped.model
+    arch = effective_model_config(model_cfg, nemo, "model.restore_from_path")
+    assert resolve_sequence_length(model_cfg, arch, nemo) == own
+    assert shipped.model.data.train_ds.max_seq_length == own  # the interpolation follows
+    with open_dict(model_cfg):
+        model_cfg.encoder_seq_length = own // 2
+    assert resolve_sequence_length(model_cfg, effective_model_config(model_cfg, nemo, "k"), nemo) == own // 2
