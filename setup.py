@@ -61,11 +61,16 @@ setup(
         "wandb",
         "transformers",
         "safetensors",
+        # NeMo's tokenizer libraries (model.tokenizer.library: sentencepiece, tiktoken)
+        "sentencepiece",
+        "tiktoken",
         "matplotlib",  # make demo: results/demo/report.png
         "ninja",  # builds the fused CPU decode kernels on first use (utils/cpu_kernels.py)
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "pytest-xdist", "filelock"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "filelock", "numcodecs"],
+        # zarr-format distributed checkpoints (NeMo's dist_ckpt_format: zarr) are Blosc-compressed
+        "zarr": ["numcodecs"],
         "gpu": ["transformer-engine[pytorch]"],
     },
     cmdclass={"build_py": BuildPyWithExamples},

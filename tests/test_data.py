@@ -1,5 +1,7 @@
 """Datasets, masks, collation, the global-batch sampler and the built-in task."""
 
+import json
+
 import pytest
 
 from nemo_aligner.data.nlp.builtin_task import BuiltinTask
@@ -224,3 +226,33 @@ def test_suspicious_but_valid_records_are_warned_about_by_file_and_line(tmp_path
     assert len(samples[2]["chosen"]) == 33 and samples[2]["chosen_prompt"] == 31  # the prompt cut from the left
     # the misspelled role's turn is trained on, as the warning says
     assert sum(chat_dataset[1]["target_mask"]) > sum(chat_dataset[0]["target_mask"])
+
+
+def test_over_long_samples_are_counted_once_and_all_empty_data_is_refused(tmp_path, caplog):
+    """Every sample is measured when the dataset is built: the count of truncated samples and the first
+    file:line are logged once; a file in which no sample keeps a trained token stops the run."""
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.data.nlp.builders import build_sft_dataset
+    from nemo_aligner.utils.errors import DataError
+
+    path = tmp_path / "sft.jsonl"
+    rows = [{"input": "q" * 5, "output": "short"}, {"input": "x" * 40, "output": "y" * 3},
+            {"input": "z" * 50, "output": "w"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    ds_cfg = OmegaConf.create({"file_path": str(path)})
+    with caplog.at_level(logging.WARNING):
+        dataset = build_sft_dataset(ds_cfg, TOK, 16, chat=False, answer_only_loss=True)
+        for i in range(len(dataset)):
+            dataset[i]
+    messages = [r.getMessage() for r in caplog.records if "longer than" in r.getMessage()]
+    assert len(messages) == 1 and "2 of 3 samples" in messages[0] and f"{path}:2" in messages[0]
+
+    chat = tmp_path / "chat.jsonl"
+    turns = {"system": "s" * 30, "mask": "User",
+             "conversations": [{"from": "User", "value": "hi"}, {"from": "Assistant", "value": "hello"}]}
+    chat.write_text(json.dumps(turns) + "\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"every one of the 1 samples is left with no trained token at max_seq_length=16"):
+        build_sft_dataset(OmegaConf.create({"file_path": str(chat)}), TOK, 16, chat=True, answer_only_loss=True)

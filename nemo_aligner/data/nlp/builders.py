@@ -9,7 +9,7 @@ import torch
 
 from nemo_aligner.data.nlp.jsonl import read_jsonl_files
 from nemo_aligner.data.nlp.samplers import GlobalBatchSampler
-from nemo_aligner.data.nlp.sft_dataset import GPTSFTChatDataset, GPTSFTDataset, collate_sft
+from nemo_aligner.data.nlp.sft_dataset import GPTSFTChatDataset, GPTSFTDataset, collate_sft, report_lengths
 from nemo_aligner.utils.errors import ConfigError
 
 
@@ -25,10 +25,12 @@ def build_sft_dataset(ds_cfg, tokenizer, max_seq_length: int, chat: bool, answer
     records, name = _records(ds_cfg.get("file_path") or ds_cfg.get("file_names"), key)
     seq = min(int(ds_cfg.get("max_seq_length") or max_seq_length), int(max_seq_length))
     if chat:
-        return GPTSFTChatDataset(name, tokenizer, seq, chat_prompt_tokens=chat_prompt_tokens,
-                                 add_eos=bool(ds_cfg.get("add_eos", True)), answer_only_loss=answer_only_loss,
-                                 records=records)
-    return GPTSFTDataset(
+        dataset = GPTSFTChatDataset(name, tokenizer, seq, chat_prompt_tokens=chat_prompt_tokens,
+                                    add_eos=bool(ds_cfg.get("add_eos", True)), answer_only_loss=answer_only_loss,
+                                    records=records)
+        report_lengths(dataset, key)
+        return dataset
+    dataset = GPTSFTDataset(
         name, tokenizer, seq,
         prompt_template=ds_cfg.get("prompt_template", "{input} {output}"),
         label_key=ds_cfg.get("label_key", "output"),
@@ -39,6 +41,8 @@ def build_sft_dataset(ds_cfg, tokenizer, max_seq_length: int, chat: bool, answer
         answer_only_loss=answer_only_loss,
         records=records,
     )
+    report_lengths(dataset, key)
+    return dataset
 
 
 def build_dataloader(dataset, ds_cfg, collate_fn: Callable, dp_rank: int, dp_size: int, seed: int,

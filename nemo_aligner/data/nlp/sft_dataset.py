@@ -79,6 +79,16 @@ class GPTSFTDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: int) -> Dict:
         if idx < 0:  # padding sample of a partial validation batch: no loss
             return {"input_ids": [self.tokenizer.eos_id] * 2, "answer_start": 2, "padding": True}
+        sample, overflow = self._sample(idx)
+        if overflow > 0:
+            self._warn_truncated(self.records[idx], overflow)
+        return sample
+
+    def trained_tokens(self, sample: Dict) -> int:
+        return len(sample["input_ids"]) - max(sample["answer_start"], 1)
+
+    def _sample(self, idx: int):
+        """``(sample, tokens cut)`` of record ``idx``."""
         record = self.records[idx]
         context = self.context_template.format(**record)
         answer = record[self.label_key] + self.answer_suffix.format(**record)
@@ -90,13 +100,12 @@ class GPTSFTDataset(torch.utils.data.Dataset):
         budget = self.max_seq_length + 1 - len(prefix) - len(suffix)
         overflow = len(ctx_ids) + len(ans_ids) - budget
         if overflow > 0:
-            self._warn_truncated(record, overflow)
             cut = min(overflow, max(len(ctx_ids) - 1, 0))
             ctx_ids = truncate(ctx_ids, cut, self.truncation_method)
             ans_ids = ans_ids[: max(budget - len(ctx_ids), 0)]
         input_ids = prefix + ctx_ids + ans_ids + suffix
         answer_start = len(prefix) + len(ctx_ids) if self.answer_only_loss else 1
-        return {"input_ids": input_ids, "answer_start": answer_start}
+        return {"input_ids": input_ids, "answer_start": answer_start}, max(overflow, 0)
 
 
 DEFAULT_CHAT_TOKENS = {
@@ -170,6 +179,19 @@ class GPTSFTChatDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: int) -> Dict:
         if idx < 0:
             return {"input_ids": [self.tokenizer.eos_id] * 2, "answer_start": 2, "padding": True}
+        sample, _ = self._sample(idx)
+        if not self.trained_tokens(sample) and not self._warned_empty:
+            self._warned_empty = True
+            logger.warning("%s:%s: no trained token is left after truncation to max_seq_length=%d; "
+                           "such samples carry no loss (raise model.encoder_seq_length)",
+                           self.file_path, self.records[idx].get("__line__", "?"), self.max_seq_length)
+        return sample
+
+    def trained_tokens(self, sample: Dict) -> int:
+        return sum(sample["target_mask"][1:])
+
+    def _sample(self, idx: int):
+        """``(sample, tokens cut)`` of record ``idx``."""
         ids: List[int] = []
         mask: List[int] = []
         for text, trained in self.render(self.records[idx]):
@@ -179,13 +201,34 @@ class GPTSFTChatDataset(torch.utils.data.Dataset):
         if self.add_eos:
             ids.append(self.tokenizer.eos_id)
             mask.append(1)
+        cut = max(len(ids) - (self.max_seq_length + 1), 0)
         ids, mask = ids[: self.max_seq_length + 1], mask[: self.max_seq_length + 1]
-        if not any(mask[1:]) and not self._warned_empty:
-            self._warned_empty = True
-            logger.warning("%s:%s: no trained token is left after truncation to max_seq_length=%d; "
-                           "such samples carry no loss (raise model.encoder_seq_length)",
-                           self.file_path, self.records[idx].get("__line__", "?"), self.max_seq_length)
-        return {"input_ids": ids, "answer_start": 0, "target_mask": mask}
+        return {"input_ids": ids, "answer_start": 0, "target_mask": mask}, cut
+
+
+def report_lengths(dataset, key: str) -> None:
+    """Tokenize every sample once: log how many are longer than the sequence length (with the first
+    file:line), and refuse a dataset in which no sample keeps a trained token."""
+    too_long, empty, first = 0, 0, None
+    for idx in range(len(dataset)):
+        sample, cut = dataset._sample(idx)
+        if cut > 0:
+            too_long += 1
+            if first is None:
+                record = dataset.records[idx]
+                first = f"{record.get('__file__', dataset.file_path)}:{record.get('__line__', '?')}"
+        if dataset.trained_tokens(sample) <= 0:
+            empty += 1
+    total = len(dataset)
+    if total and empty == total:
+        raise DataError(f"{dataset.file_path}: every one of the {total} samples is left with no trained token at "
+                        f"max_seq_length={dataset.max_seq_length} (model.encoder_seq_length / "
+                        f"{key}.max_seq_length): raise it")
+    if too_long:
+        logger.warning("%s: %d of %d samples are longer than max_seq_length=%d and are truncated (first: %s)%s",
+                       dataset.file_path, too_long, total, dataset.max_seq_length, first,
+                       f"; {empty} keep no trained token and carry no loss" if empty else "")
+        dataset._warned = dataset._warned_empty = True  # reported here, once
 
 
 def collate_sft(samples: Sequence[Dict], pad_id: int, max_seq_length: int, pad_to_multiple_of: int = 8) -> Dict[str, torch.Tensor]:
