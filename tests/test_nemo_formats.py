@@ -193,9 +193,10 @@ def _model_config(tiny_cfg, tokenizer_cfg, **extra):
     return cfg
 
 
-def _legacy_names(state: dict, tp: int) -> list:
+def _legacy_names(state: dict, tp: int, fused: bool) -> list:
     """NeMo's Megatron (pre-mcore) key names for a megatron-core state dict, split over ``tp`` ranks as
-    NeMo's tensor parallel layers hold them (fc1's gate and up halves in two linears)."""
+    NeMo's tensor parallel layers hold them: fc1's gate and up halves in two linears (swiglu), or in one
+    (fast-swiglu: [gate_r; up_r] on rank r)."""
     layer_map = {"input_layernorm": "input_layernorm", "self_attention.linear_qkv": "self_attention.query_key_value",
                  "self_attention.linear_proj": "self_attention.dense", "pre_mlp_layernorm": "post_attention_layernorm",
                  "mlp.linear_fc2": "mlp.dense_4h_to_h"}
@@ -221,6 +222,10 @@ def _legacy_names(state: dict, tp: int) -> list:
             module, param = rest.rsplit(".", 1)
             if module == "mlp.linear_fc1":
                 gate, up = tensor.chunk(2, dim=0)
+                if fused:
+                    for r, (g, u) in enumerate(zip(gate.chunk(tp), up.chunk(tp))):
+                        shards[r][prefix + f"mlp.dense_h_to_4h.{param}"] = torch.cat([g, u])
+                    continue
                 put(prefix + f"mlp.dense_h_to_4h.{param}", gate, 0)
                 put(prefix + f"mlp.dense_h_to_4h_2.{param}", up, 0)
                 continue
@@ -265,15 +270,17 @@ def llama_like(mcore_single, tmp_path_factory):
     return tiny, tok, state, tokens, forward_logits(model, tokens), tmp_path_factory.mktemp("llama_like")
 
 
-def test_legacy_megatron_names_tp2_sharded_gz_nemo(llama_like):
+@pytest.mark.parametrize("activation", ["swiglu", "fast-swiglu"])
+def test_legacy_megatron_names_tp2_sharded_gz_nemo(llama_like, activation):
     """NeMo's pre-mcore names, TP=2 shards in mp_rank_0X/, a gzip-compressed tar, no padded_vocab_size in the
     config: loads at TP=1 and computes the original logits."""
     tiny, tok, state, tokens, logits, work = llama_like
-    directory = _nemo_dir(work / "legacy_dir", _model_config(tiny, tok.config(), mcore_gpt=False))
-    for rank, shard in enumerate(_legacy_names(state, tp=2)):
+    cfg = _model_config(dict(tiny, activation=activation), tok.config(), mcore_gpt=False)
+    directory = _nemo_dir(work / f"legacy_dir_{activation}", cfg)
+    for rank, shard in enumerate(_legacy_names(state, tp=2, fused=activation.startswith("fast-"))):
         (directory / f"mp_rank_0{rank}").mkdir()
         torch.save(shard, directory / f"mp_rank_0{rank}" / "model_weights.ckpt")
-    nemo = _tar(directory, work / "legacy.nemo", mode="w:gz")
+    nemo = _tar(directory, work / f"legacy_{activation}.nemo", mode="w:gz")
     loaded = _load(nemo)
     assert loaded.cfg.encoder_seq_length == 24  # the checkpoint's, not a default
     torch.testing.assert_close(forward_logits(loaded, tokens), logits, rtol=0, atol=0)
@@ -411,3 +418,91 @@ def test_encoder_seq_length_comes_from_the_checkpoint_unless_set(base_nemo, tmp_
     with open_dict(model_cfg):
         model_cfg.encoder_seq_length = own // 2
     assert resolve_sequence_length(model_cfg, effective_model_config(model_cfg, nemo, "k"), nemo) == own // 2
+
+
+def _tp_pp_legacy_nemo(llama_like):
+    """tp_rank_0X_pp_rank_00Y/model_weights.ckpt (TP=2 x PP=2) with megatron-core names: each stage numbers
+    its layers from 0 and holds its own part (embedding first, final norm and output layer last)."""
+    tiny, tok, state, tokens, logits, work = llama_like
+    if (work / "tp_pp.nemo").exists():
+        return str(work / "tp_pp.nemo")
+    split = {"self_attention.linear_qkv": 0, "self_attention.linear_proj": 1, "mlp.linear_fc2": 1}
+    directory = _nemo_dir(work / "tp_pp_dir", _model_config(tiny, tok.config(), mcore_gpt=True))
+    shards = {(t, p): {} for t in range(2) for p in range(2)}
+    for key, tensor in state.items():
+        if key.startswith("decoder.layers."):
+            _, _, index, rest = key.split(".", 3)
+            stage, local = int(index), 0  # one layer per stage
+            module = rest.rsplit(".", 1)[0]
+            if module == "mlp.linear_fc1":  # megatron-core's TP fc1: [gate_r; up_r] on rank r
+                gate, up = tensor.chunk(2)
+                parts = [torch.cat([g, u]) for g, u in zip(gate.chunk(2), up.chunk(2))]
+            elif module in split:
+                parts = tensor.chunk(2, dim=split[module])
+            else:
+                parts = [tensor, tensor]
+            for t in range(2):
+                shards[(t, stage)][f"model.decoder.layers.{local}.{rest}"] = parts[t].clone()
+        else:
+            stage = 0 if key.startswith("embedding") else 1
+            parts = tensor.chunk(2) if key in ("embedding.word_embeddings.weight", "output_layer.weight") \
+                else [tensor, tensor]
+            for t in range(2):
+                shards[(t, stage)]["model." + key] = parts[t].clone()
+    for (t, p), shard in shards.items():
+        (directory / f"tp_rank_0{t}_pp_rank_00{p}").mkdir()
+        torch.save(shard, directory / f"tp_rank_0{t}_pp_rank_00{p}" / "model_weights.ckpt")
+    return _tar(directory, work / "tp_pp.nemo")
+
+
+def test_legacy_tensor_and_pipeline_sharded_files(llama_like):
+    tokens, logits = llama_like[3], llama_like[4]
+    torch.testing.assert_close(forward_logits(_load(_tp_pp_legacy_nemo(llama_like)), tokens), logits,
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_legacy_weights_load_at_other_parallel_sizes(llama_like, tmp_path, tp, pp):
+    """The merged legacy weights are cut for each rank: the loss at TP=2 or PP=2 (two processes) equals
+    the loss of one process."""
+    from conftest import WORKERS, run_python
+
+    worker = os.path.join(WORKERS, "parallel_loss_worker.py")
+    nemo = _tp_pp_legacy_nemo(llama_like)
+    run_python(worker, ["--nemo", nemo, "--out", tmp_path / "one.json"], like_nproc=2)
+    run_python(worker, ["--nemo", nemo, "--tp", str(tp), "--pp", str(pp), "--out", tmp_path / "two.json"], nproc=2)
+    one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
+    assert two["loss0"] == pytest.approx(one["loss0"], rel=1e-6)
+
+
+def test_written_nemo_follows_nemo_restore_rules(llama_like, tmp_path):
+    """A .nemo we write, read with the rules NeMo's restore_from applies (NeMo cannot be installed beside
+    this project): an uncompressed tar ("r:" first); model_config.yaml at the top with mcore_gpt and the
+    tokenizer under NeMo's keys; model_weights/ a distributed checkpoint (metadata.json, torch_dist) whose
+    tensors carry megatron-core's names; every nemo: reference a member of the archive."""
+    from megatron.core import dist_checkpointing
+
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.utils.nemo_file import save_nemo
+
+    tiny, tok, _, _, _, _ = llama_like
+    nemo = save_nemo(GPTSFTModel(OmegaConf.create(tiny), tok), str(tmp_path / "ours.nemo"))
+    with tarfile.open(nemo, "r:") as tar:  # NeMo's first try; gz only for old files
+        names = {m.name[2:] if m.name.startswith("./") else m.name for m in tar.getmembers()}
+        config = yaml.safe_load(tar.extractfile("./model_config.yaml").read())
+        tar.extractall(tmp_path / "x", filter="data")
+    assert config["mcore_gpt"] is True and config["dist_ckpt_format"] == "torch_dist"
+    assert config["target"].endswith("MegatronGPTModel") and config["encoder_seq_length"] == 24
+    assert config["activation"] == "fast-swiglu" and config["normalization"] == "rmsnorm"
+    assert config["tokenizer"]["library"] == "byte-level" and "model_weights.ckpt" not in names
+    for key in ("model", "vocab_file", "merge_file"):
+        value = config["tokenizer"].get(key)
+        assert value is None or (value.startswith("nemo:") and value[5:] in names)
+    weights = tmp_path / "x" / "model_weights"
+    assert json.loads((weights / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    assert dist_checkpointing.check_is_distributed_checkpoint(str(weights))
+    stored = dist_checkpointing.load_tensors_metadata(str(weights))
+    assert {"model.embedding.word_embeddings.weight", "model.decoder.layers.self_attention.linear_qkv.weight",
+            "model.decoder.layers.mlp.linear_fc1.weight", "model.decoder.final_layernorm.weight",
+            "model.output_layer.weight"} <= set(stored)
+    assert tuple(stored["model.decoder.layers.self_attention.linear_qkv.weight"].global_shape)[0] == 2  # stacked

@@ -47,7 +47,7 @@ _LEGACY_LAYER = {
     "self_attention.dense.bias": "self_attention.linear_proj.bias",
     "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
     "post_attention_layernorm.bias": "pre_mlp_layernorm.bias",
-    "mlp.dense_h_to_4h.weight": "mlp.linear_fc1_gate.weight",  # fc1 itself when the MLP is not gated
+    "mlp.dense_h_to_4h.weight": "mlp.linear_fc1_gate.weight",  # the whole fc1 unless a _2 half exists
     "mlp.dense_h_to_4h.bias": "mlp.linear_fc1_gate.bias",
     "mlp.dense_h_to_4h_2.weight": "mlp.linear_fc1_up.weight",  # the gated unit's second half, merged below
     "mlp.dense_h_to_4h_2.bias": "mlp.linear_fc1_up.bias",
@@ -133,11 +133,11 @@ def _tp_dim(name: str):
     return None
 
 
-def _merge_tp(name: str, shards: List[torch.Tensor], gated: bool) -> torch.Tensor:
+def _merge_tp(name: str, shards: List[torch.Tensor], fused_gated: bool) -> torch.Tensor:
     dim = _tp_dim(name)
     if dim is None or len(shards) == 1:
         return shards[0]
-    if gated and name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")):
+    if fused_gated:
         # megatron-core keeps each rank's fc1 as [gate_r; up_r]: concatenate the gates, then the ups
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
@@ -174,7 +174,11 @@ def read_legacy_weights(nemo_dir: str, gated: bool) -> Dict[str, torch.Tensor]:
             if len(shards) != len(tps):
                 raise CheckpointError(f"{nemo_dir}: tensor {name!r} is in {len(shards)} of the {len(tps)} "
                                       f"tensor-parallel files of pipeline stage {pp}")
-            tensor = _merge_tp(name, shards, gated)
+            # one fc1 holding both halves of a gated unit (megatron-core, and NeMo's fast-*glu): each rank
+            # has [gate_r; up_r]; NeMo's plain *glu keeps the up half in a second linear (dense_h_to_4h_2)
+            fc1 = name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")) or (
+                ".mlp.linear_fc1_gate." in name and name.replace("linear_fc1_gate", "linear_fc1_up") not in stage)
+            tensor = _merge_tp(name, shards, fused_gated=gated and fc1)
             layer = _LAYER.match(name)
             if layer:  # stage-local layer numbers -> global
                 layers.add(int(layer.group(1)))

@@ -105,6 +105,7 @@ _UNSUPPORTED_ARCHITECTURE = (
     ("normalize_attention_scores", True, (True,)),
     ("num_moe_experts", None, (None, 0, 1)),
     ("window_size", None, (None,)),
+    ("megatron_legacy", False, (False,)),  # all-Q-then-K-then-V query_key_value layout
 )
 
 
