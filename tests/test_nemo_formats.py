@@ -506,3 +506,28 @@ def test_written_nemo_follows_nemo_restore_rules(llama_like, tmp_path):
             "model.decoder.layers.mlp.linear_fc1.weight", "model.decoder.final_layernorm.weight",
             "model.output_layer.weight"} <= set(stored)
     assert tuple(stored["model.decoder.layers.self_attention.linear_qkv.weight"].global_shape)[0] == 2  # stacked
+
+
+def test_zarr_bfloat16_and_uncompressed_arrays(tmp_path):
+    """megatron-core stored bfloat16 as 2-byte words with dtype "bfloat16", and later wrote chunks without a
+    compressor; a chunk at the edge of the array is padded to the full chunk shape."""
+    import numpy as np
+
+    from nemo_aligner.utils.zarr_checkpoint import read_zarr_array
+
+    tensor = torch.randn(3, 5).to(torch.bfloat16)
+    words = tensor.view(torch.int16).numpy().view(np.uint16)
+    directory = tmp_path / "model.decoder.final_layernorm.weight"
+    directory.mkdir()
+    (directory / ".zarray").write_text(json.dumps({"zarr_format": 2, "shape": [3, 5], "chunks": [2, 5],
+                                                   "dtype": "bfloat16", "order": "C", "compressor": None,
+                                                   "fill_value": None, "filters": None}))
+    (directory / "0.0").write_bytes(words[:2].tobytes())
+    (directory / "1.0").write_bytes(np.concatenate([words[2:], np.zeros((1, 5), np.uint16)]).tobytes())
+    read = read_zarr_array(str(directory))
+    assert read.dtype == torch.bfloat16 and torch.equal(read, tensor)
+    os.remove(directory / "1.0")
+    from nemo_aligner.utils.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="chunk 1.0 is missing"):
+        read_zarr_array(str(directory))
