@@ -218,11 +218,13 @@ def test_suspicious_but_valid_records_are_warned_about_by_file_and_line(tmp_path
         samples = [dpo_dataset[i] for i in range(3)] + [kto_dataset[i] for i in range(2)]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     expected = [f"{chat}:2: no turn is from the masked role", f"{dpo}:2: the chosen and rejected responses are identical",
-                f"{rm}:2: the chosen and rejected responses are identical", f"{dpo}:3: 9 tokens longer than the sequence",
-                f"{kto}:2: 9 tokens longer than the sequence"]
+                f"{rm}:2: the chosen and rejected responses are identical",
+                f"{dpo}: 1 of 3 samples are longer than the sequence length 32", f"{kto}: 1 of 2 samples are longer"]
     for start in expected:
         assert sum(w.startswith(start) for w in warnings) == 1, (start, warnings)
     assert len(warnings) == len(expected), warnings
+    assert any(f"first: {dpo}:3, 9 tokens over" in w for w in warnings)
+    assert any(f"first: {kto}:2, 9 tokens over" in w for w in warnings)
     assert len(samples[2]["chosen"]) == 33 and samples[2]["chosen_prompt"] == 31  # the prompt cut from the left
     # the misspelled role's turn is trained on, as the warning says
     assert sum(chat_dataset[1]["target_mask"]) > sum(chat_dataset[0]["target_mask"])
@@ -256,3 +258,21 @@ def test_over_long_samples_are_counted_once_and_all_empty_data_is_refused(tmp_pa
     chat.write_text(json.dumps(turns) + "\n", encoding="utf-8")
     with pytest.raises(DataError, match=r"every one of the 1 samples is left with no trained token at max_seq_length=16"):
         build_sft_dataset(OmegaConf.create({"file_path": str(chat)}), TOK, 16, chat=True, answer_only_loss=True)
+
+
+def test_preference_and_reward_datasets_count_their_truncations(caplog):
+    import logging
+
+    from nemo_aligner.data.nlp.dpo_dataset import DPOPairDataset
+    from nemo_aligner.data.nlp.reward_datasets import RewardComparisonDataset
+
+    pairs = records({"text": "prompt: " + "a" * 40}, {"text": "prompt: b"}, {"text": "prompt: c"},
+                    {"text": "prompt: d"}, {"text": "prompt: " + "e" * 30}, {"text": "prompt: f"})
+    dpo = records({"prompt": "p" * 30, "chosen_response": "yes", "rejected_response": "no"},
+                  {"prompt": "q", "chosen_response": "yes", "rejected_response": "no"})
+    with caplog.at_level(logging.WARNING):
+        RewardComparisonDataset("rm.jsonl", TOK, 16, records=[dict(r, __file__="rm.jsonl") for r in pairs])
+        DPOPairDataset("dpo.jsonl", TOK, 16, records=[dict(r, __file__="dpo.jsonl") for r in dpo])
+    messages = [r.getMessage() for r in caplog.records if "longer than the sequence length" in r.getMessage()]
+    assert any("rm.jsonl: 2 of 3 samples" in m and "first: rm.jsonl:1" in m for m in messages), messages
+    assert any("dpo.jsonl: 1 of 2 samples" in m and "first: dpo.jsonl:1" in m for m in messages), messages

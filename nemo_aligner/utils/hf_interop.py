@@ -350,7 +350,8 @@ def import_hf_model(hf_dir: str, nemo_path: str) -> str:
     if any(os.path.isfile(os.path.join(hf_dir, n)) for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         tokenizer, tok_cfg = HFTokenizer(hf_dir), {"library": "huggingface", "type": os.path.abspath(hf_dir)}
     else:
-        tokenizer, tok_cfg = ByteTokenizer(), {"library": "byte"}
+        tokenizer = ByteTokenizer()
+        tok_cfg = tokenizer.config()
         if tokenizer.vocab_size > cfg["hf_vocab_size"]:
             raise ConfigError(f"{hf_dir}: no tokenizer files, and the vocabulary ({cfg['hf_vocab_size']}) is too small "
                               f"for the built-in byte tokenizer ({tokenizer.vocab_size})")

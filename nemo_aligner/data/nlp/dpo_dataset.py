@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from nemo_aligner.data.nlp.jsonl import require_fields
+from nemo_aligner.data.nlp.length_report import report_truncated
 from nemo_aligner.data.nlp.reward_datasets import read_files, warn_identical_pairs
 from nemo_aligner.data.nlp.sft_dataset import DEFAULT_CHAT_TOKENS
 from nemo_aligner.utils.errors import DataError
@@ -139,8 +140,16 @@ class DPOPairDataset(torch.utils.data.Dataset):
                 identical.append(where)
             self.items.append((prompt, record["chosen_response"], record["rejected_response"], rewards, where))
         warn_identical_pairs(identical)
-        self._warn_truncated = TruncationWarning(self.seq_length, "the prompt is cut from the left, then the response "
-                                                 "from the right")
+        how = "the prompt is cut from the left, then the response from the right"
+        self._warn_truncated = TruncationWarning(self.seq_length, how)
+        self._warn_truncated.warned = bool(report_truncated(
+            str(paths), ((where, self._cut(prompt, chosen, rejected)) for prompt, chosen, rejected, _, where
+                         in self.items), self.seq_length, how))
+
+    def _cut(self, prompt: str, chosen: str, rejected: str) -> int:
+        prompt_ids = self.tokenizer.text_to_ids(prompt)
+        return max(encode_and_count_cut(self.tokenizer, prompt_ids, chosen, self.seq_length)[2],
+                   encode_and_count_cut(self.tokenizer, prompt_ids, rejected, self.seq_length)[2])
 
     def __len__(self) -> int:
         return len(self.items)

@@ -14,6 +14,7 @@ import torch
 from nemo_aligner.data.nlp.dpo_dataset import (TruncationWarning, encode_and_count_cut, encode_prompt_response, pad_rows,
                                                padded_length, prompt_text, response_mask)
 from nemo_aligner.data.nlp.jsonl import read_jsonl_files, require_fields
+from nemo_aligner.data.nlp.length_report import report_truncated
 from nemo_aligner.utils.errors import DataError
 
 PREFERENCE_VALUES = {"chosen": 1.0, "rejected": 0.0}
@@ -39,8 +40,12 @@ class KTODataset(torch.utils.data.Dataset):
                 raise DataError(f"{where}: field 'preference' must be \"chosen\" or \"rejected\", got {preference!r}")
             self.items.append((prompt_text(record, where, chat_tokens), record["response"], PREFERENCE_VALUES[preference],
                                where))
-        self._warn_truncated = TruncationWarning(self.seq_length, "the prompt is cut from the left, then the response "
-                                                 "from the right")
+        how = "the prompt is cut from the left, then the response from the right"
+        self._warn_truncated = TruncationWarning(self.seq_length, how)
+        self._warn_truncated.warned = bool(report_truncated(
+            str(paths), ((where, encode_and_count_cut(tokenizer, tokenizer.text_to_ids(prompt), response,
+                                                      self.seq_length)[2]) for prompt, response, _, where in self.items),
+            self.seq_length, how))
 
     def __len__(self) -> int:
         return len(self.items)

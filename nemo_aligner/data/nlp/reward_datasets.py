@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from nemo_aligner.data.nlp.jsonl import read_jsonl_files, require_fields
+from nemo_aligner.data.nlp.length_report import report_truncated
 from nemo_aligner.utils.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,9 @@ def warn_identical_pairs(places: List[str]) -> None:
                        "" if len(places) == 1 else f", also {', '.join(places[1:4])}{' ...' if len(places) > 4 else ''}")
 
 
+KEEPS_END = "each text keeps its end, the response being judged"
+
+
 def tokenize_text(tokenizer, text: str, seq_length: Optional[int], add_eos: bool = True) -> List[int]:
     """Token ids of ``text`` (EOS appended), keeping the last ``seq_length`` (all when None)."""
     ids = tokenizer.text_to_ids(text)
@@ -72,7 +76,7 @@ class RewardComparisonDataset(torch.utils.data.Dataset):
         by_file: Dict[str, List[dict]] = {}
         for record in records:
             by_file.setdefault(record.get("__file__", str(paths)), []).append(record)
-        self.pairs = []
+        self.pairs, self.places = [], []
         identical = []
         for path, rows in by_file.items():
             for record in rows:
@@ -93,7 +97,13 @@ class RewardComparisonDataset(torch.utils.data.Dataset):
                 if chosen["text"] == rejected["text"]:
                     identical.append(f"{path}:{rejected['__line__']}")
                 self.pairs.append((chosen["text"], rejected["text"]))
+                self.places.append(f"{path}:{chosen['__line__']}")
         warn_identical_pairs(identical)
+        report_truncated(str(paths), ((where, max(self._cut(c), self._cut(r))) for where, (c, r)
+                                      in zip(self.places, self.pairs)), self.seq_length, KEEPS_END)
+
+    def _cut(self, text: str) -> int:
+        return max(len(self.tokenizer.text_to_ids(text)) + int(self.add_eos) - self.seq_length, 0)
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -152,7 +162,7 @@ class RegressionRewardDataset(torch.utils.data.Dataset):
         self.missing = float(missing)  # the loss's mask value: missing attributes and padding rows
         names = list(attribute_names) if attribute_names else list(STEERLM_ATTRIBUTES)
         records = records if records is not None else read_files(paths, key)
-        self.items = []
+        self.items, places = [], []
         for record in records:
             path = record.get("__file__", str(paths))
             require_fields(record, ["text"], path, non_empty=True)
@@ -165,6 +175,10 @@ class RegressionRewardDataset(torch.utils.data.Dataset):
                 )
             self.items.append((record["text"], parse_label(record["label"], names, self.num_attributes, where,
                                                            self.missing)))
+            places.append(where)
+        cut = lambda text: max(len(tokenizer.text_to_ids(text)) + int(add_eos) - self.seq_length, 0)  # noqa: E731
+        report_truncated(str(paths), ((where, cut(text)) for where, (text, _) in zip(places, self.items)),
+                         self.seq_length, KEEPS_END)
         self.attribute_names = names if len(names) == self.num_attributes else [f"attr{i}" for i in range(num_attributes)]
 
     def __len__(self) -> int:

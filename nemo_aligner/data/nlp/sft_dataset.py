@@ -209,25 +209,22 @@ class GPTSFTChatDataset(torch.utils.data.Dataset):
 def report_lengths(dataset, key: str) -> None:
     """Tokenize every sample once: log how many are longer than the sequence length (with the first
     file:line), and refuse a dataset in which no sample keeps a trained token."""
-    too_long, empty, first = 0, 0, None
+    from nemo_aligner.data.nlp.length_report import report_truncated
+
+    cuts, empty = [], 0
     for idx in range(len(dataset)):
         sample, cut = dataset._sample(idx)
-        if cut > 0:
-            too_long += 1
-            if first is None:
-                record = dataset.records[idx]
-                first = f"{record.get('__file__', dataset.file_path)}:{record.get('__line__', '?')}"
-        if dataset.trained_tokens(sample) <= 0:
-            empty += 1
+        record = dataset.records[idx]
+        cuts.append((f"{record.get('__file__', dataset.file_path)}:{record.get('__line__', '?')}", cut))
+        empty += dataset.trained_tokens(sample) <= 0
     total = len(dataset)
     if total and empty == total:
         raise DataError(f"{dataset.file_path}: every one of the {total} samples is left with no trained token at "
                         f"max_seq_length={dataset.max_seq_length} (model.encoder_seq_length / "
                         f"{key}.max_seq_length): raise it")
-    if too_long:
-        logger.warning("%s: %d of %d samples are longer than max_seq_length=%d and are truncated (first: %s)%s",
-                       dataset.file_path, too_long, total, dataset.max_seq_length, first,
-                       f"; {empty} keep no trained token and carry no loss" if empty else "")
+    how = "the context is cut first, then the answer" if isinstance(dataset, GPTSFTDataset) else "the end is cut"
+    if report_truncated(dataset.file_path, cuts, dataset.max_seq_length, how,
+                        f"; {empty} keep no trained token and carry no loss" if empty else ""):
         dataset._warned = dataset._warned_empty = True  # reported here, once
 
 
