@@ -495,6 +495,8 @@ def test_written_nemo_follows_nemo_restore_rules(llama_like, tmp_path):
     assert config["target"].endswith("MegatronGPTModel") and config["encoder_seq_length"] == 24
     assert config["activation"] == "fast-swiglu" and config["normalization"] == "rmsnorm"
     assert config["tokenizer"]["library"] == "byte-level" and "model_weights.ckpt" not in names
+    # NeMo builds megatron-core's local spec unless transformer_engine is True: the names written must match
+    assert config["transformer_engine"] is False
     for key in ("model", "vocab_file", "merge_file"):
         value = config["tokenizer"].get(key)
         assert value is None or (value.startswith("nemo:") and value[5:] in names)
@@ -504,7 +506,10 @@ def test_written_nemo_follows_nemo_restore_rules(llama_like, tmp_path):
     stored = dist_checkpointing.load_tensors_metadata(str(weights))
     assert {"model.embedding.word_embeddings.weight", "model.decoder.layers.self_attention.linear_qkv.weight",
             "model.decoder.layers.mlp.linear_fc1.weight", "model.decoder.final_layernorm.weight",
-            "model.output_layer.weight"} <= set(stored)
+            "model.output_layer.weight",
+            # megatron-core's local spec stores its norms under Transformer Engine's names: both NeMo specs read them
+            "model.decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+            "model.decoder.layers.mlp.linear_fc1.layer_norm_weight"} <= set(stored)
     assert tuple(stored["model.decoder.layers.self_attention.linear_qkv.weight"].global_shape)[0] == 2  # stacked
 
 

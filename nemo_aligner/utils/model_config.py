@@ -22,7 +22,7 @@ ARCHITECTURE_KEYS = (
 # Keys a checkpoint sets unless the run sets them (null in the shipped configs: "the checkpoint's").
 CHECKPOINT_UNLESS_SET = ("encoder_seq_length", "seq_len_interpolation_factor")
 # Keys describing the checkpoint itself, never copied into a new model's config.
-_CHECKPOINT_ONLY = ("mcore_gpt", "dist_ckpt_format", "target", "precision", "nemo_version")
+_CHECKPOINT_ONLY = ("mcore_gpt", "dist_ckpt_format", "target", "precision", "nemo_version", "transformer_engine")
 
 
 def merge_checkpoint_config(ckpt_cfg: DictConfig, run_cfg: DictConfig,

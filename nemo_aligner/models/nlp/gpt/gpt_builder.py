@@ -193,12 +193,17 @@ def transformer_config_from_cfg(cfg, precision="32"):
     return TransformerConfig(**kwargs)
 
 
+def uses_te_spec(cfg) -> bool:
+    """Whether the model is built with Transformer Engine's layer spec (its parameter names differ)."""
+    return te_available() and not bool(_get(cfg, "force_local_spec", False))
+
+
 def layer_spec(cfg, config):
     """Transformer Engine spec on a GPU with TE installed, megatron-core's local spec otherwise."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     normalization = config.normalization
-    if te_available() and not bool(_get(cfg, "force_local_spec", False)):
+    if uses_te_spec(cfg):
         config.layernorm_zero_centered_gamma = zero_centered_gamma(cfg)
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=bool(_get(cfg, "qk_layernorm", False))

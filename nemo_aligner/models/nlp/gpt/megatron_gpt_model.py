@@ -15,6 +15,7 @@ from nemo_aligner.models.nlp.gpt.gpt_builder import (
     padded_vocab_size,
     precision_dtype,
     transformer_config_from_cfg,
+    uses_te_spec,
 )
 from nemo_aligner.utils.distributed import broadcast_from_last_stage, host_all_reduce
 from nemo_aligner.utils.errors import ConfigError
@@ -324,6 +325,10 @@ class MegatronGPTModel:
         """The model config saved into checkpoints."""
         cfg = OmegaConf.to_container(self.cfg, resolve=True)
         cfg["mcore_gpt"] = True
+        # NeMo builds Transformer Engine's spec only with this key True (absent: megatron-core's local
+        # spec). Both read the stored norm names; TE's also expects its per-layer extra state, which only
+        # a TE-built model writes.
+        cfg["transformer_engine"] = uses_te_spec(self.cfg)
         cfg["precision"] = self.precision
         cfg["tokenizer"] = self.tokenizer.config()
         return cfg
