@@ -80,8 +80,8 @@ def test_unknown_config_key(tmp_path, builtin_data):
 
 
 def test_world_size_mismatch(tmp_path, builtin_data):
-    proc = run_bad(tmp_path, builtin_data["sft_train"], builtin_data["sft_val"], ["trainer.devices=2"])
-    assert "error: trainer.devices=2 x trainer.num_nodes=1 = 2 processes, but 1 were launched" in proc.stderr
+    proc = run_bad(tmp_path, builtin_data["sft_train"], builtin_data["sft_val"], ["trainer.devices=3"], nproc=2)
+    assert "error: trainer.devices=3 x trainer.num_nodes=1 = 3 processes, but the launcher started 2" in proc.stderr
 
 
 def test_tp_does_not_divide_heads(tmp_path, builtin_data):

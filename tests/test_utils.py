@@ -47,7 +47,7 @@ def test_gpus_per_node_check():
 
 def test_world_size_check():
     check_world_size(4, 2, 2)
-    with pytest.raises(ConfigError, match=r"trainer.devices=2 x trainer.num_nodes=2 = 4 processes, but 2 were launched"):
+    with pytest.raises(ConfigError, match=r"trainer.devices=2 x trainer.num_nodes=2 = 4 processes, but the launcher started 2"):
         check_world_size(2, 2, 2)
 
 

@@ -29,7 +29,7 @@ class LaunchInfo:
     local_rank: int
     master_addr: str
     master_port: int
-    launcher: str  # "torchrun", "slurm" or "single"
+    launcher: str  # "torchrun", "slurm", "mpirun" or "single"
     local_world_size: int = 1  # processes on this node, where the launcher says (else local_rank + 1)
 
 
@@ -50,7 +50,8 @@ def first_host_of_nodelist(nodelist: str) -> str:
 
 
 def read_launch_info(environ=None) -> LaunchInfo:
-    """Read rank and rendezvous from torchrun (``RANK``...) or Slurm (``SLURM_PROCID``...) variables."""
+    """Read rank and rendezvous from torchrun (``RANK``...), Slurm (``SLURM_PROCID``...) or MPI
+    (``OMPI_COMM_WORLD_RANK``..., ``PMI_RANK``...) variables."""
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return LaunchInfo(
@@ -76,7 +77,39 @@ def read_launch_info(environ=None) -> LaunchInfo:
             launcher="slurm",
             local_world_size=_slurm_tasks_on_node(env),
         )
+    if "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
+        return _mpi_launch_info(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                                "OMPI_COMM_WORLD_LOCAL_SIZE")
+    if "PMI_RANK" in env and "PMI_SIZE" in env and int(env["PMI_SIZE"]) > 1:  # MPICH / Intel MPI (hydra)
+        return _mpi_launch_info(env, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
     return LaunchInfo(0, 1, 0, "127.0.0.1", 0, "single")
+
+
+# Set the same in every rank of one mpirun, different between two mpiruns (Open MPI 4 / 5, MPICH).
+_MPI_JOB_KEYS = ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE", "OMPI_MCA_orte_hnp_uri", "PMI_KVS_NAME", "PMI_FD")
+
+
+def _mpi_launch_info(env, rank_key: str, size_key: str, local_rank_key: str, local_size_key: str) -> LaunchInfo:
+    """Rank and rendezvous under ``mpirun``: MPI's rank variables; ``MASTER_ADDR``/``MASTER_PORT`` when
+    exported (``mpirun -x MASTER_ADDR=...``), else 127.0.0.1 on one node and a port derived from the
+    MPI job's id, which every rank of the job sees alike."""
+    import zlib
+
+    world = int(env[size_key])
+    local_rank = int(env.get(local_rank_key, 0) or 0)
+    local_size = int(env.get(local_size_key, 0) or 0) or local_rank + 1
+    master_addr = env.get("MASTER_ADDR")
+    if not master_addr:
+        if local_size < world:
+            raise ConfigError(f"mpirun started {world} ranks on several nodes: export MASTER_ADDR (the host of rank 0) "
+                              f"to every rank, e.g. `mpirun -x MASTER_ADDR=<host> -x MASTER_PORT=<port> ...`")
+        master_addr = "127.0.0.1"
+    port = env.get("MASTER_PORT")
+    if not port:
+        job = next((env[key] for key in _MPI_JOB_KEYS if env.get(key)), "")
+        port = 20000 + zlib.crc32(job.encode()) % 12000
+    return LaunchInfo(rank=int(env[rank_key]), world_size=world, local_rank=local_rank, master_addr=master_addr,
+                      master_port=int(port), launcher="mpirun", local_world_size=local_size)
 
 
 def _slurm_tasks_on_node(env) -> int:
@@ -107,10 +140,14 @@ def check_world_size(world_size: int, devices: int, num_nodes: int) -> None:
         return
     expected = int(devices) * int(num_nodes or 1)
     if expected != world_size:
+        nodes = max(int(num_nodes or 1), 1)
+        hint = (f"set trainer.devices={world_size // nodes}" if world_size % nodes == 0 and world_size >= nodes
+                else f"set trainer.num_nodes and trainer.devices so that their product is {world_size}")
         raise ConfigError(
             f"trainer.devices={devices} x trainer.num_nodes={num_nodes} = {expected} processes, "
-            f"but {world_size} were launched; launch with "
-            f"`torchrun --nproc_per_node {devices}` or set trainer.devices={world_size // max(int(num_nodes or 1), 1)}"
+            f"but the launcher started {world_size}; {hint}, or start {expected} "
+            f"(`torchrun --nproc_per_node {devices}` per node, or run the script without a launcher on one node: "
+            f"it starts trainer.devices ranks itself)"
         )
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from nemo_aligner.utils.errors import AlignerError, ConfigError
+from nemo_aligner.utils.self_launch import maybe_spawn
 
 # NeMo's config resolvers, so NeMo yaml files and overrides resolve unchanged.
 OmegaConf.register_new_resolver("multiply", lambda x, y: x * y, replace=True)
@@ -24,7 +25,8 @@ def report_user_error(err: Exception) -> None:
     """Print ``error: ...`` without a traceback and exit 1 (all ranks, so torchrun stops the job)."""
     import torch.distributed as dist
 
-    rank = dist.get_rank() if dist.is_initialized() else None
+    rank = dist.get_rank() if dist.is_initialized() else (int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit()
+                                                          else None)
     prefix = f"[rank {rank}] " if rank not in (None, 0) else ""
     print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -42,14 +44,47 @@ def run_cli(main: Callable[[], object]) -> None:
         report_user_error(err)
 
 
+# Hydra's command-line flags and whether each takes a value (``--cfg`` and ``--info`` may or may not).
+_FLAGS_WITH_VALUE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--package", "-p",
+                     "--experimental-rerun"}
+_FLAGS_OPTIONAL_VALUE = {"--cfg": {"job", "hydra", "all"}, "-c": {"job", "hydra", "all"},
+                         "--info": {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"},
+                         "-i": {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}}
+
+
+def split_hydra_flags(args: List[str]) -> Tuple[List[str], List[str]]:
+    """Separate Hydra's ``--flags`` (with their values) from the ``key=value`` overrides, keeping each
+    group's order, so they can be passed as ``flags + overrides`` whatever order the user wrote."""
+    flags: List[str] = []
+    overrides: List[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("-"):  # an override (``key=value``, ``++key=value``, ``~key``)
+            overrides.append(arg)
+        else:
+            flags.append(arg)
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            if "=" not in arg and nxt is not None and (
+                    arg in _FLAGS_WITH_VALUE or nxt in _FLAGS_OPTIONAL_VALUE.get(arg, ())):
+                flags.append(nxt)
+                i += 1
+        i += 1
+    return flags, overrides
+
+
 def hydra_runner(config_path: str, config_name: str) -> Callable:
     """Decorate ``main(cfg)``; call it with no argument to parse the command line with Hydra,
     or with a ``DictConfig`` to run it directly (tests, Python API)."""
 
     def decorator(task: Callable[[DictConfig], object]) -> Callable:
+        command_line: List[str] = []  # the arguments as given, for the ranks started by trainer.devices
         @functools.wraps(task)
         def guarded(cfg: DictConfig):
             try:
+                spawned = maybe_spawn(cfg.get("trainer"), argv=command_line)
+                if spawned is not None:  # this process started the ranks and waited for them
+                    sys.exit(spawned)
                 return task(cfg)
             except AlignerError as err:
                 report_user_error(err)
@@ -62,9 +97,13 @@ def hydra_runner(config_path: str, config_name: str) -> Callable:
                 return task(cfg)
             import hydra
 
+            command_line[:] = list(sys.argv)
             given = sys.argv[1:]
             extra = [d for d in _HYDRA_DEFAULTS if d.split("=")[0] not in " ".join(given)]
-            sys.argv = [sys.argv[0]] + extra + given
+            flags, overrides = split_hydra_flags(given)
+            # Hydra's flags first, then every override: argparse refuses overrides on both sides of a
+            # flag, and NeMo-Aligner's commands put --config-path/--config-name first.
+            sys.argv = [sys.argv[0]] + flags + extra + overrides
             caller_dir = os.path.dirname(os.path.abspath(sys.modules[task.__module__].__file__))
             path = config_path if os.path.isabs(config_path) else os.path.join(caller_dir, config_path)
             return hydra.main(config_path=path, config_name=config_name, version_base=None)(guarded)()

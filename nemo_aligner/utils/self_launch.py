@@ -1,0 +1,113 @@
+"""Start a script's ranks itself for ``trainer.devices=N``, as NeMo (through Lightning) does.
+
+``python train_gpt_sft.py trainer.devices=4 ...`` run by hand (no torchrun, srun or mpirun around
+it) re-runs the same command line in 4 worker processes under torch's elastic launcher, the engine
+behind ``torchrun``; the first process only supervises them and exits with the workers' status.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+from typing import List, Optional
+
+from nemo_aligner.utils.distributed import read_launch_info
+from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.utils.ports import free_port
+
+logger = logging.getLogger(__name__)
+
+
+def ranks_to_start(devices, num_nodes, gpus: Optional[int] = None) -> int:
+    """How many local ranks ``trainer.devices`` x ``trainer.num_nodes`` asks this process to start;
+    1 means run in this process. ``devices`` -1/"auto" means every visible GPU (1 on the CPU)."""
+    nodes = 1 if num_nodes in (None, "") else num_nodes
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise ConfigError(f"trainer.num_nodes={num_nodes!r} must be a positive integer")
+    if devices is None or devices == -1 or (isinstance(devices, str) and devices.lower() == "auto"):
+        if gpus is None:
+            import torch
+
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        count = max(int(gpus), 1)
+    elif isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ConfigError(f"trainer.devices={devices!r} must be a positive integer, -1 or auto")
+    else:
+        count = devices
+    if nodes > 1 and count * nodes > 1:
+        raise ConfigError(f"trainer.num_nodes={nodes}: start the ranks on every node with srun, torchrun or mpirun "
+                          "(a script started by hand starts ranks only on its own node)")
+    return count
+
+
+def launched_by_a_launcher(environ=None) -> bool:
+    """Whether torchrun, srun (more than one task) or mpirun started this process."""
+    return read_launch_info(environ).launcher != "single"
+
+
+def worker_command(argv: Optional[List[str]] = None) -> List[str]:
+    """The command each worker runs: this interpreter on the same script and arguments."""
+    argv = list(sys.argv if argv is None else argv)
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name and spec.name != "__main__":  # started as ``python -m pkg.module``
+        return ["-u", "-m", spec.name, *argv[1:]]
+    return ["-u", os.path.abspath(argv[0]), *argv[1:]]
+
+
+def spawn_ranks(nproc: int, argv: Optional[List[str]] = None) -> int:
+    """Run ``nproc`` copies of this command under torch's elastic agent on this machine; returns the
+    exit status for this (supervising) process: 0, or the first failed worker's code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # As torchrun does for several workers: one intra-op thread each unless the user chose.
+    env_threads = os.environ.get("OMP_NUM_THREADS")
+    if not env_threads:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        # The agent's own start-up chatter and, on a failure, its traceback-style summary: a worker
+        # that fails has already printed its one-line error.
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"nemo-aligner-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_configs={"is_host": True},
+        max_restarts=0,
+        monitor_interval=0.2,
+    )
+    try:
+        elastic_launch(config, entrypoint=sys.executable)(*worker_command(argv))
+    except ChildFailedError as err:
+        codes = [failure.exitcode for _, failure in sorted(err.failures.items())]
+        code = next((c for c in codes if c and c > 0), 1)
+        return code
+    except SignalException as err:  # SIGTERM/SIGINT/...: the agent passed it on to the ranks (30 s to finish)
+        return 128 + int(err.sigval)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def maybe_spawn(trainer_cfg, argv: Optional[List[str]] = None) -> Optional[int]:
+    """Start the ranks ``trainer.devices`` asks for when no launcher started this process.
+
+    Returns the exit status to leave with when it did (this process only supervised), or None to run
+    the job in this process (one rank, or a launcher already started the ranks)."""
+    if os.environ.get("NEMO_ALIGNER_NO_SPAWN") == "1" or launched_by_a_launcher():
+        return None
+    devices = trainer_cfg.get("devices", 1) if trainer_cfg is not None else 1
+    num_nodes = trainer_cfg.get("num_nodes", 1) if trainer_cfg is not None else 1
+    nproc = ranks_to_start(devices, num_nodes)
+    if nproc <= 1:
+        return None
+    logger.info("starting %d ranks on this machine (trainer.devices=%s)", nproc, devices)
+    return spawn_ranks(nproc, argv)
