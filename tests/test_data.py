@@ -66,20 +66,78 @@ def test_prompt_template_and_label_key():
         GPTSFTDataset("x.jsonl", TOK, 64, prompt_template="{input}", records=records({"input": "a"}))
 
 
-def test_chat_dataset_trains_only_assistant_values():
-    record = {"system": "be brief", "mask": "User", "conversations": [
-        {"from": "User", "value": "hi"}, {"from": "Assistant", "value": "yo", "label": "quality:4"},
-        {"from": "User", "value": "bye"}, {"from": "Assistant", "value": "ok"}]}
-    ds = GPTSFTChatDataset("c.jsonl", TOK, 128, records=records(record))
+def _trained_spans(ds, sample):
+    """The trained text, one string per run of consecutive trained tokens (byte tokenizer)."""
+    spans, current = [], ""
+    for t, m in zip(sample["input_ids"], sample["target_mask"]):
+        if m:
+            current += chr(t)
+        elif current:
+            spans.append(current)
+            current = ""
+    return spans + ([current] if current else [])
+
+
+CHAT_CASES = [
+    # NeMo's GPTSFTChatDataset on these records (gpt_sft_chat_dataset.py, run with a character tokenizer):
+    # no EOS; turn 0 never trained; the turn start opening a later User turn and the trailing one trained.
+    ({"system": "SYS", "mask": "User", "conversations": [{"from": "User", "value": "Hi"},
+                                                         {"from": "Assistant", "value": "Hello"}]},
+     "\x00System\nSYS\n\x11User\nHi\n\x11Assistant\nHello\n\x11", ["Hello\n\x11"]),
+    ({"system": "SYS", "mask": "User", "conversations": [
+        {"from": "User", "value": "Hi"}, {"from": "Assistant", "value": "Hello"},
+        {"from": "User", "value": "Q2"}, {"from": "Assistant", "value": "A2"}]},
+     "\x00System\nSYS\n\x11User\nHi\n\x11Assistant\nHello\n\x11User\nQ2\n\x11Assistant\nA2\n\x11",
+     ["Hello\n\x11", "A2\n\x11"]),
+    ({"system": "SYS", "mask": "User", "conversations": [  # ends with User: no trailing turn start
+        {"from": "User", "value": "Hi"}, {"from": "Assistant", "value": "Hello"}, {"from": "User", "value": "Q2"}]},
+     "\x00System\nSYS\n\x11User\nHi\n\x11Assistant\nHello\n\x11User\nQ2\n", ["Hello\n\x11"]),
+    ({"system": "SYS", "mask": "User", "type": "VALUE_TO_TEXT", "conversations": [
+        {"from": "User", "value": "Hi"}, {"from": "Assistant", "value": "Hello", "label": "quality:4"},
+        {"from": "User", "value": "Q2"}, {"from": "Assistant", "value": "A2", "label": "quality:3"}]},
+     "\x00System\nSYS\n\x11User\nHi\n\x11Assistant\n\x12quality:4\nHello\n\x11User\nQ2\n\x11Assistant\n"
+     "\x12quality:3\nA2\n\x11", ["Hello\n\x11", "A2\n\x11"]),
+    ({"system": "SYS", "mask": "User", "type": "TEXT_TO_VALUE", "conversations": [
+        {"from": "User", "value": "Hi"}, {"from": "Assistant", "value": "Hello", "label": "quality:4"},
+        {"from": "User", "value": "Q2"}, {"from": "Assistant", "value": "A2", "label": "quality:3"}]},
+     "\x00System\nSYS\n\x11User\nHi\n\x11Assistant\nHello\n\x12quality:4\n\x11User\nQ2\n\x11Assistant\n"
+     "A2\n\x12quality:3\n\x11", ["quality:4\n\x11", "quality:3\n\x11"]),
+    ({"system": "SYS", "mask": "User", "conversations": [  # labels without "type" are not rendered
+        {"from": "User", "value": "Hi"}, {"from": "Assistant", "value": "Hello", "label": "quality:4"}]},
+     "\x00System\nSYS\n\x11User\nHi\n\x11Assistant\nHello\n\x11", ["Hello\n\x11"]),
+    ({"system": "SYS", "mask": "User", "conversations": [  # the first turn is context even from the Assistant
+        {"from": "Assistant", "value": "Hi"}, {"from": "User", "value": "Yo"}, {"from": "Assistant", "value": "Ok"}]},
+     "\x00System\nSYS\n\x11Assistant\nHi\n\x11User\nYo\n\x11Assistant\nOk\n\x11", ["Ok\n\x11"]),
+]
+
+
+@pytest.mark.parametrize("record, text, spans", CHAT_CASES)
+def test_chat_dataset_follows_nemo(record, text, spans):
+    ds = GPTSFTChatDataset("c.jsonl", ByteTokenizer(), 256, records=records(record))
     s = ds[0]
-    text = TOK.ids_to_text(s["input_ids"])
-    assert text == "\x00System\nbe brief\n\x11User\nhi\n\x11Assistant\n\x12quality:4\nyo\n\x11User\nbye\n\x11Assistant\nok\n"
-    trained = "".join(TOK.ids_to_text([t]) for t, m in zip(s["input_ids"], s["target_mask"]) if m and t < 256)
-    assert trained == "yo\nok\n"
-    batch = collate_sft([s], TOK.eos_id, 128)
-    assert batch["loss_mask"].sum() == len("yo\nok\n") + 1  # + EOS
+    assert bytes(s["input_ids"]).decode() == text
+    assert _trained_spans(ds, s) == spans
+    batch = collate_sft([s], ds.tokenizer.eos_id, 256)
+    assert batch["loss_mask"].sum() == sum(map(len, spans))  # no EOS
+
+
+def test_chat_dataset_refuses_what_nemo_refuses():
+    def build(record):
+        return GPTSFTChatDataset("c.jsonl", TOK, 128, records=records(record))
+
     with pytest.raises(DataError, match=r"c\.jsonl:1: conversations\[0\] must be an object"):
-        GPTSFTChatDataset("c.jsonl", TOK, 128, records=records({"conversations": ["hi"]}))
+        build({"conversations": ["hi"]})
+    with pytest.raises(DataError, match=r"c\.jsonl:1: the masked role 'User' .* speaks no turn"):
+        build({"system": "", "conversations": [{"from": "Human", "value": "a"}, {"from": "Bot", "value": "b"}]})
+    with pytest.raises(DataError, match=r"c\.jsonl:1: field 'type' must be VALUE_TO_TEXT or TEXT_TO_VALUE"):
+        build({"system": "", "type": "SOMETHING", "conversations": [{"from": "User", "value": "a"}]})
+    with pytest.raises(DataError, match=r"c\.jsonl:1: no token to train on"):
+        build({"system": "", "conversations": [{"from": "User", "value": "a"}]})._sample(0)
+    # several masked roles, comma-separated: both must speak; neither is trained
+    ds = build({"system": "", "mask": "User,Tool", "conversations": [
+        {"from": "User", "value": "a"}, {"from": "Assistant", "value": "b"}, {"from": "Tool", "value": "c"},
+        {"from": "Assistant", "value": "d"}]})
+    assert _trained_spans(ds, ds[0]) == ["b\n\x11", "d\n\x11"]
 
 
 def test_padding_sample_carries_no_loss():
@@ -190,19 +248,15 @@ def test_chat_errors_name_the_file_the_record_came_from(tmp_path):
 
 
 def test_suspicious_but_valid_records_are_warned_about_by_file_and_line(tmp_path, caplog):
-    """Records that load but cannot teach what they seem to: a chat whose turns never match the masked
-    role (every turn, the user's included, is trained on), preference pairs with identical responses,
-    and over-long DPO/KTO samples (cut to fit). One warning each, naming the first file:line."""
+    """Records that load but cannot teach what they seem to: preference pairs with identical responses,
+    and over-long DPO/KTO samples (cut to fit). One warning each, naming the first file:line. (A chat
+    whose turns never match the masked role is refused, as NeMo does.)"""
     import logging
 
     from nemo_aligner.data.nlp.dpo_dataset import DPOPairDataset
     from nemo_aligner.data.nlp.kto_dataset import KTODataset
     from nemo_aligner.data.nlp.reward_datasets import RewardComparisonDataset
 
-    chat = write_jsonl_text(tmp_path / "chat.jsonl", '{"conversations": [{"from": "User", "value": "hi"}, '
-                                                     '{"from": "Assistant", "value": "yo"}]}\n'
-                                                     '{"conversations": [{"from": "Usr", "value": "secret"}, '
-                                                     '{"from": "Assistant", "value": "yo"}]}\n')
     dpo = write_jsonl_text(tmp_path / "dpo.jsonl", '{"prompt": "p", "chosen_response": "a", "rejected_response": "b"}\n'
                                                    '{"prompt": "q", "chosen_response": "same", "rejected_response": "same"}\n'
                                                    '{"prompt": "' + "x" * 40 + '", "chosen_response": "a", '
@@ -211,13 +265,12 @@ def test_suspicious_but_valid_records_are_warned_about_by_file_and_line(tmp_path
     kto = write_jsonl_text(tmp_path / "kto.jsonl", '{"prompt": "p", "response": "a", "preference": "chosen"}\n'
                                                    '{"prompt": "' + "y" * 40 + '", "response": "b", "preference": "rejected"}\n')
     with caplog.at_level(logging.WARNING):
-        chat_dataset = GPTSFTChatDataset(chat, ByteTokenizer(), 64)
         dpo_dataset = DPOPairDataset(dpo, ByteTokenizer(), 32)
         RewardComparisonDataset(rm, ByteTokenizer(), 32)
         kto_dataset = KTODataset(kto, ByteTokenizer(), 32)
         samples = [dpo_dataset[i] for i in range(3)] + [kto_dataset[i] for i in range(2)]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    expected = [f"{chat}:2: no turn is from the masked role", f"{dpo}:2: the chosen and rejected responses are identical",
+    expected = [f"{dpo}:2: the chosen and rejected responses are identical",
                 f"{rm}:2: the chosen and rejected responses are identical",
                 f"{dpo}: 1 of 3 samples are longer than the sequence length 32", f"{kto}: 1 of 2 samples are longer"]
     for start in expected:
@@ -226,8 +279,6 @@ def test_suspicious_but_valid_records_are_warned_about_by_file_and_line(tmp_path
     assert any(f"first: {dpo}:3, 9 tokens over" in w for w in warnings)
     assert any(f"first: {kto}:2, 9 tokens over" in w for w in warnings)
     assert len(samples[2]["chosen"]) == 33 and samples[2]["chosen_prompt"] == 31  # the prompt cut from the left
-    # the misspelled role's turn is trained on, as the warning says
-    assert sum(chat_dataset[1]["target_mask"]) > sum(chat_dataset[0]["target_mask"])
 
 
 def test_over_long_samples_are_counted_once_and_all_empty_data_is_refused(tmp_path, caplog):

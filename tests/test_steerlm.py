@@ -18,7 +18,7 @@ from nemo_aligner.data.nlp.steerlm_labels import (assistant_turn_texts, format_l
 from nemo_aligner.utils.errors import DataError
 from nemo_aligner.utils.tokenizers import ByteTokenizer
 
-CHAT = {"system": "be brief", "mask": "User", "conversations": [
+CHAT = {"system": "be brief", "mask": "User", "type": "VALUE_TO_TEXT", "conversations": [
     {"from": "User", "value": "reverse abc ="}, {"from": "Assistant", "value": "cba", "label": "quality:4,verbosity:1"},
     {"from": "User", "value": "sort cab ="}, {"from": "Assistant", "value": "abc"}]}
 
@@ -36,7 +36,7 @@ def test_steer_prompt_is_the_training_prefix():
     """The inference prompt equals the text SFT trained on, up to where the response starts."""
     tok = ByteTokenizer()
     ds = GPTSFTChatDataset("x.jsonl", tok, 256, records=[dict(CHAT, __line__=1)])
-    rendered = "".join(text for text, _ in ds.render(CHAT))
+    rendered = ds.render(CHAT)
     prompt = steer_prompt(CHAT["conversations"][:1], "quality:4,verbosity:1", system="be brief")
     assert rendered.startswith(prompt) and rendered[len(prompt):].startswith("cba\n")
     assert steer_prompt("reverse abc =", {"quality": 4}) == "\x00System\n\n\x11User\nreverse abc =\n\x11Assistant\n\x12quality:4\n"

@@ -26,8 +26,7 @@ def build_sft_dataset(ds_cfg, tokenizer, max_seq_length: int, chat: bool, answer
     seq = min(int(ds_cfg.get("max_seq_length") or max_seq_length), int(max_seq_length))
     if chat:
         dataset = GPTSFTChatDataset(name, tokenizer, seq, chat_prompt_tokens=chat_prompt_tokens,
-                                    add_eos=bool(ds_cfg.get("add_eos", True)), answer_only_loss=answer_only_loss,
-                                    records=records)
+                                    answer_only_loss=answer_only_loss, records=records)
         report_lengths(dataset, key)
         return dataset
     dataset = GPTSFTDataset(

@@ -16,7 +16,7 @@ import torch
 from nemo_aligner.data.nlp.jsonl import require_fields
 from nemo_aligner.data.nlp.length_report import report_truncated
 from nemo_aligner.data.nlp.reward_datasets import read_files, warn_identical_pairs
-from nemo_aligner.data.nlp.sft_dataset import DEFAULT_CHAT_TOKENS
+from nemo_aligner.data.nlp.chat_template import DEFAULT_CHAT_TOKENS
 from nemo_aligner.utils.errors import DataError
 
 logger = logging.getLogger(__name__)

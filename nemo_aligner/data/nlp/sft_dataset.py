@@ -14,6 +14,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from nemo_aligner.data.nlp.chat_template import (DEFAULT_CHAT_TOKENS, chat_ids_and_mask, chat_tokens, mask_roles,
+                                                 render_conversation, validate_chat_record)
 from nemo_aligner.data.nlp.jsonl import read_jsonl, require_fields
 from nemo_aligner.utils.errors import ConfigError, DataError
 
@@ -108,73 +110,35 @@ class GPTSFTDataset(torch.utils.data.Dataset):
         return {"input_ids": input_ids, "answer_start": answer_start}, max(overflow, 0)
 
 
-DEFAULT_CHAT_TOKENS = {
-    "system_turn_start": "\x00",
-    "turn_start": "\x11",
-    "label_start": "\x12",
-    "end_of_turn": "\x0a",
-    "end_of_name": "\x0a",
-}
-
-
 class GPTSFTChatDataset(torch.utils.data.Dataset):
-    """NeMo chat records: ``{"system", "conversations": [{"from", "value", "label"?}], "mask"}``.
-
-    Rendered as ``<system_turn_start>System<eon>{system}<eot>`` followed by one
-    ``<turn_start>{from}<eon>[<label_start>{label}<eon>]{value}<eot>`` per turn. Loss
-    falls on the values (and end-of-turn) of turns whose speaker is not ``mask``.
+    """NeMo chat records: ``{"system", "conversations": [{"from", "value", "label"?}], "mask"?, "type"?}``,
+    rendered, tokenized and masked exactly as NeMo's ``GPTSFTChatDataset`` does (``chat_template``):
+    one string, no BOS/EOS (``add_eos`` does not apply), the first turn never trained, the answer ended
+    by the trained ``turn_start`` of the next turn. Over-long samples keep their first
+    ``max_seq_length + 1`` tokens. ``answer_only_loss=False`` trains every token.
     """
 
     def __init__(self, file_path: str, tokenizer, max_seq_length: int, chat_prompt_tokens: Optional[dict] = None,
-                 add_eos: bool = True, answer_only_loss: bool = True, records=None):
+                 add_eos: bool = False, answer_only_loss: bool = True, records=None):
         self.file_path = file_path
         self.tokenizer = tokenizer
         self.max_seq_length = int(max_seq_length)
-        self.tokens = dict(DEFAULT_CHAT_TOKENS, **(chat_prompt_tokens or {}))
-        self.add_eos = add_eos
+        self.tokens = chat_tokens(chat_prompt_tokens)
         self.answer_only_loss = answer_only_loss
         self._warned_empty = False
         self.records = records if records is not None else read_jsonl(file_path)
-        unmasked = []
         for record in self.records:
             require_fields(record, ["conversations"], file_path, types=(list,), non_empty=True)
-            where = f"{record.get('__file__', file_path)}:{record['__line__']}"
-            for field in ("system", "mask"):
-                if record.get(field) is not None and not isinstance(record[field], str):
-                    raise DataError(f"{where}: field {field!r} must be str, got {type(record[field]).__name__}")
-            for turn_no, turn in enumerate(record["conversations"]):
-                if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
-                    raise DataError(f"{where}: conversations[{turn_no}] must be an object with 'from' and 'value'")
-                for field in ("from", "value", "label"):
-                    value = turn.get(field)
-                    if (value is not None or field != "label") and not isinstance(value, str):
-                        raise DataError(f"{where}: conversations[{turn_no}].{field} must be str, "
-                                        f"got {type(value).__name__}")
-            mask_role = record.get("mask") or "User"
-            if all(turn["from"] != mask_role for turn in record["conversations"]):
-                unmasked.append(where)
-        if unmasked and answer_only_loss:
-            logger.warning("%s: no turn is from the masked role (field 'mask', default 'User'), so every turn is "
-                           "trained on, prompts included (%d such record%s); check 'mask' and the turns' 'from'",
-                           unmasked[0], len(unmasked), "" if len(unmasked) == 1 else "s")
+            problem = validate_chat_record(record, f"{record.get('__file__', file_path)}:{record.get('__line__', '?')}")
+            if problem:
+                raise DataError(problem)
 
     def __len__(self) -> int:
         return len(self.records)
 
-    def render(self, record: dict) -> List[tuple]:
-        """``(text, trained)`` segments of one conversation."""
-        t = self.tokens
-        mask_role = record.get("mask") or "User"
-        segments = [(f"{t['system_turn_start']}System{t['end_of_name']}{record.get('system') or ''}{t['end_of_turn']}",
-                     False)]
-        for turn in record["conversations"]:
-            header = f"{t['turn_start']}{turn['from']}{t['end_of_name']}"
-            if turn.get("label") is not None:
-                header += f"{t['label_start']}{turn['label']}{t['end_of_name']}"
-            trained = turn["from"] != mask_role
-            segments.append((header, False))
-            segments.append((f"{turn['value']}{t['end_of_turn']}", trained))
-        return segments
+    def render(self, record: dict) -> str:
+        """The conversation's text, as trained on."""
+        return render_conversation(record, self.tokens)[2]
 
     def __getitem__(self, idx: int) -> Dict:
         if idx < 0:
@@ -192,15 +156,14 @@ class GPTSFTChatDataset(torch.utils.data.Dataset):
 
     def _sample(self, idx: int):
         """``(sample, tokens cut)`` of record ``idx``."""
-        ids: List[int] = []
-        mask: List[int] = []
-        for text, trained in self.render(self.records[idx]):
-            piece = self.tokenizer.text_to_ids(text)
-            ids += piece
-            mask += [int(trained or not self.answer_only_loss)] * len(piece)
-        if self.add_eos:
-            ids.append(self.tokenizer.eos_id)
-            mask.append(1)
+        record = self.records[idx]
+        ids, mask = chat_ids_and_mask(record, self.tokenizer, self.tokens)
+        if not any(mask[1:]):
+            raise DataError(f"{record.get('__file__', self.file_path)}:{record.get('__line__', '?')}: no token to "
+                            f"train on (NeMo's chat format trains the turns after the first that are not from the "
+                            f"masked role {mask_roles(record)!r})")
+        if not self.answer_only_loss:
+            mask = [1] * len(ids)
         cut = max(len(ids) - (self.max_seq_length + 1), 0)
         ids, mask = ids[: self.max_seq_length + 1], mask[: self.max_seq_length + 1]
         return {"input_ids": ids, "answer_start": 0, "target_mask": mask}, cut

@@ -61,6 +61,7 @@ def annotate_records(records: List[Dict], client, names: Optional[Sequence[str]]
                 raise DataError(f"{where}:{record['__line__']}: conversations[{turn_no}]: the server returned "
                                 f"non-finite values {row.tolist()}")
             record["conversations"][turn_no]["label"] = values_to_label(row, names, min_value, max_value)
+            record.setdefault("type", "VALUE_TO_TEXT")  # NeMo's chat format renders labels only with a type
         start += len(rewards)
     return len(jobs)
 

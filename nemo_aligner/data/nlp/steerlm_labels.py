@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from nemo_aligner.data.nlp.sft_dataset import DEFAULT_CHAT_TOKENS
+from nemo_aligner.data.nlp.chat_template import DEFAULT_CHAT_TOKENS
 from nemo_aligner.utils.errors import DataError
 
 # NeMo-Aligner's attribute order for a 9-attribute (HelpSteer/OASST) regression reward model.
