@@ -102,7 +102,20 @@ def test_eight_concurrent_clients(server, rm_nemo_and_rewards):
             np.testing.assert_allclose(answer, [expected[t] for t in texts], rtol=1e-5, atol=1e-5)
 
 
+def test_sentences_only_requests_are_tokenized_by_the_server(server, rm_nemo_and_rewards):
+    """NeMo-Aligner's text clients (``attribute_annotate.py``) send only ``sentences``: the server
+    tokenizes them as the model was trained (EOS appended) and scores them like token requests."""
+    _, expected = rm_nemo_and_rewards
+    texts = TEXTS[:5]
+    with client(server.port) as c:
+        got = c.send("rewards", sentences=np.array([[t.encode()] for t in texts], dtype=object)).result()
+    np.testing.assert_allclose(np.asarray(got).reshape(-1), [expected[t] for t in texts], rtol=1e-5, atol=1e-5)
+
+
 BAD_REQUESTS = {
+    "nothing-to-score": (dict(sentences=np.array([[b""]], dtype=object)), r"sentences\[0\] is empty"),
+    "sentences-not-utf8": (dict(sentences=np.array([[b"\xff\xfe"]], dtype=object)),
+                           r"sentences\[0\] is not UTF-8"),
     "wrong-dtype": (dict(tokens=np.ones((1, 4), dtype=np.float32), sequence_lengths=np.array([[4]])),
                     r"FP32.*INT64"),
     "wrong-rank": (dict(tokens=np.ones((2, 3, 4), dtype=np.int64), sequence_lengths=np.array([[4], [4]])),

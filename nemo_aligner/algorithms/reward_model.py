@@ -39,12 +39,13 @@ def build_reward_dataset(model, data_cfg, split: str):
         raise ConfigError(f"model.data.data_impl={impl!r}: only jsonl is supported")
     seq = int(data_cfg.get("seq_length") or model.cfg.encoder_seq_length)
     key = f"model.data.data_prefix.{split}"
+    append_eod = bool(data_cfg.get("append_eod", True))
     if model.reward_model_type == "binary_ranking":
-        return RewardComparisonDataset(paths, model.tokenizer, seq, key=key)
+        return RewardComparisonDataset(paths, model.tokenizer, seq, key=key, add_eos=append_eod)
     regression = model.cfg.get("regression") or {}
     return RegressionRewardDataset(paths, model.tokenizer, seq, model.num_attributes,
                                    attribute_names=regression.get("attribute_names"), key=key,
-                                   missing=model.loss_mask_val)
+                                   missing=model.loss_mask_val, add_eos=append_eod)
 
 
 def run_reward_model(cfg: DictConfig) -> Dict[str, float]:

@@ -22,8 +22,9 @@ REWARD_MODEL_NAME = "reward_model"
 class RewardModelServer:
     """Serves ``model.infer`` (a reward model) as the PyTriton model ``reward_model``.
 
-    Inputs: ``tokens`` int64 [-1] per request row, ``sequence_lengths`` int64 [1]; optional
-    ``sentences`` bytes (ignored: the tokens are scored). Output: ``rewards`` float32
+    Inputs: ``tokens`` int64 [-1] per request row and ``sequence_lengths`` int64 [1], or only
+    ``sentences`` bytes [1] (text, tokenized here as the model was trained: no BOS, EOS unless
+    ``model.data.append_eod`` is False; when tokens are sent too, the tokens are scored). Output: ``rewards`` float32
     (one value, or one per attribute for an unmerged regression head). Batches are
     trimmed to the longest sequence (rounded up to ``strip_sequence_length_to_multiple``),
     padded to a multiple of data parallel x ``inference_micro_batch_size`` and split over
@@ -60,8 +61,37 @@ class RewardModelServer:
         return data_parallel_apply(score_shard, tokens, lengths)
 
     # ----------------------------------------------------------------- rank 0
+    def tokenize_sentences(self, sentences: np.ndarray):
+        """``tokens``/``sequence_lengths`` of text requests (NeMo-Aligner's ``sentences`` input), with the
+        EOS the model was trained with (``model.data.append_eod``, True unless its config says False)."""
+        from nemo_aligner.servers.batching import BadRequest
+
+        append_eod = bool((self.model.cfg.get("data") or {}).get("append_eod", True))
+        rows = []
+        for i, raw in enumerate(np.asarray(sentences).reshape(-1)):
+            try:
+                text = raw.decode("utf-8") if isinstance(raw, (bytes, np.bytes_)) else str(raw)
+            except UnicodeDecodeError:
+                raise BadRequest(f"sentences[{i}] is not UTF-8 text") from None
+            ids = self.model.tokenizer.text_to_ids(text) + ([self.model.tokenizer.eos_id] if append_eod else [])
+            if not ids:
+                raise BadRequest(f"sentences[{i}] is empty")
+            rows.append(ids)
+        width = max(len(r) for r in rows)
+        tokens = np.full((len(rows), width), self.pad_id, dtype=np.int64)
+        for i, ids in enumerate(rows):
+            tokens[i, :len(ids)] = ids
+        return tokens, np.array([len(r) for r in rows], dtype=np.int64)
+
     def infer(self, **inputs):
-        """PyTriton entry point (batched by ``@batch``)."""
+        """PyTriton entry point (batched by ``@batch``): ``tokens`` + ``sequence_lengths``, or ``sentences``."""
+        from nemo_aligner.servers.batching import BadRequest
+
+        if inputs.get("tokens") is None or inputs.get("sequence_lengths") is None:
+            if inputs.get("sentences") is None:
+                raise BadRequest("a request needs tokens and sequence_lengths, or sentences")
+            inputs = dict(inputs, **dict(zip(("tokens", "sequence_lengths"),
+                                             self.tokenize_sentences(inputs["sentences"]))))
         tokens, lengths = check_request(inputs["tokens"], inputs["sequence_lengths"], self.max_seq_length,
                                         self.vocab_size)
         self.warn_length(int(lengths.max()))
@@ -83,8 +113,8 @@ class RewardModelServer:
             model_name=REWARD_MODEL_NAME,
             infer_func=batch(self.infer),
             inputs=[
-                Tensor(name="tokens", dtype=np.int64, shape=(-1,)),
-                Tensor(name="sequence_lengths", dtype=np.int64, shape=(1,)),
+                Tensor(name="tokens", dtype=np.int64, shape=(-1,), optional=True),
+                Tensor(name="sequence_lengths", dtype=np.int64, shape=(1,), optional=True),
                 Tensor(name="sentences", dtype=bytes, shape=(1,), optional=True),
             ],
             outputs=[Tensor(name="rewards", dtype=np.float32, shape=(width,))],

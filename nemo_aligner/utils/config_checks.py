@@ -42,6 +42,36 @@ UNSUPPORTED_UNLESS = {
     "all_probs": (False, None),
     "compute_logprob": (False, None),
 }
+# NeMo-Aligner keys of features this project lacks, matched by the end of their dotted path: refused
+# unless at the value that means "off", with what to do instead.
+_NO_LORA = "LoRA adapters are not supported yet; merge them into the .nemo, or train the full model"
+REFUSED_UNLESS = {
+    "trt_llm.enable": ((False,), "TensorRT-LLM is not used: rollouts run on nemo-aligner's own generation engine "
+                                 "(static KV cache; CUDA graphs on a GPU); set it to False"),
+    "batch_iterator.use_flask": ((False,), "the Flask prompt balancer is not implemented: prompts are split evenly "
+                                           "over the data-parallel ranks; set it to False"),
+    "peft.restore_from_path": ((None,), _NO_LORA),
+    "peft.restore_from_ckpt.checkpoint_dir": ((None,), _NO_LORA),
+    "regression.loss_func": (("regression",), "regression reward models train with the MSE loss only "
+                                              "(regular_bt/margin_bt/scaled_bt are not implemented)"),
+    "data.reset_position_ids": ((False,), "each sample is one document; set it to False"),
+    "data.reset_attention_mask": ((False,), "each sample is one document; set it to False"),
+    "data.eod_mask_loss": ((False,), "EOD tokens are trained like any other; set it to False"),
+    "data.data_impl": (("jsonl", "json", None), "only jsonl files are read; packed sequences (packed_jsonl, "
+                                                "mmap) are not supported yet"),
+    "packed_sequence": ((False, None), "packed sequences are not supported yet; use jsonl data"),
+    "fp8": ((False, None), "fp8 needs Transformer Engine's fp8 recipe, which is not supported; use "
+                           "trainer.precision=bf16"),
+    "checkpoint_callback_params.always_save_nemo": ((False,), "the .nemo is written when training ends "
+                                                              "(save_nemo_on_train_end); the checkpoints hold the weights"),
+    "rm.train_random_sampler": ((True,), "training batches are always shuffled"),
+    "rm.val_random_sampler": ((False,), "validation batches are never shuffled"),
+    "kto.sft_loss_weight": ((0, None), "KTO has no SFT term here (NeMo-Aligner reads the key but does not apply it "
+                                       "either)"),
+    "kto.preference_loss_weight": ((1, None), "the KTO loss is not weighted (NeMo-Aligner reads the key but does "
+                                              "not apply it either)"),
+    "inference.model_name": (("reward_model",), "the reward-model server's PyTriton model is named reward_model"),
+}
 # -1 (or null) means "no limit" for these.
 INTS_OR_UNLIMITED = frozenset({"max_steps", "max_epochs"})
 # Lightning's ``limit_*_batches``: a fraction (float <= 1.0) or a count (int; -1 or null: all).
@@ -73,6 +103,14 @@ def check_config_values(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` naming the first key whose value has the wrong type or range."""
     for path, value in _leaves(cfg, ""):
         name = path.rsplit(".", 1)[-1]
+        refused = next((suffix for suffix in REFUSED_UNLESS if path == suffix or path.endswith("." + suffix)), None)
+        if refused is not None:
+            allowed, instead = REFUSED_UNLESS[refused]
+            if not _is_off(value, allowed):
+                raise ConfigError(f"{path}={value!r} is not supported: {instead}")
+            continue
+        if path == "model.global_batch_size" and value == 0 and "inference" in cfg:
+            continue  # NeMo-Aligner's inference_rm.yaml: 0 turns off NeMo's micro-batch calculator
         if name in UNSUPPORTED_UNLESS:
             allowed = UNSUPPORTED_UNLESS[name]
             if not _is_off(value, allowed):

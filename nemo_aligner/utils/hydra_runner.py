@@ -16,6 +16,7 @@ from nemo_aligner.utils.self_launch import maybe_spawn
 # NeMo's config resolvers, so NeMo yaml files and overrides resolve unchanged.
 OmegaConf.register_new_resolver("multiply", lambda x, y: x * y, replace=True)
 OmegaConf.register_new_resolver("int_div", lambda x, y: x // y, replace=True)
+OmegaConf.register_new_resolver("subtract", lambda x, y: x - y, replace=True)
 
 # Run in the current directory and leave no .hydra/ folders or Hydra log files behind.
 _HYDRA_DEFAULTS = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
@@ -73,6 +74,28 @@ def split_hydra_flags(args: List[str]) -> Tuple[List[str], List[str]]:
     return flags, overrides
 
 
+def prepare_config(cfg: DictConfig, config_name: str, args: List[str]) -> DictConfig:
+    """NeMo-Aligner's keys on the composed config: a user's own config file gets this project's
+    shipped config of the same script underneath (keys it lacks take our defaults); aliases are
+    resolved; near misses of real keys are refused and keys nothing reads are warned about (once:
+    rank 0, and not again in the ranks ``trainer.devices`` starts)."""
+    from nemo_aligner.utils import config_keys
+    from nemo_aligner.utils.exp_manager import setup_console_logging
+
+    setup_console_logging()
+    flags, overrides = split_hydra_flags(args)
+    if any(f.split("=")[0] in ("--config-path", "-cp", "--config-dir", "-cd", "--config-name", "-cn") for f in flags):
+        shipped = config_keys.load_shipped(config_name)
+        OmegaConf.set_struct(shipped, False)
+        OmegaConf.set_struct(cfg, False)
+        cfg = OmegaConf.merge(shipped, cfg)
+        OmegaConf.set_struct(cfg, True)
+    config_keys.resolve_aliases(cfg)
+    warn = os.environ.get("NEMO_ALIGNER_SPAWNED") != "1" and os.environ.get("RANK", "0") == "0"
+    config_keys.check_keys(cfg, config_name, overrides, warn=warn)
+    return cfg
+
+
 def hydra_runner(config_path: str, config_name: str) -> Callable:
     """Decorate ``main(cfg)``; call it with no argument to parse the command line with Hydra,
     or with a ``DictConfig`` to run it directly (tests, Python API)."""
@@ -82,6 +105,7 @@ def hydra_runner(config_path: str, config_name: str) -> Callable:
         @functools.wraps(task)
         def guarded(cfg: DictConfig):
             try:
+                cfg = prepare_config(cfg, config_name, command_line[1:])
                 spawned = maybe_spawn(cfg.get("trainer"), argv=command_line)
                 if spawned is not None:  # this process started the ranks and waited for them
                     sys.exit(spawned)

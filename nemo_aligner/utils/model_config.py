@@ -20,7 +20,8 @@ ARCHITECTURE_KEYS = (
     "normalize_attention_scores", "num_moe_experts", "window_size", "megatron_legacy",
 )
 # Keys a checkpoint sets unless the run sets them (null in the shipped configs: "the checkpoint's").
-CHECKPOINT_UNLESS_SET = ("encoder_seq_length", "seq_len_interpolation_factor")
+CHECKPOINT_UNLESS_SET = ("encoder_seq_length", "seq_len_interpolation_factor", "hidden_dropout", "attention_dropout",
+                         "ffn_dropout")
 # Keys describing the checkpoint itself, never copied into a new model's config.
 _CHECKPOINT_ONLY = ("mcore_gpt", "dist_ckpt_format", "target", "precision", "nemo_version", "transformer_engine")
 
@@ -36,6 +37,7 @@ def merge_checkpoint_config(ckpt_cfg: DictConfig, run_cfg: DictConfig,
     for key in _CHECKPOINT_ONLY:
         base.pop(key, None)
     run = OmegaConf.to_container(run_cfg, resolve=True)
+    drop_overwritten(base, run.pop("overwrite_base_config", None) or {})
     ignored = []
     for key in architecture_keys:
         if key in run and key in base and run[key] is not None and run[key] != base[key] and key != "tokenizer":
@@ -50,3 +52,15 @@ def merge_checkpoint_config(ckpt_cfg: DictConfig, run_cfg: DictConfig,
             logger.info("model.%s=%s set by the run (the checkpoint's is %s)", key, run[key], base[key])
     merged = OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(run))
     return merged
+
+
+def drop_overwritten(base: dict, overwrite: dict) -> None:
+    """NeMo-Aligner's ``model.overwrite_base_config``: every subtree marked True (``optim: True``,
+    ``data: {data_prefix: True}``) is taken from the run's config alone, not merged over the
+    checkpoint's."""
+    for key, flag in overwrite.items():
+        if isinstance(flag, dict):
+            if isinstance(base.get(key), dict):
+                drop_overwritten(base[key], flag)
+        elif flag:
+            base.pop(key, None)

@@ -84,6 +84,9 @@ def init_run(cfg: DictConfig, restore_path: Optional[str] = None,
     checkpoint when restoring). Servers pass a long ``timeout_minutes``: their other ranks
     wait in a collective until rank 0 gets a request.
     """
+    from nemo_aligner.utils.config_keys import resolve_aliases
+
+    resolve_aliases(cfg)  # the Python API's configs too (the scripts' are resolved at parse time)
     check_accelerator(cfg.trainer)
     arch = effective_model_config(cfg.model, restore_path, restore_key)
     resolve_sequence_length(cfg.model, arch, restore_path)

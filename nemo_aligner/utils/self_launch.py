@@ -73,6 +73,7 @@ def spawn_ranks(nproc: int, argv: Optional[List[str]] = None) -> int:
         # The agent's own start-up chatter and, on a failure, its traceback-style summary: a worker
         # that fails has already printed its one-line error.
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    os.environ["NEMO_ALIGNER_SPAWNED"] = "1"  # the ranks: start-up warnings were printed here already
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

@@ -65,7 +65,8 @@ def tokenize_text(tokenizer, text: str, seq_length: Optional[int], add_eos: bool
 
 
 class RewardComparisonDataset(torch.utils.data.Dataset):
-    """Pairs of consecutive lines (chosen, rejected) for the pairwise (Bradley-Terry) loss."""
+    """Pairs of consecutive lines (chosen, rejected) for the pairwise (Bradley-Terry) loss. ``add_eos``:
+    ``model.data.append_eod``. Pairs longer than ``seq_length`` are skipped."""
 
     def __init__(self, paths, tokenizer, seq_length: int, key: str = "model.data.data_prefix.train",
                  records=None, add_eos: bool = True):
@@ -99,8 +100,26 @@ class RewardComparisonDataset(torch.utils.data.Dataset):
                 self.pairs.append((chosen["text"], rejected["text"]))
                 self.places.append(f"{path}:{chosen['__line__']}")
         warn_identical_pairs(identical)
-        report_truncated(str(paths), ((where, max(self._cut(c), self._cut(r))) for where, (c, r)
-                                      in zip(self.places, self.pairs)), self.seq_length, KEEPS_END)
+        self._skip_over_long(str(paths))
+
+    def _skip_over_long(self, name: str) -> None:
+        """Drop the pairs in which either text is longer than the sequence length, as NeMo-Aligner
+        does (a cut text would be judged without its end); log their count and the first file:line."""
+        keep = [i for i, (c, r) in enumerate(self.pairs) if not self._cut(c) and not self._cut(r)]
+        dropped = [i for i in range(len(self.pairs)) if i not in set(keep)]
+        if not dropped:
+            return
+        first = dropped[0]
+        over = max(self._cut(self.pairs[first][0]), self._cut(self.pairs[first][1]))
+        if not keep:
+            raise DataError(f"{name}: every one of the {len(self.pairs)} comparison pairs is longer than the "
+                            f"sequence length {self.seq_length} (first: {self.places[first]}, {over} tokens over): "
+                            "raise model.encoder_seq_length (or model.data.seq_length)")
+        logger.warning("%s: %d of %d comparison pairs are longer than the sequence length %d and are skipped "
+                       "(first: %s, %d tokens over)", name, len(dropped), len(self.pairs), self.seq_length,
+                       self.places[first], over)
+        self.pairs = [self.pairs[i] for i in keep]
+        self.places = [self.places[i] for i in keep]
 
     def _cut(self, text: str) -> int:
         return max(len(self.tokenizer.text_to_ids(text)) + int(self.add_eos) - self.seq_length, 0)

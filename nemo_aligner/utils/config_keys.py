@@ -1,0 +1,231 @@
+"""NeMo-Aligner's config keys on this project: aliases, keys accepted but not read, unknown keys.
+
+Every key of NeMo-Aligner's shipped configs is declared in ours (``conf/aligner_keys/<name>.yaml``
+holds the ones this project has no use for), so its commands parse unchanged. At start-up:
+
+- a renamed key and NeMo-Aligner's name are one key (``ALIASES``): setting either sets both;
+- a key whose feature is absent here is refused unless it has its "off" value
+  (``config_checks.REFUSED_UNLESS``);
+- a key that is accepted but changes nothing here warns when the command line sets it (``UNREAD``);
+- a key no part of the project reads (``++model.foo=1``, a key of a user's own config file) warns,
+  naming it; a near miss of a real key (``++trainer.sft.max_step=5``) is an error with a suggestion.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Dict, Iterable, List, Optional, Set, Tuple
+
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+
+from nemo_aligner.utils.config_checks import REFUSED_UNLESS, check_config_values
+from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.utils.model_config import ARCHITECTURE_KEYS, CHECKPOINT_UNLESS_SET
+
+logger = logging.getLogger(__name__)
+
+# (NeMo-Aligner's key, this project's key): the same setting.
+ALIASES: Tuple[Tuple[str, str], ...] = (
+    ("trainer.reinforce.num_rollouts_per_prompt", "model.reinforce.num_responses_per_prompt"),
+    ("model.kto.preference_average_log_probs", "model.kto.average_log_probs"),
+    ("inference.inference_micro_batch_size", "inference.micro_batch_size"),
+)
+# Keys that must equal another key (NeMo-Aligner's "do not change" copies).
+MUST_EQUAL: Tuple[Tuple[str, str], ...] = (
+    ("trainer.reinforce.model_gbs", "model.global_batch_size"),
+    ("trainer.reinforce.model_mbs", "model.micro_batch_size"),
+)
+# Accepted for NeMo-Aligner's commands, read by nothing here: path suffix -> why it changes nothing.
+UNREAD: Dict[str, str] = {
+    "optim.bucket_cap_mb": "megatron-core's optimizer sizes its gradient buckets itself",
+    "optim.overlap_grad_sync": "gradient reduction is not overlapped with the backward pass",
+    "optim.contiguous_grad_buffer": "megatron-core's DDP always keeps a contiguous gradient buffer",
+    "data.index_mapping_dir": "jsonl files are read into memory; no index files are written",
+    "data.dataloader_type": "batches are drawn by this project's global-batch sampler",
+    "trt_llm.reshard": "TensorRT-LLM is not used",
+    "trt_llm.max_input_len": "TensorRT-LLM is not used",
+    "trt_llm.seed": "TensorRT-LLM is not used (generation is seeded from model.seed)",
+    "trt_llm.model_type": "TensorRT-LLM is not used",
+    "trt_llm.unload_engine_train": "TensorRT-LLM is not used",
+    "batch_iterator.port": "the Flask prompt balancer is not used",
+    "trt_model_dir": "TensorRT-LLM is not used",
+    "rollout_batch_seq_length": "rollout batches are padded to their longest sequence",
+    "peft.lora_tuning": "LoRA is not supported yet (model.peft.peft_scheme=none)",
+    "peft.restore_from_ckpt.checkpoint_name": "LoRA is not supported yet",
+    "steerlm2.forward_micro_batch_size": "SteerLM 2.0 is not part of this project yet",
+    "steerlm2.micro_batch_size": "SteerLM 2.0 is not part of this project yet",
+    "kto.log_prob_forward_micro_batch_size": "the KL and reference log-probs use model.micro_batch_size",
+    "kto.sft_average_log_probs": "KTO has no SFT term (nor has NeMo-Aligner's)",
+    "model.forward_micro_batch_size": "the reward model's training never runs a separate inference batch",
+    "mcore_gpt": "every model is a megatron-core GPTModel",
+    "megatron_amp_O2": "precision follows trainer.precision (bf16/16: fp32 master weights in the optimizer)",
+    "dist_ckpt_load_strictness": "checkpoints load strictly: a missing or unexpected tensor is an error naming it",
+}
+# Subtrees whose contents are data, not keys (data paths, logger kwargs, a tokenizer's settings).
+OPEN_SUBTREES = ("model.data.data_prefix", "exp_manager.wandb_logger_kwargs", "model.tokenizer",
+                 "model.overwrite_base_config", "model.optim.sched", "hydra", "model.chat_prompt_tokens")
+# model.* keys read by the model builder (from a checkpoint or the run) without a shipped default.
+_MODEL_KEYS_READ = ARCHITECTURE_KEYS + CHECKPOINT_UNLESS_SET + (
+    "activations_checkpoint_granularity", "activations_checkpoint_method", "activations_checkpoint_num_layers",
+    "force_local_spec", "use_cpu_initialization", "use_sdpa_attention", "sequence_parallel",
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "init_method_std", "kv_channels",
+    "offload_adam_states", "megatron_amp_O2", "mcore_gpt", "precision", "seed", "micro_batch_size",
+    "global_batch_size", "transformer_engine", "hf_vocab_size", "num_special_tokens", "nemo_version",
+)
+
+
+def conf_dir() -> str:
+    from nemo_aligner.utils.examples_path import examples_dir
+
+    return examples_dir("nlp", "gpt", "conf")
+
+
+def load_shipped(config_name: str, directory: Optional[str] = None) -> DictConfig:
+    """This project's shipped config ``config_name`` with its defaults list applied (the subset of
+    Hydra's syntax the shipped files use: other configs of the directory, ``x@_here_``, ``_self_``)."""
+    directory = directory or conf_dir()
+    raw = OmegaConf.load(os.path.join(directory, f"{config_name}.yaml"))
+    defaults = list(raw.pop("defaults", []) or [])
+    if "_self_" not in defaults:
+        defaults.append("_self_")
+    merged = OmegaConf.create({})
+    for entry in defaults:
+        name = str(entry)
+        if name == "_self_":
+            merged = OmegaConf.merge(merged, raw)
+        else:
+            merged = OmegaConf.merge(merged, load_shipped(name.split("@")[0], directory))
+    return merged
+
+
+def _paths(node, prefix: str = "") -> Iterable[Tuple[str, object]]:
+    """``(dotted path, node)`` of every key, dict nodes included, without resolving values."""
+    if isinstance(node, DictConfig):
+        for key in node.keys():
+            path = f"{prefix}.{key}" if prefix else str(key)
+            child = node._get_node(key)
+            yield path, child
+            if isinstance(child, DictConfig):
+                yield from _paths(child, path)
+
+
+def known_paths(shipped: DictConfig) -> Set[str]:
+    known = {path for path, _ in _paths(shipped)}
+    known.update(f"model.{key}" for key in _MODEL_KEYS_READ)
+    return known
+
+
+def _suffix_match(path: str, suffixes: Iterable[str]) -> Optional[str]:
+    for suffix in suffixes:
+        if path == suffix or path.endswith("." + suffix) or path.startswith(suffix + ".") or \
+                f".{suffix}." in f".{path}.":
+            return suffix
+    return None
+
+
+def _in_open_subtree(path: str) -> bool:
+    return any(path == p or path.startswith(p + ".") for p in OPEN_SUBTREES)
+
+
+def unknown_keys(cfg: DictConfig, known: Set[str]) -> List[str]:
+    """Leaf keys of ``cfg`` that nothing reads (outside the open subtrees)."""
+    out = []
+    for path, node in _paths(cfg):
+        if isinstance(node, DictConfig) or _in_open_subtree(path) or path in known:
+            continue
+        if _suffix_match(path, UNREAD) or _suffix_match(path, REFUSED_UNLESS):
+            continue  # accepted (refused unless off: config_checks)
+        parent = path.rsplit(".", 1)[0] if "." in path else ""
+        if parent and parent not in known and not any(p == parent for p in OPEN_SUBTREES):
+            # inside an unknown subtree: its root is reported instead
+            root = parent
+            while "." in root and root.rsplit(".", 1)[0] not in known:
+                root = root.rsplit(".", 1)[0]
+            if root not in out:
+                out.append(root)
+            continue
+        out.append(path)
+    return out
+
+
+def _edits(a: str, b: str) -> int:
+    """Levenshtein distance."""
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
+    return row[-1]
+
+
+def near_miss(path: str, known: Set[str]) -> Optional[str]:
+    """A known key differing from ``path`` only in its last part, by a typo: at most 2 edits, and at
+    most a third of the name (``lrr`` -> ``lr``, ``max_step`` -> ``max_steps``; not NeMo-Aligner's
+    stale ``average_log_probs`` -> ``sft_average_log_probs``)."""
+    parent, _, name = path.rpartition(".")
+    siblings = [k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == parent]
+    best = min(siblings, key=lambda s: _edits(name, s), default=None)
+    if best is None or best == name:
+        return None
+    distance = _edits(name, best)
+    if distance > 2 or distance > len(name) // 3:
+        return None
+    return f"{parent}.{best}" if parent else best
+
+
+def override_keys(overrides: Iterable[str]) -> List[str]:
+    """The key of each command-line override (``++a.b=1`` -> ``a.b``)."""
+    keys = []
+    for item in overrides:
+        key = item.split("=", 1)[0].lstrip("+~")
+        if key and not key.startswith("hydra"):
+            keys.append(key)
+    return keys
+
+
+def resolve_aliases(cfg: DictConfig) -> None:
+    """Make each alias pair hold one value: the one the user set (ours default to null)."""
+    for aligner_key, our_key in ALIASES:
+        if OmegaConf.select(cfg, aligner_key) is None and OmegaConf.select(cfg, our_key) is None:
+            continue
+        ours = OmegaConf.select(cfg, our_key)
+        theirs = OmegaConf.select(cfg, aligner_key)
+        if isinstance(theirs, (list, ListConfig)) or isinstance(ours, (list, ListConfig)):
+            raise ConfigError(f"{aligner_key}: a list of batch sizes is not supported; give one integer")
+        if ours is not None and theirs is not None and ours != theirs:
+            logger.warning("%s=%s and %s=%s name one setting; using %s", aligner_key, theirs, our_key, ours, ours)
+        value = ours if ours is not None else theirs
+        with open_dict(cfg):
+            for key in (aligner_key, our_key):
+                if OmegaConf.select(cfg, key.rpartition(".")[0]) is not None:
+                    OmegaConf.update(cfg, key, value, force_add=True)
+    for key, other in MUST_EQUAL:
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value != OmegaConf.select(cfg, other):
+            raise ConfigError(f"{key}={value} must equal {other}={OmegaConf.select(cfg, other)} (NeMo-Aligner's copy "
+                              f"of it); set {other} instead")
+
+
+def check_keys(cfg: DictConfig, config_name: str, overrides: Iterable[str] = (), warn: bool = True) -> None:
+    """Refuse near misses of real keys; warn about keys nothing reads. ``cfg`` is the composed run config."""
+    check_config_values(cfg)  # refused features and bad values first: they name the key to change
+    try:
+        shipped = load_shipped(config_name)
+    except (OSError, ValueError):  # no shipped config of that name (an installed copy without examples)
+        return
+    known = known_paths(shipped)
+    unknown = unknown_keys(cfg, known)
+    for path in unknown:
+        guess = near_miss(path, known)
+        if guess:
+            raise ConfigError(f"{path} is not a key of {config_name}; did you mean {guess}?")
+    if not warn:
+        return
+    for path in unknown:
+        logger.warning("%s is not read by nemo-aligner (%s.yaml has no such key); it is ignored", path, config_name)
+    for key in override_keys(overrides):
+        suffix = _suffix_match(key, UNREAD)
+        if suffix:
+            logger.warning("%s is accepted for NeMo-Aligner's commands but changes nothing here: %s", key,
+                           UNREAD[suffix])
