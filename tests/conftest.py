@@ -220,14 +220,14 @@ def task_data(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reward_model(tmp_path_factory, task_data, sft_nemo):
-    """A pairwise reward model trained for 200 steps from the SFT model on the built-in comparisons
-    (validated at steps 100 and 200): its accuracy is tested, and PPO optimises it. Returns
+    """A pairwise reward model trained for 300 steps from the SFT model on the built-in comparisons
+    (validated at steps 150 and 300): its accuracy is tested, and PPO optimises it. Returns
     ``(the .nemo, the log directory, the script's stdout)``."""
     from pathlib import Path
 
     def train(log_dir):
-        proc = run_script("train_reward_model.py", rm_overrides(task_data, log_dir, 200, [
-            f"pretrained_checkpoint.restore_from_path={sft_nemo}", "trainer.rm.val_check_interval=100"]))
+        proc = run_script("train_reward_model.py", rm_overrides(task_data, log_dir, 300, [
+            f"pretrained_checkpoint.restore_from_path={sft_nemo}", "trainer.rm.val_check_interval=150"]))
         return [str(log_dir / "checkpoints" / "megatron_gpt.nemo"), str(log_dir), proc.stdout]
 
     nemo, log_dir, stdout = built_once(tmp_path_factory, "reward_model", train)

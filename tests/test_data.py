@@ -325,5 +325,6 @@ def test_preference_and_reward_datasets_count_their_truncations(caplog):
         RewardComparisonDataset("rm.jsonl", TOK, 16, records=[dict(r, __file__="rm.jsonl") for r in pairs])
         DPOPairDataset("dpo.jsonl", TOK, 16, records=[dict(r, __file__="dpo.jsonl") for r in dpo])
     messages = [r.getMessage() for r in caplog.records if "longer than the sequence length" in r.getMessage()]
-    assert any("rm.jsonl: 2 of 3 samples" in m and "first: rm.jsonl:1" in m for m in messages), messages
+    assert any("rm.jsonl: 2 of 3 comparison pairs are longer than the sequence length 16 and are skipped" in m
+               and "first: rm.jsonl:1" in m for m in messages), messages
     assert any("dpo.jsonl: 1 of 2 samples" in m and "first: dpo.jsonl:1" in m for m in messages), messages

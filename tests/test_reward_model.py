@@ -84,8 +84,13 @@ def test_comparison_file_errors_name_the_line():
                                         r"chosen text on line 3"):
         RewardComparisonDataset(None, tok, 64, records=comparison_records(
             "reverse ab = ba", "reverse ab = ab", "sort dcba = abcd", "reverse xyz = zyx"))
-    ds = RewardComparisonDataset(None, tok, 8, records=comparison_records("reverse abcdef = fedcba", "reverse abcdef = x"))
-    assert ds[0]["chosen"][-1] == tok.eos_id and len(ds[0]["chosen"]) == 8  # long texts keep their end
+    # over-long pairs are skipped, as NeMo-Aligner does; none left is refused naming the first
+    ds = RewardComparisonDataset(None, tok, 16, records=comparison_records(
+        "reverse abcdef = fedcba", "reverse abcdef = x", "sort ba = ab", "sort ba = ba"))
+    assert len(ds) == 1 and ds[0]["chosen"] == tok.text_to_ids("sort ba = ab") + [tok.eos_id]
+    with pytest.raises(DataError, match=r"cmp\.jsonl: every one of the 1 comparison pairs is longer than the "
+                                        r"sequence length 8 \(first: cmp\.jsonl:1"):
+        RewardComparisonDataset(None, tok, 8, records=comparison_records("reverse abcdef = fedcba", "reverse abcdef = x"))
 
 
 def tiny_reward_model(**overrides):
@@ -141,7 +146,7 @@ def test_head_stays_float32_under_bf16(mcore_single):
 def test_reward_model_reaches_90_percent_held_out(reward_model):
     nemo, log_dir, stdout = reward_model
     metrics = [r for r in read_metrics(log_dir) if "val/accuracy" in r]
-    assert [r["step"] for r in metrics] == [100, 200] and metrics[-1]["val/pairs"] == 128
+    assert [r["step"] for r in metrics] == [150, 300] and metrics[-1]["val/pairs"] == 128
     assert metrics[-1]["val/accuracy"] >= 0.90, metrics
     assert metrics[-1]["val/rewards_chosen_mean"] > metrics[-1]["val/rewards_rejected_mean"]
     assert "validation accuracy" in stdout and os.path.isfile(nemo)

@@ -113,7 +113,7 @@ def test_sentences_only_requests_are_tokenized_by_the_server(server, rm_nemo_and
 
 
 BAD_REQUESTS = {
-    "nothing-to-score": (dict(sentences=np.array([[b""]], dtype=object)), r"sentences\[0\] is empty"),
+    "nothing-to-score": (dict(sequence_lengths=np.array([[3]])), r"needs tokens and sequence_lengths, or sentences"),
     "sentences-not-utf8": (dict(sentences=np.array([[b"\xff\xfe"]], dtype=object)),
                            r"sentences\[0\] is not UTF-8"),
     "wrong-dtype": (dict(tokens=np.ones((1, 4), dtype=np.float32), sequence_lengths=np.array([[4]])),

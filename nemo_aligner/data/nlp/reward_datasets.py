@@ -110,6 +110,8 @@ class RewardComparisonDataset(torch.utils.data.Dataset):
         if not dropped:
             return
         first = dropped[0]
+        if not name or name == "None":  # records handed over in memory: name their file
+            name = self.places[first].rsplit(":", 1)[0]
         over = max(self._cut(self.pairs[first][0]), self._cut(self.pairs[first][1]))
         if not keep:
             raise DataError(f"{name}: every one of the {len(self.pairs)} comparison pairs is longer than the "
