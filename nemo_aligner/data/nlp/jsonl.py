@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from typing import Any, Dict, Iterable, List, Optional, Sequence
@@ -46,29 +47,34 @@ def read_jsonl(path: str, allow_non_finite: bool = False) -> List[Dict[str, Any]
     if os.path.isdir(path):
         raise DataError(f"{path}: is a directory, expected a .jsonl file")
     records = []
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise DataError(f"{path}:{line_no}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
-                                f"{err.start + 1}); re-encode the file as UTF-8") from None
-            if line_no == 1 and line.startswith("\ufeff"):  # a byte-order mark, as some editors write
-                line = line[1:]
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line, parse_constant=_NonFinite)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{line_no}: malformed JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
-            field = None if allow_non_finite else _non_finite_field(record)
-            if field is not None:
-                raise DataError(f"{path}:{line_no}: field {field!r} is not a finite number "
-                                f"(JSON has no NaN or Infinity)")
-            record["__line__"] = line_no
-            records.append(record)
+    opener = gzip.open if path.endswith(".gz") else open  # .jsonl.gz, as public datasets ship
+    try:
+        with opener(path, "rb") as f:
+            for line_no, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise DataError(f"{path}:{line_no}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
+                                    f"{err.start + 1}); re-encode the file as UTF-8") from None
+                if line_no == 1 and line.startswith("\ufeff"):  # a byte-order mark, as some editors write
+                    line = line[1:]
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line, parse_constant=_NonFinite)
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{path}:{line_no}: malformed JSON ({err.msg} at column {err.colno})") from None
+                if not isinstance(record, dict):
+                    raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
+                field = None if allow_non_finite else _non_finite_field(record)
+                if field is not None:
+                    raise DataError(f"{path}:{line_no}: field {field!r} is not a finite number "
+                                    f"(JSON has no NaN or Infinity)")
+                record["__line__"] = line_no
+                records.append(record)
+    except (OSError, EOFError) as err:  # unreadable, or a truncated or corrupt .gz
+        what = "not a readable gzip file" if path.endswith(".gz") else "cannot be read"
+        raise DataError(f"{path}: {what} ({err})") from None
     if not records:
         raise DataError(f"{path}: file is empty (no JSON records)")
     return records

@@ -1,0 +1,29 @@
+"""Anthropic HH-RLHF to KTO jsonl (``{"prompt", "response", "preference"}``, chosen then rejected).
+
+    python examples/nlp/data/kto/preprocess_anthropichh_data.py --input-dir hh-rlhf/helpful-base \\
+        --output-dir data/kto      # -> train.jsonl, test.jsonl
+
+NeMo-Aligner's script of this name downloads the data and keeps only the last exchange of each
+conversation; this one reads the local files and keeps the whole history (NeMo's HH template).
+"""
+
+import argparse
+import os
+
+from nemo_aligner.data.nlp.jsonl import read_jsonl
+from nemo_aligner.data.nlp.public_datasets import hh_to_rlhf, split_file, write
+from nemo_aligner.utils.hydra_runner import run_cli
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input-dir", required=True, help="holds train.jsonl(.gz) and test.jsonl(.gz)")
+    parser.add_argument("--output-dir", default="./")
+    args = parser.parse_args(argv)
+    for split in ("train", "test"):
+        path = split_file(args.input_dir, split)
+        write(os.path.join(args.output_dir, f"{split}.jsonl"), hh_to_rlhf(read_jsonl(path), path)["kto"])
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,185 @@
+"""examples/nlp/data/: the public datasets' published files (tiny copies in their formats) become
+files the training scripts load."""
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, subprocess_env
+from nemo_aligner.data.nlp.jsonl import read_jsonl
+from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+DATA = os.path.join(REPO, "examples", "nlp", "data")
+TOK = ByteTokenizer()
+
+HH = [
+    {"chosen": "\n\nHuman: Hi there\n\nAssistant: Hello!\n\nHuman: What is 2+2?\n\nAssistant: 4.",
+     "rejected": "\n\nHuman: Hi there\n\nAssistant: Hello!\n\nHuman: What is 2+2?\n\nAssistant: 5."},
+    {"chosen": "\n\nHuman: Name a colour.\n\nAssistant: Blue.",
+     "rejected": "\n\nHuman: Name a colour.\n\nAssistant: I will not."},
+    # the transcripts differ before the last answer: skipped
+    {"chosen": "\n\nHuman: A\n\nAssistant: B\n\nHuman: C\n\nAssistant: D",
+     "rejected": "\n\nHuman: A\n\nAssistant: X\n\nHuman: C\n\nAssistant: E"},
+]
+
+
+def write_jsonl(path, rows, gz=False):
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if gz:
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def run(script, *args):
+    proc = subprocess.run([sys.executable, os.path.join(DATA, script), *map(str, args)], env=subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    return proc
+
+
+def test_dolly_to_sft(tmp_path):
+    from nemo_aligner.data.nlp.sft_dataset import GPTSFTDataset
+
+    rows = [{"instruction": "When did it start?", "context": "It started in 2000.", "response": "In 2000.",
+             "category": "closed_qa"},
+            {"instruction": "Name a fruit.", "context": "", "response": "Apple.", "category": "open_qa"}]
+    src = write_jsonl(tmp_path / "databricks-dolly-15k.jsonl", rows)
+    proc = run("sft/preprocess_dolly.py", "--input", src)
+    assert proc.returncode == 0, proc.stderr
+    out = read_jsonl(str(tmp_path / "databricks-dolly-15k-output.jsonl"))
+    assert out[0]["input"] in ("It started in 2000.\n\nWhen did it start?", "When did it start?\n\nIt started in 2000.")
+    assert out[1] == {"input": "Name a fruit.", "output": "Apple.", "category": "open_qa", "__line__": 2}
+    again = run("sft/preprocess_dolly.py", "--input", src, "--output", tmp_path / "again.jsonl")
+    assert again.returncode == 0 and read_jsonl(str(tmp_path / "again.jsonl"))[0]["input"] == out[0]["input"]  # seeded
+    ds = GPTSFTDataset(str(tmp_path / "databricks-dolly-15k-output.jsonl"), TOK, 128)
+    assert TOK.ids_to_text(ds[1]["input_ids"]) == "Name a fruit. Apple."
+
+
+def test_anthropic_hh_to_rm_ppo_dpo_kto(tmp_path):
+    from nemo_aligner.data.nlp.dpo_dataset import DPOPairDataset
+    from nemo_aligner.data.nlp.kto_dataset import KTODataset
+    from nemo_aligner.data.nlp.reward_datasets import RewardComparisonDataset
+
+    src = tmp_path / "hh"
+    src.mkdir()
+    write_jsonl(src / "train.jsonl.gz", HH, gz=True)
+    write_jsonl(src / "test.jsonl", HH[:2])
+    proc = run("anthropichh/process_anthropic_hh.py", "--input-dir", src, "--output-dir", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    assert "1 pairs skipped" in proc.stdout
+    out = tmp_path / "out"
+    comparisons = read_jsonl(str(out / "train_comparisons.jsonl"))
+    prompt = "User: Hi there\n\nAssistant: Hello!\n\nUser: What is 2+2?\n\nAssistant:"
+    assert [c["text"] for c in comparisons[:2]] == [prompt + " 4.", prompt + " 5."]
+    assert len(comparisons) == 4
+    assert read_jsonl(str(out / "train_prompts.jsonl"))[0]["text"] == prompt
+    dpo = read_jsonl(str(out / "test_dpo.jsonl"))
+    assert (dpo[1]["prompt"], dpo[1]["chosen_response"], dpo[1]["rejected_response"]) == \
+        ("User: Name a colour.\n\nAssistant: ", "Blue.", "I will not.")
+    assert len(RewardComparisonDataset(str(out / "train_comparisons.jsonl"), TOK, 256)) == 2
+    assert len(DPOPairDataset(str(out / "train_dpo.jsonl"), TOK, 256)) == 2
+    kto = run("kto/preprocess_anthropichh_data.py", "--input-dir", src, "--output-dir", tmp_path / "kto")
+    assert kto.returncode == 0, kto.stderr
+    rows = read_jsonl(str(tmp_path / "kto" / "train.jsonl"))
+    assert [r["preference"] for r in rows] == ["chosen", "rejected"] * 2
+    assert rows[0]["prompt"] == prompt + " "  # the whole history, not only the last exchange
+    assert len(KTODataset(str(tmp_path / "kto" / "train.jsonl"), TOK, 256)) == 4
+
+
+def test_hh_errors_name_file_and_line(tmp_path):
+    src = tmp_path / "hh"
+    src.mkdir()
+    write_jsonl(src / "train.jsonl", [HH[0], {"chosen": "Human: no markers", "rejected": "x"}])
+    write_jsonl(src / "test.jsonl", HH[:1])
+    proc = run("anthropichh/process_anthropic_hh.py", "--input-dir", src, "--output-dir", tmp_path / "out")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert f"error: {src / 'train.jsonl'}:2: a transcript must start with" in proc.stderr
+    missing = run("anthropichh/process_anthropic_hh.py", "--input-dir", tmp_path / "nowhere")
+    assert missing.returncode == 1 and "no train.jsonl or train.jsonl.gz" in missing.stderr
+    assert not (tmp_path / "out" / "test_dpo.jsonl").exists()  # nothing half-written
+
+
+def test_helpsteer_and_helpsteer2_to_steerlm(tmp_path):
+    from nemo_aligner.data.nlp.sft_dataset import GPTSFTChatDataset
+
+    src = tmp_path / "hs"
+    src.mkdir()
+    row = {"prompt": "Sort ba", "response": "ab", "helpfulness": 3, "correctness": 4, "coherence": 4,
+           "complexity": 1, "verbosity": 0}
+    write_jsonl(src / "train.jsonl", [row, dict(row, response="ba", helpfulness=0)])
+    write_jsonl(src / "validation.jsonl", [row])
+    proc = run("steerlm/preprocess_helpsteer_data.py", "--input-dir", src, "-dir", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    train = read_jsonl(str(tmp_path / "out" / "train.jsonl"))
+    assert train[0]["conversations"][1]["label"] == "helpfulness:3,correctness:4,coherence:4,complexity:1,verbosity:0"
+    assert train[0]["type"] == "VALUE_TO_TEXT" and train[0]["mask"] == "User"
+    ds = GPTSFTChatDataset(str(tmp_path / "out" / "train.jsonl"), TOK, 512)
+    assert "\x12helpfulness:3,correctness:4" in ds.render(ds.records[0])  # the label is rendered for SteerLM SFT
+    only = run("steerlm/preprocess_helpsteer2_data.py", "--input-dir", src, "-dir", tmp_path / "oh", "-oh")
+    assert only.returncode == 0, only.stderr
+    assert read_jsonl(str(tmp_path / "oh" / "val.jsonl"))[0]["conversations"][1]["label"] == "helpfulness:3"
+    write_jsonl(src / "preference.jsonl", [
+        {"prompt": "p", "response_1": "a", "response_2": "b", "preference_strength": -2, "split": "train"},
+        {"prompt": "q", "response_1": "c", "response_2": "d", "preference_strength": 1, "split": "val"}])
+    pref = run("steerlm/preprocess_helpsteer2_data.py", "--input-dir", src, "-dir", tmp_path / "pref", "-pref")
+    assert pref.returncode == 0, pref.stderr
+    train = read_jsonl(str(tmp_path / "pref" / "train.jsonl"))
+    assert [r["conversations"][1]["label"] for r in train] == ["quality:-2", "quality:-2"]
+    assert [r["conversations"][1]["value"] for r in read_jsonl(str(tmp_path / "pref" / "val.jsonl"))] == ["c", "d"]
+
+
+def test_openassistant_trees_to_steerlm(tmp_path):
+    from nemo_aligner.data.nlp.public_datasets import oasst_to_steerlm
+
+    def msg(text, role, replies=(), labels=None):
+        m = {"message_id": text, "text": text, "role": role, "replies": list(replies)}
+        if labels:
+            m["labels"] = {k: {"value": v, "count": 3} for k, v in labels.items()}
+        return m
+
+    tree = {"message_tree_id": "t1", "prompt": msg("Q", "prompter", [
+        msg("A1", "assistant", [msg("Q2", "prompter", [msg("A2", "assistant", labels={"quality": 0.5})])],
+            labels={"quality": 0.75, "toxicity": 0.0, "humor": 0.25, "spam": 0.0}),
+        msg("B1", "assistant")])}
+    lone = {"message_tree_id": "t2", "prompt": msg("alone", "prompter")}
+    out = tmp_path / "oa"
+    out.mkdir()
+    write_jsonl(out / "2023-04-12_oasst_all.trees.jsonl.gz", [tree, lone], gz=True)
+    proc = run("steerlm/preprocess_openassistant_data.py", "-dir", out)
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for name in ("train.jsonl", "val.jsonl")
+               for line in (out / name).read_text().splitlines()]  # 1 tree each: one may have no thread
+    threads = sorted([t["value"] for t in r["conversations"]] for r in records)
+    assert threads == [["Q", "A1", "Q2", "A2"], ["Q", "B1"]]  # one per root-to-leaf thread; the lone prompt dropped
+    long = next(r for r in records if len(r["conversations"]) == 4)
+    assert [t["label"] for t in long["conversations"]] == [None, "quality:3,toxicity:0,humor:1", None, "quality:2"]
+    train, val = oasst_to_steerlm([dict(tree, __line__=i) for i in range(40)], "x", val_fraction=0.05)
+    assert len(val) == 2 * 2 and len(train) == 38 * 2  # split by tree: the first 95% (seeded shuffle) train
+
+
+def test_chat_to_regression_format(tmp_path):
+    from nemo_aligner.data.nlp.reward_datasets import RegressionRewardDataset
+    from nemo_aligner.data.nlp.steerlm_labels import assistant_turn_texts
+
+    record = {"system": "S", "mask": "User", "type": "VALUE_TO_TEXT", "conversations": [
+        {"from": "User", "value": "Sort ba", "label": None},
+        {"from": "Assistant", "value": "ab", "label": "helpfulness:3,verbosity:0"},
+        {"from": "User", "value": "again", "label": None}, {"from": "Assistant", "value": "ab", "label": None}]}
+    src = write_jsonl(tmp_path / "chat.jsonl", [record])
+    proc = run("steerlm/process_to_regression_format.py", "--input-file", src, "--output-file", tmp_path / "reg.jsonl")
+    assert proc.returncode == 0, proc.stderr
+    rows = read_jsonl(str(tmp_path / "reg.jsonl"))
+    assert len(rows) == 1  # the unlabelled turn gives none
+    assert rows[0]["text"] == assistant_turn_texts(record)[0][1]  # what attribute_annotate.py scores
+    assert rows[0]["label"] == [-100, -100, -100, -100, 3, -100, -100, -100, 0]
+    ds = RegressionRewardDataset(str(tmp_path / "reg.jsonl"), TOK, 256, 9)
+    assert len(ds) == 1
+    bad = run("steerlm/process_to_regression_format.py", "--input-file", src, "--output-file", tmp_path / "x.jsonl",
+              "--attributes", "quality")
+    assert bad.returncode == 1 and "outside --attributes quality" in bad.stderr
