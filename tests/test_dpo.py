@@ -71,6 +71,28 @@ def test_pair_dataset_masks_responses_only():
                                                  "__file__": "f.jsonl"}])
 
 
+def test_aligner_chat_format_pairs():
+    """NeMo-Aligner's chat DPO records: a list prompt and assistant-message responses. As its
+    DPOModelDataset renders them, the prompt ends after the last user turn and each scored response is
+    ``\x11Assistant\n{content}\n\x11`` (here followed by EOS)."""
+    tok = ByteTokenizer()
+    record = {"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}],
+              "chosen_response": {"role": "assistant", "content": "A"},
+              "rejected_response": [{"role": "assistant", "content": "B"}], "__line__": 1}
+    ds = DPOPairDataset(None, tok, 64, records=[record])
+    batch = collate_dpo([ds[0]], tok.eos_id, 64)
+    for side, content in (("chosen", "A"), ("rejected", "B")):
+        tokens, mask = batch[side][0], batch[f"{side}_mask"][0]
+        assert tok.ids_to_text(tokens[: int(mask.sum()) + ds[0][f"{side}_prompt"]].tolist()).startswith(
+            "\x00System\nS\n\x11User\nQ\n")
+        assert tokens[1:][mask.bool()].tolist() == tok.text_to_ids(f"\x11Assistant\n{content}\n\x11") + [tok.eos_id]
+    with pytest.raises(DataError, match=r"x\.jsonl:2: chosen_response and rejected_response must both be strings"):
+        DPOPairDataset(None, tok, 64, records=[dict(record, rejected_response="B", __line__=2, __file__="x.jsonl")])
+    with pytest.raises(DataError, match=r"x\.jsonl:2: field 'chosen_response' must be a string or an assistant"):
+        DPOPairDataset(None, tok, 64, records=[dict(record, chosen_response={"role": "user", "content": "A"},
+                                                    __line__=2, __file__="x.jsonl")])
+
+
 def test_dpo_learns_preferences_and_keeps_the_reference(tmp_path, sft_nemo):
     """On the built-in pairs, DPO from the SFT model reaches >= 90% held-out preference accuracy with
     a clearly positive reward margin (implied rewards beta * log-ratio)."""

@@ -1,7 +1,9 @@
 """Preference pairs for DPO-style training: ``{"prompt", "chosen_response", "rejected_response"}``.
 
 The prompt may be a string or a list of chat messages (``{"role"|"from", "content"|"value"}``),
-rendered with the SFT chat template; ``chosen_reward``/``rejected_reward`` are optional (RPO).
+rendered with the SFT chat template; the responses strings, or (NeMo-Aligner's chat format) assistant
+messages ``{"role": "assistant", "content": ...}`` rendered with their turn header and the next turn's
+start; ``chosen_reward``/``rejected_reward`` are optional (RPO).
 Each response gets EOS; the loss mask covers the response tokens only.
 """
 
@@ -24,8 +26,10 @@ logger = logging.getLogger(__name__)
 _ROLE_NAMES = {"system": "System", "user": "User", "assistant": "Assistant"}
 
 
-def render_chat_prompt(messages: list, where: str, chat_tokens: Optional[dict] = None) -> str:
-    """A chat prompt in the SFT chat template, ending with the Assistant header the response follows."""
+def render_chat_prompt(messages: list, where: str, chat_tokens: Optional[dict] = None,
+                       assistant_header: bool = True) -> str:
+    """A chat prompt in the SFT chat template, ending with the Assistant header the response follows
+    (without it for NeMo-Aligner's chat format, whose responses carry the header)."""
     t = dict(DEFAULT_CHAT_TOKENS, **(chat_tokens or {}))
     system, turns = "", []
     for i, message in enumerate(messages):
@@ -48,7 +52,28 @@ def render_chat_prompt(messages: list, where: str, chat_tokens: Optional[dict] =
         else:
             turns.append(f"{t['turn_start']}{name}{t['end_of_name']}{content}{t['end_of_turn']}")
     return (f"{t['system_turn_start']}System{t['end_of_name']}{system}{t['end_of_turn']}" + "".join(turns)
-            + f"{t['turn_start']}Assistant{t['end_of_name']}")
+            + (f"{t['turn_start']}Assistant{t['end_of_name']}" if assistant_header else ""))
+
+
+def chat_response(value, where: str, field: str) -> Optional[str]:
+    """The content of NeMo-Aligner's chat-format response (``{"role": "assistant", "content": ...}``, or a
+    one-element list of it); None when ``value`` is a plain string."""
+    if isinstance(value, str):
+        return None
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, dict) or not isinstance(value.get("content"), str) or \
+            str(value.get("role", "assistant")).lower() != "assistant":
+        raise DataError(f"{where}: field {field!r} must be a string or an assistant message "
+                        "{\"role\": \"assistant\", \"content\": ...}")
+    return value["content"]
+
+
+def chat_response_text(content: str, chat_tokens: Optional[dict] = None) -> str:
+    """A response turn as NeMo-Aligner's chat DPO renders it: the Assistant header, the content, the end
+    of turn and the next turn's start (``\x11Assistant\n{content}\n\x11``), all scored."""
+    t = dict(DEFAULT_CHAT_TOKENS, **(chat_tokens or {}))
+    return f"{t['turn_start']}Assistant{t['end_of_name']}{content}{t['end_of_turn']}{t['turn_start']}"
 
 
 def prompt_text(record: dict, where: str, chat_tokens: Optional[dict] = None) -> str:
@@ -126,8 +151,20 @@ class DPOPairDataset(torch.utils.data.Dataset):
             path = record.get("__file__", str(paths))
             where = f"{path}:{record['__line__']}"
             require_fields(record, ["prompt"], path, types=(str, list))
-            require_fields(record, ["chosen_response", "rejected_response"], path, non_empty=True)
-            prompt = prompt_text(record, where, chat_tokens)
+            require_fields(record, ["chosen_response", "rejected_response"], path, types=(str, dict, list),
+                           non_empty=True)
+            contents = [chat_response(record[f], where, f) for f in ("chosen_response", "rejected_response")]
+            if (contents[0] is None) != (contents[1] is None):
+                raise DataError(f"{where}: chosen_response and rejected_response must both be strings or both "
+                                "assistant messages")
+            if contents[0] is not None:  # NeMo-Aligner's chat format: list prompt, message responses
+                if not isinstance(record["prompt"], list):
+                    raise DataError(f"{where}: assistant-message responses need a list of messages as prompt")
+                prompt = render_chat_prompt(record["prompt"], where, chat_tokens, assistant_header=False)
+                chosen, rejected = (chat_response_text(c, chat_tokens) for c in contents)
+            else:
+                prompt = prompt_text(record, where, chat_tokens)
+                chosen, rejected = record["chosen_response"], record["rejected_response"]
             rewards = []
             for field, default in (("chosen_reward", default_chosen_reward), ("rejected_reward", default_rejected_reward)):
                 value = record.get(field, default)
@@ -136,9 +173,9 @@ class DPOPairDataset(torch.utils.data.Dataset):
                 if not math.isfinite(value):
                     raise DataError(f"{where}: field {field!r} must be a finite number, got {value}")
                 rewards.append(float(value))
-            if record["chosen_response"] == record["rejected_response"]:
+            if chosen == rejected:
                 identical.append(where)
-            self.items.append((prompt, record["chosen_response"], record["rejected_response"], rewards, where))
+            self.items.append((prompt, chosen, rejected, rewards, where))
         warn_identical_pairs(identical)
         how = "the prompt is cut from the left, then the response from the right"
         self._warn_truncated = TruncationWarning(self.seq_length, how)
