@@ -14,6 +14,7 @@ the reward source (a reward-model server or a Python function, no critic) and th
 
 from __future__ import annotations
 
+import logging
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -23,6 +24,8 @@ from nemo_aligner.algorithms.ppo import PPOTrainer, Timer
 from nemo_aligner.utils import ppo_utils
 from nemo_aligner.utils.distributed import host_all_reduce
 from nemo_aligner.utils.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, leave_one_out: bool = True,
@@ -53,9 +56,10 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, leave_one_o
     return advantages.masked_fill(all_equal | ~valid, 0.0).to(rewards.dtype)
 
 
-def check_group_sampling(rl_cfg, name: str) -> int:
+def check_group_sampling(rl_cfg, name: str, refuse_greedy: bool = True) -> int:
     """``num_responses_per_prompt`` of a group-baseline method, checked: at least 2, and sampled (greedy
-    or temperature 0 would give identical responses, so every advantage would be 0)."""
+    or temperature 0 would give identical responses, so every advantage would be 0). REINFORCE only
+    warns about greedy sampling: NeMo-Aligner runs it (its CI does) and the KL term still trains."""
     n = int(rl_cfg.get("num_responses_per_prompt", 4))
     if n < 2:  # the baseline is the other responses' (or the group's) mean: with one, every advantage is 0
         raise ConfigError(f"model.{name}.num_responses_per_prompt={n}: the baseline comes from the other responses "
@@ -63,9 +67,12 @@ def check_group_sampling(rl_cfg, name: str) -> int:
     sampling = rl_cfg.get("sampling_params") or {}
     greedy, temperature = bool(sampling.get("use_greedy", False)), sampling.get("temperature", 1.0)
     if greedy or (temperature is not None and float(temperature) <= 0):
-        raise ConfigError(f"model.{name}.sampling_params: use_greedy={greedy}, temperature={temperature} gives {n} "
-                          "identical responses per prompt, so every advantage is 0; sample (use_greedy=False, "
-                          "temperature > 0)")
+        message = (f"model.{name}.sampling_params: use_greedy={greedy}, temperature={temperature} gives {n} "
+                   "identical responses per prompt, so every advantage is 0; sample (use_greedy=False, "
+                   "temperature > 0)")
+        if refuse_greedy:
+            raise ConfigError(message)
+        logger.warning("%s (only the KL penalty trains)", message)
     return n
 
 

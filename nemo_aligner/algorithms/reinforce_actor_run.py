@@ -25,7 +25,7 @@ def build_reward_source(cfg: DictConfig, tokenizer):
 
 def run_reinforce_actor(cfg: DictConfig) -> Dict[str, float]:
     rl = cfg.model.reinforce
-    n = check_group_sampling(rl, "reinforce")
+    n = check_group_sampling(rl, "reinforce", refuse_greedy=False)
     setup = setup_actor(cfg, "reinforce", "megatron_gpt_reinforce_actor", responses_per_prompt=n)
     source = build_reward_source(cfg, setup.model.tokenizer)
     trainer = ReinforceTrainer(cfg.trainer.reinforce, setup.model, setup.optimizer, setup.scheduler, setup.train_dl,

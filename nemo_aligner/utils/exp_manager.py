@@ -84,7 +84,12 @@ def exp_manager(exp_cfg: DictConfig, full_cfg: DictConfig, default_name: str = "
     ``<log_dir>/checkpoints``; with ``resume_ignore_no_checkpoint=False`` a missing
     checkpoint is an error.
     """
-    exp_cfg = exp_cfg or OmegaConf.create({})
+    if exp_cfg is None:
+        # NeMo: `exp_manager=null` turns the experiment manager off (no checkpoints, no loggers; NeMo-Aligner's
+        # CI runs so). The console log and metrics.jsonl still go to NeMo's default directory.
+        logger.info("exp_manager is null: no checkpoints, no .nemo and no tensorboard/wandb loggers")
+        exp_cfg = OmegaConf.create({"create_checkpoint_callback": False, "create_tensorboard_logger": False,
+                                    "create_wandb_logger": False})
     name = str(exp_cfg.get("name") or full_cfg.get("name") or default_name)
     log_dir = _log_dir(exp_cfg, name)
     checkpoint_dir = os.path.join(log_dir, "checkpoints")

@@ -91,7 +91,9 @@ def prepare_config(cfg: DictConfig, config_name: str, args: List[str]) -> DictCo
         cfg = OmegaConf.merge(shipped, cfg)
         OmegaConf.set_struct(cfg, True)
     config_keys.resolve_aliases(cfg)
-    warn = os.environ.get("NEMO_ALIGNER_SPAWNED") != "1" and os.environ.get("RANK", "0") == "0"
+    from nemo_aligner.utils.distributed import read_launch_info
+
+    warn = os.environ.get("NEMO_ALIGNER_SPAWNED") != "1" and read_launch_info().rank == 0
     config_keys.check_keys(cfg, config_name, overrides, warn=warn)
     return cfg
 

@@ -28,6 +28,19 @@ def uses_distributed_optimizer(optim_cfg) -> bool:
     return str(optim_cfg.get("name", "fused_adam")).lower() in _DISTRIBUTED_NAMES
 
 
+def optim_lr(optim_cfg, warn: bool = False) -> float:
+    """``model.optim.lr``; for a bare ``{name: sgd}`` torch's SGD default 1e-3, which NeMo's optimizer gets
+    (NeMo-Aligner's CI runs so)."""
+    lr = optim_cfg.get("lr")
+    if lr is None and str(optim_cfg.get("name", "")).lower() == "sgd":
+        if warn:
+            logger.warning("model.optim.lr is not set: SGD uses torch's default lr=1e-3")
+        return 1e-3
+    if lr is None:
+        raise ConfigError("model.optim.lr is required")
+    return float(lr)
+
+
 def optimizer_config(optim_cfg, dtype: torch.dtype, clip_grad: float):
     """megatron-core ``OptimizerConfig`` from ``model.optim`` (name, lr, weight_decay, betas, eps)."""
     from megatron.core.optimizer import OptimizerConfig
@@ -38,17 +51,16 @@ def optimizer_config(optim_cfg, dtype: torch.dtype, clip_grad: float):
     betas = list(optim_cfg.get("betas", [0.9, 0.98]) or [0.9, 0.98])
     if len(betas) != 2:
         raise ConfigError(f"model.optim.betas must have two values, got {betas}")
-    if optim_cfg.get("lr") is None:
-        raise ConfigError("model.optim.lr is required")
+    lr = optim_lr(optim_cfg, warn=True)
     return OptimizerConfig(
         optimizer="sgd" if name == "sgd" else "adam",
-        lr=float(optim_cfg.lr),
+        lr=float(lr),
         min_lr=float((optim_cfg.get("sched") or {}).get("min_lr", 0.0) or 0.0),
         weight_decay=float(optim_cfg.get("weight_decay", 0.0) or 0.0),
         adam_beta1=float(betas[0]),
         adam_beta2=float(betas[1]),
         adam_eps=float(optim_cfg.get("eps", 1e-8)),
-        sgd_momentum=float(optim_cfg.get("momentum", 0.9)),
+        sgd_momentum=float(optim_cfg.get("momentum", 0.0) or 0.0),  # torch's SGD default, as NeMo's `name: sgd`
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         params_dtype=dtype,
@@ -108,7 +120,7 @@ def build_scheduler(optimizer, optim_cfg, max_steps: int):
     if name not in _DECAY_STYLES:
         raise ConfigError(f"model.optim.sched.name={sched.get('name')!r} is not supported; use CosineAnnealing or Constant")
     style = _DECAY_STYLES[name]
-    lr = float(optim_cfg.lr)
+    lr = optim_lr(optim_cfg)
     min_lr = float(sched.get("min_lr", 0.0) or 0.0) if style != "constant" else lr
     warmup = int(sched.get("warmup_steps", 0) or 0)
     if sched.get("warmup_ratio") and not warmup:
