@@ -234,3 +234,24 @@ def test_per_attribute_validation_mse_is_weighted_by_that_attributes_labels():
     ])
     assert out["mse_helpfulness"] == pytest.approx(0.1) and out["labels_helpfulness"] == 10.0
     assert out["mse"] == pytest.approx(0.05) and out["labels"] == 20.0
+
+
+def test_load_rm_head_weights(reward_model, mcore_single):
+    """NeMo-Aligner's model.regression.load_rm_head_weights: False (default) gives a new head over the
+    checkpoint's body; True loads the checkpoint's head too."""
+    from nemo_aligner.models.nlp.gpt.loading import load_model
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import MegatronGPTRewardModel
+
+    nemo = reward_model[0]
+    cfg = OmegaConf.create({"micro_batch_size": 2})
+    loaded = load_model(MegatronGPTRewardModel, cfg, "32", nemo, allow_missing=("rm_head",))
+    torch.manual_seed(0)
+    fresh = load_model(MegatronGPTRewardModel, cfg, "32", nemo, allow_missing=("rm_head",), keep_new=("rm_head",))
+    a, b = dict(loaded.module.named_parameters()), dict(fresh.module.named_parameters())
+    heads = [name for name in a if "rm_head" in name]
+    assert heads
+    for name in a:
+        if "rm_head" not in name:
+            assert torch.equal(a[name], b[name]), name  # the body comes from the checkpoint either way
+        elif name.endswith("weight"):
+            assert not torch.equal(a[name], b[name]), name  # the trained head only with True

@@ -72,6 +72,14 @@ def test_checkpoint_name_like_lightning():
     name = format_checkpoint_name("megatron_gpt_sft--{validation_loss:.3f}-{step}-{consumed_samples}-{epoch}",
                                   {"val_loss": 1.23456, "step": 10, "consumed_samples": 320, "epoch": 0})
     assert name == "megatron_gpt_sft--validation_loss=1.235-step=10-consumed_samples=320-epoch=0"
+    # NeMo-Aligner's PPO/REINFORCE names for the validation reward and the optimizer step
+    name = format_checkpoint_name("megatron_gpt-{step}-{reinforce_optimization_step}-{val_rewards:.3f}",
+                                  {"val_global_rewards": 0.5, "step": 4, "ppo_optimization_step": 8})
+    assert name == "megatron_gpt-step=4-reinforce_optimization_step=8-val_rewards=0.500"
+    from nemo_aligner.utils.checkpoint_callback import CheckpointCallback
+
+    callback = CheckpointCallback("/tmp", "x", monitor="val_rewards", mode="max")
+    assert callback.monitor_value({"val_global_rewards": 0.25}) == 0.25
 
 
 def test_cosine_schedule_matches_nemo_shape():

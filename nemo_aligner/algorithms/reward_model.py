@@ -61,8 +61,11 @@ def run_reward_model(cfg: DictConfig) -> Dict[str, float]:
     info = init_run(cfg, restore, "pretrained_checkpoint.restore_from_path")
     exp = exp_manager(cfg.get("exp_manager"), cfg, default_name=str(cfg.get("name", "megatron_gpt")))
     # A new head is expected when starting from an SFT (or base) model.
+    # NeMo-Aligner's model.regression.load_rm_head_weights (default False): a new head unless True
+    load_head = bool((cfg.model.get("regression") or {}).get("load_rm_head_weights", False))
     model = load_model(MegatronGPTRewardModel, cfg.model, cfg.trainer.precision, restore,
-                       key="pretrained_checkpoint.restore_from_path", allow_missing=("rm_head",))
+                       key="pretrained_checkpoint.restore_from_path", allow_missing=("rm_head",),
+                       keep_new=() if load_head else ("rm_head",))
     data_cfg = cfg.model.data
     train_ds = build_reward_dataset(model, data_cfg, "train")
     if train_ds is None:

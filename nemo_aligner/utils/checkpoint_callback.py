@@ -18,7 +18,10 @@ from nemo_aligner.utils.train_checkpoint import read_trainer_state, save_train_c
 logger = logging.getLogger(__name__)
 
 _FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
-_MONITOR_ALIASES = {"val_loss": "validation_loss", "validation_loss": "val_loss"}
+# Metric names NeMo-Aligner's configs use for the same values (monitor, checkpoint file names).
+_MONITOR_ALIASES = {"val_loss": "validation_loss", "validation_loss": "val_loss",
+                    "val_rewards": "val_global_rewards", "val_global_rewards": "val_rewards",
+                    "reinforce_optimization_step": "ppo_optimization_step"}
 
 
 

@@ -58,8 +58,6 @@ UNREAD: Dict[str, str] = {
     "kto.log_prob_forward_micro_batch_size": "the KL and reference log-probs use model.micro_batch_size",
     "kto.sft_average_log_probs": "KTO has no SFT term (nor has NeMo-Aligner's)",
     "model.forward_micro_batch_size": "the reward model's training never runs a separate inference batch",
-    "regression.load_rm_head_weights": "a checkpoint's rm_head is loaded whenever it has one (NeMo-Aligner's "
-                                       "load_rm_head_weights=True); a new head needs a checkpoint without one",
     "mcore_gpt": "every model is a megatron-core GPTModel",
     "megatron_amp_O2": "precision follows trainer.precision (bf16/16: fp32 master weights in the optimizer)",
     "dist_ckpt_load_strictness": "checkpoints load strictly: a missing or unexpected tensor is an error naming it",

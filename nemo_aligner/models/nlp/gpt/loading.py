@@ -67,8 +67,10 @@ class CheckpointWeights:
 
 
 def load_model(model_cls: Type, cfg: DictConfig, precision, restore_path: Optional[str] = None,
-               key: str = "model.restore_from_path", allow_missing=(), **kwargs):
+               key: str = "model.restore_from_path", allow_missing=(), keep_new=(), **kwargs):
     """``model_cls(cfg, tokenizer, precision, **kwargs)``, with weights from ``restore_path`` if set.
+    Parameters whose names contain a tag of ``keep_new`` keep their fresh initialisation even when the
+    checkpoint has them (NeMo-Aligner's ``load_rm_head_weights=False``).
 
     Without ``restore_path`` the model is randomly initialised from ``cfg`` and uses
     the tokenizer in ``cfg.tokenizer`` (the built-in byte tokenizer by default).
@@ -92,6 +94,16 @@ def load_model(model_cls: Type, cfg: DictConfig, precision, restore_path: Option
         with open_dict(merged):
             merged.tokenizer = tokenizer_cfg
         model = model_cls(merged, tokenizer, precision, **kwargs)
-        weights.load_into(model, allow_missing)
+        fresh = {name: p.detach().clone() for name, p in model.module.named_parameters()
+                 if any(tag in name for tag in keep_new)}
+        weights.load_into(model, tuple(allow_missing) + tuple(keep_new))
+        if fresh:
+            import torch
+
+            with torch.no_grad():
+                for name, p in model.module.named_parameters():
+                    if name in fresh:
+                        p.copy_(fresh[name])
+            logger.info("kept new %s (not loaded from the checkpoint)", ", ".join(sorted(keep_new)))
     logger.info("restored weights from %s", restore_path)
     return model
