@@ -71,6 +71,22 @@ def test_pair_dataset_masks_responses_only():
                                                  "__file__": "f.jsonl"}])
 
 
+def test_append_eod_false_scores_responses_without_eos():
+    tok = ByteTokenizer()
+    records = [{"prompt": "reverse ab = ", "chosen_response": "ba", "rejected_response": "abc", "__line__": 1}]
+    ds = DPOPairDataset(None, tok, 32, records=records, add_eos=False)
+    batch = collate_dpo([ds[0]], tok.eos_id, 32)
+    assert batch["chosen"][0][1:][batch["chosen_mask"][0].bool()].tolist() == tok.text_to_ids("ba")
+    from nemo_aligner.data.nlp.kto_dataset import KTODataset, collate_kto
+
+    kto = KTODataset(None, tok, 32, records=[{"prompt": "p ", "response": "ok", "preference": "chosen", "__line__": 1},
+                                             {"prompt": "q ", "response": "no", "preference": "rejected",
+                                              "__line__": 2}], add_eos=False)
+    batch = collate_kto([kto[0], kto[1]], tok, 32)
+    assert batch["tokens"][0][1:][batch["mask"][0].bool()].tolist() == tok.text_to_ids("ok")
+    assert batch["kl_tokens"][0][1:][batch["kl_mask"][0].bool()].tolist() == tok.text_to_ids("no")
+
+
 def test_aligner_chat_format_pairs():
     """NeMo-Aligner's chat DPO records: a list prompt and assistant-message responses. As its
     DPOModelDataset renders them, the prompt ends after the last user turn and each scored response is

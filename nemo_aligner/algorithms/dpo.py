@@ -20,7 +20,8 @@ def run_dpo(cfg: DictConfig, callbacks=None) -> Dict[str, float]:
     def make_dataset(paths, model, seq, key):
         return DPOPairDataset(paths, model.tokenizer, seq, key=key,
                               default_chosen_reward=float(data_cfg.get("default_chosen_reward", 1.0)),
-                              default_rejected_reward=float(data_cfg.get("default_rejected_reward", 0.0)))
+                              default_rejected_reward=float(data_cfg.get("default_rejected_reward", 0.0)),
+                              add_eos=bool(data_cfg.get("append_eod", True)))
 
     def make_collate(model, seq):
         return partial(collate_dpo, pad_id=model.tokenizer.eos_id, seq_length=seq,

@@ -4,7 +4,7 @@ The prompt may be a string or a list of chat messages (``{"role"|"from", "conten
 rendered with the SFT chat template; the responses strings, or (NeMo-Aligner's chat format) assistant
 messages ``{"role": "assistant", "content": ...}`` rendered with their turn header and the next turn's
 start; ``chosen_reward``/``rejected_reward`` are optional (RPO).
-Each response gets EOS; the loss mask covers the response tokens only.
+Each response gets EOS (``model.data.append_eod``, True here); the loss mask covers the response tokens only.
 """
 
 from __future__ import annotations
@@ -82,16 +82,16 @@ def prompt_text(record: dict, where: str, chat_tokens: Optional[dict] = None) ->
     return render_chat_prompt(prompt, where, chat_tokens) if isinstance(prompt, list) else prompt
 
 
-def encode_prompt_response(tokenizer, prompt_ids: List[int], response: str, seq_length: int):
-    """``(prompt + response + EOS ids, prompt length)`` within ``seq_length + 1`` tokens: the response
+def encode_prompt_response(tokenizer, prompt_ids: List[int], response: str, seq_length: int, add_eos: bool = True):
+    """``(prompt + response [+ EOS] ids, prompt length)`` within ``seq_length + 1`` tokens: the response
     keeps its start, the prompt is cut from the left."""
-    ids, prompt_length, _ = encode_and_count_cut(tokenizer, prompt_ids, response, seq_length)
+    ids, prompt_length, _ = encode_and_count_cut(tokenizer, prompt_ids, response, seq_length, add_eos)
     return ids, prompt_length
 
 
-def encode_and_count_cut(tokenizer, prompt_ids: List[int], response: str, seq_length: int):
+def encode_and_count_cut(tokenizer, prompt_ids: List[int], response: str, seq_length: int, add_eos: bool = True):
     """:func:`encode_prompt_response` and the number of tokens cut to fit."""
-    response_ids = tokenizer.text_to_ids(response) + [tokenizer.eos_id]
+    response_ids = tokenizer.text_to_ids(response) + ([tokenizer.eos_id] if add_eos else [])
     budget = seq_length + 1
     full = len(prompt_ids) + len(response_ids)
     response_ids = response_ids[:budget - 1] if len(response_ids) >= budget else response_ids
@@ -141,8 +141,10 @@ class DPOPairDataset(torch.utils.data.Dataset):
     """Tokenized (prompt, chosen, rejected) triples; prompts are truncated from the left to fit."""
 
     def __init__(self, paths, tokenizer, seq_length: int, key: str = "model.data.data_prefix.train", records=None,
-                 default_chosen_reward: float = 1.0, default_rejected_reward: float = 0.0, chat_tokens=None):
+                 default_chosen_reward: float = 1.0, default_rejected_reward: float = 0.0, chat_tokens=None,
+                 add_eos: bool = True):
         self.tokenizer = tokenizer
+        self.add_eos = add_eos  # model.data.append_eod
         self.seq_length = int(seq_length)
         records = records if records is not None else read_files(paths, key)
         self.items = []
@@ -185,8 +187,8 @@ class DPOPairDataset(torch.utils.data.Dataset):
 
     def _cut(self, prompt: str, chosen: str, rejected: str) -> int:
         prompt_ids = self.tokenizer.text_to_ids(prompt)
-        return max(encode_and_count_cut(self.tokenizer, prompt_ids, chosen, self.seq_length)[2],
-                   encode_and_count_cut(self.tokenizer, prompt_ids, rejected, self.seq_length)[2])
+        return max(encode_and_count_cut(self.tokenizer, prompt_ids, chosen, self.seq_length, self.add_eos)[2],
+                   encode_and_count_cut(self.tokenizer, prompt_ids, rejected, self.seq_length, self.add_eos)[2])
 
     def __len__(self) -> int:
         return len(self.items)
@@ -198,9 +200,10 @@ class DPOPairDataset(torch.utils.data.Dataset):
                     "rewards": [0.0, 0.0], "padding": True}
         prompt, chosen, rejected, rewards, where = self.items[idx]
         prompt_ids = self.tokenizer.text_to_ids(prompt)
-        chosen_ids, chosen_prompt, chosen_cut = encode_and_count_cut(self.tokenizer, prompt_ids, chosen, self.seq_length)
+        chosen_ids, chosen_prompt, chosen_cut = encode_and_count_cut(self.tokenizer, prompt_ids, chosen,
+                                                                     self.seq_length, self.add_eos)
         rejected_ids, rejected_prompt, rejected_cut = encode_and_count_cut(self.tokenizer, prompt_ids, rejected,
-                                                                           self.seq_length)
+                                                                           self.seq_length, self.add_eos)
         self._warn_truncated(where, max(chosen_cut, rejected_cut))
         return {"chosen": chosen_ids, "rejected": rejected_ids, "chosen_prompt": chosen_prompt,
                 "rejected_prompt": rejected_prompt, "rewards": rewards}
