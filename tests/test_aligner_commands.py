@@ -97,6 +97,25 @@ def test_dpo_sh(tmp_path, task_data, sft_nemo):
     assert "model.dpo.average_log_probs is not read by nemo-aligner" in proc.stdout + proc.stderr
 
 
+def test_kto_in_dpo_sh_form(tmp_path, task_data, sft_nemo):
+    """NeMo-Aligner ships no kto.sh: its KTO docs' command in dpo.sh's form, with gpt_kto's keys."""
+    log_dir = tmp_path / "kto"
+    data = task_data["kto_train"], task_data["kto_val"]
+    proc = _run("train_gpt_kto.py", [
+        f"--config-path={CONF}", "--config-name=gpt_kto", "trainer.num_nodes=1", "trainer.devices=2",
+        "++model.data.seq_length=64", "++model.global_batch_size=4", "++model.micro_batch_size=1",
+        "++model.mcore_gpt=true", "++model.megatron_amp_O2=true", "++model.kto.ref_policy_kl_penalty=0.1",
+        "++model.kto.preference_average_log_probs=false", "model.kto.sft_loss_weight=0",
+        "model.kto.preference_loss_weight=1", f"pretrained_checkpoint.restore_from_path={sft_nemo}",
+        f"model.data.data_prefix={{train: [{data[0]}], validation: [{data[1]}], test: [{data[1]}]}}",
+        "exp_manager.create_checkpoint_callback=False", "model.data.num_workers=2",
+        "++model.tensor_model_parallel_size=1", "++model.pipeline_model_parallel_size=1", "trainer.kto.max_steps=3",
+        "trainer.kto.val_check_interval=3", "trainer.kto.limit_val_batches=8", "trainer.kto.save_interval=0",
+        f"exp_manager.explicit_log_dir={log_dir}", "++model.dist_ckpt_load_strictness=log_all"])
+    assert sorted(train_losses(str(log_dir))) == [1, 2, 3]
+    assert "Traceback" not in proc.stderr
+
+
 def _actor(script, args, tmp_path):
     """The actor as NeMo-Aligner starts it: ``mpirun -np 2 python -u ...`` (torchrun without Open MPI)."""
     path = os.path.join(SCRIPTS, script)
