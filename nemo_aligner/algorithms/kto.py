@@ -18,7 +18,7 @@ def run_kto(cfg: DictConfig) -> Dict[str, float]:
     data_cfg = cfg.model.data
 
     def make_dataset(paths, model, seq, key):
-        return KTODataset(paths, model.tokenizer, seq, key=key, add_eos=bool(cfg.model.data.get("append_eod", True)))
+        return KTODataset(paths, model.tokenizer, seq, key=key, add_eos=bool(data_cfg.get("append_eod", True)))
 
     def make_collate(model, seq):
         return partial(collate_kto, tokenizer=model.tokenizer, seq_length=seq,

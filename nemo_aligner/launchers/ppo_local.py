@@ -26,6 +26,7 @@ from typing import List, Optional
 
 from nemo_aligner.utils.examples_path import examples_dir
 from nemo_aligner.utils.ports import free_port
+from nemo_aligner.utils.self_launch import set_threads_per_process
 
 SCRIPTS = examples_dir("nlp", "gpt")
 READY = "critic server ready"
@@ -45,9 +46,7 @@ def job_env(processes: int, environ=None) -> dict:
     than they overlap: a tiny-model PPO step on 2 cores took 4.4 s with 2 threads per job, 3.5 s
     with 1 (``benchmarks/bench_ppo.py``)."""
     env = dict(os.environ if environ is None else environ)
-    if not env.get("OMP_NUM_THREADS"):
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        env["OMP_NUM_THREADS"] = str(max(1, cores // max(1, processes)))
+    set_threads_per_process(processes, env)
     return env
 
 

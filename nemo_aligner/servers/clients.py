@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import socket
 import warnings
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -185,16 +185,12 @@ class RemoteGPTRMClient(TritonModelClient):
     def infer_texts(self, texts: Sequence[str], max_length: Optional[int] = None) -> "RewardFuture":
         """Score texts, tokenized as reward-model training does (EOS appended; with ``max_length``,
         only the last ``max_length`` tokens kept)."""
-        from nemo_aligner.data.nlp.reward_datasets import tokenize_text
+        from nemo_aligner.data.nlp.reward_datasets import texts_to_tokens
 
         if self.tokenizer is None:
             raise ValueError("RemoteGPTRMClient.infer_texts needs a tokenizer")
-        ids: List[List[int]] = [tokenize_text(self.tokenizer, t, max_length) for t in texts]
-        width = max(len(i) for i in ids)
-        tokens = np.full((len(ids), width), self.tokenizer.eos_id, dtype=np.int64)
-        for row, seq in enumerate(ids):
-            tokens[row, : len(seq)] = seq
-        return self.infer_tokens(tokens, [len(i) for i in ids])
+        tokens, lengths = texts_to_tokens(self.tokenizer, texts, max_length)
+        return self.infer_tokens(tokens, lengths.tolist())
 
 
 class RewardFuture:

@@ -64,24 +64,20 @@ class RewardModelServer:
     def tokenize_sentences(self, sentences: np.ndarray):
         """``tokens``/``sequence_lengths`` of text requests (NeMo-Aligner's ``sentences`` input), with the
         EOS the model was trained with (``model.data.append_eod``, True unless its config says False)."""
+        from nemo_aligner.data.nlp.reward_datasets import texts_to_tokens
         from nemo_aligner.servers.batching import BadRequest
 
         append_eod = bool((self.model.cfg.get("data") or {}).get("append_eod", True))
-        rows = []
+        texts = []
         for i, raw in enumerate(np.asarray(sentences).reshape(-1)):
             try:
-                text = raw.decode("utf-8") if isinstance(raw, (bytes, np.bytes_)) else str(raw)
+                texts.append(raw.decode("utf-8") if isinstance(raw, (bytes, np.bytes_)) else str(raw))
             except UnicodeDecodeError:
                 raise BadRequest(f"sentences[{i}] is not UTF-8 text") from None
-            ids = self.model.tokenizer.text_to_ids(text) + ([self.model.tokenizer.eos_id] if append_eod else [])
-            if not ids:
-                raise BadRequest(f"sentences[{i}] is empty")
-            rows.append(ids)
-        width = max(len(r) for r in rows)
-        tokens = np.full((len(rows), width), self.pad_id, dtype=np.int64)
-        for i, ids in enumerate(rows):
-            tokens[i, :len(ids)] = ids
-        return tokens, np.array([len(r) for r in rows], dtype=np.int64)
+        tokens, lengths = texts_to_tokens(self.model.tokenizer, texts, add_eos=append_eod)
+        if (lengths == 0).any():
+            raise BadRequest(f"sentences[{int(np.argmin(lengths))}] is empty")
+        return tokens, lengths
 
     def infer(self, **inputs):
         """PyTriton entry point (batched by ``@batch``): ``tokens`` + ``sequence_lengths``, or ``sentences``."""

@@ -135,8 +135,7 @@ def known_paths(shipped: DictConfig) -> Set[str]:
 
 def _suffix_match(path: str, suffixes: Iterable[str]) -> Optional[str]:
     for suffix in suffixes:
-        if path == suffix or path.endswith("." + suffix) or path.startswith(suffix + ".") or \
-                f".{suffix}." in f".{path}.":
+        if f".{suffix}." in f".{path}.":  # the whole path, its end, its start or a run of its parts
             return suffix
     return None
 
@@ -154,7 +153,7 @@ def unknown_keys(cfg: DictConfig, known: Set[str]) -> List[str]:
         if _suffix_match(path, UNREAD) or _suffix_match(path, REFUSED_UNLESS):
             continue  # accepted (refused unless off: config_checks)
         parent = path.rsplit(".", 1)[0] if "." in path else ""
-        if parent and parent not in known and not any(p == parent for p in OPEN_SUBTREES):
+        if parent and parent not in known:
             # inside an unknown subtree: its root is reported instead
             root = parent
             while "." in root and root.rsplit(".", 1)[0] not in known:
@@ -204,10 +203,9 @@ def override_keys(overrides: Iterable[str]) -> List[str]:
 def resolve_aliases(cfg: DictConfig) -> None:
     """Make each alias pair hold one value: the one the user set (ours default to null)."""
     for aligner_key, our_key in ALIASES:
-        if OmegaConf.select(cfg, aligner_key) is None and OmegaConf.select(cfg, our_key) is None:
+        ours, theirs = OmegaConf.select(cfg, our_key), OmegaConf.select(cfg, aligner_key)
+        if ours is None and theirs is None:
             continue
-        ours = OmegaConf.select(cfg, our_key)
-        theirs = OmegaConf.select(cfg, aligner_key)
         if isinstance(theirs, (list, ListConfig)) or isinstance(ours, (list, ListConfig)):
             raise ConfigError(f"{aligner_key}: a list of batch sizes is not supported; give one integer")
         if ours is not None and theirs is not None and ours != theirs:
@@ -224,13 +222,16 @@ def resolve_aliases(cfg: DictConfig) -> None:
                               f"of it); set {other} instead")
 
 
-def check_keys(cfg: DictConfig, config_name: str, overrides: Iterable[str] = (), warn: bool = True) -> None:
-    """Refuse near misses of real keys; warn about keys nothing reads. ``cfg`` is the composed run config."""
+def check_keys(cfg: DictConfig, config_name: str, overrides: Iterable[str] = (), warn: bool = True,
+               shipped: Optional[DictConfig] = None) -> None:
+    """Refuse near misses of real keys; warn about keys nothing reads. ``cfg`` is the composed run config;
+    ``shipped`` this project's config of the script (loaded here when not given)."""
     check_config_values(cfg)  # refused features and bad values first: they name the key to change
-    try:
-        shipped = load_shipped(config_name)
-    except (OSError, ValueError):  # no shipped config of that name (an installed copy without examples)
-        return
+    if shipped is None:
+        try:
+            shipped = load_shipped(config_name)
+        except (OSError, ValueError):  # no shipped config of that name (an installed copy without examples)
+            return
     known = known_paths(shipped)
     unknown = unknown_keys(cfg, known)
     for path in unknown:

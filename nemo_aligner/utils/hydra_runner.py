@@ -84,6 +84,7 @@ def prepare_config(cfg: DictConfig, config_name: str, args: List[str]) -> DictCo
 
     setup_console_logging()
     flags, overrides = split_hydra_flags(args)
+    shipped = None
     if any(f.split("=")[0] in ("--config-path", "-cp", "--config-dir", "-cd", "--config-name", "-cn") for f in flags):
         shipped = config_keys.load_shipped(config_name)
         OmegaConf.set_struct(shipped, False)
@@ -94,7 +95,7 @@ def prepare_config(cfg: DictConfig, config_name: str, args: List[str]) -> DictCo
     from nemo_aligner.utils.distributed import read_launch_info
 
     warn = os.environ.get("NEMO_ALIGNER_SPAWNED") != "1" and read_launch_info().rank == 0
-    config_keys.check_keys(cfg, config_name, overrides, warn=warn)
+    config_keys.check_keys(cfg, config_name, overrides, warn=warn, shipped=shipped)
     return cfg
 
 

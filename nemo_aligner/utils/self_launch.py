@@ -42,6 +42,15 @@ def ranks_to_start(devices, num_nodes, gpus: Optional[int] = None) -> int:
     return count
 
 
+def set_threads_per_process(processes: int, environ=None) -> None:
+    """``OMP_NUM_THREADS`` (torch's intra-op threads) to the available cores over ``processes`` when it
+    is not set already, as torchrun does: oversubscribed cores cost more than they overlap."""
+    env = os.environ if environ is None else environ
+    if not env.get("OMP_NUM_THREADS"):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        env["OMP_NUM_THREADS"] = str(max(1, cores // max(1, processes)))
+
+
 def launched_by_a_launcher(environ=None) -> bool:
     """Whether torchrun, srun (more than one task) or mpirun started this process."""
     return read_launch_info(environ).launcher != "single"
@@ -64,11 +73,7 @@ def spawn_ranks(nproc: int, argv: Optional[List[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # As torchrun does for several workers: one intra-op thread each unless the user chose.
-    env_threads = os.environ.get("OMP_NUM_THREADS")
-    if not env_threads:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
+    set_threads_per_process(nproc)
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         # The agent's own start-up chatter and, on a failure, its traceback-style summary: a worker
         # that fails has already printed its one-line error.
@@ -103,7 +108,7 @@ def maybe_spawn(trainer_cfg, argv: Optional[List[str]] = None) -> Optional[int]:
 
     Returns the exit status to leave with when it did (this process only supervised), or None to run
     the job in this process (one rank, or a launcher already started the ranks)."""
-    if os.environ.get("NEMO_ALIGNER_NO_SPAWN") == "1" or launched_by_a_launcher():
+    if launched_by_a_launcher():
         return None
     devices = trainer_cfg.get("devices", 1) if trainer_cfg is not None else 1
     num_nodes = trainer_cfg.get("num_nodes", 1) if trainer_cfg is not None else 1

@@ -18,7 +18,8 @@ import torch
 from nemo_aligner.data.nlp.jsonl import require_fields
 from nemo_aligner.data.nlp.length_report import report_truncated
 from nemo_aligner.data.nlp.reward_datasets import read_files, warn_identical_pairs
-from nemo_aligner.data.nlp.chat_template import DEFAULT_CHAT_TOKENS
+from nemo_aligner.data.nlp.chat_template import DEFAULT_CHAT_TOKENS, render_turn
+from nemo_aligner.data.nlp.chat_template import chat_tokens as resolve_chat_tokens
 from nemo_aligner.utils.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -72,8 +73,8 @@ def chat_response(value, where: str, field: str) -> Optional[str]:
 def chat_response_text(content: str, chat_tokens: Optional[dict] = None) -> str:
     """A response turn as NeMo-Aligner's chat DPO renders it: the Assistant header, the content, the end
     of turn and the next turn's start (``\x11Assistant\n{content}\n\x11``), all scored."""
-    t = dict(DEFAULT_CHAT_TOKENS, **(chat_tokens or {}))
-    return f"{t['turn_start']}Assistant{t['end_of_name']}{content}{t['end_of_turn']}{t['turn_start']}"
+    t = resolve_chat_tokens(chat_tokens)
+    return render_turn({"from": "Assistant", "value": content}, "VALUE_TO_TEXT", t) + t["turn_start"]
 
 
 def prompt_text(record: dict, where: str, chat_tokens: Optional[dict] = None) -> str:

@@ -237,6 +237,15 @@ def split_file(directory: str, name: str) -> str:
                     "downloaded: save the published file there first)")
 
 
+def hh_splits(input_dir: str):
+    """``(split, its file, hh_to_rlhf's output)`` for Anthropic HH's train and test files in ``input_dir``."""
+    from nemo_aligner.data.nlp.jsonl import read_jsonl
+
+    for split in ("train", "test"):
+        path = split_file(input_dir, split)
+        yield split, path, hh_to_rlhf(read_jsonl(path), path)
+
+
 def write(path: str, records: Iterable[Dict]) -> int:
     """Write ``records`` (atomically) and print where; returns their count."""
     from nemo_aligner.data.nlp.jsonl import write_jsonl

@@ -64,6 +64,18 @@ def tokenize_text(tokenizer, text: str, seq_length: Optional[int], add_eos: bool
     return ids[-seq_length:] if seq_length else ids
 
 
+def texts_to_tokens(tokenizer, texts: Sequence[str], seq_length: Optional[int] = None, add_eos: bool = True):
+    """``(tokens int64 [B, longest], lengths int64 [B])`` of ``texts`` tokenized by :func:`tokenize_text`,
+    right-padded with EOS: a reward-model request's inputs."""
+    import numpy as np
+
+    rows = [tokenize_text(tokenizer, text, seq_length, add_eos) for text in texts]
+    tokens = np.full((len(rows), max((len(r) for r in rows), default=0)), tokenizer.eos_id, dtype=np.int64)
+    for i, ids in enumerate(rows):
+        tokens[i, :len(ids)] = ids
+    return tokens, np.array([len(r) for r in rows], dtype=np.int64)
+
+
 class RewardComparisonDataset(torch.utils.data.Dataset):
     """Pairs of consecutive lines (chosen, rejected) for the pairwise (Bradley-Terry) loss. ``add_eos``:
     ``model.data.append_eod``. Pairs longer than ``seq_length`` are skipped."""
@@ -105,20 +117,21 @@ class RewardComparisonDataset(torch.utils.data.Dataset):
     def _skip_over_long(self, name: str) -> None:
         """Drop the pairs in which either text is longer than the sequence length, as NeMo-Aligner
         does (a cut text would be judged without its end); log their count and the first file:line."""
-        keep = [i for i, (c, r) in enumerate(self.pairs) if not self._cut(c) and not self._cut(r)]
-        dropped = [i for i in range(len(self.pairs)) if i not in set(keep)]
+        over_by = [max(self._cut(c), self._cut(r)) for c, r in self.pairs]  # each text tokenized once
+        keep = [i for i, over in enumerate(over_by) if not over]
+        dropped = len(self.pairs) - len(keep)
         if not dropped:
             return
-        first = dropped[0]
+        first = next(i for i, over in enumerate(over_by) if over)
         if not name or name == "None":  # records handed over in memory: name their file
             name = self.places[first].rsplit(":", 1)[0]
-        over = max(self._cut(self.pairs[first][0]), self._cut(self.pairs[first][1]))
+        over = over_by[first]
         if not keep:
             raise DataError(f"{name}: every one of the {len(self.pairs)} comparison pairs is longer than the "
                             f"sequence length {self.seq_length} (first: {self.places[first]}, {over} tokens over): "
                             "raise model.encoder_seq_length (or model.data.seq_length)")
         logger.warning("%s: %d of %d comparison pairs are longer than the sequence length %d and are skipped "
-                       "(first: %s, %d tokens over)", name, len(dropped), len(self.pairs), self.seq_length,
+                       "(first: %s, %d tokens over)", name, dropped, len(self.pairs), self.seq_length,
                        self.places[first], over)
         self.pairs = [self.pairs[i] for i in keep]
         self.places = [self.places[i] for i in keep]

@@ -12,8 +12,7 @@ history kept. Pairs whose transcripts differ before the last answer are skipped 
 import argparse
 import os
 
-from nemo_aligner.data.nlp.jsonl import read_jsonl
-from nemo_aligner.data.nlp.public_datasets import hh_to_rlhf, split_file, write
+from nemo_aligner.data.nlp.public_datasets import hh_splits, write
 from nemo_aligner.utils.hydra_runner import run_cli
 
 
@@ -22,9 +21,7 @@ def main(argv=None):
     parser.add_argument("--input-dir", required=True, help="holds train.jsonl(.gz) and test.jsonl(.gz)")
     parser.add_argument("--output-dir", default="./")
     args = parser.parse_args(argv)
-    for split in ("train", "test"):
-        path = split_file(args.input_dir, split)
-        out = hh_to_rlhf(read_jsonl(path), path)
+    for split, path, out in hh_splits(args.input_dir):
         for kind in ("comparisons", "prompts", "dpo"):
             write(os.path.join(args.output_dir, f"{split}_{kind}.jsonl"), out[kind])
         if out["skipped"]:

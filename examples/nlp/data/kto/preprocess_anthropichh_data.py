@@ -10,8 +10,7 @@ conversation; this one reads the local files and keeps the whole history (NeMo's
 import argparse
 import os
 
-from nemo_aligner.data.nlp.jsonl import read_jsonl
-from nemo_aligner.data.nlp.public_datasets import hh_to_rlhf, split_file, write
+from nemo_aligner.data.nlp.public_datasets import hh_splits, write
 from nemo_aligner.utils.hydra_runner import run_cli
 
 
@@ -20,9 +19,8 @@ def main(argv=None):
     parser.add_argument("--input-dir", required=True, help="holds train.jsonl(.gz) and test.jsonl(.gz)")
     parser.add_argument("--output-dir", default="./")
     args = parser.parse_args(argv)
-    for split in ("train", "test"):
-        path = split_file(args.input_dir, split)
-        write(os.path.join(args.output_dir, f"{split}.jsonl"), hh_to_rlhf(read_jsonl(path), path)["kto"])
+    for split, _, out in hh_splits(args.input_dir):
+        write(os.path.join(args.output_dir, f"{split}.jsonl"), out["kto"])
 
 
 if __name__ == "__main__":
