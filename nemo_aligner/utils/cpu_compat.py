@@ -318,6 +318,19 @@ def _patch_wgrad_accumulation():
         layers._grad_accum_fusion_available = True
 
 
+def _patch_grad_scaler_reload():
+    """fp16 resume: ``DynamicGradScaler.load_state_dict`` moves the saved loss scale with ``.cuda()``
+    (a tensor method the module redirection cannot reach); keep it on the CPU."""
+    from megatron.core.optimizer import grad_scaler
+
+    def load_state_dict(self, state_dict):
+        self._scale = state_dict["scale"].to("cpu", torch.float)
+        self._growth_tracker = state_dict["growth_tracker"]
+        self._hysteresis_tracker = state_dict["hysteresis_tracker"]
+
+    grad_scaler.DynamicGradScaler.load_state_dict = load_state_dict
+
+
 def apply_cpu_patches() -> bool:
     """Apply every patch once when CUDA is absent. Returns True if patches are active."""
     global _APPLIED
@@ -343,5 +356,6 @@ def apply_cpu_patches() -> bool:
     _patch_tensor_checks()
     _patch_multi_tensor_ops()
     _patch_wgrad_accumulation()
+    _patch_grad_scaler_reload()
     _APPLIED = True
     return True

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import random
+from contextlib import contextmanager
 from typing import Optional
 
 import numpy as np
@@ -70,16 +71,45 @@ def set_rng_state(state: dict) -> None:
                        written_on, _tracker_device())
 
 
+@contextmanager
+def _float32_params_listed(optimizer):
+    """Let megatron-core's mixed-precision optimizer save and load float32 parameters kept in a
+    bf16/fp16 model (the reward and value heads).
+
+    Its ``sharded_state_dict`` maps optimizer slots to model tensors through ``float16_groups``
+    alone, so a float32 parameter in a param group has no entry (``KeyError``). For the duration,
+    each group's lists name every slot in the optimizer's order: the bf16 model parameter and its
+    float32 master, or the float32 parameter twice. ``load_state_dict`` then copies the saved values
+    into the same tensors."""
+    inners = [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
+              if any(getattr(o, "fp32_from_fp32_groups", None) or [])]
+    saved = [(o, o.float16_groups, o.fp32_from_float16_groups) for o in inners]
+    try:
+        for inner in inners:
+            model_groups, main_groups = [], []
+            for group, halves, masters in zip(inner.optimizer.param_groups, inner.float16_groups,
+                                              inner.fp32_from_float16_groups):
+                half_of = {id(main): half for half, main in zip(halves, masters)}
+                model_groups.append([half_of.get(id(p), p) for p in group["params"]])
+                main_groups.append(list(group["params"]))
+            inner.float16_groups, inner.fp32_from_float16_groups = model_groups, main_groups
+        yield
+    finally:
+        for inner, halves, masters in saved:
+            inner.float16_groups, inner.fp32_from_float16_groups = halves, masters
+
+
 def _optimizer_sharded(model, optimizer, model_sd: dict, is_loading: bool):
     if optimizer is None:
         return None
-    if uses_distributed_optimizer(model.cfg.get("optim") or {}):
-        if is_loading:
-            # The DistributedOptimizer needs allocated states to map checkpoint shards onto.
-            for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-                inner._init_optimizer_states_with_dummy_values()
-        return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_DIST_OPT_METADATA)
-    return optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    if not uses_distributed_optimizer(model.cfg.get("optim") or {}):
+        with _float32_params_listed(optimizer):
+            return optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    if is_loading:
+        # The DistributedOptimizer needs allocated states to map checkpoint shards onto.
+        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+            inner._init_optimizer_states_with_dummy_values()
+    return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_DIST_OPT_METADATA)
 
 
 def _saved_step(opt_state) -> Optional[float]:
@@ -220,7 +250,8 @@ def load_train_checkpoint(directory: str, model, optimizer, scheduler, load_rng:
         if optimizer is not None:
             if "optimizer_states" not in loaded:
                 raise CheckpointError(f"checkpoint {directory}: has no optimizer state")
-            optimizer.load_state_dict(loaded["optimizer_states"][0])
+            with _float32_params_listed(optimizer):
+                optimizer.load_state_dict(loaded["optimizer_states"][0])
             _restore_adam_steps(optimizer, loaded["optimizer_states"][0])
     if scheduler is not None:
         common = load_common(directory)
