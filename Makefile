@@ -1,10 +1,13 @@
-# make demo : tiny SFT run on the built-in data (creates .venv and installs on first use)
-# make test : the CPU test suite
+# make demo        : the whole pipeline on the built-in tiny model and data (creates .venv on first use)
+# make test        : the CPU test suite, on the exact versions in constraints.txt
+# make test-latest : a representative subset on Python 3.12 with the newest torch and megatron-core
+# make test-slurm  : the PPO heterogeneous job on a two-node Slurm cluster started here (root; not in make test)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-TORCH_VERSION := 2.13.0
+CONSTRAINTS := constraints.txt
+TORCH_VERSION := $(shell sed -n 's/^torch==//p' $(CONSTRAINTS))
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # torch's CPU wheel: a local copy if pip's find-links has one (CI machines, offline), else from
 # PyTorch's CPU index; then its dependencies from the usual index. Plain PyPI would give Linux the
@@ -19,12 +22,12 @@ unexport PYTHONDONTWRITEBYTECODE
 
 install: $(STAMP)
 
-$(STAMP): setup.py
+$(STAMP): setup.py $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, the CPU wheel: otherwise pip resolves a CUDA build (GBs).
 	$(call install_torch,$(PY))
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -39,6 +42,34 @@ test: $(STAMP)
 
 clean:
 	rm -rf results/demo .pytest_cache
+
+# The newest stack: Python 3.12 (megatron-core 0.17+ needs it), the newest torch and megatron-core
+# from the package index (PyPI's torch is a CUDA build, which runs on the CPU), numpy as
+# nvidia-pytriton allows. PIP_CONFIG_FILE=/dev/null: the machine's pip configuration (a local
+# wheel directory, version caps) does not apply here.
+LATEST_VENV := .venv-latest
+LATEST_PY := $(LATEST_VENV)/bin/python
+PYTHON312 ?= $(shell for p in "$$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 $$(command -v python3.12); do \
+	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && echo "$$p" && break; done)
+LATEST_TESTS ?= tests/test_sft.py tests/test_reward_model.py tests/test_ppo.py tests/test_dpo.py tests/test_grpo.py \
+	tests/test_checkpoints.py tests/test_precision.py tests/test_nemo_formats.py
+
+.PHONY: test-slurm
+test-slurm: $(STAMP)
+	PY=$(abspath $(PY)) tests/slurm/run.sh
+
+.PHONY: test-latest
+test-latest: $(LATEST_VENV)/.installed
+	$(LATEST_PY) -c "import sys, torch, megatron.core, numpy; print('newest stack: Python', sys.version.split()[0], \
+		'torch', torch.__version__, 'megatron-core', megatron.core.__version__, 'numpy', numpy.__version__)"
+	$(LATEST_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(LATEST_TESTS)
+
+$(LATEST_VENV)/.installed: setup.py
+	test -n "$(PYTHON312)" || (echo "make test-latest needs Python 3.12 (set PYTHON312=/path/to/python3.12)" >&2; exit 1)
+	test -x $(LATEST_PY) || $(PYTHON312) -m venv $(LATEST_VENV)
+	PIP_CONFIG_FILE=/dev/null $(LATEST_PY) -m pip install -q --upgrade pip
+	PIP_CONFIG_FILE=/dev/null $(LATEST_PY) -m pip install -q --upgrade torch megatron-core -e ".[test]"
+	touch $@
 
 # make bench-venv : .venv-bench, a separate venv for benchmarks/bench_grpo.py. TRL (via datasets,
 # pyarrow, pandas) needs numpy>=2 and nvidia-pytriton pins numpy<2, so it cannot go into .venv.

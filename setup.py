@@ -1,4 +1,6 @@
-"""nemo-aligner: pip install -e .[test]  (install torch==2.13.0 first on CPU machines)."""
+"""nemo-aligner: ``pip install .`` into an environment that has torch (a container's own build is kept).
+
+install_requires are ranges; the exact versions ``make test`` installs live in constraints.txt."""
 
 import os
 import shutil
@@ -39,21 +41,24 @@ setup(
     long_description=open(os.path.join(HERE, "README.md"), encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
-    python_requires=">=3.10,<3.12",
+    python_requires=">=3.10",
     # csrc holds no Python: listed so setuptools installs its C++ source as package data
     packages=find_packages(include=["nemo_aligner", "nemo_aligner.*", "nemo_rl", "nemo_rl.*"]) + ["nemo_aligner.csrc"],
     include_package_data=True,
     # the fused CPU decode kernels' source, compiled on first use (utils/cpu_kernels.py)
     package_data={"nemo_aligner": ["csrc/*.cpp"]},
     install_requires=[
-        "torch==2.13.0",
-        "megatron-core==0.16.1",
+        # Ranges, so that pip keeps a container's torch (NVIDIA's builds are versioned like
+        # 2.9.0a0+<hash>.nv25.10, which these admit). Tested ends: torch 2.6/2.13/2.15, megatron-core
+        # 0.16/0.19 (docs/installation.md); megatron-core 0.17+ needs Python 3.12.
+        "torch>=2.6",
+        "megatron-core>=0.16,<0.20",
         # megatron-core needs these but does not declare them: without psutil a checkpoint
         # save hangs (its writer process dies), tqdm is used by its inference engine.
         "psutil",
         "tqdm",
-        "nvidia-pytriton==0.7.0",
-        "numpy<2",
+        "nvidia-pytriton>=0.7",
+        "numpy<2",  # nvidia-pytriton 0.7 requires numpy<2
         "hydra-core>=1.3,<1.4",
         "omegaconf>=2.3,<2.4",
         "pyyaml",
@@ -80,6 +85,8 @@ setup(
         ]
     },
     classifiers=[
+        "Programming Language :: Python :: 3.10",
         "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
     ],
 )

@@ -141,3 +141,17 @@ def test_config_path_and_name_before_overrides(tmp_path, builtin_data):
     proc = run_python(SFT, [f"--config-path={CONF}", "--config-name", "gpt_sft", *args, "trainer.sft.max_steps=1"])
     assert sorted(train_losses(str(tmp_path / "cp"))) == [1]
     assert proc.returncode == 0
+
+
+def test_slurm_heterogeneous_components_get_their_own_rendezvous():
+    """In a heterogeneous job both components see the leader's SLURM_JOB_ID and the job's node list
+    of their own component; each srun is a step of its own (values as Slurm 22.05 sets them)."""
+    common = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "1234",
+              "SLURM_NTASKS_PER_NODE": "2"}
+    critic = read_launch_info({**common, "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "node[1-2]",
+                               "SLURM_JOB_NODELIST": "node[1-2]"})
+    actor = read_launch_info({**common, "SLURM_STEP_ID": "1", "SLURM_STEP_NODELIST": "node[3-4]",
+                              "SLURM_JOB_NODELIST": "node[1-2]"})
+    assert (critic.master_addr, actor.master_addr) == ("node1", "node3")
+    assert critic.master_port != actor.master_port and 20000 <= critic.master_port < 40000
+    assert read_launch_info({**common, "SLURM_STEP_ID": "1", "MASTER_PORT": "29511"}).master_port == 29511

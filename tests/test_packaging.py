@@ -40,3 +40,35 @@ print("LR", compose_config("gpt_grpo", {"model.optim.lr": 3e-6}).model.optim.lr)
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "restore_from_path" in proc.stdout
+
+
+def test_install_keeps_a_containers_own_torch(tmp_path):
+    """``pip install .`` into an environment whose torch is a container's build (NVIDIA versions theirs
+    like ``2.9.0a0+<hash>.nv25.10``) plans no change to torch: install_requires are ranges. Offline
+    (``--no-index``): had pip wanted another torch, it would fail to find one."""
+    import json
+    import sysconfig
+
+    venv = tmp_path / "container"
+    # No pip or setuptools of its own: this environment's, through the .pth file below.
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    # The container's other packages: this environment's, seen through a .pth file ...
+    with open(os.path.join(site, "base_env.pth"), "w") as f:
+        f.write(sysconfig.get_paths()["purelib"] + "\n")
+    # ... and its own torch, found first (its dist-info is all pip reads).
+    version = "2.9.0a0+40ec155e58.nv25.10"
+    info = os.path.join(site, f"torch-{version}.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+    open(os.path.join(info, "RECORD"), "w").close()
+    report = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--dry-run", "--no-index", "--no-build-isolation",
+                           "--report", str(report), "-q", REPO], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PIP_CONSTRAINT="", PIP_FIND_LINKS=""))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    planned = {item["metadata"]["name"] for item in json.loads(report.read_text())["install"]}
+    assert planned == {"nemo-aligner"}, planned

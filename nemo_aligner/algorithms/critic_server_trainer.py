@@ -47,6 +47,7 @@ class CriticServerTrainer:
         self.step = 0  # optimizer steps
         self.consumed_samples = 0
         self.train_calls = 0
+        self.saved_train_calls = 0  # train_calls at the last checkpoint (written or resumed from)
 
     def state_dict(self) -> dict:
         return {"step": self.step, "consumed_samples": self.consumed_samples, "train_calls": self.train_calls,
@@ -57,6 +58,7 @@ class CriticServerTrainer:
         self.step = int(state["step"])
         self.consumed_samples = int(state.get("consumed_samples", 0))
         self.train_calls = int(state.get("train_calls", 0))
+        self.saved_train_calls = self.train_calls
         logger.info("critic resumed at optimizer step %d", self.step)
 
     def _padded(self, tokens, returns, prev_values, mask):
@@ -114,7 +116,9 @@ class CriticServerTrainer:
         self.logger.log_metrics({f"time/{k}": v for k, v in seconds.items()}, step=self.step, prefix="critic/")
 
     def save(self, metrics: Optional[Dict[str, float]] = None) -> Optional[str]:
-        """Collective: a training checkpoint of the critic (what ``critic_save`` and shutdown call)."""
+        """Collective: a training checkpoint of the critic (what ``critic_save`` calls)."""
         if self.ckpt_callback is None:
             return None
-        return self.ckpt_callback.save(self.model, self.optimizer, self.scheduler, self.state_dict(), metrics or {})
+        path = self.ckpt_callback.save(self.model, self.optimizer, self.scheduler, self.state_dict(), metrics or {})
+        self.saved_train_calls = self.train_calls
+        return path

@@ -9,8 +9,9 @@ Both jobs get matching ports (a free one unless ``--port`` is given). ``--critic
 ``--actor-nproc`` start them under torchrun. Unless ``OMP_NUM_THREADS`` is set, the machine's cores
 are split evenly between the processes of both jobs: they run at the same time (the critic serves
 while the actor generates and trains), and each torch process would otherwise use every core. The
-server is stopped with SIGTERM (it saves its checkpoint on the way out) whatever happens to the
-actor; the exit status is the actor's.
+server is stopped with SIGTERM after the actor has exited, whatever happened to it (the critic
+saves only together with the actor, so the two checkpoints stay in step); the exit status is the
+actor's.
 """
 
 from __future__ import annotations

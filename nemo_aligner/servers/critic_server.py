@@ -8,6 +8,8 @@ three models: a train request never overlaps an inference.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 from typing import Optional
@@ -31,6 +33,73 @@ class BadTrainRequest(ValueError):
     """critic_train tensors that do not fit together."""
 
 
+class ShutdownDrain:
+    """When to stop after SIGTERM, so that the critic and the actor stay in step.
+
+    The critic saves only when the actor asks (``critic_save``, at the actor's own saves): a
+    checkpoint of its own would be ahead of the actor's last one. Slurm (``scancel``, the time
+    limit, preemption) signals both jobs at once, and the actor then finishes its step and saves;
+    so a SIGTERM while the actor is mid-step (its last request was not a save) keeps the server up
+    until that ``critic_save`` has been answered, or until ``idle_s`` pass with no request (the
+    actor is gone). Between steps, or on a second SIGTERM or SIGINT, the server stops at once.
+    """
+
+    def __init__(self, idle_s: float, answer_s: float = 2.0):
+        self.idle_s = float(idle_s)
+        self.answer_s = answer_s  # time for the last response to reach the actor before stopping
+        self.lock = threading.Lock()
+        self.mid_step = False
+        self.in_flight = 0
+        self.last_request = time.monotonic()
+        self.draining = False
+        self.stopping = False  # decided: the watcher and the answered save interrupt no more
+
+    def begin(self) -> None:
+        with self.lock:
+            self.in_flight += 1
+            self.last_request = time.monotonic()
+
+    def end(self, kind: str) -> None:
+        with self.lock:
+            self.in_flight -= 1
+            self.last_request = time.monotonic()
+            self.mid_step = kind != CRITIC_SAVE
+            stop = self.draining and kind == CRITIC_SAVE and not self.stopping
+            self.stopping = self.stopping or stop
+        if stop:
+            logger.info("the actor's checkpoint request after SIGTERM is answered: stopping")
+            threading.Timer(self.answer_s, self._interrupt).start()
+
+    def on_sigterm(self) -> bool:
+        """Whether to stop now (called in the signal handler)."""
+        with self.lock:
+            if self.draining or not (self.mid_step or self.in_flight):
+                self.stopping = True
+                return True
+            self.draining = True
+        logger.warning("SIGTERM while the actor is mid-step: serving until it saves (critic_save), or until %.0f s "
+                       "pass without a request; SIGINT or a second SIGTERM stops at once", self.idle_s)
+        threading.Thread(target=self._watch_idle, daemon=True).start()
+        return False
+
+    def _watch_idle(self) -> None:
+        while True:
+            time.sleep(0.5)
+            with self.lock:
+                if self.stopping:
+                    return
+                idle = not self.in_flight and time.monotonic() - self.last_request >= self.idle_s
+                self.stopping = idle
+            if idle:
+                logger.warning("no request for %.0f s after SIGTERM: stopping", self.idle_s)
+                self._interrupt()
+                return
+
+    @staticmethod
+    def _interrupt() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+
+
 class CriticServer:
     """Serves a ``MegatronGPTCriticModel`` and its ``CriticServerTrainer``.
 
@@ -44,7 +113,7 @@ class CriticServer:
     def __init__(self, model, trainer, address: ServerAddress, combine_rm_and_critic: bool = True,
                  micro_batch_size: int = 4, max_queue_delay_us: int = 2000, strip_to_multiple: Optional[int] = None,
                  max_batch_size: Optional[int] = None, workspace_dir: Optional[str] = None,
-                 triton_log_file: Optional[str] = None, save_on_exit: bool = True, key: str = "trainer.ppo"):
+                 triton_log_file: Optional[str] = None, shutdown_idle_s: float = 60.0, key: str = "trainer.ppo"):
         from megatron.core import parallel_state
 
         self.model = model
@@ -58,7 +127,7 @@ class CriticServer:
         self.max_batch_size = int(max_batch_size or max(64, self.micro_batch_size * self.dp))
         self.workspace_dir = workspace_dir
         self.triton_log_file = triton_log_file
-        self.save_on_exit = save_on_exit
+        self.drain = ShutdownDrain(shutdown_idle_s)
         self.key = key
         self.lock = threading.Lock()
         self.pad_id = model.tokenizer.eos_id
@@ -94,6 +163,13 @@ class CriticServer:
         self.trainer.save()
 
     # ----------------------------------------------------------------- rank 0 entry points
+    def _request(self, kind: str, handler, *args, **kwargs):
+        self.drain.begin()
+        try:
+            return handler(*args, **kwargs)
+        finally:
+            self.drain.end(kind)
+
     def infer(self, **inputs):
         tokens, lengths = check_request(inputs["tokens"], inputs["sequence_lengths"], self.max_seq_length,
                                         self.vocab_size)
@@ -154,7 +230,7 @@ class CriticServer:
             outputs.append(Tensor(name="rewards", dtype=np.float32, shape=(1,)))
         preferred = sorted({self.micro_batch_size * self.dp, self.max_batch_size})
         triton.bind(
-            model_name=CRITIC_INFER, infer_func=batch(self.infer),
+            model_name=CRITIC_INFER, infer_func=batch(lambda **inputs: self._request(CRITIC_INFER, self.infer, **inputs)),
             inputs=[Tensor(name="tokens", dtype=np.int64, shape=(-1,)),
                     Tensor(name="sequence_lengths", dtype=np.int64, shape=(1,)),
                     Tensor(name="sentences", dtype=bytes, shape=(1,), optional=True)],
@@ -164,7 +240,8 @@ class CriticServer:
             strict=True)
 
         def train_fn(requests):
-            return [self.train(**{k: r[k] for k in ("tokens", "returns", "prev_values", "mask")}) for r in requests]
+            return [self._request(CRITIC_TRAIN, self.train, **{k: r[k] for k in ("tokens", "returns", "prev_values", "mask")})
+                    for r in requests]
 
         triton.bind(
             model_name=CRITIC_TRAIN, infer_func=train_fn,
@@ -176,7 +253,7 @@ class CriticServer:
             config=ModelConfig(batching=False), strict=True)
 
         def save_fn(requests):
-            return [self.save() for _ in requests]
+            return [self._request(CRITIC_SAVE, self.save) for _ in requests]
 
         triton.bind(
             model_name=CRITIC_SAVE, infer_func=save_fn,
@@ -185,7 +262,7 @@ class CriticServer:
             config=ModelConfig(batching=False), strict=True)
 
     def run(self) -> None:
-        """Serve until SIGTERM/SIGINT; save a checkpoint on the way out (every rank takes part)."""
+        """Serve until SIGTERM/SIGINT (see :class:`ShutdownDrain`); every rank stops."""
         if get_rank() != 0:
             follow({ServerSignal.FORWARD: lambda: self._forward(None, None),
                     ServerSignal.TRAIN: self._train,
@@ -193,15 +270,13 @@ class CriticServer:
         else:
             try:
                 serve_forever(self.address, self._bind, "critic server", self.key, self.workspace_dir,
-                              self.triton_log_file)
+                              self.triton_log_file, stop_on_sigterm=self.drain.on_sigterm)
             finally:
                 broadcast_signal(ServerSignal.EXIT)
-        if self.save_on_exit and self.trainer.train_calls:
-            from nemo_aligner.utils.checkpoint_io import reset_checkpoint_writer
-
-            reset_checkpoint_writer()  # the launcher's SIGTERM may have taken the old writer process with it
-            self.trainer.save()
-            logger.info("critic checkpoint saved on exit (step %d)", self.trainer.step)
+        unsaved = self.trainer.train_calls - self.trainer.saved_train_calls
+        if unsaved:
+            logger.warning("critic stopped %d critic_train call(s) after the actor's last checkpoint request: not "
+                           "saved, so that the critic resumes in step with the actor", unsaved)
 
 
 def serve_ppo_critic(cfg) -> None:
@@ -247,7 +322,7 @@ def serve_ppo_critic(cfg) -> None:
         max_queue_delay_us=int(ppo.get("max_queue_delay_microseconds") or 0),
         strip_to_multiple=ppo.get("strip_sequence_length_to_multiple") or ppo.get("pad_sequence_length_to_multiple"),
         max_batch_size=ppo.get("max_batch_size"), workspace_dir=ppo.get("workspace_dir"),
-        triton_log_file=ppo.get("triton_log_file"))
+        triton_log_file=ppo.get("triton_log_file"), shutdown_idle_s=float(ppo.get("shutdown_idle_s", 60)))
     try:
         server.run()
     finally:

@@ -11,7 +11,7 @@ import sysconfig
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from nemo_aligner.utils.errors import ConfigError
 
@@ -102,14 +102,17 @@ def workspace(base_dir: Optional[str]) -> Iterator[str]:
 
 
 @contextmanager
-def stop_on_signals() -> Iterator[None]:
+def stop_on_signals(stop_on_sigterm: Optional[Callable[[], bool]] = None) -> Iterator[None]:
     """Turn SIGTERM and SIGINT into ``KeyboardInterrupt`` so ``Triton.serve()`` returns.
 
     A server started in the background ignores SIGINT otherwise, and ``serve()`` only
-    stops on ``KeyboardInterrupt``.
+    stops on ``KeyboardInterrupt``. ``stop_on_sigterm``: asked on SIGTERM whether to stop now;
+    False leaves the stop to the caller (which then sends SIGINT). SIGINT always stops.
     """
 
     def interrupt(signum, frame):
+        if signum == signal.SIGTERM and stop_on_sigterm is not None and not stop_on_sigterm():
+            return
         raise KeyboardInterrupt(f"signal {signum}")
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -121,8 +124,9 @@ def stop_on_signals() -> Iterator[None]:
 
 
 def serve_forever(address: ServerAddress, bind, description: str, key: str, workspace_dir: Optional[str] = None,
-                  triton_log_file: Optional[str] = None) -> None:
-    """Rank 0: start Triton on ``address``, ``bind(triton)`` the models, serve until SIGTERM/SIGINT.
+                  triton_log_file: Optional[str] = None, stop_on_sigterm: Optional[Callable[[], bool]] = None) -> None:
+    """Rank 0: start Triton on ``address``, ``bind(triton)`` the models, serve until SIGTERM/SIGINT
+    (see :func:`stop_on_signals` for ``stop_on_sigterm``).
 
     Returns after a clean shutdown; the workspace is removed. The caller tells the other
     ranks to stop (``ServerSignal.EXIT``) afterwards.
@@ -131,7 +135,7 @@ def serve_forever(address: ServerAddress, bind, description: str, key: str, work
 
     check_ports_free(address, key)
     prepare_library_path()
-    with workspace(workspace_dir) as ws, stop_on_signals():
+    with workspace(workspace_dir) as ws, stop_on_signals(stop_on_sigterm):
         log_file = triton_log_file or os.path.join(os.path.dirname(ws), "tritonserver.log")
         config = TritonConfig(http_address=address.host, http_port=address.http_port, grpc_address=address.host,
                               grpc_port=address.grpc_port, metrics_port=address.metrics_port, log_verbose=0,

@@ -121,8 +121,20 @@ def save_sharded(sharded_state_dict: dict, directory: str, content_metadata: Opt
         before_commit(tmp_dir)
     barrier()
     if get_rank() == 0:
+        _write_common_file(tmp_dir)
         replace_dir_atomically(tmp_dir, directory)
     barrier()
+
+
+def _write_common_file(directory: str) -> None:
+    """Keep ``common.pt`` beside the shards. megatron-core 0.17+ stores the non-tensor state inside
+    the torch_dist files instead, which NeMo on megatron-core up to 0.16 cannot read; both read
+    ``common.pt``."""
+    from megatron.core import dist_checkpointing
+
+    path = os.path.join(directory, "common.pt")
+    if not os.path.isfile(path):
+        torch.save(dist_checkpointing.load_common_state_dict(directory), path)
 
 
 def _use_in_process_results_queue() -> None:
@@ -154,11 +166,16 @@ def reset_checkpoint_writer() -> None:
 
 
 def checkpoint_shapes(directory: str) -> Dict[str, Tuple[int, ...]]:
-    """Global shape of every tensor stored in a torch_dist checkpoint."""
-    from megatron.core import dist_checkpointing
+    """Global shape of every tensor stored in a torch_dist checkpoint.
 
-    metadata = dist_checkpointing.load_tensors_metadata(directory)
-    return {key: tuple(t.global_shape) for key, t in _flatten(metadata) if hasattr(t, "global_shape")}
+    Read from torch's own checkpoint metadata: megatron-core's ``load_tensors_metadata`` passes every
+    stored tensor property to ``torch.empty``, which fails from torch 2.15 on (``strides``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(directory).read_metadata()
+    return {key: tuple(meta.size) for key, meta in metadata.state_dict_metadata.items()
+            if isinstance(meta, TensorStorageMetadata)}
 
 
 def is_sharded_checkpoint(directory: str) -> bool:
@@ -264,8 +281,11 @@ def load_common(directory: str) -> dict:
     from megatron.core import dist_checkpointing
 
     if not os.path.isfile(os.path.join(directory, "common.pt")):
-        raise CheckpointError(f"checkpoint {directory}: common.pt is missing; the checkpoint is damaged or "
-                              "incomplete: move it aside to resume from an earlier one")
+        try:  # megatron-core 0.17+ writes it inside the torch_dist files
+            return dist_checkpointing.load_common_state_dict(directory)
+        except Exception:
+            raise CheckpointError(f"checkpoint {directory}: common.pt is missing; the checkpoint is damaged or "
+                                  "incomplete: move it aside to resume from an earlier one") from None
     return dist_checkpointing.load_common_state_dict(directory)
 
 

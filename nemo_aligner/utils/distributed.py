@@ -64,16 +64,19 @@ def read_launch_info(environ=None) -> LaunchInfo:
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", 0) or int(env.get("LOCAL_RANK", 0)) + 1),
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and int(env["SLURM_NTASKS"]) > 1:
-        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
-        # Each het-job component has its own job id, so a port derived from it keeps the
-        # critic and actor rendezvous apart when they share a node.
+        # The step's own nodes: in a heterogeneous job the job's list is another component's too.
+        nodelist = (env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+                    or "127.0.0.1")
+        # Both components of a heterogeneous job see the leader's SLURM_JOB_ID; each srun is its
+        # own step, so the step id keeps the critic's and the actor's rendezvous ports apart.
         job_id = int(env.get("SLURM_JOB_ID", "0") or 0)
+        step_id = int(env.get("SLURM_STEP_ID", "0") or 0)
         return LaunchInfo(
             rank=int(env["SLURM_PROCID"]),
             world_size=int(env["SLURM_NTASKS"]),
             local_rank=int(env.get("SLURM_LOCALID", 0)),
             master_addr=env.get("MASTER_ADDR") or first_host_of_nodelist(nodelist),
-            master_port=int(env.get("MASTER_PORT") or 20000 + job_id % 20000),
+            master_port=int(env.get("MASTER_PORT") or 20000 + (job_id % 2000) * 10 + step_id % 10),
             launcher="slurm",
             local_world_size=_slurm_tasks_on_node(env),
         )

@@ -198,6 +198,14 @@ def uses_te_spec(cfg) -> bool:
     return te_available() and not bool(_get(cfg, "force_local_spec", False))
 
 
+def _submodules(spec):
+    """The submodules of a layer-spec entry: a ``ModuleSpec`` (megatron-core 0.16) or, for the MLP
+    from 0.17 on, a ``functools.partial`` of its builder with ``submodules=`` bound."""
+    if hasattr(spec, "submodules"):
+        return spec.submodules
+    return spec.keywords["submodules"]
+
+
 def layer_spec(cfg, config):
     """Transformer Engine spec on a GPU with TE installed, megatron-core's local spec otherwise."""
     from megatron.core.models.gpt import gpt_layer_specs
@@ -218,7 +226,7 @@ def layer_spec(cfg, config):
         # The MLP calls a spec-built activation module on fc1's whole output when this flag is
         # set (megatron-core's hook for Transformer Engine activations).
         config.use_te_activation_func = True
-        spec.submodules.mlp.submodules.activation_func = lean_ops.SwiGLU
+        _submodules(spec.submodules.mlp).activation_func = lean_ops.SwiGLU
     if bool(_get(cfg, "use_sdpa_attention", True)):
         from nemo_aligner.models.nlp.gpt.sdpa_attention import SDPADotProductAttention
 

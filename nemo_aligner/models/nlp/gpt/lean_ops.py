@@ -104,11 +104,11 @@ def apply_rotary(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> t
     return rotary_from_tables(t, *_halves(freqs, mscale, t.dtype))
 
 
-def _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved: bool = False, multi_latent_attention: bool = False,
-                               mscale: float = 1.0):
-    if rotary_interleaved or multi_latent_attention or freqs.shape[-1] % 2:
-        return _original(t, freqs, rotary_interleaved=rotary_interleaved,
-                         multi_latent_attention=multi_latent_attention, mscale=mscale)
+def _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved: bool = False, mscale: float = 1.0, **flags):
+    # ``flags``: the interleaving variants (multi_latent_attention up to megatron-core 0.16,
+    # mla_rotary_interleaved from 0.17), which megatron-core's own code handles.
+    if rotary_interleaved or any(flags.values()) or freqs.shape[-1] % 2:
+        return _original(t, freqs, rotary_interleaved=rotary_interleaved, mscale=mscale, **flags)
     return apply_rotary(t, freqs, mscale)
 
 
