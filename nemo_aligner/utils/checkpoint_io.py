@@ -283,7 +283,7 @@ def load_common(directory: str) -> dict:
     if not os.path.isfile(os.path.join(directory, "common.pt")):
         try:  # megatron-core 0.17+ writes it inside the torch_dist files
             return dist_checkpointing.load_common_state_dict(directory)
-        except Exception:
+        except (Exception, _dcp_exception()):
             raise CheckpointError(f"checkpoint {directory}: common.pt is missing; the checkpoint is damaged or "
                                   "incomplete: move it aside to resume from an earlier one") from None
     return dist_checkpointing.load_common_state_dict(directory)

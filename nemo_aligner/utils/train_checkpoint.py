@@ -99,6 +99,39 @@ def _float32_params_listed(optimizer):
             inner.float16_groups, inner.fp32_from_float16_groups = halves, masters
 
 
+def _saved_param_groups(opt_state) -> Optional[list]:
+    """The param groups in one optimizer's loaded state (mixed-precision, float32 or distributed layout)."""
+    for holder in (opt_state.get("optimizer"), opt_state.get("optimizer_state_dict"), opt_state):
+        if isinstance(holder, dict) and isinstance(holder.get("param_groups"), list):
+            return holder["param_groups"]
+    return None
+
+
+def _match_param_groups(optimizer, opt_state) -> None:
+    """Give the optimizer's param groups the saved groups' identifying settings, position by position.
+
+    megatron-core 0.17+ pairs saved and current param groups by their settings (``max_lr``,
+    ``min_lr``, weight-decay multipliers, ...), where 0.16 paired them by position: a resume with
+    another ``model.optim.lr`` would find no group. As on 0.16, the saved settings then apply (the
+    learning-rate schedule continues from the checkpoint unless ``override_checkpoint_schedule``)."""
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    keys = getattr(mcore_optimizer, "param_group_identifier_keys", None)
+    if not keys:
+        return
+    inners = getattr(optimizer, "chained_optimizers", [optimizer])
+    states = opt_state if isinstance(opt_state, list) else [opt_state]
+    for inner, state in zip(inners, states):
+        saved = _saved_param_groups(state) if isinstance(state, dict) else None
+        current = getattr(getattr(inner, "optimizer", None), "param_groups", None)
+        if not saved or not current or len(saved) != len(current):
+            continue
+        for now, then in zip(current, saved):
+            for key in keys:
+                if key in then:
+                    now[key] = then[key]
+
+
 def _optimizer_sharded(model, optimizer, model_sd: dict, is_loading: bool):
     if optimizer is None:
         return None
@@ -250,6 +283,7 @@ def load_train_checkpoint(directory: str, model, optimizer, scheduler, load_rng:
         if optimizer is not None:
             if "optimizer_states" not in loaded:
                 raise CheckpointError(f"checkpoint {directory}: has no optimizer state")
+            _match_param_groups(optimizer, loaded["optimizer_states"][0])
             with _float32_params_listed(optimizer):
                 optimizer.load_state_dict(loaded["optimizer_states"][0])
             _restore_adam_steps(optimizer, loaded["optimizer_states"][0])

@@ -167,6 +167,8 @@ def transformer_config_from_cfg(cfg, precision="32"):
         gated_linear_unit=gated,
         add_bias_linear=bias,
         add_qkv_bias=bool(_get(cfg, "qkv_bias", bias)),
+        # megatron-core 0.19 checks the layer spec's q/k norms against this flag
+        qk_layernorm=bool(_get(cfg, "qk_layernorm", False)),
         init_method_std=float(_get(cfg, "init_method_std", 0.02)),
         apply_query_key_layer_scaling=bool(_get(cfg, "apply_query_key_layer_scaling", False)),
         tensor_model_parallel_size=tp,
