@@ -30,13 +30,13 @@ case "$*" in
   *) echo "$@" >> "$FAKE_LOG" ;;
 esac
 """
-# scancel --signal=SIG <job>+<component>: the signal to that component's fake step.
+# scancel --signal=SIG <component job id>: the signal to that component's fake step (ids 42, 43).
 FAKE_SCANCEL = """#!/bin/bash
 echo "scancel $*" >> "$FAKE_LOG"
 sig=TERM
 for a in "$@"; do case "$a" in --signal=*) sig=${a#--signal=} ;; esac; done
 target=${*: -1}
-kill -"$sig" "$(cat "$FAKE_DIR/group${target#*+}.pid")" 2>/dev/null || true
+kill -"$sig" "$(cat "$FAKE_DIR/group$((target - 42)).pid")" 2>/dev/null || true
 """
 FAKE_SCONTROL = """#!/bin/bash
 case "$2" in
@@ -73,7 +73,8 @@ def run_as_sbatch(tmp_path, name, env, inside_job=True, background=False):
                      SLURM_NTASKS_PER_NODE="8", SLURM_JOB_NODELIST_HET_GROUP_0="node-a",
                      SLURM_JOB_NODELIST_HET_GROUP_1="node-b", SLURM_JOB_NUM_NODES_HET_GROUP_0="1",
                      SLURM_JOB_NUM_NODES_HET_GROUP_1="1", SLURM_NTASKS_PER_NODE_HET_GROUP_0="2",
-                     SLURM_NTASKS_PER_NODE_HET_GROUP_1="4")
+                     SLURM_NTASKS_PER_NODE_HET_GROUP_1="4", SLURM_JOB_ID_HET_GROUP_0="42",
+                     SLURM_JOB_ID_HET_GROUP_1="43")
         cmd, cwd = ["bash", str(script)], spool
     else:  # `bash examples/nlp/gpt/slurm/<name>` from the repository
         cmd, cwd = ["bash", os.path.join(SLURM, name)], REPO
@@ -116,7 +117,7 @@ def test_ppo_hetjob_stops_the_critic_after_the_actor_and_returns_the_actors_stat
     assert critic.endswith("model.optim.lr=1e-6 trainer.ppo.extra=a b") and "trainer.ppo.max_steps=7" in actor
     assert f"exp_manager.explicit_log_dir={tmp_path / 'results'}/critic" in critic
     # The critic is signalled through Slurm, on its own component, after the actor has ended.
-    assert lines[-2:] == ["scancel --signal=TERM 42+0", "critic-stopped"], lines
+    assert lines[-2:] == ["scancel --signal=TERM 42", "critic-stopped"], lines
 
 
 def test_ppo_hetjob_stop_signal_stops_the_actor_first(tmp_path):
@@ -137,7 +138,7 @@ def test_ppo_hetjob_stop_signal_stops_the_actor_first(tmp_path):
         proc.kill()
     assert proc.returncode == 0, err
     lines = log.read_text().strip().splitlines()
-    assert lines[-4:] == ["scancel --signal=TERM 42+1", "actor-stopped", "scancel --signal=TERM 42+0",
+    assert lines[-4:] == ["scancel --signal=TERM 43", "actor-stopped", "scancel --signal=TERM 42",
                           "critic-stopped"], lines
     assert "the actor finishes its step and saves" in out
 
