@@ -88,7 +88,8 @@ def workspace(base_dir: Optional[str]) -> Iterator[str]:
             logger.warning("workspace_dir %s is too long for PyTriton's sockets; using %s instead",
                            base_dir, tempfile.gettempdir())
             base_dir = None
-    parent = tempfile.mkdtemp(prefix="pytriton_", dir=base_dir)
+    # The pid in the name lets a later server tell a killed one's workspace (servers/leftovers.py).
+    parent = tempfile.mkdtemp(prefix=f"pytriton_{os.getpid()}_", dir=base_dir)
     previous = os.environ.get("PYTRITON_HOME")
     os.environ["PYTRITON_HOME"] = os.path.join(parent, "home")
     try:
@@ -133,7 +134,10 @@ def serve_forever(address: ServerAddress, bind, description: str, key: str, work
     """
     from pytriton.triton import Triton, TritonConfig
 
+    from nemo_aligner.servers.leftovers import remove_stale
+
     check_ports_free(address, key)
+    remove_stale([workspace_dir] if workspace_dir else [])
     prepare_library_path()
     with workspace(workspace_dir) as ws, stop_on_signals(stop_on_sigterm):
         log_file = triton_log_file or os.path.join(os.path.dirname(ws), "tritonserver.log")

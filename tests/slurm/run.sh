@@ -5,7 +5,9 @@
 #      with the critic, then the critic stops; both checkpoints are of the same PPO step;
 #   2. a resubmission with the same RESULTS resumes both at that step and runs to the end;
 #   3. a plain scancel mid-run (every process signalled at once): the checkpoints stay in step;
-#   and after every stop no PyTriton shared memory or workspace is left behind.
+#   4. SIGKILL of every process mid-run: still in step, and the next run (which resumes) removes
+#      what the killed critic left;
+#   and after every stop no PyTriton shared memory, workspace or Triton model folder is left behind.
 # Needs root (munge, slurmd) and installs Debian's slurm-wlm and munge packages when missing.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
@@ -127,6 +129,21 @@ log "job $JOB: plain scancel after step $((STOPPED + 5))"
 wait_for 600 "step $((STOPPED + 5))" actor_at_least $((STOPPED + 5))
 scancel "$JOB"
 wait_for 300 "job $JOB to end" job_done "$JOB"
+in_step
+no_leftovers
+
+# 4. SIGKILL of every process: nothing can clean up; the next run's server does, and resumes in step.
+NOW=$(ckpt_step "$RESULTS/actor" step)
+JOB=$(submit 200 2)
+log "job $JOB: SIGKILL after step $((NOW + 3))"
+wait_for 600 "step $((NOW + 3))" actor_at_least $((NOW + 3))
+scancel --full --signal=KILL "$JOB"
+wait_for 300 "job $JOB to end" job_done "$JOB"
+in_step
+NOW=$(ckpt_step "$RESULTS/actor" step)
+JOB=$(submit $((NOW + 1)))
+wait_for 600 "job $JOB to end" job_done "$JOB"
+[ "$(ckpt_step "$RESULTS/actor" step)" = $((NOW + 1)) ] || fail "the run after SIGKILL did not resume and finish"
 in_step
 no_leftovers
 log "passed"

@@ -1,0 +1,142 @@
+"""What a killed PyTriton server leaves on a node, found and removed.
+
+A server stopped cleanly removes everything it made. One killed together with its helper processes
+(Slurm's SIGKILL after ``KillWait``, the OOM killer, ``kill -9`` of a process group) leaves:
+PyTriton's shared-memory blocks (``/dev/shm/pytrtion<pid>-*`` and ``/dev/shm/psm_*``), Triton's
+Python-backend model folders (``/tmp/folderXXXXXX``) and our PyTriton workspace
+(``<tmp>/pytriton_<pid>_*``). Servers remove stale ones when they start; ``python -m
+nemo_aligner.servers.leftovers [--dry-run]`` does it by hand.
+
+Only this user's files are touched, and only those no running process has open, mapped, or names
+on its command line or as its directory; ``/dev/shm/psm_*`` and Triton's folders, whose names do
+not say who made them, must also be older than a minute.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from typing import Iterable, List, Set
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+SYSTEM_TMP = "/tmp"  # where Triton makes its model folders, whatever TMPDIR says
+MIN_AGE_S = 60.0
+_PID_NAMED = (re.compile(r"^pytrtion(\d+)-"), re.compile(r"^pytriton_(\d+)_"))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def paths_in_use() -> Set[str]:
+    """Every path a running process has open, mapped, as its directory or on its command line."""
+    used: Set[str] = set()
+    for proc in glob.glob("/proc/[0-9]*"):
+        for fd in glob.glob(os.path.join(proc, "fd", "*")):
+            try:
+                used.add(os.readlink(fd))
+            except OSError:
+                pass
+        try:
+            used.add(os.readlink(os.path.join(proc, "cwd")))
+        except OSError:
+            pass
+        try:
+            with open(os.path.join(proc, "maps"), encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    parts = line.split(None, 5)
+                    if len(parts) == 6 and parts[5].startswith("/"):
+                        used.add(parts[5].strip().replace(" (deleted)", ""))
+        except OSError:
+            pass
+        try:
+            with open(os.path.join(proc, "cmdline"), "rb") as f:
+                used.update(arg.decode(errors="replace") for arg in f.read().split(b"\0") if arg.startswith(b"/"))
+        except OSError:
+            pass
+    return used
+
+
+def _used(path: str, used: Set[str]) -> bool:
+    prefix = path.rstrip("/") + "/"
+    return any(u == path or u.startswith(prefix) for u in used)
+
+
+def _is_triton_model_folder(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.pbtxt")) and os.path.isfile(os.path.join(path, "1", "model.py"))
+
+
+def stale_leftovers(tmp_dirs: Iterable[str] = (), now: float = None) -> List[str]:
+    """The stale files and directories (see the module docstring)."""
+    now = time.time() if now is None else now
+    uid = os.getuid()
+    used = paths_in_use()
+    candidates = []
+    for path in glob.glob(os.path.join(SHM_DIR, "pytrtion*")) + glob.glob(os.path.join(SHM_DIR, "psm_*")):
+        candidates.append((path, os.path.basename(path).startswith("psm_")))
+    for tmp in dict.fromkeys([*tmp_dirs, tempfile.gettempdir(), SYSTEM_TMP]):
+        candidates += [(p, False) for p in glob.glob(os.path.join(tmp, "pytriton_*_*"))]
+        candidates += [(p, True) for p in glob.glob(os.path.join(tmp, "folder??????")) if _is_triton_model_folder(p)]
+    stale = []
+    for path, needs_age in candidates:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if st.st_uid != uid or _used(path, used):
+            continue
+        match = next((m for m in (p.match(os.path.basename(path)) for p in _PID_NAMED) if m), None)
+        if match is not None:
+            if _pid_alive(int(match.group(1))):
+                continue
+        elif not needs_age or now - st.st_mtime < MIN_AGE_S:
+            continue
+        stale.append(path)
+    return stale
+
+
+def remove_stale(tmp_dirs: Iterable[str] = ()) -> List[str]:
+    """Remove :func:`stale_leftovers`; returns what was removed."""
+    removed = []
+    for path in stale_leftovers(tmp_dirs):
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            removed.append(path)
+        except OSError as err:
+            logger.debug("could not remove %s: %s", path, err)
+    if removed:
+        logger.info("removed %d leftover(s) of killed PyTriton servers (shared memory, workspaces, Triton "
+                    "model folders)", len(removed))
+    return removed
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    parser.add_argument("--tmp-dir", action="append", default=[], help="another temporary directory to look in")
+    args = parser.parse_args()
+    paths = stale_leftovers(args.tmp_dir) if args.dry_run else remove_stale(args.tmp_dir)
+    for path in paths:
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Leftovers of killed PyTriton servers: removed when stale, kept while anything alive uses them."""
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from nemo_aligner.servers import leftovers
+
+
+@pytest.fixture
+def dirs(tmp_path, monkeypatch):
+    shm, tmp = tmp_path / "shm", tmp_path / "tmp"
+    shm.mkdir()
+    tmp.mkdir()
+    monkeypatch.setattr(leftovers, "SHM_DIR", str(shm))
+    monkeypatch.setattr(leftovers, "SYSTEM_TMP", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    return shm, tmp
+
+
+def dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def model_folder(path, age_s):
+    (path / "1").mkdir(parents=True)
+    (path / "config.pbtxt").write_text("name: 'm'\n")
+    (path / "1" / "model.py").write_text("# PyTriton proxy model\n")
+    old = time.time() - age_s
+    os.utime(path, (old, old))
+    return path
+
+
+def test_only_stale_leftovers_are_removed(dirs):
+    shm, tmp = dirs
+    dead, alive = dead_pid(), os.getpid()
+    old = time.time() - 120
+    made = {}
+    for name in (f"pytrtion{dead}-a", f"pytrtion{alive}-b", "psm_old", "psm_open", "psm_new"):
+        made[name] = shm / name
+        made[name].write_bytes(b"\0" * 16)
+    for name in ("psm_old", "psm_open"):
+        os.utime(made[name], (old, old))
+    for name in (f"pytriton_{dead}_x", f"pytriton_{alive}_y"):
+        made[name] = tmp / name
+        (made[name] / "workspace").mkdir(parents=True)
+    made["folderAAAAAA"] = model_folder(tmp / "folderAAAAAA", 120)  # a killed Triton's model folder
+    made["folderBBBBBB"] = model_folder(tmp / "folderBBBBBB", 5)  # too new to tell
+    made["folderCCCCCC"] = model_folder(tmp / "folderCCCCCC", 120)  # a live stub names it
+    made["folderDDDDDD"] = tmp / "folderDDDDDD"  # not Triton's
+    made["folderDDDDDD"].mkdir()
+    os.utime(made["folderDDDDDD"], (old, old))
+    stub = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                             str(made["folderCCCCCC"] / "1" / "model.py")])
+    held = open(made["psm_open"], "rb")
+    try:
+        removed = leftovers.remove_stale()
+    finally:
+        held.close()
+        stub.kill()
+        stub.wait()
+    expected = {f"pytrtion{dead}-a", "psm_old", f"pytriton_{dead}_x", "folderAAAAAA"}
+    assert {os.path.basename(p) for p in removed} == expected
+    for name, path in made.items():
+        assert path.exists() == (name not in expected), name
+
+
+def test_command_line_lists_without_removing(dirs):
+    shm, _ = dirs
+    stale = shm / f"pytrtion{dead_pid()}-z"
+    stale.write_bytes(b"x")
+    env = dict(os.environ)
+    proc = subprocess.run([sys.executable, "-c", f"""
+import sys
+from nemo_aligner.servers import leftovers
+leftovers.SHM_DIR = {str(shm)!r}
+sys.argv = ['leftovers', '--dry-run']
+leftovers.main()
+"""], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert str(stale) in proc.stdout.splitlines() and stale.exists()
