@@ -1,6 +1,7 @@
 # make demo        : the whole pipeline on the built-in tiny model and data (creates .venv on first use)
 # make test        : the CPU test suite, on the exact versions in constraints.txt
 # make test-latest : a representative subset on Python 3.12 with the newest torch and megatron-core
+# make test-oldest : the same subset on Python 3.10 with the oldest torch and megatron-core supported
 # make test-slurm  : the PPO heterogeneous job on a two-node Slurm cluster started here (root; not in make test)
 PYTHON ?= python3
 VENV := .venv
@@ -49,8 +50,9 @@ clean:
 # wheel directory, version caps) does not apply here.
 LATEST_VENV := .venv-latest
 LATEST_PY := $(LATEST_VENV)/bin/python
-PYTHON312 ?= $(shell for p in "$$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 $$(command -v python3.12); do \
-	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && echo "$$p" && break; done)
+find_python = $(shell for p in "$$(pyenv root 2>/dev/null)"/versions/$(1)*/bin/python$(1) $$(command -v python$(1)); do \
+	"$$p" -c 'import sys; assert sys.version_info[:2] == tuple(map(int, "$(1)".split(".")))' 2>/dev/null && echo "$$p" && break; done)
+PYTHON312 ?= $(call find_python,3.12)
 LATEST_TESTS ?= tests/test_sft.py tests/test_reward_model.py tests/test_ppo.py tests/test_dpo.py tests/test_grpo.py \
 	tests/test_checkpoints.py tests/test_precision.py tests/test_nemo_formats.py
 
@@ -69,6 +71,25 @@ $(LATEST_VENV)/.installed: setup.py
 	test -x $(LATEST_PY) || $(PYTHON312) -m venv $(LATEST_VENV)
 	PIP_CONFIG_FILE=/dev/null $(LATEST_PY) -m pip install -q --upgrade pip
 	PIP_CONFIG_FILE=/dev/null $(LATEST_PY) -m pip install -q --upgrade torch megatron-core -e ".[test]"
+	touch $@
+
+# The oldest supported stack (setup.py's lower bounds): Python 3.10, torch 2.6, megatron-core 0.16.0.
+OLDEST_VENV := .venv-oldest
+OLDEST_PY := $(OLDEST_VENV)/bin/python
+PYTHON310 ?= $(call find_python,3.10)
+OLDEST_PINS ?= torch==2.6.0 megatron-core==0.16.0
+
+.PHONY: test-oldest
+test-oldest: $(OLDEST_VENV)/.installed
+	$(OLDEST_PY) -c "import sys, torch, megatron.core, numpy; print('oldest stack: Python', sys.version.split()[0], \
+		'torch', torch.__version__, 'megatron-core', megatron.core.__version__, 'numpy', numpy.__version__)"
+	$(OLDEST_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(LATEST_TESTS) tests/test_launch.py tests/test_generation.py
+
+$(OLDEST_VENV)/.installed: setup.py
+	test -n "$(PYTHON310)" || (echo "make test-oldest needs Python 3.10 (set PYTHON310=/path/to/python3.10)" >&2; exit 1)
+	test -x $(OLDEST_PY) || $(PYTHON310) -m venv $(OLDEST_VENV)
+	PIP_CONFIG_FILE=/dev/null $(OLDEST_PY) -m pip install -q --upgrade pip
+	PIP_CONFIG_FILE=/dev/null $(OLDEST_PY) -m pip install -q $(OLDEST_PINS) -e ".[test]"
 	touch $@
 
 # make bench-venv : .venv-bench, a separate venv for benchmarks/bench_grpo.py. TRL (via datasets,

@@ -50,7 +50,7 @@ setup(
     install_requires=[
         # Ranges, so that pip keeps a container's torch (NVIDIA's builds are versioned like
         # 2.9.0a0+<hash>.nv25.10, which these admit). Tested ends: torch 2.6/2.13/2.15, megatron-core
-        # 0.16/0.19 (docs/installation.md); megatron-core 0.17+ needs Python 3.12.
+        # 0.16/0.19 (README, "Install"); megatron-core 0.17+ needs Python 3.12.
         "torch>=2.6",
         "megatron-core>=0.16,<0.20",
         # megatron-core needs these but does not declare them: without psutil a checkpoint
