@@ -151,6 +151,8 @@ JSONL_CASES = {
     "chat-null-value": (chat, '{"conversations": [{"from": "User", "value": "hi"}, '
                               '{"from": "Assistant", "value": null}]}\n', None,
                         r"bad\.jsonl:1: conversations\[1\]\.value must be str, got NoneType"),
+    "sft-lone-surrogate": (sft, '{"input": "a =", "output": "b"}\n{"input": "x \\ud800", "output": "c"}\n', None,
+                           r"bad\.jsonl:2: field 'input' is not valid Unicode text"),
     "chat-mask-not-a-string": (chat, '{"conversations": [{"from": "User", "value": "hi"}, '
                                      '{"from": "Assistant", "value": "yo"}], "mask": 3}\n', None,
                                r"bad\.jsonl:1: field 'mask' must be str, got int"),
@@ -315,6 +317,14 @@ CONFIG_CASES = {
     "zero-size": (config_values(**{"model.global_batch_size": 0}), r"model\.global_batch_size=0 must be > 0"),
     "negative-size": (config_values(**{"model.num_layers": -2}), r"model\.num_layers=-2 must be > 0"),
     "negative-lr": (config_values(**{"model.optim.lr": -0.1}), r"model\.optim\.lr=-0\.1 must be >= 0"),
+    "infinite-lr": (config_values(**{"model.optim.lr": float("inf")}), r"model\.optim\.lr=inf must be a finite number"),
+    "nan-weight-decay": (config_values(**{"model.optim.weight_decay": float("nan")}),
+                         r"model\.optim\.weight_decay=nan must be a finite number"),
+    "adam-beta-of-one": (config_values(**{"model.optim.betas": [0.9, 1.0]}),
+                         r"model\.optim\.betas=\[0\.9, 1\.0\] must be two numbers in \[0, 1\)"),
+    "zero-adam-eps": (config_values(**{"model.optim.eps": 0.0}), r"model\.optim\.eps=0\.0 must be > 0"),
+    "dropout-of-one": (config_values(**{"model.attention_dropout": 1.0}),
+                       r"model\.attention_dropout=1\.0 must be < 1"),
     "negative-interval": (config_values(**{"trainer.sft.save_interval": -5}),
                           r"trainer\.sft\.save_interval=-5 must be >= 0"),
     "max-steps-not-an-integer": (config_values(**{"trainer.sft.max_steps": "abc"}),

@@ -311,3 +311,38 @@ def test_concurrent_jobs_never_share_an_extraction_directory(tmp_path, monkeypat
     assert job_a == directory(TORCHELASTIC_RUN_ID="none", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     assert directory(SLURM_JOB_ID="7", SLURM_STEP_ID="0") != directory(SLURM_JOB_ID="7", SLURM_STEP_ID="1")
     assert directory(TORCHELASTIC_RUN_ID="abc", MASTER_PORT="1") == directory(TORCHELASTIC_RUN_ID="abc", MASTER_PORT="2")
+
+
+def test_non_finite_weights_are_never_written_or_loaded(tmp_path, mcore_single, monkeypatch):
+    """A diverged model (NaN weights) does not replace a good .nemo; a .nemo holding NaN weights (a
+    corrupted file, an older writer) is refused on load, naming the tensor."""
+    import hashlib
+
+    import torch
+
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.models.nlp.gpt.loading import load_model
+    from nemo_aligner.utils import nemo_file
+    from nemo_aligner.utils.errors import CheckpointError
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    cfg = OmegaConf.create(dict(TINY_ARCH, micro_batch_size=1, encoder_seq_length=32))
+    model = GPTSFTModel(cfg, ByteTokenizer())
+    path = tmp_path / "m.nemo"
+    nemo_file.save_nemo(model, str(path))
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    with torch.no_grad():
+        model.module.decoder.layers[1].mlp.linear_fc2.weight[0, 0] = float("nan")
+    with pytest.raises(CheckpointError, match=r"m\.nemo: not written, the model's weights are not finite \(tensor "
+                                              r"'decoder\.layers\.1\.mlp\.linear_fc2\.weight'"):
+        nemo_file.save_nemo(model, str(path))
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+
+    from nemo_aligner.utils import checkpoint_io
+
+    monkeypatch.setattr(checkpoint_io, "non_finite_tensor", lambda module: None)  # an unchecked writer
+    nemo_file.save_nemo(model, str(tmp_path / "nan.nemo"))
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match=r"nan\.nemo: tensor 'decoder\.layers\.1\.mlp\.linear_fc2\.weight' "
+                                              r"holds a NaN or an infinity"):
+        load_model(GPTSFTModel, OmegaConf.create({"micro_batch_size": 1}), "32", str(tmp_path / "nan.nemo"))

@@ -109,8 +109,9 @@ def test_reward_rises_on_the_builtin_task(tmp_path, task_data, rm_nemo, weak_sft
 
 
 def test_dead_critic_stops_the_actor(tmp_path, task_data, rm_nemo, sft_nemo):
-    """SIGKILL the critic after the actor's first checkpoint: the actor exits non-zero within its
-    request timeout, naming host:port and the config key, and its checkpoint stays usable."""
+    """SIGKILL the critic after the actor's first checkpoint: with the shipped settings
+    (remote_critic_rm.timeout_s=600) the actor sees that the server is gone and exits non-zero within
+    seconds, naming host:port and the config key, and its checkpoint stays usable."""
     port = free_port()
     log = open(tmp_path / "critic.log", "w+")
     critic = subprocess.Popen(
@@ -130,8 +131,7 @@ def test_dead_critic_stops_the_actor(tmp_path, task_data, rm_nemo, sft_nemo):
              *actor_overrides(task_data, sft_nemo, actor_dir, 1000, ["trainer.ppo.save_interval=1",
                                                                    "trainer.ppo.val_check_interval=0",
                                                                    "trainer.ppo.val_at_start=False"]),
-             "remote_critic_rm.critic.ip=127.0.0.1", f"remote_critic_rm.critic.port={port}",
-             "remote_critic_rm.timeout_s=20"],
+             "remote_critic_rm.critic.ip=127.0.0.1", f"remote_critic_rm.critic.port={port}"],
             env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         ckpt_dir = actor_dir / "checkpoints"
         while not (ckpt_dir.is_dir() and any("step=1-" in c and not c.endswith(".tmp") for c in os.listdir(ckpt_dir))):
@@ -140,7 +140,7 @@ def test_dead_critic_stops_the_actor(tmp_path, task_data, rm_nemo, sft_nemo):
         os.killpg(critic.pid, signal.SIGKILL)
         killed = time.time()
         out, err = actor.communicate(timeout=120)
-        assert time.time() - killed < 60
+        assert time.time() - killed < 30
         assert actor.returncode != 0
         assert f"127.0.0.1:{port}" in err and "remote_critic_rm.critic" in err, err[-3000:]
         assert "Traceback" not in err

@@ -187,6 +187,26 @@ def test_shutdown_leaves_nothing_behind(tmp_path, rm_nemo_and_rewards):
     srv.cleanup()
 
 
+def test_a_dead_triton_process_makes_the_server_exit_non_zero(tmp_path, rm_nemo_and_rewards):
+    """tritonserver killed under the server (an abort, the OOM killer): the server says so in one line
+    and exits 1, instead of exiting 0 as if stopped."""
+    import signal
+
+    nemo, _ = rm_nemo_and_rewards
+    srv = Server(tmp_path, nemo)
+    try:
+        srv.wait_ready()
+        triton = [p for p in srv.children if "tritonserver" in " ".join(p.cmdline())]
+        assert triton
+        os.kill(triton[0].pid, signal.SIGKILL)
+        srv.proc.wait(timeout=60)
+    finally:
+        srv.stop()
+        srv.cleanup()
+    assert srv.proc.returncode == 1, srv.text()[-3000:]
+    assert "Triton stopped serving without a stop signal (its process died)" in srv.text()
+
+
 @pytest.mark.parametrize("layout", [["model.tensor_model_parallel_size=2"], []], ids=["tp2", "dp2"])
 def test_two_process_serving(tmp_path, rm_nemo_and_rewards, layout):
     nemo, expected = rm_nemo_and_rewards

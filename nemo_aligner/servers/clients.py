@@ -39,6 +39,23 @@ def check_reachable(host: str, port: int, key: str, timeout_s: float = 3.0, wait
             ) from None
 
 
+# While waiting for an answer, how often to check that the server still listens: a dead server is
+# reported within seconds, not after the request's whole timeout (PyTriton's client waits out
+# ``timeout_s`` on a refused connection).
+LIVENESS_CHECK_S = 2.0
+
+
+def _listening(where: str) -> bool:
+    host, _, port = where.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=LIVENESS_CHECK_S):
+            return True
+    except ConnectionRefusedError:
+        return False
+    except OSError:  # unreachable for the moment (or slow to accept): not proof that it is gone
+        return True
+
+
 def _is_timeout(err: BaseException) -> bool:
     import concurrent.futures
 
@@ -69,12 +86,30 @@ class ServerFuture:
     def done(self) -> bool:
         return self._future.done()
 
+    def _wait(self, timeout: float):
+        """The future's outputs; between short waits, fail at once if the server no longer listens."""
+        import concurrent.futures
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._future.result(timeout=max(0.0, min(LIVENESS_CHECK_S, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+                if not _listening(self._where):
+                    raise RemoteServerError(f"the server at {self._where} is gone (connection refused) "
+                                            f"(config: {self._key})") from None
+
     def result(self, timeout: Optional[float] = None) -> np.ndarray:
         attempt = 0
         while True:
             try:
-                outputs = self._future.result(timeout=timeout if timeout is not None else self._timeout_s + 5)
+                outputs = self._wait(timeout if timeout is not None else self._timeout_s + 5)
                 break
+            except RemoteServerError:
+                raise
             except Exception as err:  # PyTriton client errors: connection closed, server-side error, timeout
                 if not _is_timeout(err):
                     raise RemoteServerError(f"request to the server at {self._where} failed: {type(err).__name__}: "
@@ -109,6 +144,30 @@ def ignore_pytriton_timeout_rounding_warning() -> None:
     warnings.filterwarnings("ignore", category=NotSupportedTimeoutWarning, module=r"pytriton\.client\.utils")
 
 
+def _daemon_futures_client_class():
+    """PyTriton's ``FuturesModelClient`` with daemon worker threads: a worker blocked on a dead server
+    (PyTriton waits up to ``init_timeout_s`` for it) must not keep the process from exiting."""
+    import threading
+
+    from pytriton.client import FuturesModelClient
+
+    class DaemonFuturesModelClient(FuturesModelClient):
+        def _extend_thread_pool(self):  # FuturesModelClient's, with daemon=True
+            if self._closed:
+                return
+            with self._lock:
+                if not self._queue.empty() and (self._max_workers is None or len(self._threads) < self._max_workers):
+                    thread = threading.Thread(target=self._worker, daemon=True)
+                    self._threads.append(thread)
+                    thread.start()
+
+    return DaemonFuturesModelClient
+
+
+def _futures_client(*args, **kwargs):
+    return _daemon_futures_client_class()(*args, **kwargs)
+
+
 class TritonModelClient:
     """One PyTriton model on a server, called asynchronously; close it (or use ``with``).
 
@@ -119,8 +178,6 @@ class TritonModelClient:
 
     def __init__(self, host: str, port: int, model_name: str, key: str, timeout_s: float = 60.0,
                  check: bool = True, wait_s: float = 0.0, retries: int = 0, settings_key: Optional[str] = None):
-        from pytriton.client import FuturesModelClient
-
         self.where = f"{host}:{port}"
         self.host, self.port = host, int(port)
         self.key = key
@@ -130,8 +187,8 @@ class TritonModelClient:
         if check:
             check_reachable(host, port, key, wait_s=wait_s)
         ignore_pytriton_timeout_rounding_warning()
-        self._client = FuturesModelClient(self.where, model_name, init_timeout_s=self.timeout_s,
-                                          inference_timeout_s=self.timeout_s)
+        self._client = _futures_client(self.where, model_name, init_timeout_s=self.timeout_s,
+                                       inference_timeout_s=self.timeout_s)
 
     def send(self, output, batched: bool = True, retry: bool = True, **inputs) -> ServerFuture:
         """Send one request; ``output`` names the output to return (or a tuple of names).
@@ -146,8 +203,10 @@ class TritonModelClient:
                             retries=self.retries if retry else 0, settings_key=self.settings_key)
 
     def close(self) -> None:
+        """Stop the client. Requests still waiting on a dead server are abandoned: their worker
+        threads are daemons, so they do not hold the process open."""
         if self._client is not None:
-            self._client.close()
+            self._client.close(wait=False)
             self._client = None
 
     def __enter__(self):

@@ -102,6 +102,9 @@ def workspace(base_dir: Optional[str]) -> Iterator[str]:
         shutil.rmtree(parent, ignore_errors=True)
 
 
+_SIGNALLED = {"stop": False}
+
+
 @contextmanager
 def stop_on_signals(stop_on_sigterm: Optional[Callable[[], bool]] = None) -> Iterator[None]:
     """Turn SIGTERM and SIGINT into ``KeyboardInterrupt`` so ``Triton.serve()`` returns.
@@ -114,6 +117,7 @@ def stop_on_signals(stop_on_sigterm: Optional[Callable[[], bool]] = None) -> Ite
     def interrupt(signum, frame):
         if signum == signal.SIGTERM and stop_on_sigterm is not None and not stop_on_sigterm():
             return
+        _SIGNALLED["stop"] = True
         raise KeyboardInterrupt(f"signal {signum}")
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -148,7 +152,13 @@ def serve_forever(address: ServerAddress, bind, description: str, key: str, work
             bind(triton)
             print(f"{description} ready on {address.url} (grpc {address.grpc_port}, metrics {address.metrics_port})",
                   flush=True)
+            _SIGNALLED["stop"] = False
             try:
-                triton.serve()
+                triton.serve()  # returns on SIGINT/SIGTERM, or when tritonserver or a model proxy died
             except KeyboardInterrupt:
                 pass
+            if not _SIGNALLED["stop"]:
+                from nemo_aligner.utils.errors import ServerError
+
+                raise ServerError(f"{description} on {address.url}: Triton stopped serving without a stop signal "
+                                  f"(its process died); see {log_file}")

@@ -165,6 +165,26 @@ def reset_checkpoint_writer() -> None:
     filesystem_async._results_queue = None
 
 
+def non_finite_tensor(module: torch.nn.Module) -> Optional[str]:
+    """The name of this rank's first parameter holding a NaN or an infinity (None if all are
+    finite), agreed over every rank: a non-finite name anywhere makes every rank return one."""
+    import torch.distributed as dist
+
+    found = None
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if not bool(torch.isfinite(param).all()):
+                found = name
+                break
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        from nemo_aligner.utils.distributed import host_all_reduce
+
+        anywhere = host_all_reduce(torch.tensor([0 if found is None else 1]), op=dist.ReduceOp.MAX)
+        if int(anywhere[0]) and found is None:
+            found = "(a parameter on another rank)"
+    return found
+
+
 def checkpoint_shapes(directory: str) -> Dict[str, Tuple[int, ...]]:
     """Global shape of every tensor stored in a torch_dist checkpoint.
 

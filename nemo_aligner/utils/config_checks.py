@@ -9,6 +9,7 @@ wherever they sit in the tree (``model.micro_batch_size``, ``model.data.train_ds
 
 from __future__ import annotations
 
+import math
 from typing import Iterator, Tuple
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -30,9 +31,12 @@ NON_NEGATIVE_INTS = frozenset({
 })
 NON_NEGATIVE_NUMBERS = frozenset({
     "val_check_interval", "save_interval", "lr", "min_lr", "weight_decay", "gradient_clip_val", "temperature", "warmup_steps", "timeout_s",
-    "hidden_dropout", "attention_dropout", "initial_policy_kl_penalty", "reference_policy_kl_penalty",
+    "hidden_dropout", "attention_dropout", "ffn_dropout", "initial_policy_kl_penalty", "reference_policy_kl_penalty",
     "ref_policy_kl_penalty",
 })
+# Probabilities that must stay below 1 (a dropout of 1 zeroes every activation).
+UNIT_INTERVAL = frozenset({"hidden_dropout", "attention_dropout", "ffn_dropout"})
+POSITIVE_NUMBERS = frozenset({"eps"})
 # Keys NeMo-Aligner's configs carry that this project does not implement: accepted at the value that
 # means "off", an error otherwise (silently ignoring, say, a LoRA request would train every weight).
 UNSUPPORTED_UNLESS = {
@@ -135,11 +139,37 @@ def check_config_values(cfg: DictConfig) -> None:
                                   f"(-1 or null: all), got {type(value).__name__}")
             if isinstance(value, float) and not 0.0 <= value <= 1.0:
                 raise ConfigError(f"{path}={value} must be a fraction between 0.0 and 1.0, or an integer count")
-        elif name in NON_NEGATIVE_NUMBERS:
+        elif name in NON_NEGATIVE_NUMBERS or name in POSITIVE_NUMBERS:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"{path}={value!r} must be a number, got {type(value).__name__}")
-            if value < 0:
-                raise ConfigError(f"{path}={value} must be >= 0")
+            if not math.isfinite(value):  # lr=inf or nan trains to an all-NaN model
+                raise ConfigError(f"{path}={value} must be a finite number")
+            if value < 0 or (name in POSITIVE_NUMBERS and value == 0):
+                raise ConfigError(f"{path}={value} must be {'> 0' if name in POSITIVE_NUMBERS else '>= 0'}")
+            if name in UNIT_INTERVAL and value >= 1:
+                raise ConfigError(f"{path}={value} must be < 1 (a probability; 1 drops everything)")
+    _check_betas(cfg, "")
+
+
+def _check_betas(node, prefix: str) -> None:
+    """``*.optim.betas``: two finite numbers in [0, 1) (Adam's moment decay rates)."""
+    if not isinstance(node, DictConfig):
+        return
+    for key in node.keys():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        try:
+            value = node[key]
+        except Exception:
+            continue
+        if key == "betas" and prefix.endswith("optim") and value is not None:
+            items = list(value) if isinstance(value, ListConfig) else None
+            if (items is None or len(items) != 2 or
+                    not all(isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b) and 0 <= b < 1
+                            for b in items)):
+                shown = list(items) if items is not None else value
+                raise ConfigError(f"{path}={shown!r} must be two numbers in [0, 1), e.g. [0.9, 0.98]")
+        else:
+            _check_betas(value, path)
 
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -199,8 +200,17 @@ def init_distributed(devices=None, num_nodes=1, timeout_minutes: int = 30) -> La
         torch.cuda.set_device(_comm_device)
     from datetime import timedelta
 
+    backend = "nccl" if use_cuda else "gloo"
+    if info.launcher == "single":
+        # One process: an in-memory store, so no rendezvous port listens (torch's TCPStore binds
+        # every interface), and gloo on the loopback interface.
+        if sys.platform.startswith("linux"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(minutes=timeout_minutes))
+        return info
     dist.init_process_group(
-        backend="nccl" if use_cuda else "gloo",
+        backend=backend,
         init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
         rank=info.rank,
         world_size=info.world_size,

@@ -19,3 +19,7 @@ class CheckpointError(AlignerError):
 
 class TrainingError(AlignerError):
     """Training cannot go on (e.g. too many consecutive non-finite steps)."""
+
+
+class ServerError(AlignerError):
+    """A server stopped serving for a reason other than a stop signal (its Triton process died)."""

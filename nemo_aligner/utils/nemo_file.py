@@ -271,9 +271,13 @@ def save_nemo(model, path: str) -> str:
     rank), rank 0 adds the config and tokenizer and tars it to ``<path>.tmp``, then
     renames; an existing ``path`` stays intact until the rename.
     """
-    from nemo_aligner.utils.checkpoint_io import save_sharded
+    from nemo_aligner.utils.checkpoint_io import non_finite_tensor, save_sharded
 
     path = os.path.abspath(path)
+    bad = non_finite_tensor(model.module)
+    if bad is not None:  # a NaN model must not replace a good file, nor pass for a trained one
+        raise CheckpointError(f"{path}: not written, the model's weights are not finite (tensor {bad!r} holds a "
+                              "NaN or an infinity)")
     staging = f"{path}.tmpdir"
     if get_rank() == 0:
         os.makedirs(os.path.dirname(path), exist_ok=True)

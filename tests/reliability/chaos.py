@@ -306,8 +306,9 @@ class PPORun:
                 "model.ppo.num_rollout_samples=16", "model.global_batch_size=16", "model.micro_batch_size=8",
                 "model.ppo.rollout_micro_batch_size=16", "model.ppo.length_params.max_length=16",
                 "model.ppo.num_val_samples=16", "remote_critic_rm.critic.ip=127.0.0.1",
-                f"remote_critic_rm.critic.port={self.port}", "remote_critic_rm.timeout_s=30",
-                "remote_critic_rm.max_retries=0", "remote_critic_rm.wait_for_server_s=120"]
+                f"remote_critic_rm.critic.port={self.port}",
+                # the shipped timeout_s/max_retries: a killed critic must stop the actor quickly with them
+                "remote_critic_rm.wait_for_server_s=120"]
 
     def start_critic(self) -> Proc:
         """Start the server and wait until it serves (its checkpoint loaded, its ports bound)."""

@@ -33,6 +33,28 @@ def _non_finite_field(value: Any, where: str = "") -> Optional[str]:
     return None
 
 
+def _unencodable_field(value: Any, where: str = "") -> Optional[str]:
+    """The field path of the first string that is not valid Unicode (a lone surrogate such as
+    ``"\\ud800"``: valid JSON, but no tokenizer can encode it)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "(the record)"
+        return None
+    if isinstance(value, dict):
+        items = ((f"{where}.{k}" if where else str(k)) for k in value), value.values()
+    elif isinstance(value, list):
+        items = (f"{where}[{i}]" for i in range(len(value))), value
+    else:
+        return None
+    for path, item in zip(*items):
+        found = _unencodable_field(item, path)
+        if found is not None:
+            return found
+    return None
+
+
 def read_jsonl(path: str, allow_non_finite: bool = False) -> List[Dict[str, Any]]:
     """All records of a jsonl file; blank lines are skipped.
 
@@ -70,6 +92,10 @@ def read_jsonl(path: str, allow_non_finite: bool = False) -> List[Dict[str, Any]
                 if field is not None:
                     raise DataError(f"{path}:{line_no}: field {field!r} is not a finite number "
                                     f"(JSON has no NaN or Infinity)")
+                field = _unencodable_field(record)
+                if field is not None:
+                    raise DataError(f"{path}:{line_no}: field {field!r} is not valid Unicode text (a lone "
+                                    f"surrogate escape such as \\ud800)")
                 record["__line__"] = line_no
                 records.append(record)
     except (OSError, EOFError) as err:  # unreadable, or a truncated or corrupt .gz

@@ -8,6 +8,7 @@ from typing import Optional, Type
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from nemo_aligner.utils import nemo_file
+from nemo_aligner.utils.errors import CheckpointError
 from nemo_aligner.utils.model_config import merge_checkpoint_config
 from nemo_aligner.utils.tokenizers import build_tokenizer
 
@@ -97,6 +98,12 @@ def load_model(model_cls: Type, cfg: DictConfig, precision, restore_path: Option
         fresh = {name: p.detach().clone() for name, p in model.module.named_parameters()
                  if any(tag in name for tag in keep_new)}
         weights.load_into(model, tuple(allow_missing) + tuple(keep_new))
+        from nemo_aligner.utils.checkpoint_io import non_finite_tensor
+
+        bad = non_finite_tensor(model.module)
+        if bad is not None:
+            raise CheckpointError(f"{key}={restore_path}: tensor {bad!r} holds a NaN or an infinity; the "
+                                  "checkpoint is damaged or was saved from a diverged run")
         if fresh:
             import torch
 
