@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from nemo_aligner.utils.checkpoint_callback import (CheckpointCallback, incomple
                                                     list_checkpoints)
 from nemo_aligner.utils.checkpoint_io import recover_interrupted_saves
 from nemo_aligner.utils.distributed import barrier, get_rank, is_global_rank_zero
-from nemo_aligner.utils.errors import CheckpointError
+from nemo_aligner.utils.errors import CheckpointError, ConfigError
 from nemo_aligner.utils.loggers import MetricLogger
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,56 @@ def setup_console_logging(log_dir: Optional[str] = None) -> None:
             root.addHandler(file_handler)
 
 
+_LOCKS: dict = {}  # log dir -> the open lock file this process holds for it
+
+
+def lock_log_dir(log_dir: str) -> None:
+    """Hold ``<log_dir>/.lock`` (an advisory lock, released when the process ends) for this run: a
+    second live run on the same directory would mix both runs' checkpoints and metrics."""
+    import fcntl
+
+    if log_dir in _LOCKS:
+        return
+    path = os.path.join(log_dir, ".lock")
+    handle = open(path, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise ConfigError(f"exp_manager.explicit_log_dir={log_dir} is in use by a running job ({holder}); give "
+                          "this run another log directory, or stop that job first") from None
+    except OSError as err:  # a file system without locks (some network mounts): go on unguarded
+        logger.warning("could not lock %s (%s): two runs sharing this log directory would not be noticed", path, err)
+        handle.close()
+        return
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    handle.flush()
+    _LOCKS[log_dir] = handle
+
+
+def _check_exp_config(exp_cfg, log_dir: str) -> None:
+    if os.path.exists(log_dir) and not os.path.isdir(log_dir):
+        raise ConfigError(f"the log directory {log_dir} (exp_manager.explicit_log_dir, or exp_dir/name) is a file")
+    params = exp_cfg.get("checkpoint_callback_params") or {}
+    filename = params.get("filename")
+    if filename is not None:
+        name = str(filename)
+        if "/" in name or name.endswith((".tmp", ".tmpdir")) or ".before-" in name:
+            raise ConfigError(f"exp_manager.checkpoint_callback_params.filename={name!r}: a checkpoint name must not "
+                              "contain '/' or end in .tmp/.tmpdir (names kept for checkpoints being written)")
+    top_k = params.get("save_top_k")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1):
+        raise ConfigError(f"exp_manager.checkpoint_callback_params.save_top_k={top_k!r} must be an integer: -1 (keep "
+                          "all), 0 or more")
+    mode = params.get("mode")
+    if mode is not None and str(mode) not in ("min", "max"):
+        raise ConfigError(f"exp_manager.checkpoint_callback_params.mode={mode!r} must be 'min' or 'max'")
+
+
 def set_aside_earlier_checkpoints(checkpoint_dir: str) -> Optional[str]:
     """A run that does not resume starts with its own checkpoint directory: an earlier run's
     checkpoints there are moved, whole, to ``checkpoints.before-<UTC time>`` (pruning, the best
@@ -93,7 +144,10 @@ def exp_manager(exp_cfg: DictConfig, full_cfg: DictConfig, default_name: str = "
     name = str(exp_cfg.get("name") or full_cfg.get("name") or default_name)
     log_dir = _log_dir(exp_cfg, name)
     checkpoint_dir = os.path.join(log_dir, "checkpoints")
+    _check_exp_config(exp_cfg, log_dir)
     setup_console_logging(log_dir)
+    if is_global_rank_zero():
+        lock_log_dir(log_dir)
     fresh = not exp_cfg.get("resume_if_exists", False) and not exp_cfg.get("resume_from_checkpoint")
     if is_global_rank_zero():
         os.makedirs(checkpoint_dir, exist_ok=True)
@@ -120,11 +174,15 @@ def exp_manager(exp_cfg: DictConfig, full_cfg: DictConfig, default_name: str = "
             raise CheckpointError(f"exp_manager.resume_from_checkpoint={resume_from}: no such checkpoint directory")
 
     config = OmegaConf.to_container(full_cfg, resolve=True)
-    if is_global_rank_zero():
+    hparams_text = OmegaConf.to_yaml(full_cfg, resolve=True)
+
+    def write_hparams() -> None:
+        # Only once the run is logging: a run that fails while starting leaves the last run's file.
         hparams = os.path.join(log_dir, "hparams.yaml")
         with open(f"{hparams}.tmp.{os.getpid()}", "w", encoding="utf-8") as f:  # the last run's stays whole
-            f.write(OmegaConf.to_yaml(full_cfg, resolve=True))
+            f.write(hparams_text)
         os.replace(f"{hparams}.tmp.{os.getpid()}", hparams)
+
     wandb_kwargs = OmegaConf.to_container(exp_cfg.get("wandb_logger_kwargs") or OmegaConf.create({}), resolve=True)
     metric_logger = MetricLogger(
         log_dir,
@@ -132,6 +190,7 @@ def exp_manager(exp_cfg: DictConfig, full_cfg: DictConfig, default_name: str = "
         create_wandb=bool(exp_cfg.get("create_wandb_logger", False)),
         wandb_kwargs=wandb_kwargs,
         config=config,
+        on_first_log=write_hparams,
     )
 
     callback = None

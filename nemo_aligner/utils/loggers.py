@@ -29,8 +29,10 @@ class MetricLogger:
     """
 
     def __init__(self, log_dir: str, create_tensorboard: bool = True, create_wandb: bool = False,
-                 wandb_kwargs: Optional[dict] = None, config: Optional[dict] = None):
+                 wandb_kwargs: Optional[dict] = None, config: Optional[dict] = None, on_first_log=None):
         self.log_dir = log_dir
+        # called once, before the first metrics are written: what a run writes only once it runs
+        self._on_first_log = on_first_log
         self.enabled = is_global_rank_zero()
         self.tb = None
         self.wandb_run = None
@@ -55,9 +57,15 @@ class MetricLogger:
             kwargs.setdefault("dir", log_dir)
             self.wandb_run = wandb.init(config=config, **kwargs)
 
+    def _first_log(self) -> None:
+        if self._on_first_log is not None:
+            callback, self._on_first_log = self._on_first_log, None
+            callback()
+
     def log_metrics(self, metrics: Dict[str, float], step: int, prefix: str = "") -> None:
         if not self.enabled:
             return
+        self._first_log()
         clean = {}
         for key, value in metrics.items():
             value = _scalar(value)
@@ -76,6 +84,7 @@ class MetricLogger:
         """A table of samples (prompt, response, reward, ...)."""
         if not self.enabled:
             return
+        self._first_log()
         if self.tb is not None:
             header = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
             body = "".join("| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in row) + " |\n"
