@@ -323,6 +323,8 @@ CONFIG_CASES = {
     "adam-beta-of-one": (config_values(**{"model.optim.betas": [0.9, 1.0]}),
                          r"model\.optim\.betas=\[0\.9, 1\.0\] must be two numbers in \[0, 1\)"),
     "zero-adam-eps": (config_values(**{"model.optim.eps": 0.0}), r"model\.optim\.eps=0\.0 must be > 0"),
+    "no-training-batches": (config_values(**{"trainer.limit_train_batches": 0}),
+                            r"trainer\.limit_train_batches=0 leaves no training batches"),
     "dropout-of-one": (config_values(**{"model.attention_dropout": 1.0}),
                        r"model\.attention_dropout=1\.0 must be < 1"),
     "negative-interval": (config_values(**{"trainer.sft.save_interval": -5}),
@@ -399,6 +401,36 @@ def test_nemo_without_model_config(workdir, saved_nemo):
           lambda: read_model_config(broken, "model.restore_from_path"))
 
 
+@pytest.mark.parametrize("text, pattern", [
+    ("", r"model_config\.yaml must hold the model's settings \(a YAML mapping\), got nothing"),
+    ("- num_layers\n- 2\n", r"model_config\.yaml must hold the model's settings \(a YAML mapping\), got list"),
+    ("num_layers: [2,\n", r"model_config\.yaml is not valid YAML \(line 2\)"),
+], ids=["empty", "list", "invalid"])
+def test_nemo_with_a_bad_model_config(workdir, saved_nemo, text, pattern):
+    import io
+
+    from nemo_aligner.utils.nemo_file import read_model_config
+
+    broken = repack(saved_nemo, workdir / "bad_config.nemo", drop="model_config.yaml")
+    with tarfile.open(broken, "a") as tar:
+        info = tarfile.TarInfo("./model_config.yaml")
+        info.size = len(text.encode())
+        tar.addfile(info, io.BytesIO(text.encode()))
+    check(workdir, CheckpointError, r"model\.restore_from_path=.*bad_config\.nemo: " + pattern,
+          lambda: read_model_config(broken, "model.restore_from_path"))
+
+
+def test_architecture_values_that_cannot_build_a_model_are_refused():
+    from nemo_aligner.models.nlp.gpt.gpt_builder import transformer_config_from_cfg
+
+    for extra, pattern in ((dict(num_query_groups=3), r"model\.num_query_groups=3 must divide model\.num_attention_heads=4"),
+                           (dict(max_position_embeddings=16, encoder_seq_length=32,
+                                 position_embedding_type="learned_absolute"),
+                            r"model\.max_position_embeddings=16 is shorter than model\.encoder_seq_length=32")):
+        with pytest.raises(ConfigError, match=pattern):
+            transformer_config_from_cfg(OmegaConf.create(dict(TINY_ARCH, **extra)))
+
+
 def test_nemo_that_is_not_a_tar(workdir):
     from nemo_aligner.utils.nemo_file import check_exists
 
@@ -421,3 +453,25 @@ def test_nemo_from_a_different_architecture(workdir, mcore_single):
                                                   r"checkpoint but .* in the model built from the config"):
             other.load_weights(nemo_file.weights_dir(directory), what=f"model.restore_from_path={path}")
     assert snapshot(workdir) == before
+
+
+@pytest.mark.parametrize("host, pattern", [
+    ("no-such-host.invalid", r"inference\.host='no-such-host\.invalid' is not an address of this machine"),
+    ("192.0.2.1", r"inference\.host='192\.0\.2\.1' is not an address of this machine"),  # TEST-NET-1: not ours
+])
+def test_a_server_host_that_is_not_this_machines_is_named(host, pattern):
+    from nemo_aligner.servers.triton_host import ServerAddress, check_ports_free
+    from nemo_aligner.utils.ports import free_port
+
+    with pytest.raises(ConfigError, match=pattern):
+        check_ports_free(ServerAddress(host, free_port(), free_port(), free_port()), "inference")
+
+
+def test_the_reliability_doc_counts_the_cases():
+    import re
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "reliability.md"), encoding="utf-8") as f:
+        doc = f.read()
+    found = re.search(r"(\d+) jsonl cases and (\d+) config cases", doc)
+    assert found, "docs/reliability.md lost its count of the catalogue"
+    assert (int(found.group(1)), int(found.group(2))) == (len(JSONL_CASES), len(CONFIG_CASES))

@@ -52,6 +52,11 @@ def server_address(cfg, key: str) -> ServerAddress:
 def check_ports_free(address: ServerAddress, key: str) -> None:
     """Fail at once, naming the port, instead of PyTriton's misleading error ~7 s later."""
     bind_host = "0.0.0.0" if address.host in ("0.0.0.0", "") else address.host
+    try:
+        socket.getaddrinfo(bind_host, None)
+    except socket.gaierror as err:
+        raise ConfigError(f"{key}.host={address.host!r} is not an address of this machine ({err.strerror}); use "
+                          "127.0.0.1, 0.0.0.0 (every interface) or this machine's name or IP") from None
     for name, port in (("port", address.http_port), ("grpc_port", address.grpc_port),
                        ("metrics_port", address.metrics_port)):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -59,6 +64,11 @@ def check_ports_free(address: ServerAddress, key: str) -> None:
             try:
                 sock.bind((bind_host, port))
             except OSError as err:
+                import errno
+
+                if err.errno == errno.EADDRNOTAVAIL:
+                    raise ConfigError(f"{key}.host={address.host!r} is not an address of this machine "
+                                      f"({err.strerror}); use 127.0.0.1, 0.0.0.0 or one of its own") from None
                 raise ConfigError(f"{key}.{name}={port} on {address.host} is already in use ({err.strerror}); "
                                   f"choose another port") from None
 

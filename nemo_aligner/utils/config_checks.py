@@ -139,6 +139,9 @@ def check_config_values(cfg: DictConfig) -> None:
                                   f"(-1 or null: all), got {type(value).__name__}")
             if isinstance(value, float) and not 0.0 <= value <= 1.0:
                 raise ConfigError(f"{path}={value} must be a fraction between 0.0 and 1.0, or an integer count")
+            if name == "limit_train_batches" and value == 0:
+                raise ConfigError(f"{path}={value} leaves no training batches; use a positive count or fraction, "
+                                  "or -1 / 1.0 for all")
         elif name in NON_NEGATIVE_NUMBERS or name in POSITIVE_NUMBERS:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"{path}={value!r} must be a number, got {type(value).__name__}")

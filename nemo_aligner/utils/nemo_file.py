@@ -74,7 +74,7 @@ def read_model_config(path: str, key: str = "restore_from_path") -> DictConfig:
     check_exists(path, key)
     if os.path.isdir(path):
         with open(os.path.join(path, MODEL_CONFIG), encoding="utf-8") as f:
-            return OmegaConf.create(yaml.safe_load(f))
+            return _parse_model_config(f.read(), path, key)
     try:
         with tarfile.open(path, "r:*") as tar:  # NeMo writes plain tars; gz-compressed ones exist too
             member = _member_name(tar, MODEL_CONFIG)
@@ -83,7 +83,26 @@ def read_model_config(path: str, key: str = "restore_from_path") -> DictConfig:
             data = tar.extractfile(member).read().decode("utf-8")
     except tarfile.TarError as err:
         raise CheckpointError(f"{key}={path}: cannot read the archive ({err}); the file may be truncated") from err
-    return OmegaConf.create(yaml.safe_load(data))
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{key}={path}: {MODEL_CONFIG} is not UTF-8 text") from None
+    return _parse_model_config(data, path, key)
+
+
+def _parse_model_config(text: str, path: str, key: str) -> DictConfig:
+    """``model_config.yaml``'s text as a config; anything but a YAML mapping is a CheckpointError."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise CheckpointError(f"{key}={path}: {MODEL_CONFIG} is not valid YAML{where}") from None
+    if not isinstance(data, dict) or not data:
+        raise CheckpointError(f"{key}={path}: {MODEL_CONFIG} must hold the model's settings (a YAML mapping), got "
+                              f"{'nothing' if data is None else type(data).__name__}")
+    try:
+        return OmegaConf.create(data)
+    except Exception as err:  # e.g. keys OmegaConf cannot hold
+        raise CheckpointError(f"{key}={path}: {MODEL_CONFIG} cannot be read as a config ({err})") from None
 
 
 def _job_tag() -> str:

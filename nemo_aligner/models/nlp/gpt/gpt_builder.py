@@ -140,6 +140,17 @@ def transformer_config_from_cfg(cfg, precision="32"):
     heads = int(_get(cfg, "num_attention_heads"))
     if hidden % heads != 0 and _get(cfg, "kv_channels") is None:
         raise ConfigError(f"model.hidden_size={hidden} is not divisible by model.num_attention_heads={heads}")
+    groups = _get(cfg, "num_query_groups")
+    if groups is not None and (int(groups) <= 0 or heads % int(groups) != 0):
+        raise ConfigError(f"model.num_query_groups={groups} must divide model.num_attention_heads={heads} (grouped-query "
+                          "attention shares each key/value head among the same number of query heads)")
+    if pos == "learned_absolute":
+        seq = _get(cfg, "encoder_seq_length")
+        table = _get(cfg, "max_position_embeddings")
+        if seq is not None and table is not None and int(table) < int(seq):
+            # a batch of encoder_seq_length tokens would index past the table in the middle of a run
+            raise ConfigError(f"model.max_position_embeddings={table} is shorter than model.encoder_seq_length={seq}: "
+                              "learned positions end at the table; lower the sequence length")
     tp = int(_get(cfg, "tensor_model_parallel_size", 1))
     pp = int(_get(cfg, "pipeline_model_parallel_size", 1))
     sequence_parallel = bool(_get(cfg, "sequence_parallel", False))
