@@ -166,6 +166,16 @@ def test_bad_jsonl(workdir, case):
     check(workdir, DataError, pattern, lambda: build(path))
 
 
+@pytest.mark.parametrize("template, pattern", [
+    ("{input {output}", r"prompt_template='\{input \{output\}' is not a valid template"),
+    ("{0} {output}", r"prompt_template='\{0\} \{output\}': \{0\} is not a record field name"),
+    ("{input.upper} {output}", r"\{input\.upper\} is not a record field name"),
+], ids=["unbalanced", "positional", "attribute"])
+def test_bad_prompt_template(workdir, template, pattern):
+    path = write(workdir, "bad.jsonl", '{"input": "a =", "output": "b"}\n')
+    check(workdir, ConfigError, pattern, lambda: sft(path, prompt_template=template))
+
+
 def test_overlong_record_is_truncated_with_a_warning_naming_it(workdir, caplog):
     path = write(workdir, "long.jsonl", '{"input": "a =", "output": "b"}\n{"input": "' + "x" * 500 + ' =", "output": "y"}\n')
     before = snapshot(workdir)

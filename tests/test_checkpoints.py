@@ -346,3 +346,35 @@ def test_non_finite_weights_are_never_written_or_loaded(tmp_path, mcore_single, 
     with pytest.raises(CheckpointError, match=r"nan\.nemo: tensor 'decoder\.layers\.1\.mlp\.linear_fc2\.weight' "
                                               r"holds a NaN or an infinity"):
         load_model(GPTSFTModel, OmegaConf.create({"micro_batch_size": 1}), "32", str(tmp_path / "nan.nemo"))
+
+
+def test_a_failed_save_or_a_torn_rng_file_is_one_clear_error(tmp_path, mcore_single, monkeypatch):
+    """Disk full while saving: a CheckpointError, nothing half-written left, the earlier checkpoint of
+    that name intact. A damaged rng_state file: a CheckpointError naming it, not a pickle traceback."""
+    import errno
+
+    from megatron.core import dist_checkpointing
+
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.utils.errors import CheckpointError
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+    from nemo_aligner.utils.train_checkpoint import load_train_checkpoint, save_train_checkpoint
+
+    model = GPTSFTModel(OmegaConf.create(dict(TINY_ARCH, micro_batch_size=1, encoder_seq_length=32)), ByteTokenizer())
+    ckpt = tmp_path / "step=2"
+    save_train_checkpoint(str(ckpt), model, None, None, {"step": 2})
+    before = sorted(os.listdir(ckpt))
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dist_checkpointing, "save", disk_full)
+    with pytest.raises(CheckpointError, match=r"step=2: could not be written \(.*No space left on device\); "
+                                              r"nothing was replaced"):
+        save_train_checkpoint(str(ckpt), model, None, None, {"step": 2})
+    monkeypatch.undo()
+    assert sorted(os.listdir(ckpt)) == before and not (tmp_path / "step=2.tmp").exists()
+
+    (ckpt / "rng_state_0.pt").write_bytes(b"PK\x03\x04 torn")
+    with pytest.raises(CheckpointError, match=r"step=2: rng_state_0\.pt cannot be read .*move it aside"):
+        load_train_checkpoint(str(ckpt), model, None, None)

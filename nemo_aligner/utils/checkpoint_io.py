@@ -116,9 +116,14 @@ def save_sharded(sharded_state_dict: dict, directory: str, content_metadata: Opt
         os.makedirs(tmp_dir)
     barrier()
     _use_in_process_results_queue()
-    dist_checkpointing.save(sharded_state_dict, tmp_dir, content_metadata=content_metadata)
-    if before_commit is not None:
-        before_commit(tmp_dir)
+    try:
+        dist_checkpointing.save(sharded_state_dict, tmp_dir, content_metadata=content_metadata)
+        if before_commit is not None:
+            before_commit(tmp_dir)
+    except (Exception, _dcp_exception()) as err:  # disk full, a quota, a vanished mount
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise CheckpointError(f"{directory}: could not be written ({_short(err)}); nothing was replaced (an "
+                              "earlier checkpoint of that name, and every other, is kept)") from None
     barrier()
     if get_rank() == 0:
         _write_common_file(tmp_dir)

@@ -312,9 +312,16 @@ def save_nemo(model, path: str) -> str:
         for name, src in artifacts:
             shutil.copy(src, os.path.join(staging, name))
         tmp = f"{path}.tmp"
-        with tarfile.open(tmp, "w:") as tar:
-            for name in sorted(os.listdir(staging)):
-                tar.add(os.path.join(staging, name), arcname=f"./{name}")
+        try:
+            with tarfile.open(tmp, "w:") as tar:
+                for name in sorted(os.listdir(staging)):
+                    tar.add(os.path.join(staging, name), arcname=f"./{name}")
+        except OSError as err:  # disk full, a quota
+            shutil.rmtree(staging, ignore_errors=True)
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise CheckpointError(f"{path}: could not be written ({err.strerror or err}); a file already there "
+                                  "is kept as it was") from None
         os.replace(tmp, path)
         shutil.rmtree(staging, ignore_errors=True)
     barrier()

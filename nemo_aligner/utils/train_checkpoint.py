@@ -295,7 +295,12 @@ def load_train_checkpoint(directory: str, model, optimizer, scheduler, load_rng:
     rng_path = os.path.join(directory, f"rng_state_{get_rank()}.pt")
     if load_rng:
         if os.path.isfile(rng_path):
-            set_rng_state(torch.load(rng_path, weights_only=False))
+            try:
+                set_rng_state(torch.load(rng_path, weights_only=False))
+            except Exception as err:  # a torn or foreign file: pickle, zip or key errors
+                raise CheckpointError(f"checkpoint {directory}: {os.path.basename(rng_path)} cannot be read "
+                                      f"({type(err).__name__}); the checkpoint is damaged: move it aside to resume "
+                                      "from an earlier one") from None
         else:
             logger.warning("%s has no RNG state for rank %d (saved with another world size); RNG not restored",
                            directory, get_rank())

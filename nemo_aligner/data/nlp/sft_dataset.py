@@ -23,8 +23,22 @@ logger = logging.getLogger(__name__)
 
 
 def template_fields(template: str) -> List[str]:
-    """Names used in a ``str.format`` template, in order."""
-    return [name for _, name, _, _ in string.Formatter().parse(template) if name]
+    """Names used in a ``str.format`` template, in order; a template ``str.format`` cannot fill from
+    a record's fields is a ConfigError naming it."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as err:
+        raise ConfigError(f"prompt_template={template!r} is not a valid template ({err}); write fields as {{name}} "
+                          "and literal braces doubled, {{ and }}") from None
+    names = []
+    for _, name, _, _ in parsed:
+        if name is None:
+            continue
+        if not name.isidentifier():
+            raise ConfigError(f"prompt_template={template!r}: {{{name}}} is not a record field name (fields are "
+                              "written {input}, {output}, ...)")
+        names.append(name)
+    return names
 
 
 def truncate(ids: List[int], n_remove: int, method: str) -> List[int]:
@@ -59,8 +73,10 @@ class GPTSFTDataset(torch.utils.data.Dataset):
         marker = "{" + label_key + "}"
         if marker not in prompt_template:
             raise ConfigError(f"prompt_template {prompt_template!r} does not contain {marker} (label_key={label_key!r})")
-        self.context_template, self.answer_suffix = prompt_template.split(marker, 1)
         self.fields = template_fields(prompt_template)
+        self.context_template, self.answer_suffix = prompt_template.split(marker, 1)
+        for part in (self.context_template, self.answer_suffix):
+            template_fields(part)  # each half is formatted on its own
         self.records = records if records is not None else read_jsonl(file_path)
         for record in self.records:
             require_fields(record, self.fields, file_path)
