@@ -68,3 +68,17 @@ def test_a_long_request_is_not_idleness(drain):
     assert not drain.stopped.wait(1.6)
     drain.end(CRITIC_TRAIN)
     assert drain.stopped.wait(3.0)
+
+
+def test_critic_train_requests_over_the_row_limit_are_refused_before_any_work():
+    """trainer.ppo.max_train_rows: each global batch of a critic_train request is an optimizer step;
+    a request larger than the limit is answered with an error before it reaches the model."""
+    import numpy as np
+
+    from nemo_aligner.servers.critic_server import BadTrainRequest, CriticServer
+
+    server = object.__new__(CriticServer)  # the checks only; no model
+    server.vocab_size, server.max_seq_length, server.max_train_rows, server.key = 384, 128, 8, "trainer.ppo"
+    rows = np.ones((9, 5), dtype=np.int64)
+    with pytest.raises(BadTrainRequest, match=r"9 rows, more than the server's trainer\.ppo\.max_train_rows=8"):
+        server.train(rows, np.zeros((9, 4)), np.zeros((9, 4)), np.ones((9, 4)))

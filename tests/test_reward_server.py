@@ -132,6 +132,9 @@ BAD_REQUESTS = {
     # an id outside the embedding failed inside the forward (a 2-process server went down with it)
     "token-id-beyond-the-vocabulary": (dict(tokens=np.array([[5, 100000, 7]]), sequence_lengths=np.array([[3]])),
                                        r"token ids must be within 0\.\.383 \(the model's vocabulary\), got 5\.\.100000"),
+    # RoPE, trained on 32 tokens: 4x that by default (inference.max_sequence_length), before any forward
+    "wider-than-the-limit": (dict(tokens=np.ones((1, 129), dtype=np.int64), sequence_lengths=np.array([[129]])),
+                             r"a sequence of 129 tokens is longer than the model's 128"),
     "negative-token-id": (dict(tokens=np.array([[5, -5, 7]]), sequence_lengths=np.array([[3]])),
                           r"token ids must be within 0\.\.383"),
 }

@@ -42,8 +42,10 @@ def check_request(tokens: np.ndarray, lengths: np.ndarray, max_seq_length: Optio
     if (lengths < 1).any() or (lengths > tokens.shape[1]).any():
         raise BadRequest(f"sequence_lengths must be within 1..{tokens.shape[1]} (the token width), got "
                          f"{lengths.min()}..{lengths.max()}")
+    # (the batch is trimmed to its longest sequence before any forward: lengths decide the cost)
     if max_seq_length is not None and lengths.max() > max_seq_length:
-        raise BadRequest(f"a sequence of {lengths.max()} tokens is longer than the model's {max_seq_length}")
+        raise BadRequest(f"a sequence of {lengths.max()} tokens is longer than the model's {max_seq_length} (its "
+                         "positions, or the server's max_sequence_length)")
     if vocab_size is not None and tokens.size:
         problem = token_id_problem(tokens[np.arange(tokens.shape[1])[None, :] < lengths[:, None]], vocab_size)
         if problem:
@@ -62,10 +64,22 @@ def _learned_positions(cfg) -> bool:
     return str(cfg.get("position_embedding_type", "rope")) == "learned_absolute"
 
 
-def request_limits(cfg) -> Tuple[Optional[int], int]:
-    """``(longest sequence, vocabulary rows)`` a server can take for a model config: learned
-    positions end at the table's size (RoPE has no such limit, None)."""
-    longest = int(cfg.get("max_position_embeddings") or cfg.encoder_seq_length) if _learned_positions(cfg) else None
+# RoPE has no table to end at: without a configured limit, a server takes sequences up to this many
+# times the trained length (longer ones are extrapolation anyway, and a bound keeps one request
+# from holding the server for minutes or exhausting its memory).
+ROPE_LIMIT_FACTOR = 4
+
+
+def request_limits(cfg, max_sequence_length: Optional[int] = None) -> Tuple[int, int]:
+    """``(longest sequence, vocabulary rows)`` a server takes for a model config: learned positions
+    end at the table's size; ``max_sequence_length`` (the server's key) lowers that, or sets it for
+    RoPE, whose default is ``ROPE_LIMIT_FACTOR`` x ``encoder_seq_length``."""
+    if _learned_positions(cfg):
+        longest = int(cfg.get("max_position_embeddings") or cfg.encoder_seq_length)
+        if max_sequence_length:
+            longest = min(longest, int(max_sequence_length))
+    else:
+        longest = int(max_sequence_length or ROPE_LIMIT_FACTOR * int(cfg.encoder_seq_length))
     return longest, int(cfg.padded_vocab_size)
 
 

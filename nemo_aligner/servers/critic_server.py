@@ -113,7 +113,8 @@ class CriticServer:
     def __init__(self, model, trainer, address: ServerAddress, combine_rm_and_critic: bool = True,
                  micro_batch_size: int = 4, max_queue_delay_us: int = 2000, strip_to_multiple: Optional[int] = None,
                  max_batch_size: Optional[int] = None, workspace_dir: Optional[str] = None,
-                 triton_log_file: Optional[str] = None, shutdown_idle_s: float = 60.0, key: str = "trainer.ppo"):
+                 triton_log_file: Optional[str] = None, shutdown_idle_s: float = 60.0, key: str = "trainer.ppo",
+                 max_sequence_length: Optional[int] = None, max_train_rows: Optional[int] = None):
         from megatron.core import parallel_state
 
         self.model = model
@@ -131,7 +132,8 @@ class CriticServer:
         self.key = key
         self.lock = threading.Lock()
         self.pad_id = model.tokenizer.eos_id
-        self.max_seq_length, self.vocab_size = request_limits(model.cfg)
+        self.max_seq_length, self.vocab_size = request_limits(model.cfg, max_sequence_length)
+        self.max_train_rows = int(max_train_rows) if max_train_rows else None
         self.warn_length = TrainedLengthWarning(model.cfg, "critic server")
         # seconds spent serving critic_infer since the last critic_train, logged with it
         # (``critic/time/infer``): with ``critic/time/train`` the server's busy time per PPO step
@@ -200,6 +202,9 @@ class CriticServer:
         if self.max_seq_length is not None and tokens.shape[1] > self.max_seq_length:
             raise BadTrainRequest(f"sequences of {tokens.shape[1]} tokens are longer than the model's "
                                   f"{self.max_seq_length}")
+        if self.max_train_rows is not None and tokens.shape[0] > self.max_train_rows:
+            raise BadTrainRequest(f"{tokens.shape[0]} rows, more than the server's {self.key}.max_train_rows="
+                                  f"{self.max_train_rows}")
         expected = (tokens.shape[0], tokens.shape[1] - 1)
         for name, value in (("returns", returns), ("prev_values", prev_values), ("mask", mask)):
             if tuple(np.shape(value)) != expected:
@@ -322,7 +327,8 @@ def serve_ppo_critic(cfg) -> None:
         max_queue_delay_us=int(ppo.get("max_queue_delay_microseconds") or 0),
         strip_to_multiple=ppo.get("strip_sequence_length_to_multiple") or ppo.get("pad_sequence_length_to_multiple"),
         max_batch_size=ppo.get("max_batch_size"), workspace_dir=ppo.get("workspace_dir"),
-        triton_log_file=ppo.get("triton_log_file"), shutdown_idle_s=float(ppo.get("shutdown_idle_s", 60)))
+        triton_log_file=ppo.get("triton_log_file"), shutdown_idle_s=float(ppo.get("shutdown_idle_s", 60)),
+        max_sequence_length=ppo.get("max_sequence_length"), max_train_rows=ppo.get("max_train_rows"))
     try:
         server.run()
     finally:

@@ -34,7 +34,7 @@ class RewardModelServer:
     def __init__(self, model, address: ServerAddress, micro_batch_size: int = 4, max_queue_delay_us: int = 2000,
                  strip_to_multiple: Optional[int] = None, max_batch_size: Optional[int] = None,
                  workspace_dir: Optional[str] = None, triton_log_file: Optional[str] = None,
-                 key: str = "inference"):
+                 key: str = "inference", max_sequence_length: Optional[int] = None):
         from megatron.core import parallel_state
 
         self.model = model
@@ -49,7 +49,7 @@ class RewardModelServer:
         self.key = key
         self.lock = threading.Lock()
         self.pad_id = model.tokenizer.eos_id
-        self.max_seq_length, self.vocab_size = request_limits(model.cfg)
+        self.max_seq_length, self.vocab_size = request_limits(model.cfg, max_sequence_length)
         self.warn_length = TrainedLengthWarning(model.cfg, "reward model server")
         self.requests = 0
 
@@ -167,5 +167,6 @@ def serve_reward_model(cfg) -> None:
         max_batch_size=inference.get("max_batch_size"),
         workspace_dir=inference.get("workspace_dir"),
         triton_log_file=inference.get("triton_log_file"),
+        max_sequence_length=inference.get("max_sequence_length"),
     )
     server.run()

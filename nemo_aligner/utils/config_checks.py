@@ -23,6 +23,7 @@ POSITIVE_INTS = frozenset({
     "rollout_micro_batch_size", "forward_micro_batch_size", "val_rollout_micro_batch_size",
     "inference_micro_batch_size", "num_rollout_samples", "num_val_samples", "num_responses_per_prompt",
     "num_generations_per_prompt", "max_batch_size", "make_vocab_size_divisible_by", "batch_size",
+    "max_sequence_length", "max_train_rows",
 })
 NON_NEGATIVE_INTS = frozenset({
     "critic_warmup_steps", "num_workers",
