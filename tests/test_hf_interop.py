@@ -95,6 +95,25 @@ def test_unsupported_models_are_named(tmp_path, mcore_single):
         import_hf_model(str(tmp_path / "m"), str(tmp_path / "x.nemo"))
     with pytest.raises(ConfigError, match="no config.json"):
         import_hf_model(str(tmp_path), str(tmp_path / "x.nemo"))
+    (tmp_path / "m" / "config.json").write_text('{"model_type": "llama", ')
+    with pytest.raises(ConfigError, match=r"m/config\.json: not valid JSON"):
+        import_hf_model(str(tmp_path / "m"), str(tmp_path / "x.nemo"))
+    (tmp_path / "m" / "config.json").write_text('["llama"]')
+    with pytest.raises(ConfigError, match=r"m/config\.json: must hold a JSON object, got list"):
+        import_hf_model(str(tmp_path / "m"), str(tmp_path / "x.nemo"))
+
+
+def test_unreadable_weight_files_are_named(tmp_path):
+    from nemo_aligner.utils.errors import CheckpointError
+    from nemo_aligner.utils.hf_interop import read_hf_weights
+
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{trunc")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: not a readable safetensors file"):
+        read_hf_weights(str(tmp_path))
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not a torch file")
+    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin: cannot be read as a weights file"):
+        read_hf_weights(str(tmp_path))
 
 
 def test_export_refuses_what_it_would_destroy_or_drop(tmp_path, mcore_single):

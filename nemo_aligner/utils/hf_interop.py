@@ -154,13 +154,21 @@ def read_hf_weights(hf_dir: str) -> Dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
         for path in files:
-            state.update(load_file(path))
+            try:
+                state.update(load_file(path))
+            except Exception as err:  # safetensors' own errors: a truncated file, a bad header
+                raise CheckpointError(f"{path}: not a readable safetensors file ({err}); the download may be "
+                                      "incomplete") from None
         return state
     bins = sorted(glob.glob(os.path.join(hf_dir, "pytorch_model*.bin")))
     if not bins:
         raise CheckpointError(f"{hf_dir}: no *.safetensors or pytorch_model*.bin weights")
     for path in bins:
-        state.update(torch.load(path, map_location="cpu", weights_only=True))
+        try:
+            state.update(torch.load(path, map_location="cpu", weights_only=True))
+        except Exception as err:
+            raise CheckpointError(f"{path}: cannot be read as a weights file ({type(err).__name__}: "
+                                  f"{str(err).splitlines()[0] if str(err) else ''})") from None
     return state
 
 
@@ -344,8 +352,13 @@ def import_hf_model(hf_dir: str, nemo_path: str) -> str:
     config_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(config_path):
         raise ConfigError(f"{hf_dir}: no config.json (not a Hugging Face model directory)")
-    with open(config_path, encoding="utf-8") as f:
-        hf_cfg = json.load(f)
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            hf_cfg = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{config_path}: not valid JSON ({err})") from None
+    if not isinstance(hf_cfg, dict):
+        raise ConfigError(f"{config_path}: must hold a JSON object, got {type(hf_cfg).__name__}")
     arch, cfg = nemo_config_from_hf(hf_cfg, config_path)
     if any(os.path.isfile(os.path.join(hf_dir, n)) for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         tokenizer, tok_cfg = HFTokenizer(hf_dir), {"library": "huggingface", "type": os.path.abspath(hf_dir)}
