@@ -56,6 +56,21 @@ def _listening(where: str) -> bool:
         return True
 
 
+def server_message(err: BaseException) -> str:
+    """What a server's error says, without the Python traceback PyTriton forwards from the model's
+    process: the line raising the exception (``BadRequest: ...``), else the message as it is."""
+    import re
+
+    text = str(err)
+    if "Traceback (most recent call last)" not in text:
+        return text.strip()
+    raised = [line.strip() for line in text.splitlines()
+              if re.match(r"^\s*[A-Za-z_][\w.]*(Error|Exception|Request|Interrupt)\b.*:", line)
+              and not line.strip().startswith(("File ", "Traceback"))]
+    head = text.split("Traceback (most recent call last)")[0].strip().rstrip(":")
+    return f"{head}: {raised[-1]}" if raised else head
+
+
 def _is_timeout(err: BaseException) -> bool:
     import concurrent.futures
 
@@ -113,7 +128,7 @@ class ServerFuture:
             except Exception as err:  # PyTriton client errors: connection closed, server-side error, timeout
                 if not _is_timeout(err):
                     raise RemoteServerError(f"request to the server at {self._where} failed: {type(err).__name__}: "
-                                            f"{err} (config: {self._key})") from None
+                                            f"{server_message(err)} (config: {self._key})") from None
                 if attempt >= self._retries:
                     tries = f" (tried {attempt + 1} times)" if attempt else ""
                     raise RemoteServerError(

@@ -1,5 +1,7 @@
-"""When the critic server stops after SIGTERM (``ShutdownDrain``): at once between the actor's steps,
-after the actor's checkpoint request when it is mid-step, or when the actor has gone quiet."""
+"""Server guards without a running server: when the critic server stops after SIGTERM
+(``ShutdownDrain``: at once between the actor's steps, after the actor's checkpoint request when it is
+mid-step, or when the actor has gone quiet), the critic_train row limit, and server errors as the
+client reports them."""
 
 import threading
 import time
@@ -82,3 +84,17 @@ def test_critic_train_requests_over_the_row_limit_are_refused_before_any_work():
     rows = np.ones((9, 5), dtype=np.int64)
     with pytest.raises(BadTrainRequest, match=r"9 rows, more than the server's trainer\.ppo\.max_train_rows=8"):
         server.train(rows, np.zeros((9, 4)), np.zeros((9, 4)), np.ones((9, 4)))
+
+
+def test_server_errors_reach_the_client_without_the_servers_traceback():
+    from nemo_aligner.servers.clients import server_message
+
+    forwarded = ("Failed to process the request(s) for model 'reward_model_0_0', message: TritonModelException: Model "
+                 "execute error: Traceback (most recent call last):\n  File \"/tmp/folderX/1/model.py\", line 1, in f\n"
+                 "    raise BadRequest(...)\nnemo_aligner.servers.batching.BadRequest: token ids must be within 0..383\n"
+                 "\nAt:\n  /tmp/folderX/1/model.py(501): execute")
+    assert server_message(Exception(forwarded)) == (
+        "Failed to process the request(s) for model 'reward_model_0_0', message: TritonModelException: Model execute "
+        "error: nemo_aligner.servers.batching.BadRequest: token ids must be within 0..383")
+    plain = "[request id: <id_unknown>] unexpected datatype FP32 for input 'tokens', expecting INT64"
+    assert server_message(Exception(plain)) == plain
