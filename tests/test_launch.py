@@ -155,3 +155,17 @@ def test_slurm_heterogeneous_components_get_their_own_rendezvous():
     assert (critic.master_addr, actor.master_addr) == ("node1", "node3")
     assert critic.master_port != actor.master_port and 20000 <= critic.master_port < 40000
     assert read_launch_info({**common, "SLURM_STEP_ID": "1", "MASTER_PORT": "29511"}).master_port == 29511
+
+
+def test_nemo_extraction_knows_the_local_rank_under_mpirun(monkeypatch):
+    """Only local rank 0 extracts a .nemo for its node; mpirun sets no LOCAL_RANK, so rank 1 took
+    itself for rank 0 and the two raced on one directory."""
+    from nemo_aligner.utils.nemo_file import _local_rank
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2")
+    assert _local_rank() == 1

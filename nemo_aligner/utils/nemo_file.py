@@ -43,7 +43,10 @@ _NEMO_PREFIX = "nemo:"
 
 
 def _local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
+    """This process's rank on its node, from whichever launcher started it (mpirun sets no LOCAL_RANK)."""
+    from nemo_aligner.utils.distributed import read_launch_info
+
+    return read_launch_info().local_rank
 
 
 def check_exists(path: str, key: str) -> None:
