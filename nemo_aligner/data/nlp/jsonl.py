@@ -16,43 +16,41 @@ class _NonFinite(float):
     would turn every loss it enters into NaN."""
 
 
-def _non_finite_field(value: Any, where: str = "") -> Optional[str]:
-    """The field path (``label[0]``, ``conversations[1].value``) of the first non-finite number."""
-    if isinstance(value, _NonFinite):
-        return where
+def _first_field(value: Any, bad, where: str = "") -> Optional[str]:
+    """The field path (``label[0]``, ``conversations[1].value``) of the first leaf value for which
+    ``bad(value)`` holds, walking dicts and lists in order."""
     if isinstance(value, dict):
         items = ((f"{where}.{k}" if where else str(k)) for k in value), value.values()
     elif isinstance(value, list):
         items = (f"{where}[{i}]" for i in range(len(value))), value
     else:
-        return None
+        return (where or "(the record)") if bad(value) else None
     for path, item in zip(*items):
-        found = _non_finite_field(item, path)
+        found = _first_field(item, bad, path)
         if found is not None:
             return found
     return None
 
 
-def _unencodable_field(value: Any, where: str = "") -> Optional[str]:
-    """The field path of the first string that is not valid Unicode (a lone surrogate such as
-    ``"\\ud800"``: valid JSON, but no tokenizer can encode it)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return where or "(the record)"
-        return None
-    if isinstance(value, dict):
-        items = ((f"{where}.{k}" if where else str(k)) for k in value), value.values()
-    elif isinstance(value, list):
-        items = (f"{where}[{i}]" for i in range(len(value))), value
-    else:
-        return None
-    for path, item in zip(*items):
-        found = _unencodable_field(item, path)
-        if found is not None:
-            return found
-    return None
+def _non_finite_field(record: Any) -> Optional[str]:
+    """The first non-finite number (NaN/Infinity parsed as ``_NonFinite``)."""
+    return _first_field(record, lambda v: isinstance(v, _NonFinite))
+
+
+def _not_unicode(value: Any) -> bool:
+    """A string that is not valid Unicode: a lone surrogate such as ``"\\ud800"``, valid JSON that no
+    tokenizer can encode."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _unencodable_field(record: Any) -> Optional[str]:
+    return _first_field(record, _not_unicode)
 
 
 def read_jsonl(path: str, allow_non_finite: bool = False) -> List[Dict[str, Any]]:
