@@ -158,18 +158,6 @@ def _use_in_process_results_queue() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
-def reset_checkpoint_writer() -> None:
-    """Forget megatron-core's cached writer queue, whose manager process may have died.
-
-    torch_dist saves hand results through a ``multiprocessing`` manager created once per
-    process. A launcher that signals the whole process group on shutdown (torchrun, Slurm)
-    kills it too; a save made after that (a server's save-on-exit) needs a new one.
-    """
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    filesystem_async._results_queue = None
-
-
 def non_finite_tensor(module: torch.nn.Module) -> Optional[str]:
     """The name of this rank's first parameter holding a NaN or an infinity (None if all are
     finite), agreed over every rank: a non-finite name anywhere makes every rank return one."""
