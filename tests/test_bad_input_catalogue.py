@@ -117,7 +117,8 @@ JSONL_CASES = {
     "rm-empty-text": (rm, '{"text": "reverse abc = cba"}\n{"text": ""}\n', None, r"bad\.jsonl:2: field 'text' is empty"),
     "rm-text-wrong-type": (rm, '{"text": ["reverse"]}\n{"text": "x"}\n', None,
                            r"bad\.jsonl:1: field 'text' must be str, got list"),
-    "regression-bad-label": (regression, '{"text": "a", "label": "quality:x"}\n', None, r"bad\.jsonl:1"),
+    "regression-bad-label": (regression, '{"text": "a", "label": "quality:x"}\n', None,
+                             r"bad\.jsonl:1: attribute 'quality' has a value that is not a finite number: 'x'"),
     "dpo-without-rejected": (dpo, '{"prompt": "p", "chosen_response": "a"}\n', None,
                              r"bad\.jsonl:1: missing field 'rejected_response'"),
     "dpo-empty-chosen": (dpo, '{"prompt": "p", "chosen_response": "", "rejected_response": "b"}\n', None,
@@ -166,12 +167,16 @@ def test_bad_jsonl(workdir, case):
     check(workdir, DataError, pattern, lambda: build(path))
 
 
-@pytest.mark.parametrize("template, pattern", [
-    ("{input {output}", r"prompt_template='\{input \{output\}' is not a valid template"),
-    ("{0} {output}", r"prompt_template='\{0\} \{output\}': \{0\} is not a record field name"),
-    ("{input.upper} {output}", r"\{input\.upper\} is not a record field name"),
-], ids=["unbalanced", "positional", "attribute"])
-def test_bad_prompt_template(workdir, template, pattern):
+TEMPLATE_CASES = {
+    "unbalanced": ("{input {output}", r"prompt_template='\{input \{output\}' is not a valid template"),
+    "positional": ("{0} {output}", r"prompt_template='\{0\} \{output\}': \{0\} is not a record field name"),
+    "attribute": ("{input.upper} {output}", r"\{input\.upper\} is not a record field name"),
+}
+
+
+@pytest.mark.parametrize("case", list(TEMPLATE_CASES))
+def test_bad_prompt_template(workdir, case):
+    template, pattern = TEMPLATE_CASES[case]
     path = write(workdir, "bad.jsonl", '{"input": "a =", "output": "b"}\n')
     check(workdir, ConfigError, pattern, lambda: sft(path, prompt_template=template))
 
@@ -411,12 +416,16 @@ def test_nemo_without_model_config(workdir, saved_nemo):
           lambda: read_model_config(broken, "model.restore_from_path"))
 
 
-@pytest.mark.parametrize("text, pattern", [
-    ("", r"model_config\.yaml must hold the model's settings \(a YAML mapping\), got nothing"),
-    ("- num_layers\n- 2\n", r"model_config\.yaml must hold the model's settings \(a YAML mapping\), got list"),
-    ("num_layers: [2,\n", r"model_config\.yaml is not valid YAML \(line 2\)"),
-], ids=["empty", "list", "invalid"])
-def test_nemo_with_a_bad_model_config(workdir, saved_nemo, text, pattern):
+MODEL_CONFIG_CASES = {
+    "empty": ("", r"model_config\.yaml must hold the model's settings \(a YAML mapping\), got nothing"),
+    "list": ("- num_layers\n- 2\n", r"model_config\.yaml must hold the model's settings \(a YAML mapping\), got list"),
+    "invalid": ("num_layers: [2,\n", r"model_config\.yaml is not valid YAML \(line 2\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(MODEL_CONFIG_CASES))
+def test_nemo_with_a_bad_model_config(workdir, saved_nemo, case):
+    text, pattern = MODEL_CONFIG_CASES[case]
     import io
 
     from nemo_aligner.utils.nemo_file import read_model_config
@@ -465,11 +474,15 @@ def test_nemo_from_a_different_architecture(workdir, mcore_single):
     assert snapshot(workdir) == before
 
 
-@pytest.mark.parametrize("host, pattern", [
-    ("no-such-host.invalid", r"inference\.host='no-such-host\.invalid' is not an address of this machine"),
-    ("192.0.2.1", r"inference\.host='192\.0\.2\.1' is not an address of this machine"),  # TEST-NET-1: not ours
-])
-def test_a_server_host_that_is_not_this_machines_is_named(host, pattern):
+HOST_CASES = {
+    "unresolvable": ("no-such-host.invalid", r"inference\.host='no-such-host\.invalid' is not an address of this machine"),
+    "another-machine": ("192.0.2.1", r"inference\.host='192\.0\.2\.1' is not an address of this machine"),  # TEST-NET-1
+}
+
+
+@pytest.mark.parametrize("case", list(HOST_CASES))
+def test_a_server_host_that_is_not_this_machines_is_named(case):
+    host, pattern = HOST_CASES[case]
     from nemo_aligner.servers.triton_host import ServerAddress, check_ports_free
     from nemo_aligner.utils.ports import free_port
 
@@ -477,11 +490,11 @@ def test_a_server_host_that_is_not_this_machines_is_named(host, pattern):
         check_ports_free(ServerAddress(host, free_port(), free_port(), free_port()), "inference")
 
 
-def test_the_reliability_doc_counts_the_cases():
-    import re
+def test_the_catalogue_doc_is_generated_from_the_tests():
+    import subprocess
+    import sys
 
-    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "reliability.md"), encoding="utf-8") as f:
-        doc = f.read()
-    found = re.search(r"(\d+) jsonl cases and (\d+) config cases", doc)
-    assert found, "docs/reliability.md lost its count of the catalogue"
-    assert (int(found.group(1)), int(found.group(2))) == (len(JSONL_CASES), len(CONFIG_CASES))
+    script = os.path.join(os.path.dirname(__file__), "reliability", "catalogue.py")
+    generated = subprocess.run([sys.executable, script], capture_output=True, text=True, check=True).stdout
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "reliability_catalogue.md"), encoding="utf-8") as f:
+        assert f.read() == generated, "docs/reliability_catalogue.md is stale: python tests/reliability/catalogue.py --write"

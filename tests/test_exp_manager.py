@@ -42,14 +42,18 @@ time.sleep(60)
     manage(log_dir)  # this process holds it already
 
 
-@pytest.mark.parametrize("params, pattern", [
-    ({"filename": "model-{step}.tmp"}, r"filename='model-\{step\}\.tmp': a checkpoint name must not"),
-    ({"filename": "a/b"}, r"filename='a/b'"),
-    ({"save_top_k": "abc"}, r"save_top_k='abc' must be an integer"),
-    ({"save_top_k": -2}, r"save_top_k=-2 must be an integer"),
-    ({"mode": "maximum"}, r"mode='maximum' must be 'min' or 'max'"),
-])
-def test_checkpoint_settings_it_would_misread_are_refused(tmp_path, params, pattern):
+CHECKPOINT_SETTING_CASES = {
+    "filename-tmp": ({"filename": "model-{step}.tmp"}, r"filename='model-\{step\}\.tmp': a checkpoint name must not"),
+    "filename-slash": ({"filename": "a/b"}, r"filename='a/b'"),
+    "save-top-k-text": ({"save_top_k": "abc"}, r"save_top_k='abc' must be an integer"),
+    "save-top-k-below-minus-1": ({"save_top_k": -2}, r"save_top_k=-2 must be an integer"),
+    "mode": ({"mode": "maximum"}, r"mode='maximum' must be 'min' or 'max'"),
+}
+
+
+@pytest.mark.parametrize("case", list(CHECKPOINT_SETTING_CASES))
+def test_checkpoint_settings_it_would_misread_are_refused(tmp_path, case):
+    params, pattern = CHECKPOINT_SETTING_CASES[case]
     with pytest.raises(ConfigError, match=pattern):
         manage(tmp_path / "run", **params)
     assert not (tmp_path / "run").exists()

@@ -124,6 +124,22 @@ def test_real_mpirun_with_config_path_first(tmp_path, builtin_data):
     assert sorted(train_losses(str(tmp_path / "mpi"))) == [1, 2, 3]
 
 
+@pytest.mark.parametrize("how", ["devices", "env"])
+def test_every_socket_of_a_one_machine_job_listens_on_loopback_only(tmp_path, how):
+    """torch's rendezvous store listens on every interface by default; here the elastic agent's store
+    (``trainer.devices=2``) and rank 0's (an external launcher's variables), and gloo, listen on 127.0.0.1."""
+    import json
+
+    out = tmp_path / "listening.json"
+    worker = os.path.join(os.path.dirname(__file__), "workers", "listening_sockets.py")
+    proc = subprocess.run([sys.executable, worker, str(out), *(["env"] if how == "env" else [])],
+                          env=subprocess_env(2), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    seen = json.loads(out.read_text())
+    assert seen["processes"] == 3 and seen["listening"], seen  # the supervisor and both ranks; a store listens
+    assert all(ip == "127.0.0.1" for ip, _ in seen["listening"]), seen
+
+
 def test_started_ranks_report_an_error_once_and_exit_1(tmp_path, builtin_data):
     args = _sft_args(builtin_data, tmp_path / "bad", ["trainer.devices=2"])
     args = [a for a in args if not a.startswith("model.data.train_ds.file_path")]

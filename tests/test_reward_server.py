@@ -124,7 +124,7 @@ BAD_REQUESTS = {
                         r"batch|65|64"),
     "missing-input": (dict(tokens=np.ones((2, 4), dtype=np.int64)), r"sequence_lengths"),
     "empty-batch": (dict(tokens=np.ones((0, 4), dtype=np.int64), sequence_lengths=np.ones((0, 1), dtype=np.int64)),
-                    r"byte size mismatch|empty"),
+                    r"input 'tokens' is empty \(shape \[0, 4\]\)"),
     "lengths-beyond-width": (dict(tokens=np.ones((1, 3), dtype=np.int64), sequence_lengths=np.array([[9]])),
                              r"sequence_lengths must be within 1\.\.3"),
     "lengths-rows-mismatch": (dict(tokens=np.ones((2, 3), dtype=np.int64), sequence_lengths=np.array([[3]])),
@@ -153,6 +153,51 @@ def test_bad_request_is_answered_and_the_server_keeps_serving(server, rm_nemo_an
         np.testing.assert_allclose(c.infer_texts(TEXTS[:2]).result(), [expected[t] for t in TEXTS[:2]], rtol=1e-5,
                                    atol=1e-5)
     assert server.proc.poll() is None
+
+
+def test_crafted_http_requests_are_refused_before_triton_sees_them(server, rm_nemo_and_rewards):
+    """One small request declaring a [64, 1e11] tensor aborted tritonserver (it allocates for the declared
+    shape); the request guard refuses it, and routes that change the server, with a 4xx."""
+    import http.client
+    import json
+
+    _, expected = rm_nemo_and_rewards
+    huge = {"inputs": [{"name": "tokens", "shape": [64, 100_000_000_000], "datatype": "INT64", "data": [1]},
+                       {"name": "sequence_lengths", "shape": [64, 1], "datatype": "INT64", "data": [1] * 64}]}
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    for method, path, body, status, message in (
+            ("POST", "/v2/models/reward_model/infer", json.dumps(huge), 400, "more than 512 elements per row"),
+            ("POST", "/v2/repository/models/reward_model/unload", "{}", 403, "not served here"),
+            ("POST", "/v2/models/reward_model/infer", "{not json", 400, "not JSON")):
+        conn.request(method, path, body=body.encode())
+        response = conn.getresponse()
+        assert response.status == status
+        assert message in json.loads(response.read())["error"]
+    conn.close()
+    with client(server.port) as c:
+        np.testing.assert_allclose(c.infer_texts(TEXTS[:2]).result(), [expected[t] for t in TEXTS[:2]], rtol=1e-5,
+                                   atol=1e-5)
+    assert server.proc.poll() is None
+
+
+def test_only_the_guarded_http_port_listens_beyond_loopback(tmp_path, rm_nemo_and_rewards):
+    """``inference.host=0.0.0.0``: the request guard listens there; tritonserver's HTTP, gRPC and metrics
+    ports (and every other socket of the job) listen on 127.0.0.1 only."""
+    nemo, expected = rm_nemo_and_rewards
+    srv = Server(tmp_path, nemo, extra=["inference.host=0.0.0.0"])
+    try:
+        srv.wait_ready()
+        listening = [(p.pid, c.laddr.ip, c.laddr.port) for p in [psutil.Process(srv.proc.pid), *srv.children]
+                     if p.is_running() for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+        assert ("0.0.0.0", srv.port) in {(ip, port) for _, ip, port in listening}, listening
+        beyond_loopback = [entry for entry in listening if entry[1] != "127.0.0.1"]
+        assert [entry[2] for entry in beyond_loopback] == [srv.port], listening
+        with client(srv.port) as c:
+            np.testing.assert_allclose(c.infer_texts(TEXTS[:1]).result(), [expected[TEXTS[0]]], rtol=1e-5, atol=1e-5)
+    finally:
+        srv.stop()
+        srv.cleanup()
+    assert srv.proc.returncode == 0, srv.text()[-3000:]
 
 
 def test_closed_port_fails_fast():

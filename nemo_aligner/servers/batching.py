@@ -10,6 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from nemo_aligner.servers.request_guard import ModelLimits
 from nemo_aligner.utils.distributed import broadcast_object, comm_device
 from nemo_aligner.utils.errors import ConfigError
 
@@ -81,6 +82,16 @@ def request_limits(cfg, max_sequence_length: Optional[int] = None) -> Tuple[int,
     else:
         longest = int(max_sequence_length or ROPE_LIMIT_FACTOR * int(cfg.encoder_seq_length))
     return longest, int(cfg.padded_vocab_size)
+
+
+# Clients pad requests to one width (``remote_critic_rm.pad_to_length``), which may exceed the
+# longest sequence a server scores; the request guard takes rows up to this many times that length.
+PADDED_WIDTH_FACTOR = 4
+
+
+def guard_limits(max_rows: int, max_seq_length: int) -> ModelLimits:
+    """The request guard's limits for a model taking ``max_rows`` rows of up to ``max_seq_length`` tokens."""
+    return ModelLimits(int(max_rows), PADDED_WIDTH_FACTOR * int(max_seq_length))
 
 
 class TrainedLengthWarning:

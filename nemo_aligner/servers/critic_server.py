@@ -17,14 +17,18 @@ from typing import Optional
 import numpy as np
 import torch
 
-from nemo_aligner.servers.batching import (TrainedLengthWarning, check_batch_limits, check_request,
+from nemo_aligner.servers.batching import (TrainedLengthWarning, check_batch_limits, check_request, guard_limits,
                                             data_parallel_apply, pad_request, request_limits, token_id_problem)
 from nemo_aligner.servers.signals import ServerSignal, broadcast_signal, follow
+from nemo_aligner.servers.request_guard import ModelLimits
 from nemo_aligner.servers.triton_host import ServerAddress, serve_forever
 from nemo_aligner.utils.distributed import broadcast_object, get_rank
 from nemo_aligner.utils.errors import TrainingError
 
 logger = logging.getLogger(__name__)
+
+# ``trainer.ppo.max_train_rows``'s default: rows one ``critic_train`` request may carry.
+DEFAULT_MAX_TRAIN_ROWS = 65536
 
 CRITIC_INFER, CRITIC_TRAIN, CRITIC_SAVE = "critic_infer", "critic_train", "critic_save"
 
@@ -133,7 +137,7 @@ class CriticServer:
         self.lock = threading.Lock()
         self.pad_id = model.tokenizer.eos_id
         self.max_seq_length, self.vocab_size = request_limits(model.cfg, max_sequence_length)
-        self.max_train_rows = int(max_train_rows) if max_train_rows else None
+        self.max_train_rows = int(max_train_rows or DEFAULT_MAX_TRAIN_ROWS)
         self.warn_length = TrainedLengthWarning(model.cfg, "critic server")
         # seconds spent serving critic_infer since the last critic_train, logged with it
         # (``critic/time/infer``): with ``critic/time/train`` the server's busy time per PPO step
@@ -202,7 +206,7 @@ class CriticServer:
         if self.max_seq_length is not None and tokens.shape[1] > self.max_seq_length:
             raise BadTrainRequest(f"sequences of {tokens.shape[1]} tokens are longer than the model's "
                                   f"{self.max_seq_length}")
-        if self.max_train_rows is not None and tokens.shape[0] > self.max_train_rows:
+        if tokens.shape[0] > self.max_train_rows:
             raise BadTrainRequest(f"{tokens.shape[0]} rows, more than the server's {self.key}.max_train_rows="
                                   f"{self.max_train_rows}")
         expected = (tokens.shape[0], tokens.shape[1] - 1)
@@ -274,7 +278,10 @@ class CriticServer:
                     ServerSignal.SAVE: self._save})
         else:
             try:
-                serve_forever(self.address, self._bind, "critic server", self.key, self.workspace_dir,
+                limits = {CRITIC_INFER: guard_limits(self.max_batch_size, self.max_seq_length),
+                          CRITIC_TRAIN: guard_limits(self.max_train_rows, self.max_seq_length),
+                          CRITIC_SAVE: ModelLimits(1, 1)}
+                serve_forever(self.address, self._bind, "critic server", self.key, limits, self.workspace_dir,
                               self.triton_log_file, stop_on_sigterm=self.drain.on_sigterm)
             finally:
                 broadcast_signal(ServerSignal.EXIT)

@@ -8,7 +8,7 @@ from typing import Optional
 
 import numpy as np
 
-from nemo_aligner.servers.batching import (TrainedLengthWarning, check_batch_limits, check_request,
+from nemo_aligner.servers.batching import (TrainedLengthWarning, check_batch_limits, check_request, guard_limits,
                                             data_parallel_apply, pad_request, request_limits)
 from nemo_aligner.servers.signals import ServerSignal, broadcast_signal, follow
 from nemo_aligner.servers.triton_host import ServerAddress, check_ports_free, serve_forever
@@ -128,7 +128,8 @@ class RewardModelServer:
             follow({ServerSignal.FORWARD: lambda: self._score(None, None)})
             return
         try:
-            serve_forever(self.address, self._bind, "reward model server", self.key, self.workspace_dir,
+            limits = {REWARD_MODEL_NAME: guard_limits(self.max_batch_size, self.max_seq_length)}
+            serve_forever(self.address, self._bind, "reward model server", self.key, limits, self.workspace_dir,
                           self.triton_log_file)
         finally:
             broadcast_signal(ServerSignal.EXIT)

@@ -11,8 +11,9 @@ import sysconfig
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Dict, Iterator, Optional
 
+from nemo_aligner.servers.request_guard import ModelLimits, RequestGuard
 from nemo_aligner.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,21 @@ def workspace(base_dir: Optional[str]) -> Iterator[str]:
         shutil.rmtree(parent, ignore_errors=True)
 
 
+LOOPBACK = "127.0.0.1"
+
+
+@contextmanager
+def _guarded(address: ServerAddress, backend_port: int, limits: Dict[str, ModelLimits], key: str) -> Iterator[None]:
+    try:
+        guard = RequestGuard(address.host or "0.0.0.0", address.http_port, backend_port, limits).start()
+    except OSError as err:
+        raise ConfigError(f"{key}.port={address.http_port} on {address.host}: cannot listen ({err.strerror})") from None
+    try:
+        yield
+    finally:
+        guard.close()
+
+
 _SIGNALLED = {"stop": False}
 
 
@@ -138,10 +154,15 @@ def stop_on_signals(stop_on_sigterm: Optional[Callable[[], bool]] = None) -> Ite
             signal.signal(sig, handler)
 
 
-def serve_forever(address: ServerAddress, bind, description: str, key: str, workspace_dir: Optional[str] = None,
-                  triton_log_file: Optional[str] = None, stop_on_sigterm: Optional[Callable[[], bool]] = None) -> None:
-    """Rank 0: start Triton on ``address``, ``bind(triton)`` the models, serve until SIGTERM/SIGINT
-    (see :func:`stop_on_signals` for ``stop_on_sigterm``).
+def serve_forever(address: ServerAddress, bind, description: str, key: str, limits: Dict[str, ModelLimits],
+                  workspace_dir: Optional[str] = None, triton_log_file: Optional[str] = None,
+                  stop_on_sigterm: Optional[Callable[[], bool]] = None) -> None:
+    """Rank 0: start Triton, ``bind(triton)`` the models, serve until SIGTERM/SIGINT (see
+    :func:`stop_on_signals` for ``stop_on_sigterm``).
+
+    HTTP requests reach ``address`` through a :class:`RequestGuard` that refuses requests beyond
+    ``limits`` (per model name); tritonserver's own HTTP, gRPC and metrics ports listen on
+    127.0.0.1 only (gRPC and metrics on the configured ports).
 
     Returns after a clean shutdown; the workspace is removed. The caller tells the other
     ranks to stop (``ServerSignal.EXIT``) afterwards.
@@ -149,16 +170,20 @@ def serve_forever(address: ServerAddress, bind, description: str, key: str, work
     from pytriton.triton import Triton, TritonConfig
 
     from nemo_aligner.servers.leftovers import remove_stale
+    from nemo_aligner.utils.ports import free_port
 
     check_ports_free(address, key)
     remove_stale([workspace_dir] if workspace_dir else [])
     prepare_library_path()
+    backend_port = free_port()
     with workspace(workspace_dir) as ws, stop_on_signals(stop_on_sigterm):
         log_file = triton_log_file or os.path.join(os.path.dirname(ws), "tritonserver.log")
-        config = TritonConfig(http_address=address.host, http_port=address.http_port, grpc_address=address.host,
-                              grpc_port=address.grpc_port, metrics_port=address.metrics_port, log_verbose=0,
-                              log_file=log_file, exit_timeout_secs=5)
-        with Triton(config=config, workspace=ws) as triton:
+        config = TritonConfig(http_address=LOOPBACK, http_port=backend_port, grpc_address=LOOPBACK,
+                              grpc_port=address.grpc_port, metrics_address=LOOPBACK,
+                              metrics_port=address.metrics_port, log_verbose=0, log_file=log_file,
+                              exit_timeout_secs=5)
+        with Triton(config=config, workspace=ws) as triton, \
+                _guarded(address, backend_port, limits, key):
             bind(triton)
             print(f"{description} ready on {address.url} (grpc {address.grpc_port}, metrics {address.metrics_port})",
                   flush=True)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.utils.patches.rendezvous_store import is_loopback, listening_store
 from nemo_aligner.utils.ports import free_port
 
 logger = logging.getLogger(__name__)
@@ -209,13 +210,24 @@ def init_distributed(devices=None, num_nodes=1, timeout_minutes: int = 30) -> La
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timedelta(minutes=timeout_minutes))
         return info
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-        rank=info.rank,
-        world_size=info.world_size,
-        timeout=timedelta(minutes=timeout_minutes),
-    )
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    local_only = info.local_world_size == info.world_size and is_loopback(addr)
+    if local_only and sys.platform.startswith("linux"):
+        # every rank on this machine: gloo's and NCCL's bootstrap sockets on the loopback interface too
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    timeout = timedelta(minutes=timeout_minutes)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or (not local_only and is_loopback(addr)):
+        # the launcher's agent hosts the store (torchrun), or a multi-node job names a master whose
+        # name resolves to loopback here: torch's own rendezvous, whose store listens on every interface
+        dist.init_process_group(backend=backend, init_method=f"tcp://{addr}:{port}", rank=info.rank,
+                                world_size=info.world_size, timeout=timeout)
+        return info
+    if info.rank == 0:
+        store = listening_store(addr, port, info.world_size, timeout, what="MASTER_ADDR:MASTER_PORT")
+    else:
+        store = dist.TCPStore(addr, port, info.world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend=backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout)
     return info
 
 

@@ -73,13 +73,17 @@ def spawn_ranks(nproc: int, argv: Optional[List[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from nemo_aligner.utils.patches.rendezvous_store import stores_bound_to_their_host
+
     set_threads_per_process(nproc)
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         # The agent's own start-up chatter and, on a failure, its traceback-style summary: a worker
         # that fails has already printed its one-line error.
         logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ["NEMO_ALIGNER_SPAWNED"] = "1"  # the ranks: start-up warnings were printed here already
+    extra = {"local_addr": "127.0.0.1"} if "local_addr" in LaunchConfig.__dataclass_fields__ else {}
     config = LaunchConfig(
+        **extra,  # the ranks reach the agent's store on 127.0.0.1, where it listens (not this host's name)
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
@@ -91,7 +95,8 @@ def spawn_ranks(nproc: int, argv: Optional[List[str]] = None) -> int:
         monitor_interval=0.2,
     )
     try:
-        elastic_launch(config, entrypoint=sys.executable)(*worker_command(argv))
+        with stores_bound_to_their_host():
+            elastic_launch(config, entrypoint=sys.executable)(*worker_command(argv))
     except ChildFailedError as err:
         codes = [failure.exitcode for _, failure in sorted(err.failures.items())]
         code = next((c for c in codes if c and c > 0), 1)

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 
+from nemo_aligner.servers.request_guard import ModelLimits
 from nemo_aligner.servers.triton_host import ServerAddress, serve_forever
 
 
@@ -42,7 +43,7 @@ def main():
                     config=ModelConfig(max_batch_size=8), strict=True)
 
     serve_forever(ServerAddress("127.0.0.1", args.port, args.grpc_port, args.metrics_port), bind, "slow server",
-                  "slow", args.workspace)
+                  "slow", {"reward_model": ModelLimits(8, 64)}, args.workspace)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,80 @@
+"""Rendezvous stores that listen on their host's address only.
+
+torch's ``TCPStore`` server listens on every interface (``*:port``), unauthenticated, for the life
+of the job. Given a socket already bound to the rendezvous address (``master_listen_fd``) it listens
+there instead; :func:`listening_store` does that, and :func:`stores_bound_to_their_host` makes the
+elastic agent that starts ``trainer.devices=N`` ranks do the same for its own store.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import socket
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Iterator, Optional
+
+import torch.distributed as dist
+
+from nemo_aligner.utils.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) resolves to a loopback address."""
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback
+                   for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM))
+    except (socket.gaierror, ValueError):
+        return False
+
+
+def bound_socket_fd(host: str, port: int, what: str) -> int:
+    """A listening socket on ``host:port`` (an address of this machine), detached to a file descriptor."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise ConfigError(f"{what}: port {port} on {host} is already in use; choose another MASTER_PORT") from None
+        raise ConfigError(f"{what}: cannot listen on {host}:{port} ({err.strerror})") from None
+    return sock.detach()
+
+
+def listening_store(host: str, port: int, world_size: Optional[int], timeout: timedelta,
+                    what: str = "rendezvous store", **kwargs) -> dist.TCPStore:
+    """A ``TCPStore`` server on ``host:port`` that listens on that address only."""
+    fd = bound_socket_fd(host, port, what)
+    try:
+        return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=fd, **kwargs)
+    except (RuntimeError, TypeError, ValueError):
+        # a torch whose libuv store cannot take a listening socket: its older store can
+        return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=fd,
+                             use_libuv=False, **kwargs)
+
+
+@contextmanager
+def stores_bound_to_their_host() -> Iterator[None]:
+    """While inside, the c10d rendezvous backend's store server (the elastic agent's) listens on the
+    rendezvous endpoint's address only."""
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as backend
+
+    original = backend.TCPStore
+
+    def store(host_name, port, world_size=None, is_master=False, timeout=timedelta(seconds=300), **kwargs):
+        if not is_master or kwargs.get("master_listen_fd") is not None:
+            return original(host_name, port, world_size, is_master=is_master, timeout=timeout, **kwargs)
+        return listening_store(host_name, port, world_size, timeout, what="elastic agent store", **kwargs)
+
+    backend.TCPStore = store
+    try:
+        yield
+    finally:
+        backend.TCPStore = original
