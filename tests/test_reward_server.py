@@ -180,6 +180,13 @@ def test_crafted_http_requests_are_refused_before_triton_sees_them(server, rm_ne
     assert server.proc.poll() is None
 
 
+def loopback(ip: str) -> bool:
+    import ipaddress
+
+    address = ipaddress.ip_address(ip)
+    return address.is_loopback or bool(getattr(address, "ipv4_mapped", None) and address.ipv4_mapped.is_loopback)
+
+
 def test_only_the_guarded_http_port_listens_beyond_loopback(tmp_path, rm_nemo_and_rewards):
     """``inference.host=0.0.0.0``: the request guard listens there; tritonserver's HTTP, gRPC and metrics
     ports (and every other socket of the job) listen on 127.0.0.1 only."""
@@ -190,8 +197,8 @@ def test_only_the_guarded_http_port_listens_beyond_loopback(tmp_path, rm_nemo_an
         listening = [(p.pid, c.laddr.ip, c.laddr.port) for p in [psutil.Process(srv.proc.pid), *srv.children]
                      if p.is_running() for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN]
         assert ("0.0.0.0", srv.port) in {(ip, port) for _, ip, port in listening}, listening
-        beyond_loopback = [entry for entry in listening if entry[1] != "127.0.0.1"]
-        assert [entry[2] for entry in beyond_loopback] == [srv.port], listening
+        beyond_loopback = [entry for entry in listening if not loopback(entry[1])]
+        assert [entry[2] for entry in beyond_loopback] == [srv.port], (beyond_loopback, listening)
         with client(srv.port) as c:
             np.testing.assert_allclose(c.infer_texts(TEXTS[:1]).result(), [expected[TEXTS[0]]], rtol=1e-5, atol=1e-5)
     finally:

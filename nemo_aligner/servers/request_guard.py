@@ -111,26 +111,28 @@ class _Handler(BaseHTTPRequestHandler):
         self._forward(None)
 
     def do_POST(self):
-        infer = _INFER.match(self.path.split("?", 1)[0])
-        if infer is None and self.path.split("?", 1)[0] != "/v2/repository/index":
-            return self._refuse(403, f"POST {self.path} is not served here (only inference requests)")
         if self.headers.get("Transfer-Encoding"):
             return self._refuse(411, "send the request with a Content-Length, not chunked", close=True)
-        encoding = (self.headers.get("Content-Encoding") or "identity").lower()
-        if encoding != "identity":
-            return self._refuse(415, f"compressed requests (Content-Encoding: {encoding}) are not accepted",
-                                close=True)
         try:
             length = int(self.headers.get("Content-Length", "0"))
         except ValueError:
             return self._refuse(400, "Content-Length is not a number", close=True)
+        if length < 0:
+            return self._refuse(400, f"Content-Length={length}", close=True)
+        infer = _INFER.match(self.path.split("?", 1)[0])
+        if infer is None and self.path.split("?", 1)[0] != "/v2/repository/index":
+            return self._refuse_unread(length, 403, f"POST {self.path} is not served here (only inference requests)")
+        encoding = (self.headers.get("Content-Encoding") or "identity").lower()
+        if encoding != "identity":
+            return self._refuse_unread(length, 415,
+                                       f"compressed requests (Content-Encoding: {encoding}) are not accepted")
         model = infer.group(1) if infer else None
         limits = self.server.limits.get(model) if model else None
         if model is not None and limits is None:
-            return self._refuse(404, f"unknown model {model!r}; this server has {sorted(self.server.limits)}",
-                                close=True)
+            return self._refuse_unread(length, 404,
+                                       f"unknown model {model!r}; this server has {sorted(self.server.limits)}")
         max_body = limits.max_body_bytes(self.server.max_inputs) if limits else _HEADER_ALLOWANCE
-        if length < 0 or length > max_body:
+        if length > max_body:
             return self._refuse(413, f"a request of {length} bytes is larger than this server takes ({max_body})",
                                 close=True)
         body = self.rfile.read(length)
@@ -169,6 +171,14 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         self.end_headers()
         self.wfile.write(payload)
+
+    def _refuse_unread(self, length: int, status: int, message: str) -> None:
+        """Refuse a request whose body is still unread: a small body is read past so that the
+        connection can carry the next request; a large one ends the connection."""
+        if length <= _HEADER_ALLOWANCE:
+            self.rfile.read(length)
+            return self._refuse(status, message)
+        return self._refuse(status, message, close=True)
 
     def _forward(self, body: Optional[bytes]) -> None:
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
