@@ -24,7 +24,7 @@ def kernel_floor(module, prompts: torch.Tensor, new_tokens: int, rounds: int = 3
     per row attending over a per-layer cache at its mean length with the loop's own attention: the
     fused kernel where it runs, else SDPA; the output layer).
     Medians of ``rounds``."""
-    from nemo_aligner.utils.generation import KVCacheDecoder
+    from nemo_aligner.models.nlp.gpt.generation import KVCacheDecoder
 
     batch, prompt = prompts.shape
     decoder = KVCacheDecoder(module, batch, prompt + new_tokens // 2)
@@ -80,7 +80,7 @@ def main(argv=None) -> dict:
                         help="bf16 on a GPU, 32 on the CPU by default")
     args = parser.parse_args(argv)
 
-    from nemo_aligner.utils.generation import LengthParams, SamplingParams, generate
+    from nemo_aligner.models.nlp.gpt.generation import LengthParams, SamplingParams, generate
 
     init_single_process()
     rows = []

@@ -178,7 +178,7 @@ def main(argv=None) -> dict:
         return timed, phases, lengths
 
     # ---- ours (the same weights: build_pair gave both the same initialisation)
-    from nemo_aligner.trainers.callbacks import Callback
+    from nemo_aligner.algorithms.callbacks import Callback
     from nemo_aligner.trainers.grpo import GRPOTrainer
     from nemo_aligner.utils.nemo_file import save_nemo
 

@@ -83,7 +83,7 @@ def build_pair(shape: str, seq: int, model_cls=None, trainable: bool = False, pr
     from omegaconf import OmegaConf
 
     from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
-    from nemo_aligner.utils.hf_interop import hf_config_from_nemo, mcore_to_hf
+    from nemo_aligner.models.nlp.gpt.hf_interop import hf_config_from_nemo, mcore_to_hf
     from nemo_aligner.utils.tokenizers import ByteTokenizer
 
     torch.manual_seed(0)

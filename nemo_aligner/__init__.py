@@ -20,9 +20,9 @@ _logging.getLogger("megatron").setLevel(_logging.WARNING)
 _logging.getLogger("pytriton").setLevel(_logging.WARNING)
 
 # megatron-core's import-time torch.compile decorators import the compiler (2-3 s per process).
-from nemo_aligner.utils import deferred_compile as _deferred_compile  # noqa: E402
+from nemo_aligner.utils import patches as _patches  # noqa: E402
 
-_deferred_compile.install()
+_patches.apply_at_import()
 
 
 _API = {"GRPOTrainer": "grpo", "SFTTrainer": "sft", "DPOTrainer": "dpo", "BaseTrainer": "base",

@@ -256,7 +256,7 @@ def sequence_parallel(role):
 
     from nemo_aligner.models.nlp.gpt.megatron_gpt_ppo_actor import MegatronGPTActorModel
     from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import MegatronGPTRewardModel
-    from nemo_aligner.utils.generation import LengthParams, SamplingParams, generate
+    from nemo_aligner.models.nlp.gpt.generation import LengthParams, SamplingParams, generate
 
     cfg = OmegaConf.create(dict(TINY_ARCH, sequence_parallel=True, micro_batch_size=1, encoder_seq_length=32))
     if role == "generation":
@@ -275,7 +275,7 @@ def dpo_beta(beta, loss="dpo"):
 
 
 def reinforce_one_response():
-    from nemo_aligner.algorithms.reinforce_actor_run import run_reinforce_actor
+    from nemo_aligner.recipes.reinforce import run_reinforce_actor
 
     cfg = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "examples", "nlp", "gpt", "conf",
                                       "gpt_reinforce_actor.yaml"))
@@ -285,7 +285,7 @@ def reinforce_one_response():
 
 
 def grpo_sampling(**overrides):
-    from nemo_aligner.algorithms.grpo import run_grpo
+    from nemo_aligner.recipes.grpo import run_grpo
 
     cfg = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "examples", "nlp", "gpt", "conf",
                                       "gpt_grpo.yaml"))

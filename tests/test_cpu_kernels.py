@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from conftest import TINY_ARCH
 from nemo_aligner.utils import cpu_kernels
 from nemo_aligner.utils.errors import ConfigError
-from nemo_aligner.utils.generation import KVCacheDecoder, LengthParams, SamplingParams, _rotate_in_place, generate
+from nemo_aligner.models.nlp.gpt.generation import KVCacheDecoder, LengthParams, SamplingParams, _rotate_in_place, generate
 from test_generation import PROMPTS, build
 
 

@@ -7,7 +7,7 @@ import sys
 import torch
 
 from conftest import subprocess_env
-from nemo_aligner.utils.deferred_compile import compile_on_first_call, deferred_torch_compile
+from nemo_aligner.utils.patches.deferred_compile import compile_on_first_call, deferred_torch_compile
 
 
 class RecordingCompile:

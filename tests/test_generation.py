@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from conftest import TINY_ARCH, TINY_GPT2_ARCH, WORKERS, forward_logits, run_python
 from nemo_aligner.utils import cpu_gemm
-from nemo_aligner.utils.generation import LengthParams, SamplingParams, generate, sample
+from nemo_aligner.models.nlp.gpt.generation import LengthParams, SamplingParams, generate, sample
 from nemo_aligner.utils.tokenizers import ByteTokenizer
 
 # Repeated prompts (as in GRPO groups) are prefilled once; each row must still match.
@@ -73,7 +73,7 @@ def test_cached_logits_equal_forward_with_every_gemm_backend(mcore_single, monke
 
 
 def check_cached_logits_equal_forward(extra):
-    from nemo_aligner.utils.generation import KVCacheDecoder
+    from nemo_aligner.models.nlp.gpt.generation import KVCacheDecoder
 
     model = build(dict(TINY_ARCH, **extra), seed=3)
     tok = model.tokenizer
@@ -97,7 +97,7 @@ def check_cached_logits_equal_forward(extra):
 def test_decode_rms_norm_is_as_accurate_as_torchs(scale):
     """The decode loop's float32 RMSNorm (fewer kernels than torch's CPU composite) agrees with
     torch's to float32 rounding and is no further from a float64 reference; other dtypes use torch's."""
-    from nemo_aligner.utils.generation import _direct_norm
+    from nemo_aligner.models.nlp.gpt.generation import _direct_norm
 
     torch.manual_seed(0)
     x = torch.randn(8, 32, 64) * scale
@@ -169,7 +169,7 @@ def test_end_string_matcher_equals_decoding_every_tail(tokenizer):
     """The matcher skips decoding when the newest token cannot end an end string; on every prefix of
     random responses it must agree with decoding the tail each time (multi-token, multi-byte and
     newline end strings, special tokens that decode to nothing)."""
-    from nemo_aligner.utils.generation import EndStringMatcher
+    from nemo_aligner.models.nlp.gpt.generation import EndStringMatcher
 
     if tokenizer == "bytes":
         tok = ByteTokenizer()
@@ -235,7 +235,7 @@ def test_tp2_and_pp2_generate_like_one_process(tmp_path, base_nemo):
 def test_top_p_keeps_the_most_likely_token_however_small():
     """top_p <= 0 dropped every token (an all -inf row: a padding id was drawn at every step);
     the most likely token always stays, so top_p -> 0 is greedy."""
-    from nemo_aligner.utils.generation import SamplingParams, sample
+    from nemo_aligner.models.nlp.gpt.generation import SamplingParams, sample
 
     logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(0))
     generator = torch.Generator().manual_seed(1)

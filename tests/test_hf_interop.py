@@ -53,7 +53,7 @@ def our_logits(nemo_path, tokens):
 def test_import_export_logits_match(tmp_path, mcore_single, arch, tie):
     import transformers as tf
 
-    from nemo_aligner.utils.hf_interop import export_to_hf, import_hf_model
+    from nemo_aligner.models.nlp.gpt.hf_interop import export_to_hf, import_hf_model
 
     hf = tiny_hf(arch, tie)
     hf.save_pretrained(tmp_path / "hf")
@@ -87,7 +87,7 @@ def test_import_export_logits_match(tmp_path, mcore_single, arch, tie):
 
 
 def test_unsupported_models_are_named(tmp_path, mcore_single):
-    from nemo_aligner.utils.hf_interop import import_hf_model
+    from nemo_aligner.models.nlp.gpt.hf_interop import import_hf_model
 
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 300}))
@@ -105,7 +105,7 @@ def test_unsupported_models_are_named(tmp_path, mcore_single):
 
 def test_unreadable_weight_files_are_named(tmp_path):
     from nemo_aligner.utils.errors import CheckpointError
-    from nemo_aligner.utils.hf_interop import read_hf_weights
+    from nemo_aligner.models.nlp.gpt.hf_interop import read_hf_weights
 
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{trunc")
     with pytest.raises(CheckpointError, match=r"model\.safetensors: not a readable safetensors file"):
@@ -125,7 +125,7 @@ def test_export_refuses_what_it_would_destroy_or_drop(tmp_path, mcore_single):
     from conftest import TINY_GPT2_ARCH
     from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
     from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import MegatronGPTRewardModel
-    from nemo_aligner.utils.hf_interop import export_to_hf
+    from nemo_aligner.models.nlp.gpt.hf_interop import export_to_hf
     from nemo_aligner.utils.nemo_file import save_nemo
     from nemo_aligner.utils.tokenizers import ByteTokenizer
 
@@ -158,7 +158,7 @@ def test_llama3_rope_scaling_imports_and_exports(tmp_path, mcore_single):
     position, so a model without it differs). Other scalings stay refused."""
     import transformers as tf
 
-    from nemo_aligner.utils.hf_interop import export_to_hf, import_hf_model
+    from nemo_aligner.models.nlp.gpt.hf_interop import export_to_hf, import_hf_model
     from nemo_aligner.utils.nemo_file import read_model_config
 
     scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -207,7 +207,7 @@ def test_import_refuses_what_it_would_convert_wrongly(tmp_path, mcore_single):
     import transformers as tf
 
     from nemo_aligner.utils.errors import CheckpointError
-    from nemo_aligner.utils.hf_interop import import_hf_model
+    from nemo_aligner.models.nlp.gpt.hf_interop import import_hf_model
 
     def saved(model, name, edit=None):
         model.save_pretrained(tmp_path / name)
@@ -256,7 +256,7 @@ def test_export_carries_special_token_ids_chat_template_and_the_original_tokeniz
     import transformers as tf
 
     from test_checkpoints import make_hf_tokenizer
-    from nemo_aligner.utils.hf_interop import export_to_hf, import_hf_model
+    from nemo_aligner.models.nlp.gpt.hf_interop import export_to_hf, import_hf_model
 
     hf = tiny_hf("llama")
     hf.save_pretrained(tmp_path / "hf")
@@ -277,7 +277,7 @@ def test_export_carries_special_token_ids_chat_template_and_the_original_tokeniz
 
 
 def test_export_refuses_configs_hugging_face_cannot_express(tmp_path, mcore_single):
-    from nemo_aligner.utils.hf_interop import hf_config_from_nemo
+    from nemo_aligner.models.nlp.gpt.hf_interop import hf_config_from_nemo
 
     base = {"normalization": "rmsnorm", "activation": "swiglu", "position_embedding_type": "rope", "bias": False,
             "num_attention_heads": 4, "hidden_size": 64, "ffn_hidden_size": 96, "num_layers": 2,

@@ -54,7 +54,7 @@ def package_of(module):
 @pytest.fixture(scope="module")
 def graph():
     known = modules()
-    return {mod: {imp for imp in imports(path) if imp in known} for mod, path in known.items()}
+    return {mod: {imp for imp in imports(path) if imp in known and imp != mod} for mod, path in known.items()}
 
 
 def test_imports_run_down_the_floors(graph):

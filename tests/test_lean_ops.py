@@ -3,6 +3,7 @@
 import torch
 
 from nemo_aligner.models.nlp.gpt import lean_ops
+from nemo_aligner.utils.patches import rope
 
 
 def _reference_rope(t, freqs, mscale):
@@ -16,9 +17,9 @@ def _reference_rope(t, freqs, mscale):
 def test_rope_matches_megatron_core_values_and_gradients():
     from megatron.core.models.common.embeddings import rope_utils
 
-    lean_ops.install()
-    original = lean_ops._original  # megatron-core's own implementation, kept by install()
-    assert original is not None and rope_utils._apply_rotary_pos_emb_bshd is lean_ops._apply_rotary_pos_emb_bshd
+    rope.install(lean_ops.apply_rotary)
+    original = rope.original()  # megatron-core's own implementation, kept by install()
+    assert original is not None and rope_utils._apply_rotary_pos_emb_bshd is rope._apply_rotary_pos_emb_bshd
     torch.manual_seed(0)
     for rot, mscale in [(64, 1.0), (32, 0.7)]:  # full and partial rotation, YaRN-style scale
         t = torch.randn(12, 3, 4, 64, dtype=torch.float64, requires_grad=True)
@@ -37,9 +38,9 @@ def test_rope_leaves_interleaved_to_megatron_core():
     torch.manual_seed(1)
     t = torch.randn(4, 2, 2, 8, dtype=torch.float64)
     freqs = torch.randn(4, 1, 1, 8, dtype=torch.float64)
-    lean_ops.install()
-    out = lean_ops._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=True)
-    torch.testing.assert_close(out, lean_ops._original(t, freqs, rotary_interleaved=True))
+    rope.install(lean_ops.apply_rotary)
+    out = rope._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=True)
+    torch.testing.assert_close(out, rope.original()(t, freqs, rotary_interleaved=True))
 
 
 def test_swiglu_matches_chunked_silu_and_passes_gradcheck():

@@ -176,7 +176,7 @@ def test_validation_is_greedy_with_the_configured_end_strings(mcore_single):
     from types import SimpleNamespace
 
     from nemo_aligner.algorithms.ppo import PPOTrainer
-    from nemo_aligner.utils.generation import SamplingParams
+    from nemo_aligner.models.nlp.gpt.generation import SamplingParams
 
     seen = []
 

@@ -8,7 +8,8 @@ import torch
 from conftest import read_metrics, run_script
 from nemo_aligner.algorithms.reinforce import group_advantages
 from nemo_aligner.utils.errors import AlignerError, ConfigError
-from nemo_aligner.utils.reward_sources import FunctionRewardSource, RemoteRewardSource, load_reward_fn
+from nemo_aligner.environments.reward_sources import FunctionRewardSource, load_reward_fn
+from nemo_aligner.servers.clients import RemoteRewardSource
 from nemo_aligner.utils.tokenizers import ByteTokenizer
 
 
@@ -78,7 +79,7 @@ def test_non_finite_rewards_are_refused_naming_the_response():
 
     from types import SimpleNamespace
 
-    from nemo_aligner.utils.reward_sources import EnvironmentRewardSource
+    from nemo_aligner.environments.reward_sources import EnvironmentRewardSource
 
     env = SimpleNamespace(step=lambda conversations: SimpleNamespace(rewards=[1.0, float("inf")], done=[True, True]))
     with pytest.raises(ConfigError, match=r"environment\.step returned inf as the reward of conversation 1"):

@@ -71,7 +71,7 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, builtin_data, 
     import pytest
     import torch
 
-    from nemo_aligner.algorithms.sft import run_sft
+    from nemo_aligner.recipes.sft import run_sft
     from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
     from nemo_aligner.utils.errors import TrainingError
 
@@ -184,7 +184,7 @@ def test_nonfinite_actor_updates_are_skipped_then_the_run_stops(tmp_path, builti
     N in a row naming the key."""
     import pytest
 
-    from nemo_aligner.algorithms.grpo import run_grpo
+    from nemo_aligner.recipes.grpo import run_grpo
     from nemo_aligner.models.nlp.gpt.megatron_gpt_ppo_actor import MegatronGPTActorModel
     from nemo_aligner.trainers.base import compose_config
     from nemo_aligner.utils.errors import TrainingError

@@ -140,7 +140,7 @@ def test_attribute_value_in_the_prompt_steers_generation(tmp_path, sft_nemo):
 def test_generate_prompts_take_their_own_attributes(tmp_path):
     """generate_gpt.py's prompts: a record's ``attributes`` wins over steerlm.attributes; bad ones name
     the file, line and field."""
-    from nemo_aligner.algorithms.generate import read_prompts
+    from nemo_aligner.recipes.generate import read_prompts
 
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "a", "attributes": "quality:1"}\n{"prompt": "b"}\n{"input": "c", "attributes": {"quality": 3}}\n')
@@ -161,7 +161,7 @@ def test_generate_prompts_take_their_own_attributes(tmp_path):
 def test_generate_inputs_follow_what_training_did():
     """A string `prompts` is one prompt; string attributes are normalised to training's label form;
     typed escapes in end strings are the characters; the model's own chat tokens build the prompt."""
-    from nemo_aligner.algorithms.generate import model_chat_tokens, read_prompts, unescape
+    from nemo_aligner.recipes.generate import model_chat_tokens, read_prompts, unescape
 
     assert read_prompts(OmegaConf.create({"prompts": "sort dcba ="})) == [("sort dcba =", None)]
     cfg = OmegaConf.create({"prompts": ["z"], "steerlm": {"attributes": "quality: 4.0, verbosity:1"}})

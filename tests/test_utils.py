@@ -153,7 +153,7 @@ def test_cpu_gradient_clipping_ops_match_megatron_fallbacks():
     from megatron.core import utils as mutils
     from megatron.core.optimizer import clip_grads
 
-    from nemo_aligner.utils import cpu_compat
+    from nemo_aligner.utils.patches import cpu_compat
 
     cpu_compat.apply_cpu_patches()
     assert clip_grads.l2_norm_impl is cpu_compat._foreach_l2_norm

@@ -25,11 +25,11 @@ import torch.distributed as dist
 
 from nemo_aligner.algorithms.supervised import progress_bar
 from nemo_aligner.data.nlp.builders import sampler_of
-from nemo_aligner.trainers.callbacks import CallbackList
+from nemo_aligner.algorithms.callbacks import CallbackList
 from nemo_aligner.utils import ppo_utils
 from nemo_aligner.utils.distributed import comm_device, host_all_reduce, is_global_rank_zero
 from nemo_aligner.utils.errors import ConfigError
-from nemo_aligner.utils.generation import SamplingParams
+from nemo_aligner.models.alignable_interface import SamplingParams
 from nemo_aligner.utils.optim import current_lr
 from nemo_aligner.utils.run_control import NonFiniteGuard, RunTimer, compute_max_steps, interval_steps
 from nemo_aligner.utils.train_checkpoint import load_train_checkpoint, run_identity

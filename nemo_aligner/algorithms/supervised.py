@@ -13,7 +13,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from nemo_aligner.data.nlp.builders import limit_batches, sampler_of
-from nemo_aligner.trainers.callbacks import CallbackList
+from nemo_aligner.algorithms.callbacks import CallbackList
 from nemo_aligner.utils.distributed import host_all_reduce, is_global_rank_zero
 from nemo_aligner.utils.optim import current_lr
 from nemo_aligner.utils.run_control import NonFiniteGuard, RunTimer, compute_max_steps, interval_steps

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import socket
 import warnings
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -386,3 +386,26 @@ class RemoteGPTRMCriticClient:
         for c in (self.infer_client, self.train_client, self.save_client, self.rm_client):
             if c is not None:
                 c.close()
+
+
+class RemoteRewardSource:
+    """Rewards from the ``reward_model`` PyTriton server (``remote_rm.reward_model.{ip, port, name}``)."""
+
+    def __init__(self, cfg, pad_id: int, key: str = "remote_rm.reward_model"):
+        rm = cfg.reward_model
+        host, port = str(rm.ip), int(rm.port)
+        check_reachable(host, port, key, wait_s=float(cfg.get("wait_for_server_s") or 0))
+        self.client = RemoteGPTRMClient(host, port, model_name=str(rm.get("name") or "reward_model"),
+                                        timeout_s=float(cfg.get("timeout_s") or 600), key=key,
+                                        retries=int(cfg.get("max_retries") or 0), settings_key=key.rsplit(".", 1)[0])
+        self.pad_id = pad_id
+        self.pad_to_length: Optional[int] = cfg.get("pad_to_length")
+
+    def score(self, tokens: np.ndarray, prompt_lengths: np.ndarray, response_lengths: np.ndarray,
+              metadata: Optional[List[dict]] = None):
+        if self.pad_to_length and tokens.shape[1] < int(self.pad_to_length):
+            tokens = np.pad(tokens, ((0, 0), (0, int(self.pad_to_length) - tokens.shape[1])), constant_values=self.pad_id)
+        return self.client.infer_tokens(tokens, response_lengths)
+
+    def close(self) -> None:
+        self.client.close()

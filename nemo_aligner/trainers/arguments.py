@@ -108,7 +108,7 @@ def check_fit_kwargs(given: Iterable[str], values_fn: Callable, owner: str) -> N
 
 def check_reward_fn(reward_fn: Any, owner: str):
     """A callable ``(prompt, response, **fields) -> float``, or its ``"module:function"`` path (loaded here)."""
-    from nemo_aligner.utils.reward_sources import load_reward_fn, reward_fn_fields
+    from nemo_aligner.environments.reward_sources import load_reward_fn, reward_fn_fields
 
     if isinstance(reward_fn, str):
         reward_fn = load_reward_fn(reward_fn)

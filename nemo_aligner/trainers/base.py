@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from nemo_aligner.data.nlp.jsonl import write_jsonl
 from nemo_aligner.trainers.arguments import (Rule, check_fit_kwargs, check_model_path, check_steps,
                                              check_trainer_config)
-from nemo_aligner.trainers.callbacks import Callback, CallbackList
+from nemo_aligner.algorithms.callbacks import Callback, CallbackList
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.examples_path import examples_dir
 
@@ -65,7 +65,7 @@ def resolve_model(model_name_or_path: str, work_dir: str) -> str:
     check_model_path(path, "policy.model_name")
     if os.path.isfile(path):
         return os.path.abspath(path)
-    from nemo_aligner.utils.hf_interop import import_hf_model
+    from nemo_aligner.models.nlp.gpt.hf_interop import import_hf_model
 
     # One import per source: named by the directory and a digest of where it is and what is in it,
     # so another model of the same directory name, or the same directory re-saved, is imported anew.

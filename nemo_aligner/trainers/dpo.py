@@ -58,6 +58,6 @@ class DPOTrainer(BaseTrainer):
         }
 
     def _run(self, cfg, hooks, **_) -> Dict[str, Any]:
-        from nemo_aligner.algorithms.dpo import run_dpo
+        from nemo_aligner.recipes.dpo import run_dpo
 
         return run_dpo(cfg, callbacks=hooks)

@@ -98,8 +98,8 @@ class GRPOTrainer(BaseTrainer):
         return values
 
     def _run(self, cfg, hooks, reward_fn=None, environment=None, **_) -> Dict[str, Any]:
-        from nemo_aligner.algorithms.grpo import run_grpo
-        from nemo_aligner.utils.reward_sources import EnvironmentRewardSource, FunctionRewardSource
+        from nemo_aligner.recipes.grpo import run_grpo
+        from nemo_aligner.environments.reward_sources import EnvironmentRewardSource, FunctionRewardSource
 
         tokenizer = _tokenizer_of(self.model_path)
         source = FunctionRewardSource(reward_fn, tokenizer) if reward_fn is not None else \

@@ -63,6 +63,6 @@ class SFTTrainer(BaseTrainer):
         return values
 
     def _run(self, cfg, hooks, **_) -> Dict[str, Any]:
-        from nemo_aligner.algorithms.sft import run_sft
+        from nemo_aligner.recipes.sft import run_sft
 
         return run_sft(cfg, callbacks=hooks)

@@ -11,6 +11,7 @@ import torch
 
 from nemo_aligner.utils.distributed import barrier, get_rank
 from nemo_aligner.utils.errors import CheckpointError
+from nemo_aligner.utils.patches.checkpoint_results import use_in_process_results_queue
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ def save_sharded(sharded_state_dict: dict, directory: str, content_metadata: Opt
         shutil.rmtree(tmp_dir, ignore_errors=True)
         os.makedirs(tmp_dir)
     barrier()
-    _use_in_process_results_queue()
+    use_in_process_results_queue()
     try:
         dist_checkpointing.save(sharded_state_dict, tmp_dir, content_metadata=content_metadata)
         if before_commit is not None:
@@ -140,22 +141,6 @@ def _write_common_file(directory: str) -> None:
     path = os.path.join(directory, "common.pt")
     if not os.path.isfile(path):
         torch.save(dist_checkpointing.load_common_state_dict(directory), path)
-
-
-def _use_in_process_results_queue() -> None:
-    """Hand write results through a plain in-process queue.
-
-    megatron-core's writer collects results in a queue served by a ``spawn`` multiprocessing
-    manager, which exists for its asynchronous (persistent worker) saves. We save synchronously,
-    so results are put and taken in this process; and a spawned manager re-runs the user's
-    ``__main__`` (a Python-API script without an ``if __name__ == "__main__"`` guard trains twice).
-    """
-    import queue
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if not isinstance(filesystem_async._results_queue, queue.Queue):
-        filesystem_async._results_queue = queue.Queue()
 
 
 def non_finite_tensor(module: torch.nn.Module) -> Optional[str]:

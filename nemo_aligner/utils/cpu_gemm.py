@@ -22,7 +22,6 @@ library's packed GEMM runs that fastest depends on the CPU (measured, see benchm
 
 from __future__ import annotations
 
-import functools
 import os
 import platform
 from typing import Callable, Optional
@@ -30,25 +29,11 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from nemo_aligner.utils.cpu_info import cpuinfo
 from nemo_aligner.utils.errors import ConfigError
 
 ENV_VAR = "NEMO_ALIGNER_DECODE_GEMM"
 BACKENDS = ("native", "mkl", "onednn", "plain")
-
-
-@functools.lru_cache(maxsize=None)
-def cpuinfo(field: str) -> str:
-    """The first CPU's ``field`` in ``/proc/cpuinfo`` (``vendor_id``, ``model name``, ...), or ""
-    where there is no such file or field."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                name, sep, value = line.partition(":")
-                if sep and name.strip() == field:
-                    return value.strip()
-    except OSError:
-        pass
-    return ""
 
 
 def cpu_vendor() -> str:
@@ -57,7 +42,7 @@ def cpu_vendor() -> str:
 
 
 def _kernels():
-    from nemo_aligner.utils import cpu_kernels  # imported here: cpu_kernels reads cpuinfo from this module
+    from nemo_aligner.utils import cpu_kernels  # imported here: building the kernels is costly
 
     return cpu_kernels.load()
 

@@ -35,7 +35,7 @@ try:
 except ImportError:  # not a POSIX system: no build lock, so no build (torch's ops are used)
     fcntl = None
 
-from nemo_aligner.utils.cpu_gemm import cpuinfo
+from nemo_aligner.utils.cpu_info import cpuinfo
 from nemo_aligner.utils.errors import ConfigError
 
 ENV_VAR = "NEMO_ALIGNER_CPU_KERNELS"

@@ -235,9 +235,9 @@ def initialize_model_parallel(tp: int, pp: int, seed: int = 1234) -> None:
     """megatron-core parallel state plus seeded RNG trackers (CPU patches applied first)."""
     from megatron.core import parallel_state
 
-    from nemo_aligner.utils.cpu_compat import apply_cpu_patches
+    from nemo_aligner.utils import patches
 
-    apply_cpu_patches()
+    patches.apply()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(

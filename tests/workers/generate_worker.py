@@ -18,7 +18,7 @@ def main():
     from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
     from nemo_aligner.models.nlp.gpt.loading import load_model
     from nemo_aligner.utils import distributed as D
-    from nemo_aligner.utils.generation import LengthParams, SamplingParams, generate
+    from nemo_aligner.models.nlp.gpt.generation import LengthParams, SamplingParams, generate
 
     D.init_distributed()
     D.initialize_model_parallel(args.tp, args.pp)

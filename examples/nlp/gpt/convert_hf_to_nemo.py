@@ -13,7 +13,7 @@ def main(argv=None):
     parser.add_argument("--input-dir", required=True, help="config.json + *.safetensors (+ tokenizer files)")
     parser.add_argument("--output-file", required=True)
     args = parser.parse_args(argv)
-    from nemo_aligner.utils.hf_interop import import_hf_model
+    from nemo_aligner.models.nlp.gpt.hf_interop import import_hf_model
 
     print(f".nemo written to {import_hf_model(args.input_dir, args.output_file)}", flush=True)
 

@@ -13,7 +13,7 @@ def main(argv=None):
     parser.add_argument("--input-file", required=True, help="a .nemo (any TP/PP it was saved at)")
     parser.add_argument("--output-dir", required=True)
     args = parser.parse_args(argv)
-    from nemo_aligner.utils.hf_interop import export_to_hf
+    from nemo_aligner.models.nlp.gpt.hf_interop import export_to_hf
 
     print(f"Hugging Face model written to {export_to_hf(args.input_file, args.output_dir)}", flush=True)
 

@@ -4,7 +4,7 @@
         "prompts=['reverse abcd =']" "steerlm.attributes={quality: 4}" "inference.end_strings=['\n']"
 """
 
-from nemo_aligner.algorithms.generate import run_generate
+from nemo_aligner.recipes.generate import run_generate
 from nemo_aligner.utils.hydra_runner import hydra_runner
 
 

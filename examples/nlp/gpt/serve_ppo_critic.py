@@ -4,7 +4,7 @@
         trainer.ppo.port=5556 exp_manager.explicit_log_dir=results/critic
 """
 
-from nemo_aligner.servers.critic_server import serve_ppo_critic
+from nemo_aligner.recipes.ppo import serve_ppo_critic
 from nemo_aligner.utils.hydra_runner import hydra_runner
 
 

@@ -5,7 +5,7 @@
         trainer.devices=2 model.tensor_model_parallel_size=2
 """
 
-from nemo_aligner.servers.reward_model_server import serve_reward_model
+from nemo_aligner.recipes.serve_reward_model import serve_reward_model
 from nemo_aligner.utils.hydra_runner import hydra_runner
 
 

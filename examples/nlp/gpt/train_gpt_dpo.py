@@ -5,7 +5,7 @@
         model.dpo.ref_policy_kl_penalty=0.1 exp_manager.explicit_log_dir=results/dpo
 """
 
-from nemo_aligner.algorithms.dpo import run_dpo
+from nemo_aligner.recipes.dpo import run_dpo
 from nemo_aligner.utils.hydra_runner import hydra_runner
 
 

@@ -6,7 +6,7 @@ loss; rewards from a Python function (reward_fn) or a reward-model server (remot
         reward_fn=nemo_aligner.data.nlp.builtin_task:reward exp_manager.explicit_log_dir=results/grpo
 """
 
-from nemo_aligner.algorithms.grpo import run_grpo
+from nemo_aligner.recipes.grpo import run_grpo
 from nemo_aligner.utils.hydra_runner import hydra_runner
 
 

@@ -5,7 +5,7 @@
         model.kto.ref_policy_kl_penalty=0.1 exp_manager.explicit_log_dir=results/kto
 """
 
-from nemo_aligner.algorithms.kto import run_kto
+from nemo_aligner.recipes.kto import run_kto
 from nemo_aligner.utils.hydra_runner import hydra_runner
 
 

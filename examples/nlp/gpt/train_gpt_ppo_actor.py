@@ -5,7 +5,7 @@
         remote_critic_rm.critic.ip=localhost remote_critic_rm.critic.port=5556 exp_manager.explicit_log_dir=results/actor
 """
 
-from nemo_aligner.algorithms.ppo_actor_run import run_ppo_actor
+from nemo_aligner.recipes.ppo import run_ppo_actor
 from nemo_aligner.utils.hydra_runner import hydra_runner
 
 

@@ -6,7 +6,7 @@ policy; rewards from a reward-model server (remote_rm) or a Python function (rew
         reward_fn=nemo_aligner.data.nlp.builtin_task:reward exp_manager.explicit_log_dir=results/reinforce
 """
 
-from nemo_aligner.algorithms.reinforce_actor_run import run_reinforce_actor
+from nemo_aligner.recipes.reinforce import run_reinforce_actor
 from nemo_aligner.utils.hydra_runner import hydra_runner
 
 

@@ -6,7 +6,7 @@
         model.tensor_model_parallel_size=2 ...
 """
 
-from nemo_aligner.algorithms.sft import run_sft
+from nemo_aligner.recipes.sft import run_sft
 from nemo_aligner.utils.hydra_runner import hydra_runner
 
 

@@ -6,7 +6,7 @@
         exp_manager.explicit_log_dir=results/rm
 """
 
-from nemo_aligner.algorithms.reward_model import run_reward_model
+from nemo_aligner.recipes.reward_model import run_reward_model
 from nemo_aligner.utils.hydra_runner import hydra_runner
 
 

@@ -5,7 +5,7 @@
         exp_manager.explicit_log_dir=results/steerlm
 """
 
-from nemo_aligner.algorithms.steerlm import run_steerlm
+from nemo_aligner.recipes.steerlm import run_steerlm
 from nemo_aligner.utils.hydra_runner import hydra_runner
 
 

@@ -1,1 +1,37 @@
-"""Every change this package makes to torch's or megatron-core's behaviour, one module per concern."""
+"""Every change this package makes to torch's or megatron-core's behaviour, one module per concern,
+applied from here only:
+
+- :func:`apply_at_import` (from ``import nemo_aligner``, before megatron-core is imported):
+  ``deferred_compile``, megatron-core's import-time ``torch.compile`` decorators compile on first call.
+- :func:`apply` (before the first model is built, ``distributed.initialize_model_parallel``):
+  ``cpu_compat`` (megatron-core on a machine without CUDA), ``checkpoint_results`` (synchronous
+  checkpoint writes report through an in-process queue).
+- :func:`use_lean_rope` (by the GPT builder, which owns the replacement): ``rope``.
+- ``rendezvous_store``: torch's rendezvous store listening on its host only (used by the launch
+  code around the calls it covers).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+def apply_at_import() -> None:
+    from nemo_aligner.utils.patches import deferred_compile
+
+    deferred_compile.install()
+
+
+def apply() -> bool:
+    """Start-up patches; returns whether the CPU patches were applied (no CUDA here)."""
+    from nemo_aligner.utils.patches.checkpoint_results import use_in_process_results_queue
+    from nemo_aligner.utils.patches.cpu_compat import apply_cpu_patches
+
+    use_in_process_results_queue()
+    return apply_cpu_patches()
+
+
+def use_lean_rope(apply_rotary: Callable) -> None:
+    from nemo_aligner.utils.patches import rope
+
+    rope.install(apply_rotary)

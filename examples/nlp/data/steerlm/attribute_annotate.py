@@ -5,7 +5,7 @@
         --output-file chat_labelled.jsonl --port 5555 --attributes quality,verbosity
 """
 
-from nemo_aligner.data.nlp.steerlm_annotate import main
+from nemo_aligner.recipes.attribute_annotate import main
 from nemo_aligner.utils.hydra_runner import run_cli
 
 if __name__ == "__main__":

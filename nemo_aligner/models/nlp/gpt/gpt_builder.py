@@ -233,8 +233,9 @@ def layer_spec(cfg, config):
         normalization=normalization, qk_layernorm=bool(_get(cfg, "qk_layernorm", False))
     )
     from nemo_aligner.models.nlp.gpt import lean_ops
+    from nemo_aligner.utils import patches
 
-    lean_ops.install()
+    patches.use_lean_rope(lean_ops.apply_rotary)
     if config.gated_linear_unit and config.activation_func is F.silu:
         # The MLP calls a spec-built activation module on fc1's whole output when this flag is
         # set (megatron-core's hook for Transformer Engine activations).

@@ -9,8 +9,8 @@ every layer, builds ``rotate_half`` with a negation and a concatenation, concate
 ops. On a CPU these memory-bound copies were ~15% of a training step. ``RotaryEmbedding``
 computes the same values on the two halves directly and saves only cos/sin for backward.
 
-``install()`` routes the common case (half-split, not interleaved, no multi-latent attention)
-through it and leaves every other case to megatron-core. Transformer Engine's fused RoPE is
+``utils.patches.rope`` routes megatron-core's common case (half-split, not interleaved, no
+multi-latent attention) through ``apply_rotary`` and leaves every other case to megatron-core. Transformer Engine's fused RoPE is
 untouched: it is used through ``apply_rope_fusion`` on the TE spec.
 
 SwiGLU: the local MLP chunks fc1's output and multiplies ``silu(gate) * up``; autograd then
@@ -32,9 +32,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-_original = None
-
 
 _last_tables = None  # (freqs, its version, mscale, dtype, cos, sin) of the latest call
 
@@ -102,24 +99,6 @@ def rotary_from_tables(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 def apply_rotary(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> torch.Tensor:
     """RoPE on the first ``freqs.shape[-1]`` channels of ``t`` (the rest pass through)."""
     return rotary_from_tables(t, *_halves(freqs, mscale, t.dtype))
-
-
-def _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved: bool = False, mscale: float = 1.0, **flags):
-    # ``flags``: the interleaving variants (multi_latent_attention up to megatron-core 0.16,
-    # mla_rotary_interleaved from 0.17), which megatron-core's own code handles.
-    if rotary_interleaved or any(flags.values()) or freqs.shape[-1] % 2:
-        return _original(t, freqs, rotary_interleaved=rotary_interleaved, mscale=mscale, **flags)
-    return apply_rotary(t, freqs, mscale)
-
-
-def install() -> None:
-    """Make megatron-core's unfused RoPE use ``apply_rotary`` (idempotent)."""
-    global _original
-    from megatron.core.models.common.embeddings import rope_utils
-
-    if _original is None:
-        _original = rope_utils._apply_rotary_pos_emb_bshd
-        rope_utils._apply_rotary_pos_emb_bshd = _apply_rotary_pos_emb_bshd
 
 
 def _fused_cpu_kernels(x: torch.Tensor):

@@ -15,7 +15,7 @@ from nemo_aligner.models.alignable_interface import AlignableGenerativeInterface
 from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel, split_micro_batches
 from nemo_aligner.models.nlp.gpt.shared_prompt_forward import packed_forward, prompt_sharing_unsupported
 from nemo_aligner.utils import ppo_utils, prompt_sharing
-from nemo_aligner.utils.generation import GenerationOutput, LengthParams, SamplingParams, generate
+from nemo_aligner.models.nlp.gpt.generation import GenerationOutput, LengthParams, SamplingParams, generate
 from nemo_aligner.utils.weight_swap import cpu_state_copy, swapped_weights
 
 logger = logging.getLogger(__name__)

@@ -15,9 +15,9 @@ from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
 from nemo_aligner.models.nlp.gpt.loading import load_model
 from nemo_aligner.utils.distributed import is_global_rank_zero
 from nemo_aligner.utils.errors import ConfigError, DataError
-from nemo_aligner.utils.generation import LengthParams, SamplingParams
+from nemo_aligner.models.nlp.gpt.generation import LengthParams, SamplingParams
 from nemo_aligner.utils.run_setup import init_run
-from nemo_aligner.utils.text_generation import generate_texts
+from nemo_aligner.models.nlp.gpt.text_generation import generate_texts
 
 
 def _attributes(value, where: str) -> str:

@@ -1,4 +1,5 @@
-"""The PPO actor job end to end from a Hydra config (NeMo-Aligner's train_gpt_ppo_actor.py)."""
+"""PPO's two jobs from their Hydra configs: the actor (NeMo-Aligner's ``train_gpt_ppo_actor.py``)
+and the critic server with the co-located reward model (``serve_ppo_critic.py``)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,20 @@ from typing import Dict
 
 from omegaconf import DictConfig, OmegaConf
 
+from nemo_aligner.algorithms.critic_server_trainer import CriticServerTrainer
 from nemo_aligner.algorithms.ppo import PPOTrainer
-from nemo_aligner.algorithms.run_helpers import fit_and_export
 from nemo_aligner.data.nlp.builders import build_dataloader
 from nemo_aligner.data.nlp.prompt_dataset import PromptDataset, collate_prompts
 from nemo_aligner.data.nlp.reward_datasets import data_prefix_paths
 from nemo_aligner.models.nlp.gpt.loading import load_model
+from nemo_aligner.models.nlp.gpt.megatron_gpt_critic import MegatronGPTCriticModel
 from nemo_aligner.models.nlp.gpt.megatron_gpt_ppo_actor import MegatronGPTActorModel
+from nemo_aligner.recipes.run_helpers import fit_and_export
+from nemo_aligner.servers.batching import check_batch_limits
 from nemo_aligner.servers.clients import RemoteGPTRMCriticClient
-from nemo_aligner.utils.distributed import is_global_rank_zero
+from nemo_aligner.servers.critic_server import CriticServer
+from nemo_aligner.servers.triton_host import check_ports_free, server_address
+from nemo_aligner.utils.distributed import get_rank, is_global_rank_zero
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.exp_manager import exp_manager
 from nemo_aligner.utils.run_control import RunTimer, compute_max_steps, max_time_of
@@ -118,3 +124,47 @@ def run_ppo_actor(cfg: DictConfig) -> Dict[str, float]:
         client.close()
     print_rl_summary("PPO", summary, setup.exp.log_dir)
     return summary
+
+
+def serve_ppo_critic(cfg) -> None:
+    """``serve_ppo_critic.py``: critic (+ reward model) from ``pretrained_checkpoint.restore_from_path``."""
+
+    ppo = cfg.trainer.ppo
+    restore = (cfg.get("pretrained_checkpoint") or {}).get("restore_from_path")
+    combine = bool(ppo.get("combine_rm_and_critic_server", True))
+    if combine and not restore:
+        raise ConfigError("trainer.ppo.combine_rm_and_critic_server=True needs pretrained_checkpoint.restore_from_path "
+                          "(the reward model .nemo the critic starts from and that scores rollouts)")
+    address = server_address(ppo, "trainer.ppo")
+    parallel = init_run(cfg, restore, "pretrained_checkpoint.restore_from_path",
+                        timeout_minutes=int(ppo.get("dist_timeout_minutes") or 7 * 24 * 60))
+    mbs = ppo.get("inference_micro_batch_size") or cfg.model.get("forward_micro_batch_size") or cfg.model.micro_batch_size
+    if not isinstance(mbs, int):
+        mbs = int(list(mbs)[0])
+    check_batch_limits(ppo.get("max_batch_size"), mbs, parallel.dp,
+                       "trainer.ppo.max_batch_size", "trainer.ppo.inference_micro_batch_size")
+    if get_rank() == 0:
+        check_ports_free(address, "trainer.ppo")
+    exp = exp_manager(cfg.get("exp_manager"), cfg, default_name="megatron_gpt_critic")
+    model = load_model(MegatronGPTCriticModel, cfg.model, cfg.trainer.precision, restore,
+                       key="pretrained_checkpoint.restore_from_path", allow_missing=("rm_head",))
+    if combine:
+        model.snapshot_reward_model()  # before any resume: the reward model is the starting checkpoint
+    max_steps = int(ppo.get("max_steps") or 10000)
+    optimizer, scheduler = model.setup_optimization(max_steps, clip_grad=ppo.get("gradient_clip_val", 1.0))
+    trainer = CriticServerTrainer(model, optimizer, scheduler, exp.logger, exp.checkpoint_callback,
+                                  int(cfg.model.global_batch_size),
+                                  max_consecutive_nonfinite_steps=int(ppo.get("max_consecutive_nonfinite_steps", 10)))
+    if exp.resume_from:
+        trainer.load_checkpoint(exp.resume_from)
+    server = CriticServer(
+        model, trainer, address, combine_rm_and_critic=combine, micro_batch_size=int(mbs),
+        max_queue_delay_us=int(ppo.get("max_queue_delay_microseconds") or 0),
+        strip_to_multiple=ppo.get("strip_sequence_length_to_multiple") or ppo.get("pad_sequence_length_to_multiple"),
+        max_batch_size=ppo.get("max_batch_size"), workspace_dir=ppo.get("workspace_dir"),
+        triton_log_file=ppo.get("triton_log_file"), shutdown_idle_s=float(ppo.get("shutdown_idle_s", 60)),
+        max_sequence_length=ppo.get("max_sequence_length"), max_train_rows=ppo.get("max_train_rows"))
+    try:
+        server.run()
+    finally:
+        exp.logger.finalize()

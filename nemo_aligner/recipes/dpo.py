@@ -7,7 +7,7 @@ from typing import Dict
 
 from omegaconf import DictConfig
 
-from nemo_aligner.algorithms.offline_preference import run_offline_preference
+from nemo_aligner.recipes.offline_preference import run_offline_preference
 from nemo_aligner.data.nlp.dpo_dataset import DPOPairDataset, collate_dpo
 from nemo_aligner.models.nlp.gpt.megatron_gpt_dpo_model import MegatronGPTDPOModel
 from nemo_aligner.utils.distributed import is_global_rank_zero

@@ -7,7 +7,7 @@ from typing import Dict
 
 from omegaconf import DictConfig
 
-from nemo_aligner.algorithms.offline_preference import run_offline_preference
+from nemo_aligner.recipes.offline_preference import run_offline_preference
 from nemo_aligner.data.nlp.kto_dataset import KTODataset, collate_kto
 from nemo_aligner.models.nlp.gpt.megatron_gpt_kto_model import MegatronGPTKTOModel
 from nemo_aligner.utils.distributed import is_global_rank_zero

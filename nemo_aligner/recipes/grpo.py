@@ -12,11 +12,11 @@ from typing import Dict, Optional
 
 from omegaconf import DictConfig
 
-from nemo_aligner.algorithms.ppo_actor_run import print_rl_summary, setup_actor
+from nemo_aligner.recipes.ppo import print_rl_summary, setup_actor
 from nemo_aligner.algorithms.reinforce import ReinforceTrainer, check_group_sampling
-from nemo_aligner.algorithms.reinforce_actor_run import build_reward_source
-from nemo_aligner.algorithms.run_helpers import fit_and_export
-from nemo_aligner.trainers.callbacks import CallbackList
+from nemo_aligner.recipes.reinforce import build_reward_source
+from nemo_aligner.recipes.run_helpers import fit_and_export
+from nemo_aligner.algorithms.callbacks import CallbackList
 from nemo_aligner.utils.run_control import RunTimer, max_time_of
 
 

@@ -6,11 +6,12 @@ from typing import Dict
 
 from omegaconf import DictConfig
 
-from nemo_aligner.algorithms.ppo_actor_run import print_rl_summary, setup_actor
+from nemo_aligner.recipes.ppo import print_rl_summary, setup_actor
 from nemo_aligner.algorithms.reinforce import ReinforceTrainer, check_group_sampling
-from nemo_aligner.algorithms.run_helpers import fit_and_export
+from nemo_aligner.recipes.run_helpers import fit_and_export
 from nemo_aligner.utils.errors import ConfigError
-from nemo_aligner.utils.reward_sources import FunctionRewardSource, RemoteRewardSource, load_reward_fn
+from nemo_aligner.environments.reward_sources import FunctionRewardSource, load_reward_fn
+from nemo_aligner.servers.clients import RemoteRewardSource
 from nemo_aligner.utils.run_control import RunTimer, max_time_of
 
 

@@ -16,55 +16,18 @@ training forward, so sampling settings (temperature, top-k, top-p) cannot bias t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from nemo_aligner.models.alignable_interface import LengthParams, SamplingParams  # noqa: F401 (re-exported)
 from nemo_aligner.models.nlp.gpt.lean_ops import rotary_from_tables
 from nemo_aligner.utils import cpu_gemm, cpu_kernels
 from nemo_aligner.utils.errors import ConfigError
 
-
-
-@dataclass
-class SamplingParams:
-    """NeMo's ``sampling_params``: greedy or temperature/top-k/top-p sampling, and end strings."""
-
-    use_greedy: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    end_strings: List[str] = field(default_factory=list)
-
-    @classmethod
-    def from_cfg(cls, cfg) -> "SamplingParams":
-        if cfg is None:
-            return cls()
-        def value(key, default):  # 0 is a setting (temperature 0: the top token), only null is unset
-            given = cfg.get(key, default)
-            return default if given is None else given
-
-        return cls(
-            use_greedy=bool(cfg.get("use_greedy", False)), temperature=float(value("temperature", 1.0)),
-            top_k=int(value("top_k", 0)), top_p=float(value("top_p", 1.0)),
-            end_strings=[str(s) for s in (cfg.get("end_strings") or [])])
-
-
-@dataclass
-class LengthParams:
-    """NeMo's ``length_params``: response length bounds in tokens."""
-
-    max_length: int = 32
-    min_length: int = 1
-
-    @classmethod
-    def from_cfg(cls, cfg) -> "LengthParams":
-        if cfg is None:
-            return cls()
-        return cls(max_length=int(cfg.get("max_length", 32)), min_length=int(cfg.get("min_length", 1) or 0))
 
 
 @dataclass

@@ -8,7 +8,7 @@ from typing import Dict
 
 from omegaconf import DictConfig, OmegaConf
 
-from nemo_aligner.algorithms.run_helpers import fit_and_export
+from nemo_aligner.recipes.run_helpers import fit_and_export
 from nemo_aligner.algorithms.supervised import SupervisedTrainer, plan_max_steps
 from nemo_aligner.data.nlp.builders import build_dataloader
 from nemo_aligner.data.nlp.reward_datasets import (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
-from nemo_aligner.utils.generation import LengthParams, SamplingParams, generate
+from nemo_aligner.models.nlp.gpt.generation import LengthParams, SamplingParams, generate
 
 
 def generate_texts(model, prompts: Sequence[str], sampling: Optional[SamplingParams] = None,

@@ -9,7 +9,7 @@ from typing import Dict
 
 from omegaconf import DictConfig
 
-from nemo_aligner.algorithms.sft import run_sft
+from nemo_aligner.recipes.sft import run_sft
 from nemo_aligner.data.nlp.jsonl import read_jsonl
 from nemo_aligner.data.nlp.steerlm_labels import parse_label
 from nemo_aligner.utils.errors import ConfigError

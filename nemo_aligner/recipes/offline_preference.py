@@ -4,11 +4,11 @@ reference from one checkpoint, jsonl data from ``model.data.data_prefix``, Super
 from __future__ import annotations
 
 import logging
-from typing import Callable, Dict
+from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from nemo_aligner.algorithms.run_helpers import fit_and_export
+from nemo_aligner.recipes.run_helpers import fit_and_export
 from nemo_aligner.algorithms.supervised import SupervisedTrainer, plan_max_steps
 from nemo_aligner.data.nlp.builders import build_dataloader
 from nemo_aligner.data.nlp.reward_datasets import data_prefix_paths
