@@ -25,14 +25,11 @@ from nemo_aligner.utils import patches as _patches  # noqa: E402
 _patches.apply_at_import()
 
 
-_API = {"GRPOTrainer": "grpo", "SFTTrainer": "sft", "DPOTrainer": "dpo", "BaseTrainer": "base",
-        "TrainingResult": "base"}
-
-
 def __getattr__(name):
     """``from nemo_aligner import GRPOTrainer`` etc., imported on first use (``import nemo_aligner`` stays light)."""
-    if name in _API:
-        import importlib
+    import importlib
 
-        return getattr(importlib.import_module(f"nemo_aligner.trainers.{_API[name]}"), name)
+    trainers = importlib.import_module("nemo_aligner.trainers")  # not ``from nemo_aligner import``: that asks here
+    if name in trainers.__all__:
+        return getattr(trainers, name)
     raise AttributeError(f"module 'nemo_aligner' has no attribute {name!r}")

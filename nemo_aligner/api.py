@@ -51,6 +51,11 @@ def create_trainer(name: str, model: str, **kwargs):
     return get_algorithm(name).from_pretrained(model, **kwargs)
 
 
-register_algorithm("sft", "nemo_aligner.trainers.sft:SFTTrainer")
-register_algorithm("dpo", "nemo_aligner.trainers.dpo:DPOTrainer")
-register_algorithm("grpo", "nemo_aligner.trainers.grpo:GRPOTrainer")
+def _register_builtin() -> None:
+    from nemo_aligner.trainers import ALGORITHMS
+
+    for name, (cls, module) in ALGORITHMS.items():
+        register_algorithm(name, f"nemo_aligner.trainers.{module}:{cls}")
+
+
+_register_builtin()

@@ -26,11 +26,11 @@ import torch.distributed as dist
 from nemo_aligner.algorithms.supervised import progress_bar
 from nemo_aligner.data.nlp.builders import sampler_of
 from nemo_aligner.algorithms.callbacks import CallbackList
+from nemo_aligner.algorithms.step_plumbing import StepSchedule, optimizer_update
 from nemo_aligner.utils import ppo_utils
 from nemo_aligner.utils.distributed import comm_device, host_all_reduce, is_global_rank_zero
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.models.alignable_interface import SamplingParams
-from nemo_aligner.utils.optim import current_lr
 from nemo_aligner.utils.run_control import NonFiniteGuard, RunTimer, compute_max_steps, interval_steps
 from nemo_aligner.utils.train_checkpoint import load_train_checkpoint, run_identity
 
@@ -80,7 +80,7 @@ class Timer:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.monotonic() - start
 
 
-class PPOTrainer:
+class PPOTrainer(StepSchedule):
     """Runs PPO steps for an actor (``MegatronGPTActorModel``) against a critic/reward server."""
 
     def __init__(self, cfg, model, optimizer, scheduler, train_dataloader, val_dataloader, rm_critic, logger_,
@@ -314,12 +314,8 @@ class PPOTrainer:
                 if not self.nonfinite.check(loss, self.model):
                     metrics.append(self._skip_nonfinite_update())
                     continue
-                lr = current_lr(self.optimizer)  # the rate this update uses
-                success, grad_norm, _ = self.optimizer.step()
-                if success:
-                    self.scheduler.step(increment=1)
+                m = {**m, "grad_norm": 0.0, **optimizer_update(self.optimizer, self.scheduler)}
                 self.ppo_optimization_step += 1
-                m = dict(m, grad_norm=float(grad_norm or 0.0), lr=lr)
                 metrics.append(m)
         finally:
             self.model.finish_training()
@@ -450,23 +446,10 @@ class PPOTrainer:
                     last = metrics
                     bar.update(1)
                     bar.set_postfix(refresh=False, **self.progress_postfix(metrics))
-                    is_end = self.step >= self.max_steps
-                    ran_val = bool((self.val_check_interval and self.step % self.val_check_interval == 0) or is_end)
-                    val = {}
-                    if ran_val:
-                        val = self.validate()
-                        if val and is_global_rank_zero():
-                            bar.write(f"step {self.step}: train reward {metrics['rewards']:.4f}, "
-                                      f"validation reward {val['val_global_rewards']:.4f}")
-                    out_of_time = self.timer.is_finished()
-                    if (self.save_interval and self.step % self.save_interval == 0) or is_end or out_of_time:
-                        self.save(val if ran_val else None)
-                    self.callbacks.on_step_end(self.step, dict(metrics, **(val if ran_val else {})))
-                    if self.epoch > epoch_before:
-                        self.callbacks.on_epoch_end(epoch_before)
-                    if out_of_time:
-                        logger.info("%s after %d %s steps; checkpoints saved, stopping", self.timer.stop_reason, self.step, self.name)
-                        stop = True
+                    stop = self.end_of_step(metrics, epoch_before, bar, lambda val: (
+                        f"step {self.step}: train reward {metrics['rewards']:.4f}, "
+                        f"validation reward {val['val_global_rewards']:.4f}"))
+                    if stop:
                         break
         finally:
             bar.close()

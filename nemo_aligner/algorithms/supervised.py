@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from nemo_aligner.data.nlp.builders import limit_batches, sampler_of
 from nemo_aligner.algorithms.callbacks import CallbackList
+from nemo_aligner.algorithms.step_plumbing import StepSchedule, optimizer_update
 from nemo_aligner.utils.distributed import host_all_reduce, is_global_rank_zero
 from nemo_aligner.utils.optim import current_lr
 from nemo_aligner.utils.run_control import NonFiniteGuard, RunTimer, compute_max_steps, interval_steps
@@ -70,7 +71,7 @@ def plan_max_steps(cfg, train_dataloader, name: str = "sft") -> Tuple[int, int]:
     return max_steps, steps_per_epoch
 
 
-class SupervisedTrainer:
+class SupervisedTrainer(StepSchedule):
     """Train a ``SupervisedInterface`` model on fixed batches: step, validate, save, repeat.
 
     ``cfg`` is the algorithm's trainer section (``trainer.sft`` or ``trainer.rm``):
@@ -129,17 +130,7 @@ class SupervisedTrainer:
         self.model.finish_training_step()
         if not self.nonfinite.check(loss, self.model):
             return loss, self._skip_nonfinite_step(metrics)
-        lr = current_lr(self.optimizer)  # the rate this step uses (the scheduler moves it on below)
-        success, grad_norm, _ = self.optimizer.step()
-        if success:
-            self.scheduler.step(increment=1)
-        metrics = dict(metrics)
-        metrics["lr"] = lr
-        if grad_norm is not None:
-            metrics["grad_norm"] = float(grad_norm)
-        if not success:
-            metrics["skipped_step"] = 1.0
-        return loss, metrics
+        return loss, dict(metrics, **optimizer_update(self.optimizer, self.scheduler))
 
     @torch.no_grad()
     def run_validation(self) -> Dict[str, float]:
@@ -172,7 +163,7 @@ class SupervisedTrainer:
             count = host_all_reduce(count, group=parallel_state.get_data_parallel_group())
         return float(count.item())
 
-    def validate_and_log(self) -> Dict[str, float]:
+    def validate(self) -> Dict[str, float]:
         metrics = self.run_validation()
         if metrics:
             val = metrics["loss"]
@@ -233,29 +224,18 @@ class SupervisedTrainer:
                     bar.set_postfix(loss=f"{loss:.4f}", lr=f"{metrics['lr']:.2e}",
                                     tok_s=f"{metrics['tokens_per_sec']:.0f}", refresh=False)
 
-                    is_train_end = self.step >= self.max_steps
-                    run_val = (self.val_check_interval > 0 and self.step % self.val_check_interval == 0) or is_train_end
-                    val = {}
-                    if run_val:
-                        val = self.validate_and_log()
-                        if val and is_global_rank_zero():
-                            bar.write(f"step {self.step}: train loss {loss:.4f}, validation loss {val['loss']:.4f}")
-                    out_of_time = self.timer.is_finished()
-                    run_save = (self.save_interval > 0 and self.step % self.save_interval == 0) or is_train_end or out_of_time
-                    if run_save:
-                        self.save(val if run_val else None)
-                    self.callbacks.on_step_end(self.step, dict(metrics, **{f"val_{k}": v for k, v in (val if run_val else {}).items()}))
-                    if self.epoch > epoch_before:
-                        self.callbacks.on_epoch_end(epoch_before)
-                    if out_of_time:
-                        logger.info("%s after %d steps; checkpoint saved, stopping", self.timer.stop_reason, self.step)
-                        stop = True
+                    stop = self.end_of_step(metrics, epoch_before, bar, lambda val: (
+                        f"step {self.step}: train loss {loss:.4f}, validation loss {val['loss']:.4f}"))
+                    if stop:
                         break
         finally:
             bar.close()
         summary = self.summary(time.monotonic() - start)
         self.callbacks.on_train_end(summary)
         return summary
+
+    def callback_validation_metrics(self, val: Dict[str, float]) -> Dict[str, float]:
+        return {f"val_{k}": v for k, v in val.items()}
 
     def summary(self, seconds: float) -> Dict[str, float]:
         return {"steps": self.step, "epochs": self.epoch, "consumed_samples": self.consumed_samples,

@@ -17,11 +17,11 @@ from typing import Optional
 import numpy as np
 import torch
 
-from nemo_aligner.servers.batching import (TrainedLengthWarning, check_request, guard_limits,
-                                            data_parallel_apply, pad_request, request_limits, token_id_problem)
+from nemo_aligner.servers.batching import guard_limits, data_parallel_apply, token_id_problem
+from nemo_aligner.servers.model_server import BatchedModelServer
 from nemo_aligner.servers.signals import ServerSignal, broadcast_signal, follow
 from nemo_aligner.servers.request_guard import ModelLimits
-from nemo_aligner.servers.triton_host import ServerAddress, serve_forever
+from nemo_aligner.servers.triton_host import ServerAddress
 from nemo_aligner.utils.distributed import broadcast_object, get_rank
 from nemo_aligner.utils.errors import TrainingError
 
@@ -104,7 +104,7 @@ class ShutdownDrain:
         os.kill(os.getpid(), signal.SIGINT)
 
 
-class CriticServer:
+class CriticServer(BatchedModelServer):
     """Serves a ``MegatronGPTCriticModel`` and its ``CriticServerTrainer``.
 
     ``critic_infer``: in ``tokens`` int64 [-1], ``sequence_lengths`` int64 [1]; out ``values``
@@ -119,26 +119,12 @@ class CriticServer:
                  max_batch_size: Optional[int] = None, workspace_dir: Optional[str] = None,
                  triton_log_file: Optional[str] = None, shutdown_idle_s: float = 60.0, key: str = "trainer.ppo",
                  max_sequence_length: Optional[int] = None, max_train_rows: Optional[int] = None):
-        from megatron.core import parallel_state
-
-        self.model = model
+        super().__init__(model, address, "critic server", key, micro_batch_size, max_queue_delay_us,
+                         strip_to_multiple, max_batch_size, workspace_dir, triton_log_file, max_sequence_length)
         self.trainer = trainer
-        self.address = address
         self.combine = combine_rm_and_critic
-        self.micro_batch_size = int(micro_batch_size)
-        self.dp = parallel_state.get_data_parallel_world_size()
-        self.max_queue_delay_us = int(max_queue_delay_us)
-        self.strip_to_multiple = strip_to_multiple
-        self.max_batch_size = int(max_batch_size or max(64, self.micro_batch_size * self.dp))
-        self.workspace_dir = workspace_dir
-        self.triton_log_file = triton_log_file
         self.drain = ShutdownDrain(shutdown_idle_s)
-        self.key = key
-        self.lock = threading.Lock()
-        self.pad_id = model.tokenizer.eos_id
-        self.max_seq_length, self.vocab_size = request_limits(model.cfg, max_sequence_length)
         self.max_train_rows = int(max_train_rows or DEFAULT_MAX_TRAIN_ROWS)
-        self.warn_length = TrainedLengthWarning(model.cfg, "critic server")
         # seconds spent serving critic_infer since the last critic_train, logged with it
         # (``critic/time/infer``): with ``critic/time/train`` the server's busy time per PPO step
         self.infer_seconds = 0.0
@@ -177,12 +163,8 @@ class CriticServer:
             self.drain.end(kind)
 
     def infer(self, **inputs):
-        tokens, lengths = check_request(inputs["tokens"], inputs["sequence_lengths"], self.max_seq_length,
-                                        self.vocab_size)
-        self.warn_length(int(lengths.max()))
-        width = tokens.shape[1]
-        tokens, lengths, real = pad_request(tokens, lengths, self.pad_id, self.dp * self.micro_batch_size,
-                                            self.strip_to_multiple)
+        width = np.asarray(inputs["tokens"]).shape[-1]
+        tokens, lengths, real = self.prepare_batch(inputs["tokens"], inputs["sequence_lengths"])
         with self.lock:
             start = time.monotonic()
             broadcast_signal(ServerSignal.FORWARD)
@@ -237,7 +219,7 @@ class CriticServer:
         outputs = [Tensor(name="values", dtype=np.float32, shape=(-1,))]
         if self.combine:
             outputs.append(Tensor(name="rewards", dtype=np.float32, shape=(1,)))
-        preferred = sorted({self.micro_batch_size * self.dp, self.max_batch_size})
+        preferred = self.preferred_batch_sizes()
         triton.bind(
             model_name=CRITIC_INFER, infer_func=batch(lambda **inputs: self._request(CRITIC_INFER, self.infer, **inputs)),
             inputs=[Tensor(name="tokens", dtype=np.int64, shape=(-1,)),
@@ -281,8 +263,7 @@ class CriticServer:
                 limits = {CRITIC_INFER: guard_limits(self.max_batch_size, self.max_seq_length),
                           CRITIC_TRAIN: guard_limits(self.max_train_rows, self.max_seq_length),
                           CRITIC_SAVE: ModelLimits(1, 1)}
-                serve_forever(self.address, self._bind, "critic server", self.key, limits, self.workspace_dir,
-                              self.triton_log_file, stop_on_sigterm=self.drain.on_sigterm)
+                self.serve(self._bind, limits, stop_on_sigterm=self.drain.on_sigterm)
             finally:
                 broadcast_signal(ServerSignal.EXIT)
         unsaved = self.trainer.train_calls - self.trainer.saved_train_calls

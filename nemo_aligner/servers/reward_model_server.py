@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Optional
 
 import numpy as np
 
-from nemo_aligner.servers.batching import (TrainedLengthWarning, check_request, guard_limits,
-                                            data_parallel_apply, pad_request, request_limits)
+from nemo_aligner.servers.batching import guard_limits, data_parallel_apply
+from nemo_aligner.servers.model_server import BatchedModelServer
 from nemo_aligner.servers.signals import ServerSignal, broadcast_signal, follow
-from nemo_aligner.servers.triton_host import ServerAddress, serve_forever
+from nemo_aligner.servers.triton_host import ServerAddress
 from nemo_aligner.utils.distributed import get_rank
 
 logger = logging.getLogger(__name__)
@@ -19,7 +18,7 @@ logger = logging.getLogger(__name__)
 REWARD_MODEL_NAME = "reward_model"
 
 
-class RewardModelServer:
+class RewardModelServer(BatchedModelServer):
     """Serves ``model.infer`` (a reward model) as the PyTriton model ``reward_model``.
 
     Inputs: ``tokens`` int64 [-1] per request row and ``sequence_lengths`` int64 [1], or only
@@ -35,22 +34,8 @@ class RewardModelServer:
                  strip_to_multiple: Optional[int] = None, max_batch_size: Optional[int] = None,
                  workspace_dir: Optional[str] = None, triton_log_file: Optional[str] = None,
                  key: str = "inference", max_sequence_length: Optional[int] = None):
-        from megatron.core import parallel_state
-
-        self.model = model
-        self.address = address
-        self.micro_batch_size = int(micro_batch_size)
-        self.dp = parallel_state.get_data_parallel_world_size()
-        self.max_queue_delay_us = int(max_queue_delay_us)
-        self.strip_to_multiple = strip_to_multiple
-        self.max_batch_size = int(max_batch_size or max(64, self.micro_batch_size * self.dp))
-        self.workspace_dir = workspace_dir
-        self.triton_log_file = triton_log_file
-        self.key = key
-        self.lock = threading.Lock()
-        self.pad_id = model.tokenizer.eos_id
-        self.max_seq_length, self.vocab_size = request_limits(model.cfg, max_sequence_length)
-        self.warn_length = TrainedLengthWarning(model.cfg, "reward model server")
+        super().__init__(model, address, "reward model server", key, micro_batch_size, max_queue_delay_us,
+                         strip_to_multiple, max_batch_size, workspace_dir, triton_log_file, max_sequence_length)
         self.requests = 0
 
     # ----------------------------------------------------------------- compute (every rank)
@@ -88,11 +73,7 @@ class RewardModelServer:
                 raise BadRequest("a request needs tokens and sequence_lengths, or sentences")
             inputs = dict(inputs, **dict(zip(("tokens", "sequence_lengths"),
                                              self.tokenize_sentences(inputs["sentences"]))))
-        tokens, lengths = check_request(inputs["tokens"], inputs["sequence_lengths"], self.max_seq_length,
-                                        self.vocab_size)
-        self.warn_length(int(lengths.max()))
-        tokens, lengths, real = pad_request(tokens, lengths, self.pad_id, self.dp * self.micro_batch_size,
-                                            self.strip_to_multiple)
+        tokens, lengths, real = self.prepare_batch(inputs["tokens"], inputs["sequence_lengths"])
         with self.lock:
             broadcast_signal(ServerSignal.FORWARD)
             rewards = self._score(tokens, lengths)
@@ -103,7 +84,7 @@ class RewardModelServer:
         from pytriton.decorators import batch
         from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
 
-        preferred = sorted({self.micro_batch_size * self.dp, self.max_batch_size})
+        preferred = self.preferred_batch_sizes()
         width = self.model.output_width
         triton.bind(
             model_name=REWARD_MODEL_NAME,
@@ -129,8 +110,7 @@ class RewardModelServer:
             return
         try:
             limits = {REWARD_MODEL_NAME: guard_limits(self.max_batch_size, self.max_seq_length)}
-            serve_forever(self.address, self._bind, "reward model server", self.key, limits, self.workspace_dir,
-                          self.triton_log_file)
+            self.serve(self._bind, limits)
         finally:
             broadcast_signal(ServerSignal.EXIT)
             logger.info("reward model server stopped after %d batches", self.requests)

@@ -1,7 +1,9 @@
 """The Python API's trainers (``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``), loaded on first use."""
 
-_EXPORTS = {"BaseTrainer": "base", "TrainingResult": "base", "SFTTrainer": "sft", "DPOTrainer": "dpo",
-            "GRPOTrainer": "grpo"}
+# The one list of the API's trainers: algorithm name -> (class, module of this package). The
+# registry (``nemo_aligner.api``) and ``from nemo_aligner import SFTTrainer`` both read it.
+ALGORITHMS = {"sft": ("SFTTrainer", "sft"), "dpo": ("DPOTrainer", "dpo"), "grpo": ("GRPOTrainer", "grpo")}
+_EXPORTS = {"BaseTrainer": "base", "TrainingResult": "base", **dict(ALGORITHMS.values())}
 
 
 def __getattr__(name):

@@ -211,22 +211,26 @@ def init_distributed(devices=None, num_nodes=1, timeout_minutes: int = 30) -> La
                                 timeout=timedelta(minutes=timeout_minutes))
         return info
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    local_only = info.local_world_size == info.world_size and is_loopback(addr)
-    if local_only and sys.platform.startswith("linux"):
+    # Each rank decides alone; every rank takes the same rendezvous path below whatever it decides.
+    all_here = info.local_world_size == info.world_size
+    if all_here and is_loopback(addr) and sys.platform.startswith("linux"):
         # every rank on this machine: gloo's and NCCL's bootstrap sockets on the loopback interface too
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     timeout = timedelta(minutes=timeout_minutes)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or (not local_only and is_loopback(addr)):
-        # the launcher's agent hosts the store (torchrun), or a multi-node job names a master whose
-        # name resolves to loopback here: torch's own rendezvous, whose store listens on every interface
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # the launcher's agent hosts the store (torchrun); every rank is its client
         dist.init_process_group(backend=backend, init_method=f"tcp://{addr}:{port}", rank=info.rank,
                                 world_size=info.world_size, timeout=timeout)
         return info
-    if info.rank == 0:
-        store = listening_store(addr, port, info.world_size, timeout, what="MASTER_ADDR:MASTER_PORT")
-    else:
+    if info.rank != 0:
         store = dist.TCPStore(addr, port, info.world_size, is_master=False, timeout=timeout)
+    elif is_loopback(addr) and not all_here:
+        # ranks elsewhere may reach this node under the name that resolves to loopback here (Debian's
+        # 127.0.1.1 for the host name): torch's store, listening on every interface
+        store = dist.TCPStore(addr, port, info.world_size, is_master=True, timeout=timeout)
+    else:
+        store = listening_store(addr, port, info.world_size, timeout, what="MASTER_ADDR:MASTER_PORT")
     dist.init_process_group(backend=backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout)
     return info
 

@@ -32,9 +32,18 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def preferred_address(host: str) -> str:
+    """The address a name stands for here: its first IPv4 address, else its first (``localhost``
+    is often both 127.0.0.1 and ::1; a store listens on one of them)."""
+    infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    ipv4 = [info for info in infos if info[0] == socket.AF_INET]
+    return (ipv4 or infos)[0][4][0]
+
+
 def bound_socket_fd(host: str, port: int, what: str) -> int:
-    """A listening socket on ``host:port`` (an address of this machine), detached to a file descriptor."""
-    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    """A listening socket on ``host:port`` (its :func:`preferred_address`, which must be this
+    machine's), detached to a file descriptor."""
+    family, _, _, _, address = socket.getaddrinfo(preferred_address(host), port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
