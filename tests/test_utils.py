@@ -266,3 +266,19 @@ def test_limit_batches_zero_fraction_turns_the_loop_off():
     assert limit_batches(0.0, 10) == 0 == limit_batches(0, 10)
     assert limit_batches(0.01, 10) == 1 and limit_batches(0.5, 10) == 5 and limit_batches(None, 10) == 10
     assert limit_batches(-1, 10) == 10 and limit_batches(3, 10) == 3
+
+
+def test_run_interpolations_see_the_checkpoints_sequence_length():
+    """The shipped RL configs default ``length_params.max_length`` to ``${int_div:${model.encoder_seq_length}, 2}``
+    with ``encoder_seq_length: null`` (the checkpoint's): it resolves against the checkpoint's value."""
+    from omegaconf import OmegaConf
+
+    import nemo_aligner.utils.hydra_runner  # noqa: F401  (registers int_div)
+    from nemo_aligner.utils.model_config import merge_checkpoint_config
+
+    root = OmegaConf.create({"model": {"encoder_seq_length": None,
+                                       "rs": {"length_params": {"max_length": "${int_div:${model.encoder_seq_length}, 2}"}}}})
+    merged = merge_checkpoint_config(OmegaConf.create({"encoder_seq_length": 48, "num_layers": 2}), root.model)
+    assert merged.encoder_seq_length == 48 and merged.rs.length_params.max_length == 24
+    root.model.encoder_seq_length = 64  # a value the run sets wins
+    assert merge_checkpoint_config(OmegaConf.create({"encoder_seq_length": 48}), root.model).rs.length_params.max_length == 32

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import time
 from contextlib import contextmanager
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -113,10 +113,8 @@ class PPOTrainer(StepSchedule):
         self.responses_per_prompt = int(responses_per_prompt)
         self.num_rollout_samples = self.prompts_per_step * self.responses_per_prompt
         self.global_batch_size = int(model.cfg.global_batch_size)
-        if self.num_rollout_samples % self.global_batch_size:
-            what = (f"model.{name}.num_rollout_samples={self.prompts_per_step}" if self.responses_per_prompt == 1 else
-                    f"model.{name}.num_rollout_samples={self.prompts_per_step} x "
-                    f"num_responses_per_prompt={self.responses_per_prompt}")
+        rows, what = self.trained_rows_per_step()
+        if rows % self.global_batch_size:
             raise ConfigError(f"{what} is not a multiple of model.global_batch_size={self.global_batch_size}")
         if (self.global_batch_size // self.dp) % model.micro_batch_size:
             raise ConfigError(f"model.global_batch_size={self.global_batch_size} / data parallel {self.dp} is not "
@@ -147,6 +145,13 @@ class PPOTrainer(StepSchedule):
                                         f"trainer.{name}.max_consecutive_nonfinite_steps", what="actor updates",
                                         advice="check the rewards")
 
+    def trained_rows_per_step(self) -> Tuple[int, str]:
+        """Rollouts trained on per step (a whole number of global batches), and the keys that set it."""
+        what = (f"model.{self.name}.num_rollout_samples={self.prompts_per_step}" if self.responses_per_prompt == 1 else
+                f"model.{self.name}.num_rollout_samples={self.prompts_per_step} x "
+                f"num_responses_per_prompt={self.responses_per_prompt}")
+        return self.num_rollout_samples, what
+
     # ----------------------------------------------------------------- state
     @property
     def epoch(self) -> int:
@@ -164,7 +169,7 @@ class PPOTrainer(StepSchedule):
         self.consumed_samples = int(state["consumed_samples"])
         self.ppo_optimization_step = int(state.get("ppo_optimization_step", 0))
         self.best_val_reward = state.get("best_val_reward")
-        logger.info("actor resumed at PPO step %d (%d prompts consumed)", self.step, self.consumed_samples)
+        logger.info("actor resumed at %s step %d (%d prompts consumed)", self.name.upper(), self.step, self.consumed_samples)
 
     # ----------------------------------------------------------------- rollouts
     def generate_rollouts(self, prompts: List[List[int]], micro_batch_size: int, seed: int,
@@ -401,7 +406,8 @@ class PPOTrainer(StepSchedule):
         metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
         metrics["time/step"] = time.monotonic() - start
         if is_global_rank_zero():
-            texts = [t for t in texts for _ in range(self.responses_per_prompt)]  # rows of the rollout batch
+            per_prompt = max(len(batch["tokens"]) // max(len(texts), 1), 1)  # rows of the trained batch per prompt
+            texts = [t for t in texts for _ in range(per_prompt)]
             self.logger.log_table("train/samples", ["prompt", "response", "reward"], self.sample_rows(texts, batch, 4),
                                   step=self.step + 1)
         return metrics

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -45,17 +45,21 @@ class ActorSetup:
     num_prompts: int
 
 
-def setup_actor(cfg: DictConfig, section: str, default_name: str, responses_per_prompt: int = 1) -> ActorSetup:
-    """Distributed start, exp_manager, the actor (initial policy kept on the CPU), prompt loaders and
-    the optimizer, from ``model.<section>`` and ``trainer.<section>`` (``ppo`` or ``reinforce``)."""
+def setup_actor(cfg: DictConfig, section: str, default_name: str, responses_per_prompt: int = 1,
+                model_cls=MegatronGPTActorModel, trained_per_prompt: Optional[int] = None) -> ActorSetup:
+    """Distributed start, exp_manager, the actor (``model_cls``; the initial policy kept on the CPU
+    when the algorithm has a KL term), prompt loaders and the optimizer, from ``model.<section>`` and
+    ``trainer.<section>`` (``ppo``, ``reinforce``, ``grpo``, ``rs``). ``trained_per_prompt``: rows
+    trained on per prompt (default ``responses_per_prompt``), which sizes the LR schedule."""
     restore = (cfg.get("pretrained_checkpoint") or {}).get("restore_from_path")
     if not restore:
         raise ConfigError("pretrained_checkpoint.restore_from_path is required: the SFT .nemo the actor starts from")
     info = init_run(cfg, restore, "pretrained_checkpoint.restore_from_path")
     exp = exp_manager(cfg.get("exp_manager"), cfg, default_name=default_name)
-    model = load_model(MegatronGPTActorModel, cfg.model, cfg.trainer.precision, restore,
+    model = load_model(model_cls, cfg.model, cfg.trainer.precision, restore,
                        key="pretrained_checkpoint.restore_from_path", section=section)
-    model.snapshot_initial_policy()  # before any resume: the reference is the starting checkpoint
+    if model.uses_reference_policy:
+        model.snapshot_initial_policy()  # before any resume: the reference is the starting checkpoint
 
     rl = cfg.model[section]
     seq = int(model.cfg.encoder_seq_length)
@@ -90,7 +94,8 @@ def setup_actor(cfg: DictConfig, section: str, default_name: str, responses_per_
     max_steps = compute_max_steps(trainer_cfg.get("max_steps"), trainer_cfg.get("max_epochs"),
                                   train_dl.batch_sampler.batches_per_epoch, key=f"trainer.{section}")
     # The LR schedule counts optimizer steps: rollouts / global_batch_size per step.
-    optim_steps = max_steps * (prompts * responses_per_prompt // int(cfg.model.global_batch_size))
+    trained = prompts * (trained_per_prompt or responses_per_prompt)
+    optim_steps = max_steps * (trained // int(cfg.model.global_batch_size))
     optimizer, scheduler = model.setup_optimization(max(optim_steps, 1),
                                                     clip_grad=trainer_cfg.get("gradient_clip_val", 1.0))
     logger.info("%s actor: %.2fM parameters; %d prompts, %d per step (x%d responses), %d steps", section,

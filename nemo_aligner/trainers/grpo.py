@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 from nemo_aligner.trainers.arguments import check_environment, check_reward_fn
 from nemo_aligner.trainers.base import BaseTrainer
@@ -50,7 +50,8 @@ class GRPOTrainer(BaseTrainer):
     def _checked_fit_kwargs(self, kwargs: Dict[str, Any], owner: str) -> Dict[str, Any]:
         reward_fn, environment = kwargs.get("reward_fn"), kwargs.get("environment")
         if (reward_fn is None) == (environment is None):
-            raise ConfigError("GRPOTrainer.fit needs exactly one of reward_fn (prompt, response) -> float or environment")
+            raise ConfigError(f"{type(self).__name__}.fit needs exactly one of reward_fn (prompt, response) -> float or "
+                              "environment")
         if reward_fn is not None:
             kwargs = dict(kwargs, reward_fn=check_reward_fn(reward_fn, owner))
         else:

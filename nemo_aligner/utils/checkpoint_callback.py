@@ -21,7 +21,8 @@ _FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
 # Metric names NeMo-Aligner's configs use for the same values (monitor, checkpoint file names).
 _MONITOR_ALIASES = {"val_loss": "validation_loss", "validation_loss": "val_loss",
                     "val_rewards": "val_global_rewards", "val_global_rewards": "val_rewards",
-                    "reinforce_optimization_step": "ppo_optimization_step"}
+                    "reinforce_optimization_step": "ppo_optimization_step",
+                    "rs_optimization_step": "ppo_optimization_step"}
 
 
 

@@ -35,6 +35,8 @@ ALIASES: Tuple[Tuple[str, str], ...] = (
 MUST_EQUAL: Tuple[Tuple[str, str], ...] = (
     ("trainer.reinforce.model_gbs", "model.global_batch_size"),
     ("trainer.reinforce.model_mbs", "model.micro_batch_size"),
+    ("trainer.rs.model_gbs", "model.global_batch_size"),
+    ("trainer.rs.model_mbs", "model.micro_batch_size"),
 )
 # Accepted for NeMo-Aligner's commands, read by nothing here: path suffix -> why it changes nothing.
 UNREAD: Dict[str, str] = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Iterable
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,12 @@ def merge_checkpoint_config(ckpt_cfg: DictConfig, run_cfg: DictConfig,
     base = OmegaConf.to_container(ckpt_cfg, resolve=True)
     for key in _CHECKPOINT_ONLY:
         base.pop(key, None)
+    for key in CHECKPOINT_UNLESS_SET:
+        if run_cfg.get(key) is None and base.get(key) is not None:
+            # the checkpoint's value, before the run's interpolations resolve (``length_params.max_length:
+            # ${int_div:${model.encoder_seq_length}, 2}`` with ``encoder_seq_length: null``)
+            with open_dict(run_cfg):
+                run_cfg[key] = base[key]
     run = OmegaConf.to_container(run_cfg, resolve=True)
     drop_overwritten(base, run.pop("overwrite_base_config", None) or {})
     ignored = []

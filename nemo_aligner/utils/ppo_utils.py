@@ -138,3 +138,19 @@ def rloo_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, valid: Optiona
     count = others @ valid
     total = others @ (rewards * valid)
     return torch.where(count > 0, total / count.clamp(min=1.0), rewards)
+
+
+def select_top_n(rewards: torch.Tensor, group_ids: torch.Tensor, n: int,
+                 valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Indices of each group's ``n`` highest-reward rows (rejection sampling), in row order. Rows
+    that are not ``valid`` (cut at the length limit) are taken only when a group has too few
+    valid ones; among equal rewards the earlier row wins."""
+    rows = torch.arange(rewards.numel(), device=rewards.device)
+    valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()
+    chosen = []
+    for group in torch.unique(group_ids):
+        members = rows[group_ids == group]
+        # sort keys: valid first, then higher reward, then earlier row (a stable sort keeps row order)
+        order = sorted(members.tolist(), key=lambda i: (not bool(valid[i]), -float(rewards[i])))
+        chosen.extend(order[:n])
+    return torch.tensor(sorted(chosen), dtype=torch.long, device=rewards.device)

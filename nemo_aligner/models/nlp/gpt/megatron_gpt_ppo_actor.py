@@ -74,6 +74,8 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
                 self.share_prompt_prefix = False
 
     # ----------------------------------------------------------------- initial policy
+    uses_reference_policy = True  # log-probs of the initial policy: the KL terms
+
     def snapshot_initial_policy(self) -> None:
         """Keep a CPU copy of the current weights as the initial (reference) policy."""
         self.init_policy_state = cpu_state_copy(self.module)
