@@ -128,11 +128,15 @@ def _guarded(address: ServerAddress, backend_port: int, limits: Dict[str, ModelL
         guard.close()
 
 
-_SIGNALLED = {"stop": False}
+@dataclass
+class StopSignal:
+    """Whether a stop signal arrived (as opposed to ``serve()`` returning because Triton died)."""
+
+    received: bool = False
 
 
 @contextmanager
-def stop_on_signals(stop_on_sigterm: Optional[Callable[[], bool]] = None) -> Iterator[None]:
+def stop_on_signals(stop_on_sigterm: Optional[Callable[[], bool]] = None) -> Iterator[StopSignal]:
     """Turn SIGTERM and SIGINT into ``KeyboardInterrupt`` so ``Triton.serve()`` returns.
 
     A server started in the background ignores SIGINT otherwise, and ``serve()`` only
@@ -140,15 +144,17 @@ def stop_on_signals(stop_on_sigterm: Optional[Callable[[], bool]] = None) -> Ite
     False leaves the stop to the caller (which then sends SIGINT). SIGINT always stops.
     """
 
+    state = StopSignal()
+
     def interrupt(signum, frame):
         if signum == signal.SIGTERM and stop_on_sigterm is not None and not stop_on_sigterm():
             return
-        _SIGNALLED["stop"] = True
+        state.received = True
         raise KeyboardInterrupt(f"signal {signum}")
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        yield
+        yield state
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -176,7 +182,7 @@ def serve_forever(address: ServerAddress, bind, description: str, key: str, limi
     remove_stale([workspace_dir] if workspace_dir else [])
     prepare_library_path()
     backend_port = free_port()
-    with workspace(workspace_dir) as ws, stop_on_signals(stop_on_sigterm):
+    with workspace(workspace_dir) as ws, stop_on_signals(stop_on_sigterm) as stop:
         log_file = triton_log_file or os.path.join(os.path.dirname(ws), "tritonserver.log")
         config = TritonConfig(http_address=LOOPBACK, http_port=backend_port, grpc_address=LOOPBACK,
                               grpc_port=address.grpc_port, metrics_address=LOOPBACK,
@@ -187,12 +193,12 @@ def serve_forever(address: ServerAddress, bind, description: str, key: str, limi
             bind(triton)
             print(f"{description} ready on {address.url} (grpc {address.grpc_port}, metrics {address.metrics_port})",
                   flush=True)
-            _SIGNALLED["stop"] = False
+            stop.received = False
             try:
                 triton.serve()  # returns on SIGINT/SIGTERM, or when tritonserver or a model proxy died
             except KeyboardInterrupt:
                 pass
-            if not _SIGNALLED["stop"]:
+            if not stop.received:
                 from nemo_aligner.utils.errors import ServerError
 
                 raise ServerError(f"{description} on {address.url}: Triton stopped serving without a stop signal "
