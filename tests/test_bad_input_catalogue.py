@@ -439,15 +439,22 @@ def test_nemo_with_a_bad_model_config(workdir, saved_nemo, case):
           lambda: read_model_config(broken, "model.restore_from_path"))
 
 
-def test_architecture_values_that_cannot_build_a_model_are_refused():
+ARCHITECTURE_CASES = {
+    "query-groups-not-dividing-heads": (dict(num_query_groups=3),
+                                        r"model\.num_query_groups=3 must divide model\.num_attention_heads=4"),
+    "learned-positions-shorter-than-the-sequence": (
+        dict(max_position_embeddings=16, encoder_seq_length=32, position_embedding_type="learned_absolute"),
+        r"model\.max_position_embeddings=16 is shorter than model\.encoder_seq_length=32"),
+}
+
+
+@pytest.mark.parametrize("case", list(ARCHITECTURE_CASES))
+def test_architecture_values_that_cannot_build_a_model_are_refused(case):
     from nemo_aligner.models.nlp.gpt.gpt_builder import transformer_config_from_cfg
 
-    for extra, pattern in ((dict(num_query_groups=3), r"model\.num_query_groups=3 must divide model\.num_attention_heads=4"),
-                           (dict(max_position_embeddings=16, encoder_seq_length=32,
-                                 position_embedding_type="learned_absolute"),
-                            r"model\.max_position_embeddings=16 is shorter than model\.encoder_seq_length=32")):
-        with pytest.raises(ConfigError, match=pattern):
-            transformer_config_from_cfg(OmegaConf.create(dict(TINY_ARCH, **extra)))
+    extra, pattern = ARCHITECTURE_CASES[case]
+    with pytest.raises(ConfigError, match=pattern):
+        transformer_config_from_cfg(OmegaConf.create(dict(TINY_ARCH, **extra)))
 
 
 def test_nemo_that_is_not_a_tar(workdir):

@@ -2,6 +2,7 @@
 model in this process, concurrent clients, bad requests, unreachable servers, clean shutdown,
 and TP=2 / DP=2 serving."""
 
+import json
 import os
 import re
 import subprocess
@@ -155,20 +156,24 @@ def test_bad_request_is_answered_and_the_server_keeps_serving(server, rm_nemo_an
     assert server.proc.poll() is None
 
 
+_HUGE = {"inputs": [{"name": "tokens", "shape": [64, 100_000_000_000], "datatype": "INT64", "data": [1]},
+                   {"name": "sequence_lengths", "shape": [64, 1], "datatype": "INT64", "data": [1] * 64}]}
+CRAFTED_REQUESTS = {  # method, path, body, status, message (the server's inputs.max_sequence_length: 128)
+    "huge-declared-shape": ("POST", "/v2/models/reward_model/infer", json.dumps(_HUGE), 400,
+                            "more than 512 elements per row"),
+    "model-unload": ("POST", "/v2/repository/models/reward_model/unload", "{}", 403, "not served here"),
+    "header-not-json": ("POST", "/v2/models/reward_model/infer", "{not json", 400, "not JSON"),
+}
+
+
 def test_crafted_http_requests_are_refused_before_triton_sees_them(server, rm_nemo_and_rewards):
-    """One small request declaring a [64, 1e11] tensor aborted tritonserver (it allocates for the declared
-    shape); the request guard refuses it, and routes that change the server, with a 4xx."""
+    """tritonserver allocates for the shape a request declares, so a small request declaring a [64, 1e11]
+    tensor would abort it: the request guard refuses it, and routes that change the server, with a 4xx."""
     import http.client
-    import json
 
     _, expected = rm_nemo_and_rewards
-    huge = {"inputs": [{"name": "tokens", "shape": [64, 100_000_000_000], "datatype": "INT64", "data": [1]},
-                       {"name": "sequence_lengths", "shape": [64, 1], "datatype": "INT64", "data": [1] * 64}]}
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    for method, path, body, status, message in (
-            ("POST", "/v2/models/reward_model/infer", json.dumps(huge), 400, "more than 512 elements per row"),
-            ("POST", "/v2/repository/models/reward_model/unload", "{}", 403, "not served here"),
-            ("POST", "/v2/models/reward_model/infer", "{not json", 400, "not JSON")):
+    for method, path, body, status, message in CRAFTED_REQUESTS.values():
         conn.request(method, path, body=body.encode())
         response = conn.getresponse()
         assert response.status == status
