@@ -1,6 +1,8 @@
 """Rejection sampling: the top-n selection against a hand computation, the SFT loss on the kept
 responses, bad settings, and the actor job raising the built-in task's score with a reward function."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -56,22 +58,32 @@ def test_rs_loss_is_the_mean_nll_of_the_kept_response_tokens(mcore_single):
     assert metrics["loss"] == pytest.approx(expected, rel=1e-5)
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["model.rs.top_n_rollouts=5", "model.rs.num_rollouts_per_prompt=4"],
+@pytest.mark.parametrize("settings, message", [
+    ({"num_rollouts_per_prompt": 4, "top_n_rollouts": 5},
      "model.rs.top_n_rollouts=5 must be within 1..model.rs.num_rollouts_per_prompt=4"),
-    (["model.rs.num_rollouts_per_prompt=0"], "model.rs.num_rollouts_per_prompt=0 must be >= 1"),
-    (["model.rs.num_rollout_samples=6", "model.rs.top_n_rollouts=1", "model.global_batch_size=4"],
-     "model.rs.num_rollout_samples=6 x top_n_rollouts=1 is not a multiple of model.global_batch_size=4"),
+    ({"num_rollouts_per_prompt": 0}, "model.rs.num_rollouts_per_prompt=0 must be >= 1"),
 ])
-def test_bad_rs_settings_are_named(tmp_path, weak_policy, extra, message):
+def test_rollout_counts_out_of_range_are_named(settings, message):
+    from nemo_aligner.algorithms.rs import check_rs_sampling
+    from nemo_aligner.utils.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_rs_sampling(settings)
+    assert check_rs_sampling({"num_rollouts_per_prompt": 8, "top_n_rollouts": 2}) == (8, 2)
+
+
+def test_kept_rows_must_fill_whole_global_batches(tmp_path, weak_policy):
+    """Checked by the script before any rollout: one ``error:`` line, exit 1, no traceback."""
     model, data = weak_policy
     proc = run_script("train_gpt_rs_actor.py", [
         f"pretrained_checkpoint.restore_from_path={model}",
         f"++model.data.data_prefix={{train: [{data['prompts_train']}], validation: [{data['prompts_val']}]}}",
         "reward_fn=nemo_aligner.data.nlp.builtin_task:reward", f"exp_manager.explicit_log_dir={tmp_path / 'bad'}",
-        "model.micro_batch_size=2", *extra], check=False)
+        "model.micro_batch_size=2", "model.rs.num_rollout_samples=6", "model.rs.top_n_rollouts=1",
+        "model.global_batch_size=4"], check=False)
     assert proc.returncode == 1
-    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert ("error: model.rs.num_rollout_samples=6 x top_n_rollouts=1 is not a multiple of model.global_batch_size=4"
+            in proc.stderr and "Traceback" not in proc.stderr), proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("seed", [1234, 7, 11])
@@ -136,8 +148,8 @@ def test_python_api_runs_rejection_sampling_and_refuses_bad_settings(tmp_path, w
 
 
 def test_tp2_run_resumes_exactly(tmp_path, weak_policy):
-    """Tensor parallel 2 (the script starts both ranks): 3 steps in one go equal 2 steps, a stop, and a
-    resumed third step (same samples, rewards and loss)."""
+    """Tensor parallel 2 (the script starts both ranks): 2 steps in one go equal 1 step, a stop, and a
+    resumed second step (same samples, rewards and loss)."""
     model, data = weak_policy
 
     def run(log_dir, steps):
@@ -152,15 +164,15 @@ def test_tp2_run_resumes_exactly(tmp_path, weak_policy):
             "model.rs.length_params.max_length=9", "model.optim.lr=5e-5", "model.optim.sched.name=Constant"],
             like_nproc=2)
 
-    run(tmp_path / "straight", 3)
-    run(tmp_path / "resumed", 2)
-    proc = run(tmp_path / "resumed", 3)
-    assert "actor resumed at RS step 2" in proc.stdout + proc.stderr
+    run(tmp_path / "straight", 2)
+    run(tmp_path / "resumed", 1)
+    proc = run(tmp_path / "resumed", 2)
+    assert "actor resumed at RS step 1" in proc.stdout + proc.stderr
 
-    def step3(log_dir):
-        rows = [r for r in read_metrics(log_dir) if r.get("step") == 3 and "train/actor_loss" in r]
+    def step2(log_dir):
+        rows = [r for r in read_metrics(log_dir) if r.get("step") == 2 and "train/actor_loss" in r]
         return rows[-1]
 
-    a, b = step3(tmp_path / "straight"), step3(tmp_path / "resumed")
+    a, b = step2(tmp_path / "straight"), step2(tmp_path / "resumed")
     for key in ("train/rewards", "train/selected_rewards", "train/actor_loss"):
         assert b[key] == pytest.approx(a[key], rel=1e-5), key
