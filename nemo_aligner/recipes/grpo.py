@@ -12,11 +12,10 @@ from typing import Dict, Optional
 
 from omegaconf import DictConfig
 
-from nemo_aligner.recipes.ppo import print_rl_summary, setup_actor
-from nemo_aligner.algorithms.reinforce import ReinforceTrainer, check_group_sampling
-from nemo_aligner.recipes.reinforce import build_reward_source
-from nemo_aligner.recipes.run_helpers import fit_and_export
 from nemo_aligner.algorithms.callbacks import CallbackList
+from nemo_aligner.algorithms.reinforce import ReinforceTrainer, check_group_sampling
+from nemo_aligner.recipes.ppo import fit_scored_actor, setup_actor
+from nemo_aligner.recipes.reinforce import build_reward_source
 from nemo_aligner.utils.run_control import RunTimer, max_time_of
 
 
@@ -29,13 +28,4 @@ def run_grpo(cfg: DictConfig, reward_source=None, callbacks: Optional[CallbackLi
     trainer = ReinforceTrainer(cfg.trainer.grpo, setup.model, setup.optimizer, setup.scheduler, setup.train_dl,
                                setup.val_dl, source, setup.exp.logger, setup.exp.checkpoint_callback,
                                RunTimer(max_time_of(cfg, "grpo")), rl_cfg=cfg.model.grpo, seed=setup.seed, name="grpo")
-    if callbacks is not None:
-        trainer.callbacks = callbacks
-    try:
-        summary = fit_and_export(trainer, setup.model, setup.exp)
-    finally:
-        if reward_source is None:
-            source.close()
-    summary["best_checkpoint"] = setup.exp.checkpoint_callback.best() if setup.exp.checkpoint_callback else None
-    print_rl_summary("GRPO", summary, setup.exp.log_dir)
-    return summary
+    return fit_scored_actor(trainer, setup, source, "GRPO", close_source=reward_source is None, callbacks=callbacks)

@@ -9,6 +9,7 @@ from typing import Dict, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from nemo_aligner.algorithms.callbacks import CallbackList
 from nemo_aligner.algorithms.critic_server_trainer import CriticServerTrainer
 from nemo_aligner.algorithms.ppo import PPOTrainer
 from nemo_aligner.data.nlp.builders import build_dataloader
@@ -110,6 +111,22 @@ def print_rl_summary(label: str, summary: Dict[str, float], log_dir: str) -> Non
               f"validation reward {summary['final_val_reward']:.4f} (best {summary['best_val_reward']:.4f}), "
               f"{summary['seconds']:.0f}s; " + (f".nemo written to {nemo_path}" if nemo_path else f"logs in {log_dir}"),
               flush=True)
+
+
+def fit_scored_actor(trainer, setup: ActorSetup, source, label: str, close_source: bool = True,
+                     callbacks: Optional[CallbackList] = None) -> Dict[str, float]:
+    """Fit a critic-free actor trainer whose rewards come from ``source``, export the model and print
+    its summary (``label``); ``source`` is closed afterwards when ``close_source`` (this run made it)."""
+    if callbacks is not None:
+        trainer.callbacks = callbacks
+    try:
+        summary = fit_and_export(trainer, setup.model, setup.exp)
+    finally:
+        if close_source:
+            source.close()
+    summary["best_checkpoint"] = setup.exp.checkpoint_callback.best() if setup.exp.checkpoint_callback else None
+    print_rl_summary(label, summary, setup.exp.log_dir)
+    return summary
 
 
 def run_ppo_actor(cfg: DictConfig) -> Dict[str, float]:

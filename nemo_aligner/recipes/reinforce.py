@@ -6,9 +6,8 @@ from typing import Dict
 
 from omegaconf import DictConfig
 
-from nemo_aligner.recipes.ppo import print_rl_summary, setup_actor
+from nemo_aligner.recipes.ppo import fit_scored_actor, setup_actor
 from nemo_aligner.algorithms.reinforce import ReinforceTrainer, check_group_sampling
-from nemo_aligner.recipes.run_helpers import fit_and_export
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.environments.reward_sources import FunctionRewardSource, load_reward_fn
 from nemo_aligner.servers.clients import RemoteRewardSource
@@ -32,9 +31,4 @@ def run_reinforce_actor(cfg: DictConfig) -> Dict[str, float]:
     trainer = ReinforceTrainer(cfg.trainer.reinforce, setup.model, setup.optimizer, setup.scheduler, setup.train_dl,
                                setup.val_dl, source, setup.exp.logger, setup.exp.checkpoint_callback,
                                RunTimer(max_time_of(cfg, "reinforce")), rl_cfg=rl, seed=setup.seed)
-    try:
-        summary = fit_and_export(trainer, setup.model, setup.exp)
-    finally:
-        source.close()
-    print_rl_summary("REINFORCE", summary, setup.exp.log_dir)
-    return summary
+    return fit_scored_actor(trainer, setup, source, "REINFORCE")

@@ -11,9 +11,8 @@ from omegaconf import DictConfig
 from nemo_aligner.algorithms.callbacks import CallbackList
 from nemo_aligner.algorithms.rs import RSTrainer, check_rs_sampling
 from nemo_aligner.models.nlp.gpt.megatron_gpt_rs_actor import MegatronGPTRSActorModel
-from nemo_aligner.recipes.ppo import print_rl_summary, setup_actor
+from nemo_aligner.recipes.ppo import fit_scored_actor, setup_actor
 from nemo_aligner.recipes.reinforce import build_reward_source
-from nemo_aligner.recipes.run_helpers import fit_and_export
 from nemo_aligner.utils.run_control import RunTimer, max_time_of
 
 
@@ -28,13 +27,5 @@ def run_rs_actor(cfg: DictConfig, reward_source=None, callbacks: Optional[Callba
     trainer = RSTrainer(cfg.trainer.rs, setup.model, setup.optimizer, setup.scheduler, setup.train_dl, setup.val_dl,
                         source, setup.exp.logger, setup.exp.checkpoint_callback, RunTimer(max_time_of(cfg, "rs")),
                         rl_cfg=rl, seed=setup.seed)
-    if callbacks is not None:
-        trainer.callbacks = callbacks
-    try:
-        summary = fit_and_export(trainer, setup.model, setup.exp)
-    finally:
-        if reward_source is None:
-            source.close()
-    summary["best_checkpoint"] = setup.exp.checkpoint_callback.best() if setup.exp.checkpoint_callback else None
-    print_rl_summary("Rejection sampling", summary, setup.exp.log_dir)
-    return summary
+    return fit_scored_actor(trainer, setup, source, "Rejection sampling", close_source=reward_source is None,
+                            callbacks=callbacks)
