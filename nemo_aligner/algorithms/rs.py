@@ -18,7 +18,7 @@ from nemo_aligner.utils.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 
-def check_rs_sampling(rl_cfg) -> Tuple[int, int]:
+def rs_counts(rl_cfg) -> Tuple[int, int]:
     """``model.rs.num_rollouts_per_prompt`` and ``top_n_rollouts``, checked (1 <= top_n <= rollouts)."""
     n = int(rl_cfg.get("num_rollouts_per_prompt", 4))
     top = int(rl_cfg.get("top_n_rollouts", 1))
@@ -26,6 +26,12 @@ def check_rs_sampling(rl_cfg) -> Tuple[int, int]:
         raise ConfigError(f"model.rs.num_rollouts_per_prompt={n} must be >= 1")
     if not 1 <= top <= n:
         raise ConfigError(f"model.rs.top_n_rollouts={top} must be within 1..model.rs.num_rollouts_per_prompt={n}")
+    return n, top
+
+
+def check_rs_sampling(rl_cfg) -> Tuple[int, int]:
+    """:func:`rs_counts`, and a warning when the sampling settings make every response alike."""
+    n, top = rs_counts(rl_cfg)
     sampling = rl_cfg.get("sampling_params") or {}
     greedy, temperature = bool(sampling.get("use_greedy", False)), sampling.get("temperature", 1.0)
     if n > 1 and (greedy or (temperature is not None and float(temperature) <= 0)):
@@ -42,7 +48,7 @@ class RSTrainer(ReinforceTrainer):
     def __init__(self, cfg, model, optimizer, scheduler, train_dataloader, val_dataloader, reward_source, logger_,
                  ckpt_callback, run_timer=None, rl_cfg=None, seed: int = 1234, name: str = "rs"):
         rl_cfg = rl_cfg or {}
-        n, self.top_n = check_rs_sampling(rl_cfg)
+        n, self.top_n = rs_counts(rl_cfg)  # the recipe warned about the sampling settings
         super().__init__(cfg, model, optimizer, scheduler, train_dataloader, val_dataloader, reward_source, logger_,
                          ckpt_callback, run_timer, rl_cfg=dict(rl_cfg, num_responses_per_prompt=n), seed=seed,
                          name=name)

@@ -212,8 +212,8 @@ def init_distributed(devices=None, num_nodes=1, timeout_minutes: int = 30) -> La
         return info
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     # Each rank decides alone; every rank takes the same rendezvous path below whatever it decides.
-    all_here = info.local_world_size == info.world_size
-    if all_here and is_loopback(addr) and sys.platform.startswith("linux"):
+    all_here, loopback = info.local_world_size == info.world_size, is_loopback(addr)
+    if all_here and loopback and sys.platform.startswith("linux"):
         # every rank on this machine: gloo's and NCCL's bootstrap sockets on the loopback interface too
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
@@ -225,7 +225,7 @@ def init_distributed(devices=None, num_nodes=1, timeout_minutes: int = 30) -> La
         return info
     if info.rank != 0:
         store = dist.TCPStore(addr, port, info.world_size, is_master=False, timeout=timeout)
-    elif is_loopback(addr) and not all_here:
+    elif loopback and not all_here:
         # ranks elsewhere may reach this node under the name that resolves to loopback here (Debian's
         # 127.0.1.1 for the host name): torch's store, listening on every interface
         store = dist.TCPStore(addr, port, info.world_size, is_master=True, timeout=timeout)
