@@ -144,10 +144,14 @@ class SupervisedTrainer(StepSchedule):
             if i >= num_batches:
                 break
             self.model.prepare_for_validation_step()
-            _, metrics = self.model.get_loss_and_metrics(batch=batch, forward_only=True)
+            _, metrics = self.validation_loss(batch)
             self.model.finish_validation_step()
             per_batch.append(metrics)
         return aggregate_validation(per_batch)
+
+    def validation_loss(self, batch) -> Tuple[float, Dict[str, float]]:
+        """Loss and metrics of one validation batch."""
+        return self.model.get_loss_and_metrics(batch=batch, forward_only=True)
 
     def _tokens_in(self, batch) -> float:
         """Tokens in the global batch (real ones when the batch has lengths), summed over data-parallel ranks."""

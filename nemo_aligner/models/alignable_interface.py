@@ -119,3 +119,21 @@ class AlignableGenerativeInterface(SupervisedInterface, Inferrable):
     @abstractmethod
     def get_init_policy_logprobs(self, rollout_batches) -> torch.Tensor:
         """Reference log-probs from the initial policy (weights swapped in from CPU)."""
+
+
+class SelfPlayInterface(SupervisedInterface, Inferrable):
+    """A policy trained against its own earlier generations (SPIN): it generates with the
+    reference (previous iterate) policy and is trained to prefer the data's responses over them."""
+
+    @abstractmethod
+    def set_KL_penalty_by_iteration(self, iteration: int) -> None:
+        """Use the preference loss's beta of ``iteration`` (a schedule may give one per iteration)."""
+
+    @abstractmethod
+    def update_reference_policy(self) -> None:
+        """Make the current weights the reference policy (the end of an iteration)."""
+
+    @abstractmethod
+    def get_loss_and_metrics_vanilla_sft(self, batch: Dict[str, torch.Tensor],
+                                         forward_only: bool = True) -> Tuple[float, Dict[str, float]]:
+        """The SFT loss (negative log-likelihood of the data's responses) of one batch."""

@@ -3,7 +3,7 @@
 # The one list of the API's trainers: algorithm name -> (class, module of this package). The
 # registry (``nemo_aligner.api``) and ``from nemo_aligner import SFTTrainer`` both read it.
 ALGORITHMS = {"sft": ("SFTTrainer", "sft"), "dpo": ("DPOTrainer", "dpo"), "grpo": ("GRPOTrainer", "grpo"),
-              "rs": ("RejectionSamplingTrainer", "rs")}
+              "rs": ("RejectionSamplingTrainer", "rs"), "spin": ("SelfPlayTrainer", "spin")}
 _EXPORTS = {"BaseTrainer": "base", "TrainingResult": "base", **dict(ALGORITHMS.values())}
 
 

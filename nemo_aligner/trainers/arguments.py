@@ -10,7 +10,8 @@ from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 from nemo_aligner.utils.errors import ConfigError
 
-# (kind, minimum): kind "int", "float" (an int is fine), "bool" or "str"; minimum None or (value, strict)
+# (kind, minimum): kind "int", "float" (an int is fine), "floats" (a number or a list of them), "bool" or
+# "str"; minimum None or (value, strict)
 Rule = Tuple[str, Optional[Tuple[float, bool]]]
 
 POLICY_RULES: Dict[str, Rule] = {
@@ -42,6 +43,13 @@ def _check_value(where: str, value: Any, rule: Rule) -> None:
     if kind == "bool":
         if not isinstance(value, bool):
             raise ConfigError(f"{where}={value!r} must be True or False, got {type(value).__name__}")
+        return
+    if kind == "floats":
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if not values:
+            raise ConfigError(f"{where}=[] needs at least one number")
+        for item in values:
+            _check_value(where, item, ("float", minimum))
         return
     allowed = (int,) if kind == "int" else (int, float)
     if isinstance(value, bool) or not isinstance(value, allowed):

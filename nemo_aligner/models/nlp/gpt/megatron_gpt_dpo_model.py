@@ -19,25 +19,35 @@ class MegatronGPTDPOModel(ReferencePolicyMixin, MegatronGPTModel, SupervisedInte
     """``model.dpo.*``: ``ref_policy_kl_penalty`` (beta), ``log_prob_forward_micro_batch_size``, ``preference_loss``, ``preference_loss_weight``,
     ``sft_loss_weight``, ``preference_average_log_probs``, ``sft_average_log_probs``, ``gt_reward_scale``."""
 
+    section = "dpo"  # the config section (``model.<section>.*``) holding the keys above
+
     def __init__(self, cfg, tokenizer, precision="32", trainable: bool = True):
-        beta = float((cfg.get("dpo") or {}).get("ref_policy_kl_penalty", 0.2))
-        if not beta > 0:  # 0: no gradient from the preference loss (IPO divides by it); < 0 prefers the rejected
-            raise ConfigError(f"model.dpo.ref_policy_kl_penalty={beta} (beta) must be > 0")
+        dpo = cfg.get(self.section) or {}
+        key = f"model.{self.section}"
+        beta = self.initial_beta(dpo)  # checked before the model is built
         super().__init__(cfg, tokenizer, precision, trainable)
-        dpo = cfg.get("dpo") or {}
         self.micro_batch_size = int(cfg.get("micro_batch_size", 1))
         self.forward_micro_batch_size = int(dpo.get("log_prob_forward_micro_batch_size") or self.micro_batch_size)
-        self.beta = float(dpo.get("ref_policy_kl_penalty", 0.2))
+        self.beta = beta
         self.loss_kind = str(dpo.get("preference_loss", "dpo"))
         if self.loss_kind not in PREFERENCE_LOSSES:
-            raise ConfigError(f"model.dpo.preference_loss={self.loss_kind!r} must be one of {list(PREFERENCE_LOSSES)}")
+            raise ConfigError(f"{key}.preference_loss={self.loss_kind!r} must be one of {list(PREFERENCE_LOSSES)}")
         self.preference_average = bool(dpo.get("preference_average_log_probs", False))
         self.sft_average = bool(dpo.get("sft_average_log_probs", self.preference_average))
         self.preference_weight = float(dpo.get("preference_loss_weight", 1.0))
         self.sft_weight = float(dpo.get("sft_loss_weight", 0.0))
         if self.preference_weight == 0 and self.sft_weight == 0:
-            raise ConfigError("model.dpo.preference_loss_weight and model.dpo.sft_loss_weight cannot both be 0")
+            raise ConfigError(f"{key}.preference_loss_weight and {key}.sft_loss_weight cannot both be 0")
         self.gt_reward_scale = float(dpo.get("gt_reward_scale", 1.0))
+
+    @classmethod
+    def initial_beta(cls, section_cfg) -> float:
+        """``ref_policy_kl_penalty`` (beta), checked: 0 gives no gradient from the preference loss (IPO
+        divides by it); < 0 prefers the rejected response."""
+        beta = float(section_cfg.get("ref_policy_kl_penalty", 0.2))
+        if not beta > 0:
+            raise ConfigError(f"model.{cls.section}.ref_policy_kl_penalty={beta} (beta) must be > 0")
+        return beta
 
     # ----------------------------------------------------------------- data
     @staticmethod

@@ -9,10 +9,44 @@ from nemo_aligner.models.nlp.gpt.megatron_gpt_ppo_actor import next_token_batch
 from nemo_aligner.utils.weight_swap import cpu_state_copy, swapped_weights
 
 
+REFERENCE_PREFIX = "reference_policy"  # NeMo-Aligner's key prefix for the reference weights in a checkpoint
+
+
 class ReferencePolicyMixin:
-    """For a :class:`MegatronGPTModel`: ``snapshot_reference_policy()`` then ``token_logps(...)``."""
+    """For a :class:`MegatronGPTModel`: ``snapshot_reference_policy()`` then ``token_logps(...)``.
+
+    A model whose reference changes during training (SPIN) sets ``saves_reference_policy``: its
+    training checkpoints then carry the reference weights too (``reference_policy.<key>``, as
+    NeMo-Aligner's), so a resumed run scores against the same reference."""
 
     ref_state = None
+    saves_reference_policy = False
+
+    def checkpoint_extras(self) -> dict:
+        """Sharded entries a training checkpoint holds beside the model's own weights."""
+        if not self.saves_reference_policy or self.ref_state is None:
+            return {}
+        from dataclasses import replace
+
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        extras = {}
+        for key, entry in self.sharded_state_dict().items():  # keys "model.<module's state-dict name>"
+            name = key[len("model."):]
+            if isinstance(entry, ShardedObject) or name not in self.ref_state:
+                continue  # per-layer extra state (Transformer Engine): not weights
+            extras[f"{REFERENCE_PREFIX}.{key}"] = replace(entry, key=f"{REFERENCE_PREFIX}.{entry.key}",
+                                                          data=self.ref_state[name])
+        return extras
+
+    def load_checkpoint_extras(self, loaded: dict) -> None:
+        """Take the reference weights back from a loaded checkpoint (:meth:`checkpoint_extras`' keys)."""
+        prefix = REFERENCE_PREFIX + ".model."
+        for key, value in loaded.items():
+            if key.startswith(prefix) and torch.is_tensor(value):
+                name = key[len(prefix):]
+                if value.data_ptr() != self.ref_state[name].data_ptr():
+                    self.ref_state[name].copy_(value)
 
     def snapshot_reference_policy(self) -> None:
         """Keep the current weights on the CPU as the reference policy."""
