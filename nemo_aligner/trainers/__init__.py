@@ -3,7 +3,8 @@
 # The one list of the API's trainers: algorithm name -> (class, module of this package). The
 # registry (``nemo_aligner.api``) and ``from nemo_aligner import SFTTrainer`` both read it.
 ALGORITHMS = {"sft": ("SFTTrainer", "sft"), "dpo": ("DPOTrainer", "dpo"), "grpo": ("GRPOTrainer", "grpo"),
-              "rs": ("RejectionSamplingTrainer", "rs"), "spin": ("SelfPlayTrainer", "spin")}
+              "rs": ("RejectionSamplingTrainer", "rs"), "spin": ("SelfPlayTrainer", "spin"),
+              "kd": ("KnowledgeDistillationTrainer", "kd")}
 _EXPORTS = {"BaseTrainer": "base", "TrainingResult": "base", **dict(ALGORITHMS.values())}
 
 

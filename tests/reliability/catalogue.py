@@ -36,6 +36,8 @@ TABLES = [
      "test_crafted_http_requests_are_refused_before_triton_sees_them"),
     ("server requests, refused by the server's model code", "test_reward_server", "BAD_REQUESTS", 1,
      "test_bad_request_is_answered_and_the_server_keeps_serving"),
+    ("knowledge-distillation records", "test_knowledge_distillation", "BAD_RECORDS", 1,
+     "test_bad_records_name_file_and_line"),
 ]
 
 
