@@ -194,26 +194,27 @@ def test_self_play_raises_held_out_likelihood_of_the_answers(tmp_path, weak_poli
     assert "SPIN finished: 45 steps in 3 iterations" in proc.stdout
 
 
-def test_tp2_resume_keeps_the_moved_reference(tmp_path, weak_policy):
-    """TP=2 (the script starts both ranks), 2 iterations of 2 steps: 3 steps, a stop and a resumed 4th
-    equal 4 steps in one go; the 4th step's reference (the weights after step 2) comes from the checkpoint."""
+def test_resume_keeps_the_moved_reference_even_at_another_tp(tmp_path, weak_policy):
+    """2 iterations of 2 steps: 3 steps, a stop, and a 4th resumed at tensor parallel 2 (the script
+    starts both ranks; the checkpoint is resharded) equal 4 steps in one go; the 4th step's reference
+    (the weights after step 2) comes from the checkpoint."""
     model, data = weak_policy
-    extra = ["trainer.devices=2", "model.tensor_model_parallel_size=2", "trainer.spin.max_iterations=2",
-             "trainer.spin.limit_train_batches=2", "trainer.spin.val_check_interval=0", "trainer.spin.save_interval=1",
-             "model.global_batch_size=8", "model.micro_batch_size=4", "model.spin.rollout_micro_batch_size=8",
-             "model.optim.lr=1e-3"]
-    _spin(model, data, tmp_path / "straight", 1234, extra, like_nproc=2)
-    _spin(model, data, tmp_path / "resumed", 1234, extra + ["trainer.spin.max_steps=3"], like_nproc=2)
-    proc = _spin(model, data, tmp_path / "resumed", 1234, extra, like_nproc=2)
+    extra = ["trainer.spin.max_iterations=2", "trainer.spin.limit_train_batches=2", "trainer.spin.val_check_interval=0",
+             "trainer.spin.save_interval=1", "model.global_batch_size=8", "model.micro_batch_size=4",
+             "model.spin.rollout_micro_batch_size=8", "model.optim.lr=1e-3"]
+    _spin(model, data, tmp_path / "straight", 1234, extra)
+    _spin(model, data, tmp_path / "resumed", 1234, extra + ["trainer.spin.max_steps=3"])
+    proc = _spin(model, data, tmp_path / "resumed", 1234,
+                 extra + ["trainer.devices=2", "model.tensor_model_parallel_size=2"], like_nproc=2)
     assert "SPIN resumed in iteration 1 of 2" in proc.stdout + proc.stderr
 
     def step4(log_dir):
         return [r for r in read_metrics(log_dir) if r.get("step") == 4 and "train/loss" in r][-1]
 
     a, b = step4(tmp_path / "straight"), step4(tmp_path / "resumed")
-    for key in ("train/loss", "train/rewards_chosen_mean", "train/rewards_rejected_mean",
-                "train/generated_token_agreement"):
-        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    assert b["train/generated_token_agreement"] == a["train/generated_token_agreement"]  # the same generations
+    for key in ("train/loss", "train/rewards_chosen_mean", "train/rewards_rejected_mean"):
+        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
 
 
 def test_python_api_runs_spin(tmp_path, weak_policy):

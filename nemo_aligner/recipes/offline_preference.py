@@ -1,5 +1,6 @@
-"""The shared run of offline preference methods (DPO family, KTO): a policy and its frozen
-reference from one checkpoint, jsonl data from ``model.data.data_prefix``, SupervisedTrainer."""
+"""The shared run of offline methods on ``model.data.data_prefix`` jsonl data (DPO family, KTO,
+knowledge distillation): a model (and, when it keeps one, its frozen reference) from one checkpoint,
+SupervisedTrainer."""
 
 from __future__ import annotations
 
@@ -8,31 +9,25 @@ from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from nemo_aligner.recipes.run_helpers import fit_and_export
+from nemo_aligner.recipes.run_helpers import fit_and_export, start_from_checkpoint
 from nemo_aligner.algorithms.supervised import SupervisedTrainer, plan_max_steps
 from nemo_aligner.data.nlp.builders import build_dataloader
 from nemo_aligner.data.nlp.reward_datasets import data_prefix_paths
-from nemo_aligner.models.nlp.gpt.loading import load_model
 from nemo_aligner.utils.errors import ConfigError
-from nemo_aligner.utils.exp_manager import exp_manager
 from nemo_aligner.utils.run_control import RunTimer, max_time_of
-from nemo_aligner.utils.run_setup import init_run
 
 logger = logging.getLogger(__name__)
 
 
 def run_offline_preference(cfg: DictConfig, name: str, model_cls, make_dataset: Callable, make_collate: Callable,
-                           data_description: str, callbacks=None):
-    """Train ``pretrained_checkpoint.restore_from_path`` with ``trainer.<name>``; the reference
-    policy is that checkpoint. ``make_dataset(paths, model, seq_length, key)`` and
-    ``make_collate(model, seq_length)`` build the data. Returns ``(summary, trainer, model)``."""
-    restore = (cfg.get("pretrained_checkpoint") or {}).get("restore_from_path")
-    if not restore:
-        raise ConfigError("pretrained_checkpoint.restore_from_path is required: the SFT .nemo to align")
-    info = init_run(cfg, restore, "pretrained_checkpoint.restore_from_path")
-    exp = exp_manager(cfg.get("exp_manager"), cfg, default_name=str(cfg.get("name", "megatron_gpt")))
-    model = load_model(model_cls, cfg.model, cfg.trainer.precision, restore, key="pretrained_checkpoint.restore_from_path")
-    model.snapshot_reference_policy()  # before any resume: the reference is the starting checkpoint
+                           data_description: str, callbacks=None, checkpoint_holds: str = "the SFT .nemo to align"):
+    """Train ``pretrained_checkpoint.restore_from_path`` (``checkpoint_holds``) with ``trainer.<name>``;
+    a model with a reference policy takes that checkpoint as it. ``make_dataset(paths, model,
+    seq_length, key)`` and ``make_collate(model, seq_length)`` build the data. Returns
+    ``(summary, trainer, model)``."""
+    info, exp, model = start_from_checkpoint(cfg, model_cls, checkpoint_holds, "megatron_gpt")
+    if hasattr(model, "snapshot_reference_policy"):
+        model.snapshot_reference_policy()  # before any resume: the reference is the starting checkpoint
     data_cfg = cfg.model.data
     seq = int(data_cfg.get("seq_length") or model.cfg.encoder_seq_length)
     datasets = {}
@@ -56,12 +51,14 @@ def run_offline_preference(cfg: DictConfig, name: str, model_cls, make_dataset: 
     trainer_cfg = cfg.trainer[name]
     max_steps, _ = plan_max_steps(trainer_cfg, train_dl, name)
     optimizer, scheduler = model.setup_optimization(max_steps, clip_grad=trainer_cfg.get("gradient_clip_val", 1.0))
-    logger.info("%s: %.2fM parameters; %d training and %d validation examples; %d steps", model.loss_kind,
+    logger.info("%s: %.2fM parameters; %d training and %d validation examples; %d steps", getattr(model, "loss_kind", name),
                 model.num_parameters() / 1e6, len(datasets["train"]), len(datasets.get("validation", [])), max_steps)
     trainer = SupervisedTrainer(trainer_cfg, model, optimizer, scheduler, train_dl, val_dl, exp.logger,
                                 exp.checkpoint_callback, RunTimer(max_time_of(cfg, name)), name=name)
     if callbacks is not None:
         trainer.callbacks = callbacks
+    if trainer_cfg.get("val_at_start", False) and val_dl is not None and not exp.resume_from:
+        trainer.validate()  # the starting model's validation, logged at step 0
     summary = fit_and_export(trainer, model, exp)
     summary["log_dir"] = exp.log_dir
     summary["best_checkpoint"] = exp.checkpoint_callback.best() if exp.checkpoint_callback else None

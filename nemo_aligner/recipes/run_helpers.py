@@ -8,6 +8,23 @@ from typing import Dict
 logger = logging.getLogger(__name__)
 
 
+def start_from_checkpoint(cfg, model_cls, what: str, default_name: str):
+    """The start of a run from ``pretrained_checkpoint.restore_from_path`` (``what`` it holds): distributed
+    set-up, the experiment directory and loggers, the model. Returns ``(parallel info, exp, model)``."""
+    from nemo_aligner.models.nlp.gpt.loading import load_model
+    from nemo_aligner.utils.errors import ConfigError
+    from nemo_aligner.utils.exp_manager import exp_manager
+    from nemo_aligner.utils.run_setup import init_run
+
+    restore = (cfg.get("pretrained_checkpoint") or {}).get("restore_from_path")
+    if not restore:
+        raise ConfigError(f"pretrained_checkpoint.restore_from_path is required: {what}")
+    info = init_run(cfg, restore, "pretrained_checkpoint.restore_from_path")
+    exp = exp_manager(cfg.get("exp_manager"), cfg, default_name=str(cfg.get("name", default_name)))
+    model = load_model(model_cls, cfg.model, cfg.trainer.precision, restore, key="pretrained_checkpoint.restore_from_path")
+    return info, exp, model
+
+
 def fit_and_export(trainer, model, exp) -> Dict:
     """Resume from ``exp.resume_from`` if set, ``trainer.fit()``, and write ``<name>.nemo`` when training
     finished (``save_nemo_on_train_end``; with ``save_best_model``, from the best checkpoint's weights).

@@ -13,27 +13,17 @@ from omegaconf import DictConfig, OmegaConf
 from nemo_aligner.algorithms.spin import SPINTrainer, plan_spin_steps
 from nemo_aligner.data.nlp.builders import build_dataloader, build_sft_dataset
 from nemo_aligner.data.nlp.spin_dataset import collate_spin
-from nemo_aligner.models.nlp.gpt.loading import load_model
 from nemo_aligner.models.nlp.gpt.megatron_gpt_spin_model import MegatronGPTSPINModel
-from nemo_aligner.recipes.run_helpers import fit_and_export
+from nemo_aligner.recipes.run_helpers import fit_and_export, start_from_checkpoint
 from nemo_aligner.utils.distributed import is_global_rank_zero
-from nemo_aligner.utils.errors import ConfigError
-from nemo_aligner.utils.exp_manager import exp_manager
 from nemo_aligner.utils.run_control import RunTimer, max_time_of
-from nemo_aligner.utils.run_setup import init_run
 
 logger = logging.getLogger(__name__)
 
 
 def run_spin(cfg: DictConfig, callbacks=None) -> Dict[str, float]:
     """Train ``pretrained_checkpoint.restore_from_path`` by self-play on SFT data; returns a summary."""
-    restore = (cfg.get("pretrained_checkpoint") or {}).get("restore_from_path")
-    if not restore:
-        raise ConfigError("pretrained_checkpoint.restore_from_path is required: the SFT .nemo to start from")
-    info = init_run(cfg, restore, "pretrained_checkpoint.restore_from_path")
-    exp = exp_manager(cfg.get("exp_manager"), cfg, default_name=str(cfg.get("name", "megatron_gpt")))
-    model = load_model(MegatronGPTSPINModel, cfg.model, cfg.trainer.precision, restore,
-                       key="pretrained_checkpoint.restore_from_path")
+    info, exp, model = start_from_checkpoint(cfg, MegatronGPTSPINModel, "the SFT .nemo to start from", "megatron_gpt")
     spin_cfg = cfg.trainer.spin
     model.check_iterations(int(spin_cfg.get("max_iterations", 1) or 1))
     model.snapshot_reference_policy()  # iteration 0 plays against the starting checkpoint (a resume loads its own)

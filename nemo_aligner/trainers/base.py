@@ -24,6 +24,7 @@ from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.examples_path import examples_dir
 
 CONF_DIR = examples_dir("nlp", "gpt", "conf")
+TOP_LEVEL_KEYS = ("output_dir", "precision", "overrides", "use_wandb")  # from_pretrained arguments outside the section
 
 
 @dataclass
@@ -229,6 +230,22 @@ class BaseTrainer:
         path = os.path.join(run_dir, "data", f"{name}.jsonl")
         write_jsonl(path, records)
         return path
+
+    @classmethod
+    def _pretrained(cls, model_name_or_path: str, learning_rate: float, max_sequence_length: int,
+                    section: Dict[str, Any], kwargs: Dict[str, Any], allowed: Iterable[str]):
+        """``cls(config)`` for ``from_pretrained``: the policy, the algorithm's section (``section`` plus the
+        remaining ``kwargs``) and the top-level settings among ``kwargs``."""
+        cls._check_kwargs(kwargs, allowed, f"{cls.__name__}.from_pretrained")
+        kwargs = dict(kwargs)
+        config = {"policy": {"model_name": str(model_name_or_path), "learning_rate": learning_rate,
+                             "max_total_sequence_length": kwargs.pop("max_sequence_length", max_sequence_length)},
+                  cls.algorithm: dict(section)}
+        for key in TOP_LEVEL_KEYS:
+            if key in kwargs:
+                config[key] = kwargs.pop(key)
+        config[cls.algorithm].update(kwargs)
+        return cls(config)
 
     @staticmethod
     def _check_kwargs(given: Dict[str, Any], allowed: Iterable[str], where: str) -> None:

@@ -26,15 +26,8 @@ class KnowledgeDistillationTrainer(BaseTrainer):
     @classmethod
     def from_pretrained(cls, model_name_or_path: str, batch_size: int = 32, learning_rate: float = 3e-5,
                         kd_loss: str = "fwd_kl", **kwargs) -> "KnowledgeDistillationTrainer":
-        cls._check_kwargs(kwargs, _EXTRA, "KnowledgeDistillationTrainer.from_pretrained")
-        config = {"policy": {"model_name": str(model_name_or_path), "learning_rate": learning_rate,
-                             "max_total_sequence_length": kwargs.pop("max_sequence_length", 512)},
-                  "kd": {"batch_size": batch_size, "kd_loss": kd_loss}}
-        for key in ("output_dir", "precision", "overrides", "use_wandb"):
-            if key in kwargs:
-                config[key] = kwargs.pop(key)
-        config["kd"].update(kwargs)
-        return cls(config)
+        return cls._pretrained(model_name_or_path, learning_rate, 512, {"batch_size": batch_size, "kd_loss": kd_loss},
+                               kwargs, _EXTRA)
 
     def _values(self, dataset, run_dir: str, max_steps=None, max_epochs=None, val_dataset=None) -> Dict[str, Any]:
         policy, kd = self._config["policy"], dict(self._config.get("kd") or {})

@@ -22,15 +22,8 @@ class SFTTrainer(BaseTrainer):
     @classmethod
     def from_pretrained(cls, model_name_or_path: str, batch_size: int = 32, learning_rate: float = 2e-5,
                         max_sequence_length: int = 512, **kwargs) -> "SFTTrainer":
-        cls._check_kwargs(kwargs, _EXTRA, "SFTTrainer.from_pretrained")
-        config = {"policy": {"model_name": str(model_name_or_path), "learning_rate": learning_rate,
-                             "max_total_sequence_length": max_sequence_length},
-                  "sft": {"batch_size": batch_size}}
-        for key in ("output_dir", "precision", "overrides", "use_wandb"):
-            if key in kwargs:
-                config[key] = kwargs.pop(key)
-        config["sft"].update(kwargs)
-        return cls(config)
+        return cls._pretrained(model_name_or_path, learning_rate, max_sequence_length, {"batch_size": batch_size},
+                               kwargs, _EXTRA)
 
     def _values(self, dataset, run_dir: str, max_steps=None, max_epochs=None, val_dataset=None) -> Dict[str, Any]:
         policy, sft = self._config["policy"], dict(self._config.get("sft") or {})

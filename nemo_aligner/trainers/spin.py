@@ -28,15 +28,8 @@ class SelfPlayTrainer(BaseTrainer):
     @classmethod
     def from_pretrained(cls, model_name_or_path: str, batch_size: int = 32, learning_rate: float = 1e-5,
                         beta=0.1, **kwargs) -> "SelfPlayTrainer":
-        cls._check_kwargs(kwargs, _EXTRA, "SelfPlayTrainer.from_pretrained")
-        config = {"policy": {"model_name": str(model_name_or_path), "learning_rate": learning_rate,
-                             "max_total_sequence_length": kwargs.pop("max_sequence_length", 512)},
-                  "spin": {"batch_size": batch_size, "beta": beta}}
-        for key in ("output_dir", "precision", "overrides", "use_wandb"):
-            if key in kwargs:
-                config[key] = kwargs.pop(key)
-        config["spin"].update(kwargs)
-        return cls(config)
+        return cls._pretrained(model_name_or_path, learning_rate, 512, {"batch_size": batch_size, "beta": beta}, kwargs,
+                               _EXTRA)
 
     def _values(self, dataset, run_dir: str, max_steps=None, max_epochs=None, val_dataset=None) -> Dict[str, Any]:
         policy, spin = self._config["policy"], dict(self._config.get("spin") or {})
