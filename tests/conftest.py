@@ -209,6 +209,44 @@ def weak_policy(tmp_path_factory):
     return tuple(built_once(tmp_path_factory, "weak_policy", lambda out: train_builtin_sft(out, n_train=1000, steps=150)))
 
 
+def train_steerlm(out, sft_model: str):
+    """SteerLM SFT of ``sft_model`` on built-in chat data labelled quality:0-4 (2000 records, 200 steps);
+    returns ``(the .nemo, the data paths)``."""
+    from nemo_aligner.data.nlp.builtin_task import BuiltinTask
+
+    data = BuiltinTask(seed=0).write_all(str(out / "data"), n_train=2000, n_val=64)
+    run_script("train_steerlm_model.py", [
+        f"model.restore_from_path={sft_model}", f"model.data.train_ds.file_path={data['steerlm_train']}",
+        f"model.data.validation_ds.file_path={data['steerlm_val']}", f"exp_manager.explicit_log_dir={out / 'run'}",
+        "trainer.sft.max_steps=200", "trainer.sft.max_epochs=100", "trainer.sft.val_check_interval=200",
+        "model.optim.lr=1e-3", "exp_manager.create_checkpoint_callback=True"])
+    return str(out / "run" / "checkpoints" / "megatron_gpt_steerlm.nemo"), data
+
+
+@pytest.fixture(scope="session")
+def steerlm_nemo(tmp_path_factory, sft_nemo):
+    """The SFT model after SteerLM training on the built-in task: ``(.nemo, data paths)``."""
+    return tuple(built_once(tmp_path_factory, "steerlm_model", lambda out: train_steerlm(out, sft_nemo)))
+
+
+def train_regression_rm(out, data, sft_model: str):
+    """A 2-attribute (quality, verbosity) regression reward model from ``sft_model``, 300 steps;
+    returns its log directory (the .nemo is ``checkpoints/megatron_gpt.nemo``)."""
+    run_script("train_reward_model.py", [
+        f"++model.data.data_prefix={{train: [{data['regression_train']}], validation: [{data['regression_val']}]}}",
+        f"exp_manager.explicit_log_dir={out}", "trainer.rm.max_steps=300", "trainer.rm.max_epochs=100",
+        "trainer.rm.val_check_interval=300", f"pretrained_checkpoint.restore_from_path={sft_model}",
+        "model.reward_model_type=regression", "model.regression.num_attributes=2",
+        "model.regression.attribute_names=[quality,verbosity]"])
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def regression_rm(tmp_path_factory, task_data, sft_nemo):
+    """The log directory of a regression reward model of the built-in task's quality and verbosity."""
+    return built_once(tmp_path_factory, "regression_rm", lambda out: train_regression_rm(out / "reg", task_data, sft_nemo))
+
+
 @pytest.fixture(scope="session")
 def task_data(tmp_path_factory):
     """Built-in data with 2000 training and 128 validation examples of each format (RM, PPO)."""

@@ -152,17 +152,10 @@ def test_reward_model_reaches_90_percent_held_out(reward_model):
     assert "validation accuracy" in stdout and os.path.isfile(nemo)
 
 
-def test_regression_reward_model_learns_two_attributes(tmp_path, task_data, sft_nemo):
+def test_regression_reward_model_learns_two_attributes(task_data, regression_rm):
     from nemo_aligner.data.nlp.jsonl import read_jsonl
 
-    log_dir = tmp_path / "reg"
-    run_script("train_reward_model.py", [
-        f"++model.data.data_prefix={{train: [{task_data['regression_train']}], "
-        f"validation: [{task_data['regression_val']}]}}",
-        f"exp_manager.explicit_log_dir={log_dir}", "trainer.rm.max_steps=300", "trainer.rm.max_epochs=100",
-        "trainer.rm.val_check_interval=300", f"pretrained_checkpoint.restore_from_path={sft_nemo}",
-        "model.reward_model_type=regression", "model.regression.num_attributes=2",
-        "model.regression.attribute_names=[quality,verbosity]"])
+    log_dir = regression_rm  # 300 steps from the SFT model on quality/verbosity labels (conftest.train_regression_rm)
     final = next(r for r in read_metrics(log_dir) if "val/mse_quality" in r)
     # Baseline: the best constant prediction (the label mean) on the validation labels.
     labels = {"quality": [], "verbosity": []}

@@ -105,19 +105,13 @@ def test_attribute_annotate_labels_from_the_server(tmp_path, mcore_single):
         assert not (tmp_path / "x.jsonl").exists()
 
 
-def test_attribute_value_in_the_prompt_steers_generation(tmp_path, sft_nemo):
+def test_attribute_value_in_the_prompt_steers_generation(tmp_path, steerlm_nemo):
     """SteerLM SFT from the SFT model on built-in chat data labelled quality:0-4 (half right, half
-    wrong answers); then greedy generation on held-out prompts asking for quality 0, 2 and 4.
-    Measured mean task score: ~0.42 (quality:0), ~0.82 (quality:2), ~0.91 (quality:4)."""
+    wrong answers; the ``steerlm_nemo`` fixture); then greedy generation on held-out prompts asking
+    for quality 0, 2 and 4. Measured mean task score: ~0.42 (quality:0), ~0.82 (quality:2), ~0.91 (quality:4)."""
     from nemo_aligner.data.nlp.builtin_task import BuiltinTask
 
-    data = BuiltinTask(seed=0).write_all(str(tmp_path / "data"), n_train=2000, n_val=64)
-    run_script("train_steerlm_model.py", [
-        f"model.restore_from_path={sft_nemo}", f"model.data.train_ds.file_path={data['steerlm_train']}",
-        f"model.data.validation_ds.file_path={data['steerlm_val']}", f"exp_manager.explicit_log_dir={tmp_path / 'run'}",
-        "trainer.sft.max_steps=200", "trainer.sft.max_epochs=100", "trainer.sft.val_check_interval=200",
-        "model.optim.lr=1e-3", "exp_manager.create_checkpoint_callback=True"])
-    nemo = tmp_path / "run" / "checkpoints" / "megatron_gpt_steerlm.nemo"
+    nemo, data = steerlm_nemo
     prompts = [json.loads(line)["conversations"][0]["value"] for line in open(data["steerlm_val"])]
     prompts_file = tmp_path / "prompts.jsonl"  # every prompt three times, each asking for its own quality
     prompts_file.write_text("".join(json.dumps({"prompt": p, "attributes": {"quality": q}}) + "\n"

@@ -21,8 +21,11 @@ from nemo_aligner.utils.run_setup import init_run
 logger = logging.getLogger(__name__)
 
 
-def run_sft(cfg: DictConfig, callbacks=None) -> Dict[str, float]:
-    """Fine-tune ``model.restore_from_path`` (or a fresh model) on ``model.data.*``; returns a summary."""
+def run_sft(cfg: DictConfig, callbacks=None, model_cls=GPTSFTModel, build_dataset=None, make_collate=None,
+            what: str = "SFT") -> Dict[str, float]:
+    """Fine-tune ``model.restore_from_path`` (or a fresh model) on ``model.data.*``; returns a summary.
+    ``model_cls``, ``build_dataset(ds_cfg, model, seq_len, key)`` and ``make_collate(model, seq_len)``
+    replace the SFT model and data (SteerLM 2.0)."""
     restore = cfg.model.get("restore_from_path")
     info = init_run(cfg, restore, "model.restore_from_path")
     exp = exp_manager(cfg.get("exp_manager"), cfg, default_name=str(cfg.get("name", "megatron_gpt_sft")))
@@ -32,16 +35,18 @@ def run_sft(cfg: DictConfig, callbacks=None) -> Dict[str, float]:
         cfg.model.global_batch_size = data_cfg.train_ds.global_batch_size
         cfg.model.val_micro_batch_size = data_cfg.validation_ds.get("micro_batch_size", cfg.model.micro_batch_size)
 
-    model = load_model(GPTSFTModel, cfg.model, cfg.trainer.precision, restore, key="model.restore_from_path")
+    model = load_model(model_cls, cfg.model, cfg.trainer.precision, restore, key="model.restore_from_path")
     seq_len = int(model.cfg.encoder_seq_length)
     answer_only = bool(cfg.model.get("answer_only_loss", True))
     chat = bool(data_cfg.get("chat", False))
     tokens = data_cfg.get("chat_prompt_tokens")
-    train_ds = build_sft_dataset(data_cfg.train_ds, model.tokenizer, seq_len, chat, answer_only, tokens,
-                                 key="model.data.train_ds")
-    val_ds = build_sft_dataset(data_cfg.validation_ds, model.tokenizer, seq_len, chat, answer_only, tokens,
-                               key="model.data.validation_ds")
-    collate = sft_collate_fn(model.tokenizer, seq_len, data_cfg.get("pad_to_multiple_of", 8))
+    if build_dataset is None:
+        def build_dataset(ds_cfg, model, seq, key):
+            return build_sft_dataset(ds_cfg, model.tokenizer, seq, chat, answer_only, tokens, key=key)
+    train_ds = build_dataset(data_cfg.train_ds, model, seq_len, "model.data.train_ds")
+    val_ds = build_dataset(data_cfg.validation_ds, model, seq_len, "model.data.validation_ds")
+    collate = (make_collate(model, seq_len) if make_collate is not None
+               else sft_collate_fn(model.tokenizer, seq_len, data_cfg.get("pad_to_multiple_of", 8)))
     seed = int(cfg.model.get("seed", 1234))
     workers = int(data_cfg.get("num_workers", 0) or 0)
     train_dl = build_dataloader(train_ds, data_cfg.train_ds, collate, info.dp_rank, info.dp, seed,
@@ -58,12 +63,14 @@ def run_sft(cfg: DictConfig, callbacks=None) -> Dict[str, float]:
                                 exp.checkpoint_callback, RunTimer(max_time_of(cfg, "sft")), name="sft")
     if callbacks is not None:
         trainer.callbacks = callbacks
+    if sft_cfg.get("val_at_start", False) and not exp.resume_from:
+        trainer.validate()  # the starting model's validation, logged at step 0
     summary = fit_and_export(trainer, model, exp)
     summary["best_checkpoint"] = exp.checkpoint_callback.best() if exp.checkpoint_callback else None
     nemo_path = summary["nemo_path"]
     if is_global_rank_zero():
         print(
-            f"SFT finished: {summary['steps']} steps, {summary['epochs']} epochs, "
+            f"{what} finished: {summary['steps']} steps, {summary['epochs']} epochs, "
             f"train loss {summary['final_train_loss']:.4f}, validation loss {summary['final_val_loss']:.4f} "
             f"(best {summary['best_val_loss']:.4f}), {summary['seconds']:.0f}s; "
             + (f".nemo written to {nemo_path}" if nemo_path else f"logs in {exp.log_dir}"),

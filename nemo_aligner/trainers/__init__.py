@@ -4,7 +4,7 @@
 # registry (``nemo_aligner.api``) and ``from nemo_aligner import SFTTrainer`` both read it.
 ALGORITHMS = {"sft": ("SFTTrainer", "sft"), "dpo": ("DPOTrainer", "dpo"), "grpo": ("GRPOTrainer", "grpo"),
               "rs": ("RejectionSamplingTrainer", "rs"), "spin": ("SelfPlayTrainer", "spin"),
-              "kd": ("KnowledgeDistillationTrainer", "kd")}
+              "kd": ("KnowledgeDistillationTrainer", "kd"), "steerlm2": ("SteerLM2Trainer", "steerlm2")}
 _EXPORTS = {"BaseTrainer": "base", "TrainingResult": "base", **dict(ALGORITHMS.values())}
 
 

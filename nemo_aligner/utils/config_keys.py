@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
@@ -55,8 +56,8 @@ UNREAD: Dict[str, str] = {
     "rollout_batch_seq_length": "rollout batches are padded to their longest sequence",
     "peft.lora_tuning": "LoRA is not supported yet (model.peft.peft_scheme=none)",
     "peft.restore_from_ckpt.checkpoint_name": "LoRA is not supported yet",
-    "steerlm2.forward_micro_batch_size": "SteerLM 2.0 is not part of this project yet",
-    "steerlm2.micro_batch_size": "SteerLM 2.0 is not part of this project yet",
+    "steerlm2.forward_micro_batch_size": "read by train_steerlm2.py only (SteerLM 2.0)",
+    "steerlm2.micro_batch_size": "read by train_steerlm2.py only (SteerLM 2.0)",
     "kto.log_prob_forward_micro_batch_size": "the KL and reference log-probs use model.micro_batch_size",
     "kto.sft_average_log_probs": "KTO has no SFT term (nor has NeMo-Aligner's)",
     "model.forward_micro_batch_size": "the reward model's training never runs a separate inference batch",
@@ -246,8 +247,9 @@ def check_keys(cfg: DictConfig, config_name: str, overrides: Iterable[str] = (),
         return
     for path in unknown:
         logger.warning("%s is not read by nemo-aligner (%s.yaml has no such key); it is ignored", path, config_name)
+    script = os.path.basename(sys.argv[0]) if sys.argv else ""
     for key in override_keys(overrides):
         suffix = _suffix_match(key, UNREAD)
-        if suffix:
+        if suffix and not UNREAD[suffix].startswith(f"read by {script} "):
             logger.warning("%s is accepted for NeMo-Aligner's commands but changes nothing here: %s", key,
                            UNREAD[suffix])
