@@ -62,8 +62,9 @@ REFUSED_UNLESS = {
     "data.reset_position_ids": ((False,), "each sample is one document; set it to False"),
     "data.reset_attention_mask": ((False,), "each sample is one document; set it to False"),
     "data.eod_mask_loss": ((False,), "EOD tokens are trained like any other; set it to False"),
-    "data.data_impl": (("jsonl", "json", None), "only whole jsonl files are read; packed sequences "
-                                                "(packed_jsonl, mmap) and chunked_jsonl are not supported yet"),
+    "data.data_impl": (("jsonl", "json", "chunked_jsonl", None), "only jsonl files are read (chunked_jsonl: "
+                                                                 "knowledge distillation's records); packed sequences "
+                                                                 "(packed_jsonl, mmap) are not supported yet"),
     "packed_sequence": ((False, None), "packed sequences are not supported yet; use jsonl data"),
     "fp8": ((False, None), "fp8 needs Transformer Engine's fp8 recipe, which is not supported; use "
                            "trainer.precision=bf16"),

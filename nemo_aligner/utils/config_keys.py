@@ -64,8 +64,6 @@ UNREAD: Dict[str, str] = {
     "checkpoint_callback_params.model_parallel_size": "checkpoints are megatron-core distributed checkpoints, "
                                                       "readable at any TP/PP size",
     "activations_checkpoint_layers_per_pipeline": "recomputation follows activations_checkpoint_method/num_layers",
-    "data.n_chunks": "records are read from whole jsonl files (model.data.data_impl=jsonl)",
-    "data.n_examples_per_chunk": "records are read from whole jsonl files (model.data.data_impl=jsonl)",
     "data.skip_warmup": "jsonl files are read into memory; there is no index to warm up",
     "data.splits_string": "each split has its own files in model.data.data_prefix",
     "hf_dataset": "jsonl files are read into memory",

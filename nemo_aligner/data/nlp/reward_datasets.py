@@ -262,8 +262,31 @@ def collate_regression(samples: Sequence[Dict], pad_id: int, seq_length: int, pa
     }
 
 
-def data_prefix_paths(data_cfg, split: str):
-    """``model.data.data_prefix.<split>`` (a list, a path, or a dict of them); None if absent."""
+CHUNK_ID = "CHUNK_ID"  # NeMo-Aligner's placeholder for the chunk index in a chunked_jsonl path
+
+
+def chunk_paths(placeholder: str, n_chunks, split: str) -> list:
+    """``placeholder`` with ``CHUNK_ID`` replaced by 0, 1, ... up to ``n_chunks`` (NeMo-Aligner's
+    ``chunked_jsonl``): the chunks that exist, from the first on; none is an error."""
+    if CHUNK_ID not in placeholder:
+        raise ConfigError(f"model.data.data_impl=chunked_jsonl: model.data.data_prefix.{split} path {placeholder} "
+                          f"has no {CHUNK_ID} (the chunk index's place, e.g. train_with_logits_{CHUNK_ID}.jsonl)")
+    paths = []
+    for i in range(int(n_chunks)):
+        path = placeholder.replace(CHUNK_ID, str(i))
+        if not os.path.exists(path):
+            break
+        paths.append(path)
+    if not paths:
+        raise DataError(f"{placeholder.replace(CHUNK_ID, '0')}: file does not exist (model.data.data_prefix.{split}, "
+                        "chunk 0)")
+    return paths
+
+
+def data_prefix_paths(data_cfg, split: str, chunks: bool = False):
+    """``model.data.data_prefix.<split>`` (a list, a path, or a dict of them); None if absent. With
+    ``chunks`` (knowledge distillation), ``model.data.data_impl=chunked_jsonl`` expands each path's
+    ``CHUNK_ID`` over ``model.data.n_chunks`` chunks; elsewhere chunked_jsonl is refused."""
     prefix = data_cfg.get("data_prefix")
     if prefix is None:
         raise ConfigError("model.data.data_prefix is required: {train: [...], validation: [...], test: [...]}")
@@ -273,6 +296,16 @@ def data_prefix_paths(data_cfg, split: str):
     if paths is None:
         return None
     paths = [paths] if isinstance(paths, str) else list(paths)
+    if data_cfg.get("data_impl") == "chunked_jsonl":
+        if not chunks:
+            raise ConfigError("model.data.data_impl=chunked_jsonl is read by knowledge distillation only; use jsonl")
+        n_chunks = data_cfg.get("n_chunks")
+        if isinstance(n_chunks, (dict,)) or hasattr(n_chunks, "get"):
+            n_chunks = n_chunks.get(split)
+        if n_chunks is None or int(n_chunks) < 1:
+            raise ConfigError(f"model.data.n_chunks={data_cfg.get('n_chunks')} must be >= 1 with "
+                              "model.data.data_impl=chunked_jsonl")
+        return [c for p in paths for c in chunk_paths(str(p), n_chunks, split)]
     for p in paths:
         if not os.path.exists(str(p)):
             raise DataError(f"{p}: file does not exist (model.data.data_prefix.{split})")
