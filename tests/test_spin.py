@@ -196,13 +196,14 @@ def test_self_play_raises_held_out_likelihood_of_the_answers(tmp_path, weak_poli
 
 def test_resume_keeps_the_moved_reference_even_at_another_tp(tmp_path, weak_policy):
     """2 iterations of 2 steps: 3 steps, a stop, and a 4th resumed at tensor parallel 2 (the script
-    starts both ranks; the checkpoint is resharded) equal 4 steps in one go; the 4th step's reference
-    (the weights after step 2) comes from the checkpoint."""
+    starts both ranks; the checkpoint is resharded) equal 4 steps in one go at pipeline parallel 2;
+    the 4th step's reference (the weights after step 2) comes from the checkpoint."""
     model, data = weak_policy
     extra = ["trainer.spin.max_iterations=2", "trainer.spin.limit_train_batches=2", "trainer.spin.val_check_interval=0",
              "trainer.spin.save_interval=1", "model.global_batch_size=8", "model.micro_batch_size=4",
              "model.spin.rollout_micro_batch_size=8", "model.optim.lr=1e-3"]
-    _spin(model, data, tmp_path / "straight", 1234, extra)
+    _spin(model, data, tmp_path / "straight", 1234, extra + ["trainer.devices=2", "model.pipeline_model_parallel_size=2"],
+          like_nproc=2)
     _spin(model, data, tmp_path / "resumed", 1234, extra + ["trainer.spin.max_steps=3"])
     proc = _spin(model, data, tmp_path / "resumed", 1234,
                  extra + ["trainer.devices=2", "model.tensor_model_parallel_size=2"], like_nproc=2)

@@ -42,6 +42,8 @@ def test_importance_weights_and_baseline_by_hand():
 
 
 def test_records_render_as_steerlm_prompts_and_are_checked():
+    cut = SteerLM2Dataset([record()], TOK, 40)[0]  # a prompt longer than the sequence: nothing left to train
+    assert len(cut["input_ids"][0]) == 41 and len(cut["mask"][0]) == 41 and not any(cut["mask"][0])
     ds = SteerLM2Dataset([record()], TOK, 128)
     item = ds[0]
     prompt = "\x00System\n\n\x11User\nsort cab =\n\x11Assistant\n\x12quality:4\n"
@@ -150,3 +152,37 @@ def test_an_iteration_moves_the_policy_towards_the_target(tmp_path, steerlm_nemo
                              max_sequence_length=64, output_dir=str(tmp_path / "api"))
     result = trainer.fit(str(files["train"]), val_dataset=str(files["val"]), max_steps=2)
     assert result.total_steps == 2 and trainer.model_path.endswith(".nemo") and trainer.model_path != model
+
+
+def test_pipeline_parallel_matches_one_process(tmp_path, weak_policy):
+    """Two steps at pipeline parallel 2 (the baseline's forward on the last stage, broadcast) give the
+    losses and distances of one process."""
+    import random
+
+    rng = random.Random(0)
+    records = []
+    model, data_files = weak_policy
+    for line in open(data_files["sft_train"]).readlines()[:64]:
+        r = json.loads(line)
+        values = [r["output"], r["output"][::-1], r["output"][1:], r["output"] + "a"]
+        records.append({"system": "", "prompt_turns": [{"from": "User", "value": r["input"]}], "label": "quality:4",
+                        "responses": [{"from": "Assistant", "value": v, "log(P(a|x,y))": rng.uniform(-3, 0),
+                                       "log(P(y|x))": rng.uniform(-9, 0), "log(Q(y|a,x))": rng.uniform(-9, 0)}
+                                      for v in values]})
+    data = tmp_path / "s2.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def run(name, *extra, **kwargs):
+        run_script("train_steerlm2.py", [
+            f"model.restore_from_path={model}", "model.data.chat=True", f"model.data.train_ds.file_path={data}",
+            f"model.data.validation_ds.file_path={data}", "model.data.train_ds.global_batch_size=8",
+            "model.data.train_ds.micro_batch_size=1", "model.data.validation_ds.global_batch_size=8",
+            "model.data.validation_ds.micro_batch_size=1", "model.steerlm2.micro_batch_size=8",
+            "model.steerlm2.forward_micro_batch_size=16", f"exp_manager.explicit_log_dir={tmp_path / name}",
+            "trainer.sft.max_steps=2", "trainer.sft.val_check_interval=2", "trainer.sft.limit_val_batches=1",
+            "model.optim.lr=1e-3", *extra], **kwargs)
+        return [(r["train/loss"], r["train/distance"]) for r in read_metrics(tmp_path / name) if "train/loss" in r]
+
+    one = run("one")
+    two = run("pp2", "trainer.devices=2", "model.pipeline_model_parallel_size=2", like_nproc=2)
+    assert len(one) == 2 and np.allclose(one, two, rtol=1e-4, atol=1e-6), (one, two)

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Dict, List, Optional, Sequence
 
@@ -16,6 +17,7 @@ from nemo_aligner.data.nlp.chat_template import chat_tokens
 from nemo_aligner.data.nlp.steerlm_labels import steer_prompt
 from nemo_aligner.utils.errors import DataError
 
+logger = logging.getLogger(__name__)
 LOG_KEYS = ("log(P(a|x,y))", "log(P(y|x))", "log(Q(y|a,x))")
 
 
@@ -81,6 +83,13 @@ class SteerLM2Dataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.records)
 
+    def _warn_cut(self, record: Dict, length: int) -> None:
+        if not getattr(self, "_warned", False):
+            self._warned = True
+            logger.warning("%s:%s: a response row of %d tokens is cut to the sequence length %d (a response cut "
+                           "away entirely carries no loss); further cuts are not reported",
+                           record.get("__file__", "data"), record.get("__line__", "?"), length, self.max_seq_length + 1)
+
     def __getitem__(self, idx: int) -> Dict:
         record = self.records[idx]
         t = chat_tokens(self.tokens)
@@ -89,8 +98,10 @@ class SteerLM2Dataset(torch.utils.data.Dataset):
         for r in record["responses"]:
             answer = self.tokenizer.text_to_ids(r["value"] + t["end_of_turn"] + t["turn_start"])
             ids = (prompt_ids + answer)[: self.max_seq_length + 1]
+            if len(ids) < len(prompt_ids) + len(answer):
+                self._warn_cut(record, len(prompt_ids) + len(answer))
             rows.append(ids)
-            masks.append([0] * len(prompt_ids) + [1] * (len(ids) - len(prompt_ids)))
+            masks.append(([0] * len(prompt_ids) + [1] * len(answer))[: len(ids)])
         logs = {k: [float(r[k]) for r in record["responses"]] for k in LOG_KEYS}
         return {"input_ids": rows, "mask": masks, "log_q": logs["log(Q(y|a,x))"],
                 "ws": importance_weights(logs["log(P(a|x,y))"], logs["log(P(y|x))"], logs["log(Q(y|a,x))"])}
