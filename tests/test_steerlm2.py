@@ -186,3 +186,20 @@ def test_pipeline_parallel_matches_one_process(tmp_path, weak_policy):
     one = run("one")
     two = run("pp2", "trainer.devices=2", "model.pipeline_model_parallel_size=2", like_nproc=2)
     assert len(one) == 2 and np.allclose(one, two, rtol=1e-4, atol=1e-6), (one, two)
+
+
+def test_generator_refuses_what_it_cannot_score(tmp_path, sft_nemo, regression_rm):
+    """Before any model is loaded: a label asking for an attribute the reward model does not predict,
+    and a reward model that is not a per-attribute regression model; one ``error:`` line, no file."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "sort cab ="}) + "\n")
+    rm = f"{regression_rm}/checkpoints/megatron_gpt.nemo"
+    for labels, reward_model, message in (
+            ("helpfulness:4", rm, "error: label 'helpfulness:4': ['helpfulness'] not among the reward model's "
+                                  "attributes ['quality', 'verbosity']"),
+            ("quality:4", sft_nemo, "needs a regression reward model with one output per attribute")):
+        proc = run_python(GENERATOR, ["--input-file", str(prompts), "--output-file", str(tmp_path / "out.jsonl"),
+                                      "--labels", labels, "--steerlm-model", sft_nemo, "--sft-model", sft_nemo,
+                                      "--reward-model", reward_model], check=False)
+        assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert not (tmp_path / "out.jsonl").exists()

@@ -46,6 +46,26 @@ def prompt_records(records: List[Dict], labels: Sequence[str], where: str) -> Li
     return out
 
 
+def check_reward_model(path: str, prompts: List[Dict]) -> List[str]:
+    """The regression reward model's attribute names (from its config, before any model is loaded);
+    a model of another kind, or a label asking for an attribute it does not predict, is an error."""
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import regression_attribute_names
+    from nemo_aligner.utils.nemo_file import read_model_config
+
+    cfg = read_model_config(path, "--reward-model")
+    regression = cfg.get("regression") or {}
+    if cfg.get("reward_model_type") != "regression" or regression.get("merge_attributes", False):
+        raise ConfigError(f"--reward-model {path}: needs a regression reward model with one output per attribute "
+                          f"(this one: reward_model_type={cfg.get('reward_model_type')}, "
+                          f"merge_attributes={regression.get('merge_attributes', False)})")
+    names = regression_attribute_names(cfg)
+    for p in prompts:
+        unknown = sorted(set(parse_label(p["label"])) - set(names))
+        if unknown:
+            raise DataError(f"label {p['label']!r}: {unknown} not among the reward model's attributes {names}")
+    return names
+
+
 @torch.no_grad()
 def response_logprobs(model, prompts: Sequence[List[int]], responses: Sequence[List[int]], batch_size: int) -> List[float]:
     """``log p(response | prompt)`` (summed over the response's tokens) of each pair, by ``model``."""
@@ -99,6 +119,7 @@ def main(argv=None) -> None:
         raise ConfigError("--attribute-sigma and --temperature must be > 0")
     labels = [x.strip() for x in args.labels.split(";") if x.strip()] if args.labels else []
     prompts = prompt_records(read_jsonl(args.input_file), labels, args.input_file)
+    names = check_reward_model(args.reward_model, prompts)
 
     D.init_distributed()
     D.initialize_model_parallel(1, 1, seed=args.seed)
@@ -133,10 +154,6 @@ def main(argv=None) -> None:
         # 3. P(a|x,y) from the regression reward model's attribute predictions
         rm = load_model(MegatronGPTRewardModel, OmegaConf.create({}), "32", args.reward_model, key="--reward-model",
                         trainable=False)
-        if rm.reward_model_type != "regression" or rm.output_width != rm.num_attributes:
-            raise ConfigError(f"--reward-model {args.reward_model}: needs a regression reward model with one output "
-                              f"per attribute (this one: {rm.reward_model_type}, {rm.output_width} output(s))")
-        names = rm.attribute_names()
         if args.rm_format == "plain":
             texts = [f"{u} {v}" for u, v in zip(user, values)]
         else:
@@ -158,9 +175,6 @@ def main(argv=None) -> None:
     records, k = [], 0
     for p in prompts:
         asked = parse_label(p["label"])
-        unknown = sorted(set(asked) - set(names))
-        if unknown:
-            raise DataError(f"label {p['label']!r}: {unknown} not among the reward model's attributes {names}")
         responses = []
         for _ in range(args.num_responses):
             pred = dict(zip(names, predicted[k]))

@@ -33,6 +33,21 @@ def masked_mse(pred: torch.Tensor, labels: torch.Tensor, mask_value: float = -10
     return loss, squared.sum(0), mask.sum(0)
 
 
+def regression_attribute_names(cfg) -> list:
+    """A regression reward model's attribute names from its config: ``model.regression.attribute_names``,
+    NeMo's 9 SteerLM attributes for 9 unnamed outputs, else ``attr<i>``."""
+    regression = cfg.get("regression") or {}
+    count = int(regression.get("num_attributes", 1) or 1)
+    names = regression.get("attribute_names")
+    if names is not None and len(names) == count:
+        return [str(n) for n in names]
+    if count == 9 and names is None:
+        from nemo_aligner.data.nlp.reward_datasets import STEERLM_ATTRIBUTES
+
+        return list(STEERLM_ATTRIBUTES)
+    return [f"attr{i}" for i in range(count)]
+
+
 class MegatronGPTRewardModel(MegatronGPTModel, SupervisedInterface, Inferrable):
     """A GPT with a reward head (``model.reward_model_type``: ``binary_ranking`` or ``regression``).
 
@@ -154,14 +169,7 @@ class MegatronGPTRewardModel(MegatronGPTModel, SupervisedInterface, Inferrable):
 
     def attribute_names(self):
         """Names of the regression attributes (``model.regression.attribute_names`` or ``attr<i>``)."""
-        names = (self.cfg.get("regression") or {}).get("attribute_names")
-        if names is not None and len(names) == self.num_attributes:
-            return [str(n) for n in names]
-        if self.num_attributes == 9 and names is None:
-            from nemo_aligner.data.nlp.reward_datasets import STEERLM_ATTRIBUTES
-
-            return list(STEERLM_ATTRIBUTES)
-        return [f"attr{i}" for i in range(self.num_attributes)]
+        return regression_attribute_names(self.cfg)
 
     # ----------------------------------------------------------------- inference
     def prepare_for_inference(self) -> None:
