@@ -148,25 +148,25 @@ def test_python_api_runs_rejection_sampling_and_refuses_bad_settings(tmp_path, w
 
 
 def test_tp2_run_resumes_exactly(tmp_path, weak_policy):
-    """Tensor parallel 2 (the script starts both ranks): 2 steps in one go equal 1 step, a stop, and a
-    resumed second step (same samples, rewards and loss)."""
+    """2 steps in one go equal 1 step, a stop, and a second step resumed at tensor parallel 2 (the
+    script starts both ranks; the checkpoint is resharded): same samples, rewards and loss."""
     model, data = weak_policy
 
-    def run(log_dir, steps):
+    def run(log_dir, steps, tp):
         return run_script("train_gpt_rs_actor.py", [
             f"pretrained_checkpoint.restore_from_path={model}",
             f"++model.data.data_prefix={{train: [{data['prompts_train']}], validation: [{data['prompts_val']}]}}",
             "reward_fn=nemo_aligner.data.nlp.builtin_task:reward", f"exp_manager.explicit_log_dir={log_dir}",
             f"trainer.rs.max_steps={steps}", "trainer.rs.max_epochs=100", "trainer.rs.val_check_interval=0",
-            "trainer.rs.val_at_start=False", "trainer.rs.save_interval=1", "trainer.devices=2",
-            "model.tensor_model_parallel_size=2", "model.rs.num_rollout_samples=8", "model.rs.num_rollouts_per_prompt=4",
+            "trainer.rs.val_at_start=False", "trainer.rs.save_interval=1", f"trainer.devices={tp}",
+            f"model.tensor_model_parallel_size={tp}", "model.rs.num_rollout_samples=8", "model.rs.num_rollouts_per_prompt=4",
             "model.rs.top_n_rollouts=2", "model.global_batch_size=8", "model.micro_batch_size=4",
             "model.rs.length_params.max_length=9", "model.optim.lr=5e-5", "model.optim.sched.name=Constant"],
-            like_nproc=2)
+            like_nproc=tp)
 
-    run(tmp_path / "straight", 2)
-    run(tmp_path / "resumed", 1)
-    proc = run(tmp_path / "resumed", 2)
+    run(tmp_path / "straight", 2, 1)
+    run(tmp_path / "resumed", 1, 1)
+    proc = run(tmp_path / "resumed", 2, 2)
     assert "actor resumed at RS step 1" in proc.stdout + proc.stderr
 
     def step2(log_dir):
@@ -175,4 +175,4 @@ def test_tp2_run_resumes_exactly(tmp_path, weak_policy):
 
     a, b = step2(tmp_path / "straight"), step2(tmp_path / "resumed")
     for key in ("train/rewards", "train/selected_rewards", "train/actor_loss"):
-        assert b[key] == pytest.approx(a[key], rel=1e-5), key
+        assert b[key] == pytest.approx(a[key], rel=1e-4), key
