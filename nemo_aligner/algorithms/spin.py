@@ -112,11 +112,6 @@ class SPINTrainer(SupervisedTrainer):
         metrics.update(gen_metrics, iteration=float(iteration), beta=float(self.model.beta))
         return loss, metrics
 
-    def fit(self) -> Dict[str, float]:
-        if self.step == 0 and self.cfg.get("val_at_start", False):
-            self.validate()  # the starting policy's validation loss, logged at step 0
-        return super().fit()
-
     def validation_loss(self, batch) -> Tuple[float, Dict[str, float]]:
         return self.model.get_loss_and_metrics_vanilla_sft(batch, forward_only=True)
 

@@ -75,7 +75,7 @@ class SupervisedTrainer(StepSchedule):
     """Train a ``SupervisedInterface`` model on fixed batches: step, validate, save, repeat.
 
     ``cfg`` is the algorithm's trainer section (``trainer.sft`` or ``trainer.rm``):
-    ``max_steps``, ``max_epochs``, ``val_check_interval``, ``save_interval``,
+    ``max_steps``, ``max_epochs``, ``val_check_interval``, ``val_at_start``, ``save_interval``,
     ``limit_val_batches``, ``limit_train_batches``, ``max_time``.
     """
 
@@ -201,6 +201,8 @@ class SupervisedTrainer(StepSchedule):
         if self.step >= self.max_steps:
             logger.info("already trained %d of %d steps; nothing to do", self.step, self.max_steps)
             return self.summary(0.0)
+        if self.step == 0 and self.cfg.get("val_at_start", False):
+            self.validate()  # the starting model's validation, logged at step 0
         start = time.monotonic()
         bar = progress_bar(self.max_steps, self.step, self.name)
         stop = False

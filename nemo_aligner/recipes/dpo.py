@@ -8,9 +8,9 @@ from typing import Dict
 from omegaconf import DictConfig
 
 from nemo_aligner.recipes.offline_preference import run_offline_preference
+from nemo_aligner.recipes.run_helpers import report_finished
 from nemo_aligner.data.nlp.dpo_dataset import DPOPairDataset, collate_dpo
 from nemo_aligner.models.nlp.gpt.megatron_gpt_dpo_model import MegatronGPTDPOModel
-from nemo_aligner.utils.distributed import is_global_rank_zero
 
 
 def run_dpo(cfg: DictConfig, callbacks=None) -> Dict[str, float]:
@@ -31,10 +31,8 @@ def run_dpo(cfg: DictConfig, callbacks=None) -> Dict[str, float]:
                                                      "prompt/chosen_response/rejected_response", callbacks)
     summary["val_accuracy"] = trainer.last_val_metrics.get("accuracy", float("nan"))
     summary["val_reward_margin"] = trainer.last_val_metrics.get("reward_margin", float("nan"))
-    if is_global_rank_zero():
-        nemo_path = summary["nemo_path"]
-        print(f"DPO ({model.loss_kind}) finished: {summary['steps']} steps, train loss {summary['final_train_loss']:.4f}, "
-              f"validation loss {summary['final_val_loss']:.4f}, preference accuracy {summary['val_accuracy']:.3f}, "
-              f"reward margin {summary['val_reward_margin']:.3f}, {summary['seconds']:.0f}s; "
-              + (f".nemo written to {nemo_path}" if nemo_path else f"logs in {summary['log_dir']}"), flush=True)
+    report_finished(summary, f"DPO ({model.loss_kind}) finished: {summary['steps']} steps, train loss "
+                             f"{summary['final_train_loss']:.4f}, validation loss {summary['final_val_loss']:.4f}, "
+                             f"preference accuracy {summary['val_accuracy']:.3f}, reward margin "
+                             f"{summary['val_reward_margin']:.3f}")
     return summary

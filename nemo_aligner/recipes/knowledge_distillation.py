@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from nemo_aligner.data.nlp.kd_dataset import KnowledgeDistillationDataset, collate_kd
 from nemo_aligner.models.nlp.gpt.megatron_gpt_knowledge_distillation import MegatronGPTKnowledgeDistillationModel
 from nemo_aligner.recipes.offline_preference import run_offline_preference
-from nemo_aligner.utils.distributed import is_global_rank_zero
+from nemo_aligner.recipes.run_helpers import report_finished
 from nemo_aligner.utils.errors import ConfigError
 
 NAME = "knowledge_distillation"
@@ -55,10 +55,7 @@ def run_knowledge_distillation(cfg: DictConfig, callbacks=None) -> Dict[str, flo
                                                      make_collate, "records of compute_topk_logits.py", callbacks,
                                                      checkpoint_holds="the student .nemo", chunked_data=True)
     summary["val_kd_loss"] = trainer.last_val_metrics.get("kd_loss", float("nan"))
-    if is_global_rank_zero():
-        nemo_path = summary["nemo_path"]
-        print(f"Knowledge distillation finished: {summary['steps']} steps, train loss {summary['final_train_loss']:.4f}, "
-              f"validation loss {summary['final_val_loss']:.4f} (KL to the teacher {summary['val_kd_loss']:.4f}), "
-              f"{summary['seconds']:.0f}s; " + (f".nemo written to {nemo_path}" if nemo_path else
-                                                f"logs in {summary['log_dir']}"), flush=True)
+    report_finished(summary, f"Knowledge distillation finished: {summary['steps']} steps, train loss "
+                             f"{summary['final_train_loss']:.4f}, validation loss {summary['final_val_loss']:.4f} "
+                             f"(KL to the teacher {summary['val_kd_loss']:.4f})")
     return summary

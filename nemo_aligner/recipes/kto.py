@@ -8,9 +8,9 @@ from typing import Dict
 from omegaconf import DictConfig
 
 from nemo_aligner.recipes.offline_preference import run_offline_preference
+from nemo_aligner.recipes.run_helpers import report_finished
 from nemo_aligner.data.nlp.kto_dataset import KTODataset, collate_kto
 from nemo_aligner.models.nlp.gpt.megatron_gpt_kto_model import MegatronGPTKTOModel
-from nemo_aligner.utils.distributed import is_global_rank_zero
 
 
 def run_kto(cfg: DictConfig) -> Dict[str, float]:
@@ -27,10 +27,7 @@ def run_kto(cfg: DictConfig) -> Dict[str, float]:
     summary, trainer, _ = run_offline_preference(cfg, "kto", MegatronGPTKTOModel, make_dataset, make_collate,
                                                  "prompt/response/preference")
     summary["val_reward_margin"] = trainer.last_val_metrics.get("reward_margin", float("nan"))
-    if is_global_rank_zero():
-        nemo_path = summary["nemo_path"]
-        print(f"KTO finished: {summary['steps']} steps, train loss {summary['final_train_loss']:.4f}, "
-              f"validation loss {summary['final_val_loss']:.4f}, desirable-minus-undesirable reward "
-              f"{summary['val_reward_margin']:.3f}, {summary['seconds']:.0f}s; "
-              + (f".nemo written to {nemo_path}" if nemo_path else f"logs in {summary['log_dir']}"), flush=True)
+    report_finished(summary, f"KTO finished: {summary['steps']} steps, train loss {summary['final_train_loss']:.4f}, "
+                             f"validation loss {summary['final_val_loss']:.4f}, desirable-minus-undesirable reward "
+                             f"{summary['val_reward_margin']:.3f}")
     return summary

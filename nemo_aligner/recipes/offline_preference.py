@@ -58,8 +58,6 @@ def run_offline_preference(cfg: DictConfig, name: str, model_cls, make_dataset: 
                                 exp.checkpoint_callback, RunTimer(max_time_of(cfg, name)), name=name)
     if callbacks is not None:
         trainer.callbacks = callbacks
-    if trainer_cfg.get("val_at_start", False) and val_dl is not None and not exp.resume_from:
-        trainer.validate()  # the starting model's validation, logged at step 0
     summary = fit_and_export(trainer, model, exp)
     summary["log_dir"] = exp.log_dir
     summary["best_checkpoint"] = exp.checkpoint_callback.best() if exp.checkpoint_callback else None

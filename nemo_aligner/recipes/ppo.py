@@ -18,12 +18,12 @@ from nemo_aligner.data.nlp.reward_datasets import data_prefix_paths
 from nemo_aligner.models.nlp.gpt.loading import load_model
 from nemo_aligner.models.nlp.gpt.megatron_gpt_critic import MegatronGPTCriticModel
 from nemo_aligner.models.nlp.gpt.megatron_gpt_ppo_actor import MegatronGPTActorModel
-from nemo_aligner.recipes.run_helpers import fit_and_export
+from nemo_aligner.recipes.run_helpers import fit_and_export, report_finished
 from nemo_aligner.servers.batching import check_batch_limits
 from nemo_aligner.servers.clients import RemoteGPTRMCriticClient
 from nemo_aligner.servers.critic_server import CriticServer
 from nemo_aligner.servers.triton_host import check_ports_free, server_address
-from nemo_aligner.utils.distributed import get_rank, is_global_rank_zero
+from nemo_aligner.utils.distributed import get_rank
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.exp_manager import exp_manager
 from nemo_aligner.utils.run_control import RunTimer, compute_max_steps, max_time_of
@@ -104,13 +104,10 @@ def setup_actor(cfg: DictConfig, section: str, default_name: str, responses_per_
     return ActorSetup(exp, model, train_dl, val_dl, optimizer, scheduler, seed, prompts)
 
 
-def print_rl_summary(label: str, summary: Dict[str, float], log_dir: str) -> None:
-    if is_global_rank_zero():
-        nemo_path = summary["nemo_path"]
-        print(f"{label} finished: {summary['steps']} steps, train reward {summary['final_train_reward']:.4f}, "
-              f"validation reward {summary['final_val_reward']:.4f} (best {summary['best_val_reward']:.4f}), "
-              f"{summary['seconds']:.0f}s; " + (f".nemo written to {nemo_path}" if nemo_path else f"logs in {log_dir}"),
-              flush=True)
+def print_rl_summary(label: str, summary: Dict[str, float]) -> None:
+    report_finished(summary, f"{label} finished: {summary['steps']} steps, train reward "
+                             f"{summary['final_train_reward']:.4f}, validation reward {summary['final_val_reward']:.4f} "
+                             f"(best {summary['best_val_reward']:.4f})")
 
 
 def fit_scored_actor(trainer, setup: ActorSetup, source, label: str, close_source: bool = True,
@@ -125,7 +122,7 @@ def fit_scored_actor(trainer, setup: ActorSetup, source, label: str, close_sourc
         if close_source:
             source.close()
     summary["best_checkpoint"] = setup.exp.checkpoint_callback.best() if setup.exp.checkpoint_callback else None
-    print_rl_summary(label, summary, setup.exp.log_dir)
+    print_rl_summary(label, summary)
     return summary
 
 
@@ -144,7 +141,7 @@ def run_ppo_actor(cfg: DictConfig) -> Dict[str, float]:
         summary = fit_and_export(trainer, setup.model, setup.exp)
     finally:
         client.close()
-    print_rl_summary("PPO", summary, setup.exp.log_dir)
+    print_rl_summary("PPO", summary)
     return summary
 
 

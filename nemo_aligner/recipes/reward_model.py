@@ -8,7 +8,7 @@ from typing import Dict
 
 from omegaconf import DictConfig, OmegaConf
 
-from nemo_aligner.recipes.run_helpers import fit_and_export
+from nemo_aligner.recipes.run_helpers import fit_and_export, report_finished
 from nemo_aligner.algorithms.supervised import SupervisedTrainer, plan_max_steps
 from nemo_aligner.data.nlp.builders import build_dataloader
 from nemo_aligner.data.nlp.reward_datasets import (
@@ -20,7 +20,6 @@ from nemo_aligner.data.nlp.reward_datasets import (
 )
 from nemo_aligner.models.nlp.gpt.loading import load_model
 from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import MegatronGPTRewardModel
-from nemo_aligner.utils.distributed import is_global_rank_zero
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.exp_manager import exp_manager
 from nemo_aligner.utils.run_control import RunTimer, max_time_of
@@ -96,12 +95,9 @@ def run_reward_model(cfg: DictConfig) -> Dict[str, float]:
     trainer = SupervisedTrainer(rm_cfg, model, optimizer, scheduler, train_dl, val_dl, exp.logger,
                                 exp.checkpoint_callback, RunTimer(max_time_of(cfg, "rm")), name="rm")
     summary = fit_and_export(trainer, model, exp)
-    nemo_path = summary["nemo_path"]
     summary["val_accuracy"] = trainer.last_val_metrics.get("accuracy", float("nan"))
-    if is_global_rank_zero():
-        quality = (f"validation accuracy {summary['val_accuracy']:.3f}" if model.reward_model_type == "binary_ranking"
-                   else f"validation MSE {trainer.last_val_metrics.get('mse', float('nan')):.4f}")
-        print(f"Reward model finished: {summary['steps']} steps, train loss {summary['final_train_loss']:.4f}, "
-              f"validation loss {summary['final_val_loss']:.4f}, {quality}, {summary['seconds']:.0f}s; "
-              + (f".nemo written to {nemo_path}" if nemo_path else f"logs in {exp.log_dir}"), flush=True)
+    quality = (f"validation accuracy {summary['val_accuracy']:.3f}" if model.reward_model_type == "binary_ranking"
+               else f"validation MSE {trainer.last_val_metrics.get('mse', float('nan')):.4f}")
+    report_finished(summary, f"Reward model finished: {summary['steps']} steps, train loss "
+                             f"{summary['final_train_loss']:.4f}, validation loss {summary['final_val_loss']:.4f}, {quality}")
     return summary

@@ -8,6 +8,17 @@ from typing import Dict
 logger = logging.getLogger(__name__)
 
 
+def report_finished(summary: Dict, text: str) -> None:
+    """Print (global rank 0) ``<text>, <seconds>s; `` and where the run's result is: the ``.nemo``
+    written, else the log directory."""
+    from nemo_aligner.utils.distributed import is_global_rank_zero
+
+    if is_global_rank_zero():
+        nemo_path = summary.get("nemo_path")
+        print(f"{text}, {summary['seconds']:.0f}s; "
+              + (f".nemo written to {nemo_path}" if nemo_path else f"logs in {summary['log_dir']}"), flush=True)
+
+
 def start_from_checkpoint(cfg, model_cls, what: str, default_name: str):
     """The start of a run from ``pretrained_checkpoint.restore_from_path`` (``what`` it holds): distributed
     set-up, the experiment directory and loggers, the model. Returns ``(parallel info, exp, model)``."""

@@ -8,12 +8,11 @@ from typing import Dict
 
 from omegaconf import DictConfig, open_dict
 
-from nemo_aligner.recipes.run_helpers import fit_and_export
+from nemo_aligner.recipes.run_helpers import fit_and_export, report_finished
 from nemo_aligner.algorithms.supervised import SupervisedTrainer, plan_max_steps
 from nemo_aligner.data.nlp.builders import build_dataloader, build_sft_dataset, sft_collate_fn
 from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
 from nemo_aligner.models.nlp.gpt.loading import load_model
-from nemo_aligner.utils.distributed import is_global_rank_zero
 from nemo_aligner.utils.exp_manager import exp_manager
 from nemo_aligner.utils.run_control import RunTimer, max_time_of
 from nemo_aligner.utils.run_setup import init_run
@@ -63,17 +62,9 @@ def run_sft(cfg: DictConfig, callbacks=None, model_cls=GPTSFTModel, build_datase
                                 exp.checkpoint_callback, RunTimer(max_time_of(cfg, "sft")), name="sft")
     if callbacks is not None:
         trainer.callbacks = callbacks
-    if sft_cfg.get("val_at_start", False) and not exp.resume_from:
-        trainer.validate()  # the starting model's validation, logged at step 0
     summary = fit_and_export(trainer, model, exp)
     summary["best_checkpoint"] = exp.checkpoint_callback.best() if exp.checkpoint_callback else None
-    nemo_path = summary["nemo_path"]
-    if is_global_rank_zero():
-        print(
-            f"{what} finished: {summary['steps']} steps, {summary['epochs']} epochs, "
-            f"train loss {summary['final_train_loss']:.4f}, validation loss {summary['final_val_loss']:.4f} "
-            f"(best {summary['best_val_loss']:.4f}), {summary['seconds']:.0f}s; "
-            + (f".nemo written to {nemo_path}" if nemo_path else f"logs in {exp.log_dir}"),
-            flush=True,
-        )
+    report_finished(summary, f"{what} finished: {summary['steps']} steps, {summary['epochs']} epochs, "
+                             f"train loss {summary['final_train_loss']:.4f}, validation loss "
+                             f"{summary['final_val_loss']:.4f} (best {summary['best_val_loss']:.4f})")
     return summary

@@ -14,8 +14,7 @@ from nemo_aligner.algorithms.spin import SPINTrainer, plan_spin_steps
 from nemo_aligner.data.nlp.builders import build_dataloader, build_sft_dataset
 from nemo_aligner.data.nlp.spin_dataset import collate_spin
 from nemo_aligner.models.nlp.gpt.megatron_gpt_spin_model import MegatronGPTSPINModel
-from nemo_aligner.recipes.run_helpers import fit_and_export, start_from_checkpoint
-from nemo_aligner.utils.distributed import is_global_rank_zero
+from nemo_aligner.recipes.run_helpers import fit_and_export, report_finished, start_from_checkpoint
 from nemo_aligner.utils.run_control import RunTimer, max_time_of
 
 logger = logging.getLogger(__name__)
@@ -61,10 +60,6 @@ def run_spin(cfg: DictConfig, callbacks=None) -> Dict[str, float]:
         trainer.callbacks = callbacks
     summary = fit_and_export(trainer, model, exp)
     summary["best_checkpoint"] = exp.checkpoint_callback.best() if exp.checkpoint_callback else None
-    if is_global_rank_zero():
-        nemo_path = summary["nemo_path"]
-        print(f"SPIN finished: {summary['steps']} steps in {summary['iterations']} iterations, train loss "
-              f"{summary['final_train_loss']:.4f}, validation SFT loss {summary['final_val_loss']:.4f}, "
-              f"{summary['seconds']:.0f}s; " + (f".nemo written to {nemo_path}" if nemo_path else
-                                                f"logs in {summary['log_dir']}"), flush=True)
+    report_finished(summary, f"SPIN finished: {summary['steps']} steps in {summary['iterations']} iterations, train "
+                             f"loss {summary['final_train_loss']:.4f}, validation SFT loss {summary['final_val_loss']:.4f}")
     return summary
