@@ -18,37 +18,45 @@ from nemo_aligner.data.nlp.builders import build_sft_dataset
 from nemo_aligner.data.nlp.sft_dataset import collate_sft
 from nemo_aligner.models.nlp.gpt.loading import load_model
 from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
-from nemo_aligner.utils.distributed import is_global_rank_zero
+from nemo_aligner.utils.distributed import broadcast_object, is_global_rank_zero
 from nemo_aligner.utils.errors import ConfigError, DataError
 from nemo_aligner.utils.run_setup import init_run
 
 logger = logging.getLogger(__name__)
 
 
+def _record_index(line: bytes) -> int:
+    return int(json.loads(line)["index"])
+
+
 def processed_indices(path: str) -> Set[int]:
-    """The ``index`` of every complete record in ``path``; a torn last line (a killed run) is cut off
-    the file (written to a temporary name, then renamed), so appending continues cleanly."""
+    """The ``index`` of every complete record in ``path``. A last line without its newline that is not
+    a whole record (a killed run) is cut off the file (written to a temporary name, then renamed), so
+    appending continues cleanly."""
     if not os.path.exists(path):
         return set()
     with open(path, "rb") as f:
         data = f.read()
-    lines = data.split(b"\n")
-    keep, done = [], set()
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            done.add(int(json.loads(line)["index"]))
-            keep.append(line)
-        except (ValueError, KeyError, TypeError):
-            if number < len(lines) - 1 or (number == len(lines) - 1 and data.endswith(b"\n")):
+    complete, _, tail = data.rpartition(b"\n")  # tail: what follows the last newline
+    done = set()
+    for number, line in enumerate(complete.split(b"\n"), 1):
+        if line.strip():
+            try:
+                done.add(_record_index(line))
+            except (ValueError, KeyError, TypeError):
                 raise DataError(f"{path}:{number}: not a record of compute_topk_logits.py; choose another "
                                 "output_path or remove the file") from None
-            logger.warning("%s:%d: an unfinished record (a stopped run); it is computed again", path, number)
-    if keep and (len(keep) != sum(1 for l in lines if l.strip()) or not data.endswith(b"\n")):
+    if tail.strip():
+        try:
+            done.add(_record_index(tail))
+            kept = data
+        except (ValueError, KeyError, TypeError):
+            logger.warning("%s:%d: an unfinished record (a stopped run); it is computed again", path,
+                           data.count(b"\n") + 1)
+            kept = data[: len(data) - len(tail)]
         tmp = path + ".tmp"
         with open(tmp, "wb") as f:
-            f.write(b"\n".join(keep) + b"\n")
+            f.write(kept if not kept or kept.endswith(b"\n") else kept + b"\n")
         os.replace(tmp, path)
     return done
 
@@ -118,9 +126,7 @@ def run_compute_topk_logits(cfg: DictConfig) -> Dict:
     if is_global_rank_zero():
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
         done = processed_indices(output)
-    shared = [done]
-    dist.broadcast_object_list(shared, src=0)
-    done = shared[0]
+    done = broadcast_object(done)
     todo = [i for i in range(start, end + 1) if i not in done]
     if done:
         logger.info("%s: %d records already written; %d to compute", output, len(done & set(range(start, end + 1))),
