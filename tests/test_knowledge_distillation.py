@@ -148,6 +148,9 @@ def test_topk_records_are_the_teachers_and_survive_a_kill(tmp_path, kd_records, 
     for a, b in zip(resumed, records):
         assert a["tokens"] == b["tokens"]
         assert_same_topk(a["topk_token_ids"], a["topk_logits"], b["topk_token_ids"], b["topk_logits"])
+    five = tmp_path / "five.jsonl"  # a last block of 5 samples with micro-batches of 2
+    _compute(teacher, data["sft_val"], five, "end_at_idx=4", "model.global_batch_size=6", "model.micro_batch_size=2")
+    assert [json.loads(line)["index"] for line in open(five)] == list(range(5))
     dp2 = tmp_path / "dp2.jsonl"
     _compute(teacher, data["sft_val"], dp2, "trainer.devices=2", "end_at_idx=19", like_nproc=2)
     two = [json.loads(line) for line in open(dp2)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from typing import Dict, List, Set
 
@@ -139,7 +140,8 @@ def run_compute_topk_logits(cfg: DictConfig) -> Dict:
         chunk = todo[first:first + gbs]
         per_rank = -(-len(chunk) // info.dp)
         mine = chunk[info.dp_rank * per_rank:(info.dp_rank + 1) * per_rank] or chunk[-1:]  # every rank runs a forward
-        records = topk_records(model, [dataset[i] for i in mine], mine, top_k, min(mbs, len(mine)))
+        # a partial last block: the largest micro-batch that divides this rank's samples and micro_batch_size
+        records = topk_records(model, [dataset[i] for i in mine], mine, top_k, math.gcd(mbs, len(mine)))
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, records if writes else [])
         if is_global_rank_zero():
