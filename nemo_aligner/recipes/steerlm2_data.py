@@ -15,7 +15,7 @@ import torch
 
 from nemo_aligner.data.nlp.chat_template import chat_tokens
 from nemo_aligner.data.nlp.jsonl import read_jsonl, write_jsonl
-from nemo_aligner.data.nlp.steerlm2_dataset import steerlm2_prompt
+from nemo_aligner.data.nlp.steerlm2_dataset import response_prompt
 from nemo_aligner.data.nlp.steerlm_labels import model_chat_tokens, parse_label, render_turns
 from nemo_aligner.utils.errors import ConfigError, DataError
 
@@ -129,7 +129,7 @@ def main(argv=None) -> None:
                             trainable=False)
         tokens = model_chat_tokens(policy.cfg)
         t = chat_tokens(tokens)
-        steer = [steerlm2_prompt({**p, "responses": [{"from": "Assistant"}]}, tokens) for p in prompts]
+        steer = [response_prompt(p["system"], p["prompt_turns"], label=p["label"], tokens=tokens) for p in prompts]
         repeated = [s for s in steer for _ in range(args.num_responses)]
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, end_strings=[t["end_of_turn"]])
         values = generate_texts(policy, repeated, sampling, LengthParams(max_length=args.max_new_tokens, min_length=0),
@@ -145,7 +145,7 @@ def main(argv=None) -> None:
             sft_prompts = [sft.tokenizer.text_to_ids(u + " ") for u in user]
             sft_rows = [sft.tokenizer.text_to_ids(v) + [sft.tokenizer.eos_id] for v in values]
         else:
-            heads = [render_turns(p["system"], p["prompt_turns"], tokens) + f"{t['turn_start']}Assistant{t['end_of_name']}"
+            heads = [response_prompt(p["system"], p["prompt_turns"], tokens=tokens)
                      for p in prompts for _ in range(args.num_responses)]
             sft_prompts = [sft.tokenizer.text_to_ids(h) for h in heads]
             sft_rows = [sft.tokenizer.text_to_ids(v + t["end_of_turn"] + t["turn_start"]) for v in values]

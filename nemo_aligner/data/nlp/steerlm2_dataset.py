@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from nemo_aligner.data.nlp.chat_template import chat_tokens
-from nemo_aligner.data.nlp.steerlm_labels import steer_prompt
+from nemo_aligner.data.nlp.steerlm_labels import render_turns, steer_prompt
 from nemo_aligner.utils.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -27,18 +27,20 @@ def importance_weights(log_pa: Sequence[float], log_py: Sequence[float], log_q: 
     return torch.softmax(logw, 0).tolist()
 
 
-def steerlm2_prompt(record: Dict, tokens: Optional[dict] = None) -> str:
-    """The record's prompt as the SteerLM model sees it: the turns, then the responder's header with
-    the label (``steerlm_labels.steer_prompt``; without a label, the header alone)."""
-    responder = record["responses"][0]["from"]
-    if record.get("label") is None:
-        from nemo_aligner.data.nlp.steerlm_labels import render_turns
-
+def response_prompt(system: str, turns: Sequence[Dict], responder: str = "Assistant", label: Optional[str] = None,
+                    tokens: Optional[dict] = None) -> str:
+    """The chat up to a response: the turns, then the responder's header with the label
+    (``steerlm_labels.steer_prompt``; without a label, the header alone)."""
+    if label is None:
         t = chat_tokens(tokens)
-        return (render_turns(record.get("system") or "", record["prompt_turns"], tokens)
-                + f"{t['turn_start']}{responder}{t['end_of_name']}")
-    return steer_prompt(record["prompt_turns"], str(record["label"]), system=record.get("system") or "",
-                        assistant=responder, chat_tokens=tokens)
+        return render_turns(system or "", turns, tokens) + f"{t['turn_start']}{responder}{t['end_of_name']}"
+    return steer_prompt(turns, str(label), system=system or "", assistant=responder, chat_tokens=tokens)
+
+
+def steerlm2_prompt(record: Dict, tokens: Optional[dict] = None) -> str:
+    """The record's prompt as the SteerLM model sees it (:func:`response_prompt` with its label)."""
+    return response_prompt(record.get("system"), record["prompt_turns"], record["responses"][0]["from"],
+                           record.get("label"), tokens)
 
 
 def check_record(record: Dict, where: str, num_responses: Optional[int]) -> int:
