@@ -15,6 +15,7 @@ import torch
 
 from nemo_aligner.data.nlp.chat_template import chat_tokens
 from nemo_aligner.data.nlp.jsonl import read_jsonl, write_jsonl
+from nemo_aligner.data.nlp.reward_datasets import texts_to_tokens
 from nemo_aligner.data.nlp.steerlm2_dataset import response_prompt
 from nemo_aligner.data.nlp.steerlm_labels import model_chat_tokens, parse_label, render_turns
 from nemo_aligner.utils.errors import ConfigError, DataError
@@ -160,16 +161,17 @@ def main(argv=None) -> None:
             texts = [render_turns(p["system"], p["prompt_turns"] + [{"from": "Assistant", "value": v}], tokens,
                                   with_labels=False)
                      for p, v in zip((p for p in prompts for _ in range(args.num_responses)), values)]
+        # tokenized as the reward model's training and server do: its EOS (model.data.append_eod) and its
+        # last seq_length tokens
+        rm_data = rm.cfg.get("data") or {}
+        rm_seq = int(rm_data.get("seq_length") or rm.cfg.encoder_seq_length)
         predicted: List[List[float]] = []
         rm.prepare_for_inference()
         for start in range(0, len(texts), args.batch_size):
-            ids = [rm.tokenizer.text_to_ids(x)[-int(rm.cfg.encoder_seq_length):] for x in texts[start:start + args.batch_size]]
-            width = max(map(len, ids))
-            batch = torch.full((len(ids), width), rm.tokenizer.eos_id, dtype=torch.long)
-            for i, row in enumerate(ids):
-                batch[i, :len(row)] = torch.tensor(row)
-            out = rm.infer(batch, torch.tensor([len(r) for r in ids]))
-            predicted += out.reshape(len(ids), -1).tolist()
+            tokens, lengths = texts_to_tokens(rm.tokenizer, texts[start:start + args.batch_size], rm_seq,
+                                              add_eos=bool(rm_data.get("append_eod", True)))
+            out = rm.infer(torch.from_numpy(tokens), torch.from_numpy(lengths))
+            predicted += out.reshape(len(tokens), -1).tolist()
     finally:
         D.destroy()
     records, k = [], 0
