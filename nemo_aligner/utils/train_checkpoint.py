@@ -179,16 +179,16 @@ def _restore_adam_steps(optimizer, opt_state) -> None:
             st["step"] = step.clone() if saved is None else torch.full_like(step, saved)
 
 
-def _extras(model) -> dict:
+def _extras(model, model_sd: dict) -> dict:
     """What the model keeps in training checkpoints beside its weights (a changing reference policy)."""
     extras = getattr(model, "checkpoint_extras", None)
-    return extras() if extras is not None else {}
+    return extras(model_sd) if extras is not None else {}
 
 
 def save_train_checkpoint(directory: str, model, optimizer, scheduler, trainer_state: dict) -> None:
     """Collective: write a complete training checkpoint to ``directory`` (atomically)."""
     model_sd = model.sharded_state_dict()
-    sharded = {"state_dict": {**model_sd, **_extras(model)}}
+    sharded = {"state_dict": {**model_sd, **_extras(model, model_sd)}}
     opt_sd = _optimizer_sharded(model, optimizer, model_sd, is_loading=False)
     if opt_sd is not None:
         sharded["optimizer_states"] = [opt_sd]
@@ -275,7 +275,7 @@ def load_train_checkpoint(directory: str, model, optimizer, scheduler, load_rng:
     if identity is not None:
         check_resumed_run(directory, state, identity, key)
     model_sd = model.sharded_state_dict()
-    extras = _extras(model)
+    extras = _extras(model, model_sd)
     sharded = {"state_dict": {**model_sd, **extras}}
     with torch.no_grad():
         opt_sd = _optimizer_sharded(model, optimizer, model_sd, is_loading=True)

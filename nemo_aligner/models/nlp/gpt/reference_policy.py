@@ -22,8 +22,9 @@ class ReferencePolicyMixin:
     ref_state = None
     saves_reference_policy = False
 
-    def checkpoint_extras(self) -> dict:
-        """Sharded entries a training checkpoint holds beside the model's own weights."""
+    def checkpoint_extras(self, model_sd: dict) -> dict:
+        """Sharded entries a training checkpoint holds beside the model's own weights (``model_sd``,
+        this model's sharded state dict)."""
         if not self.saves_reference_policy or self.ref_state is None:
             return {}
         from dataclasses import replace
@@ -31,7 +32,7 @@ class ReferencePolicyMixin:
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
         extras = {}
-        for key, entry in self.sharded_state_dict().items():  # keys "model.<module's state-dict name>"
+        for key, entry in model_sd.items():  # keys "model.<module's state-dict name>"
             name = key[len("model."):]
             if isinstance(entry, ShardedObject) or name not in self.ref_state:
                 continue  # per-layer extra state (Transformer Engine): not weights
