@@ -207,6 +207,13 @@ def config_values(**overrides):
     return lambda: check_config_values(sft_config(**overrides))
 
 
+def lora_config(**overrides):
+    from nemo_aligner.models.nlp.gpt.lora import lora_settings
+
+    overrides.setdefault("model.peft.peft_scheme", "lora")
+    return lambda: lora_settings(sft_config(**overrides).model)
+
+
 def run_limits(**overrides):
     from nemo_aligner.utils.config_checks import check_run_limits_keys
 
@@ -305,8 +312,16 @@ def generate_config(**overrides):
 
 
 CONFIG_CASES = {
-    "peft-lora": (config_values(**{"model.peft.peft_scheme": "lora"}),
-                  r"model\.peft\.peft_scheme='lora' is not supported \(NeMo-Aligner's key is accepted only as 'none'"),
+    "peft-ptuning": (lora_config(**{"model.peft.peft_scheme": "ptuning"}),
+                     r"model\.peft\.peft_scheme='ptuning' is not supported \(supported: lora, none\)"),
+    "lora-target": (lora_config(**{"model.peft.lora_tuning.target_modules": ["attention_qkv", "qkv"]}),
+                    r"model\.peft\.lora_tuning\.target_modules: 'qkv' is not one of attention_qkv, "),
+    "lora-dim": (lora_config(**{"model.peft.lora_tuning.adapter_dim": 0}),
+                 r"model\.peft\.lora_tuning\.adapter_dim=0 must be a positive integer"),
+    "lora-layers": (lora_config(**{"model.peft.lora_tuning.layer_selection": [1, 9]}),
+                    r"model\.peft\.lora_tuning\.layer_selection: 9 is not a layer number \(1 to 2\)"),
+    "lora-tying": (lora_config(**{"model.peft.lora_tuning.weight_tying": True}),
+                   r"model\.peft\.lora_tuning\.weight_tying=True is not supported"),
     "top-level-max-steps": (run_limits(**{"trainer.max_steps": 100}),
                             r"trainer\.max_steps=100 is not read: this run's limit is trainer\.sft\.max_steps \(now -1\)"),
     "top-level-max-epochs": (run_limits(**{"trainer.max_epochs": 3}),

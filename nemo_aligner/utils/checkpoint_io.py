@@ -194,7 +194,7 @@ def load_sharded(
     ``CheckpointError`` that names the tensor.
     """
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
     if not is_sharded_checkpoint(directory):
         raise CheckpointError(f"{what} {directory}: not a torch_dist checkpoint (no metadata.json)")
@@ -209,6 +209,10 @@ def load_sharded(
                 continue
             if isinstance(value, ShardedObject) and any(tag in value.key for tag in allow_missing):
                 continue  # extra state of a module that is new in this model (e.g. a reward head)
+            if isinstance(value, ShardedTensorFactory) and value.key not in stored and \
+                    any(tag in value.key for tag in allow_missing):
+                missing.append(value.key)  # a new gated-MLP tensor (e.g. a LoRA adapter on fc1)
+                continue
             if isinstance(value, ShardedTensor):
                 if value.key not in stored and _norm_alias(value.key) in stored:
                     value.key = _norm_alias(value.key)  # Transformer Engine's fused norm names, or the reverse

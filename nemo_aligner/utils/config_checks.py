@@ -41,7 +41,6 @@ POSITIVE_NUMBERS = frozenset({"eps"})
 # Keys NeMo-Aligner's configs carry that this project does not implement: accepted at the value that
 # means "off", an error otherwise (silently ignoring, say, a LoRA request would train every weight).
 UNSUPPORTED_UNLESS = {
-    "peft_scheme": ("none", None),
     "repetition_penalty": (1, 1.0, None),
     "add_BOS": (False, None),
     "all_probs": (False, None),
@@ -49,14 +48,14 @@ UNSUPPORTED_UNLESS = {
 }
 # NeMo-Aligner keys of features this project lacks, matched by the end of their dotted path: refused
 # unless at the value that means "off", with what to do instead.
-_NO_LORA = "LoRA adapters are not supported yet; merge them into the .nemo, or train the full model"
 REFUSED_UNLESS = {
     "trt_llm.enable": ((False,), "TensorRT-LLM is not used: rollouts run on nemo-aligner's own generation engine "
                                  "(static KV cache; CUDA graphs on a GPU); set it to False"),
     "batch_iterator.use_flask": ((False,), "the Flask prompt balancer is not implemented: prompts are split evenly "
                                            "over the data-parallel ranks; set it to False"),
-    "peft.restore_from_path": ((None,), _NO_LORA),
-    "peft.restore_from_ckpt.checkpoint_dir": ((None,), _NO_LORA),
+    "peft.restore_from_ckpt.checkpoint_dir": ((None,), "LoRA adapters start from an adapters-only .nemo "
+                                                       "(model.peft.restore_from_path); a run resumes from its own "
+                                                       "checkpoints (exp_manager.resume_if_exists)"),
     "regression.loss_func": (("regression",), "regression reward models train with the MSE loss only "
                                               "(regular_bt/margin_bt/scaled_bt are not implemented)"),
     "data.reset_position_ids": ((False,), "each sample is one document; set it to False"),

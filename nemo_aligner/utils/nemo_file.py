@@ -23,7 +23,7 @@ import shutil
 import tarfile
 import tempfile
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterator, Optional
 
 import yaml
@@ -286,6 +286,31 @@ def nemo_model_config(model_cfg: dict, tokenizer_cfg: dict) -> dict:
     return cfg
 
 
+def peft_weights_file(tp: int, pp: int, tp_rank: int, pp_rank: int) -> str:
+    """Where NeMo's adapters-only (PEFT) .nemo keeps a model-parallel rank's adapter weights."""
+    if tp == 1 and pp == 1:
+        return "model_weights.ckpt"
+    if pp == 1:
+        return f"mp_rank_{tp_rank:02d}/model_weights.ckpt"
+    return f"tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:03d}/model_weights.ckpt"
+
+
+def _write_adapters(model, staging: str) -> None:
+    """This rank's LoRA adapters into ``staging`` as NeMo's PEFT layout (one file per model-parallel rank)."""
+    import torch
+    from megatron.core import parallel_state
+
+    if parallel_state.get_data_parallel_rank() != 0:
+        return
+    name = peft_weights_file(parallel_state.get_tensor_model_parallel_world_size(),
+                             parallel_state.get_pipeline_model_parallel_world_size(),
+                             parallel_state.get_tensor_model_parallel_rank(),
+                             parallel_state.get_pipeline_model_parallel_rank())
+    target = os.path.join(staging, name)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    torch.save(model.nemo_adapter_state(), target)
+
+
 def save_nemo(model, path: str) -> str:
     """Write ``model`` (a MegatronGPTModel) to ``path`` as a .nemo; collective over all ranks.
 
@@ -306,10 +331,21 @@ def save_nemo(model, path: str) -> str:
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
     barrier()
-    save_sharded(model.sharded_state_dict(), weights_dir(staging))
+    export = model.nemo_export() if hasattr(model, "nemo_export") else "full"
+    if export == "adapters":
+        _write_adapters(model, staging)
+    else:
+        with model.merged_for_export() if export == "merged" else nullcontext():
+            save_sharded(model.sharded_state_dict(adapters=False) if export == "merged" else model.sharded_state_dict(),
+                         weights_dir(staging))
+    barrier()
     if get_rank() == 0:
         tokenizer_cfg, artifacts = _tokenizer_artifacts(model.tokenizer)
         config = nemo_model_config(model.model_config_dict(), tokenizer_cfg)
+        if export == "merged":
+            config["peft"] = dict(config.get("peft") or {}, peft_scheme="none", restore_from_path=None)
+        elif export == "adapters":  # NeMo's PEFT config names the base model the adapters go on
+            config["restore_from_path"] = model.cfg.get("restore_from_path")
         with open(os.path.join(staging, MODEL_CONFIG), "w", encoding="utf-8") as f:
             yaml.safe_dump(config, f, sort_keys=False)
         for name, src in artifacts:

@@ -185,9 +185,15 @@ def _extras(model, model_sd: dict) -> dict:
     return extras(model_sd) if extras is not None else {}
 
 
+def _model_state(model) -> dict:
+    """The model's part of a training checkpoint (with LoRA only the trained tensors)."""
+    select = getattr(model, "checkpoint_state_dict", None)
+    return select() if select is not None else model.sharded_state_dict()
+
+
 def save_train_checkpoint(directory: str, model, optimizer, scheduler, trainer_state: dict) -> None:
     """Collective: write a complete training checkpoint to ``directory`` (atomically)."""
-    model_sd = model.sharded_state_dict()
+    model_sd = _model_state(model)
     sharded = {"state_dict": {**model_sd, **_extras(model, model_sd)}}
     opt_sd = _optimizer_sharded(model, optimizer, model_sd, is_loading=False)
     if opt_sd is not None:
@@ -274,7 +280,7 @@ def load_train_checkpoint(directory: str, model, optimizer, scheduler, load_rng:
         raise CheckpointError(f"{directory}: not a training checkpoint (no {TRAINER_STATE})")
     if identity is not None:
         check_resumed_run(directory, state, identity, key)
-    model_sd = model.sharded_state_dict()
+    model_sd = _model_state(model)
     extras = _extras(model, model_sd)
     sharded = {"state_dict": {**model_sd, **extras}}
     with torch.no_grad():
@@ -286,7 +292,9 @@ def load_train_checkpoint(directory: str, model, optimizer, scheduler, load_rng:
         if extras:
             model.load_checkpoint_extras({k: loaded["state_dict"][k] for k in extras})
         result = model.module.load_state_dict(weights, strict=False)
-        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        trained = model.trainable_names() if hasattr(model, "trainable_names") else None  # None: every weight
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")
+                   and (trained is None or k in trained)]
         if missing:
             raise CheckpointError(f"checkpoint {directory}: no values for {missing[:3]}")
         if optimizer is not None:

@@ -9,14 +9,15 @@ unaffected).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Dict, Iterator
+from typing import Dict, Iterator, Optional, Set
 
 import torch
 
 
-def cpu_state_copy(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    """A CPU copy of every tensor in ``module.state_dict()``."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+def cpu_state_copy(module: torch.nn.Module, names: Optional[Set[str]] = None) -> Dict[str, torch.Tensor]:
+    """A CPU copy of every tensor in ``module.state_dict()`` (only those in ``names`` when given)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()
+            if isinstance(v, torch.Tensor) and (names is None or k in names)}
 
 
 @contextmanager

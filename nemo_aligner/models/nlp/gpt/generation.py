@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from nemo_aligner.models.alignable_interface import LengthParams, SamplingParams  # noqa: F401 (re-exported)
 from nemo_aligner.models.nlp.gpt.lean_ops import rotary_from_tables
+from nemo_aligner.models.nlp.gpt import lora
 from nemo_aligner.utils import cpu_gemm, cpu_kernels
 from nemo_aligner.utils.errors import ConfigError
 
@@ -55,7 +56,7 @@ def _gather_vocab(logits: torch.Tensor, tp: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def _pack_linear_weights(module, batch: int, backend: str) -> dict:
+def _pack_linear_weights(module, batch: int, backend: str, weight_of) -> dict:
     """Packed copies (``cpu_gemm.pack``) of a CPU float32 model's 2-D weights for ``batch``-row
     matmuls, keyed by ``id(weight)``; empty where they cannot be packed.
 
@@ -65,7 +66,8 @@ def _pack_linear_weights(module, batch: int, backend: str) -> dict:
     weights = []
     for layer in module.decoder.layers:
         attention, mlp = layer.self_attention, layer.mlp
-        weights += [attention.linear_qkv.weight, attention.linear_proj.weight, mlp.linear_fc1.weight, mlp.linear_fc2.weight]
+        weights += [weight_of(attention.linear_qkv), weight_of(attention.linear_proj), weight_of(mlp.linear_fc1),
+                    weight_of(mlp.linear_fc2)]
     if getattr(module, "post_process", False):
         weights.append(module.shared_embedding_or_output_weight() if module.share_embeddings_and_output_weights
                        else module.output_layer.weight)
@@ -172,7 +174,8 @@ class KVCacheDecoder:
         self.dtype = dtype
         self.tp = tp
         self.gemm_backend = cpu_gemm.decode_gemm_backend() if self.device.type == "cpu" else "plain"
-        self.packed = _pack_linear_weights(module, batch, self.gemm_backend) if tp == 1 else {}
+        self._weights = {}  # layer -> its weight with any LoRA adapter merged in (one tensor per call)
+        self.packed = _pack_linear_weights(module, batch, self.gemm_backend, self._weight) if tp == 1 else {}
         self.packed_batch = batch
         self.rope = getattr(module, "rotary_pos_emb", None) if module.position_embedding_type == "rope" else None
         if self.rope is not None:  # cos/sin tables once, not per layer and step
@@ -211,6 +214,11 @@ class KVCacheDecoder:
         return dict(ext=ext, norms=[(w.detach(), float(eps)) for w, eps in norms], swiglu=swiglu,
                     rope_table=self.rope_table.contiguous() if self.rope is not None else None)
 
+    def _weight(self, linear) -> torch.Tensor:
+        if id(linear) not in self._weights:
+            self._weights[id(linear)] = lora.effective_weight(linear)
+        return self._weights[id(linear)]
+
     def _linear(self, linear, weight: Optional[torch.Tensor] = None):
         """A megatron-core parallel linear layer (bias included) as a callable; without tensor
         parallelism a plain (packed where possible) matmul, with no autograd-function and
@@ -222,7 +230,7 @@ class KVCacheDecoder:
                 out, bias = linear(x, weight=weight) if weight is not None else linear(x)
                 return out + bias if bias is not None else out
             return call
-        weight = linear.weight if weight is None else weight
+        weight = self._weight(linear) if weight is None else weight
         return cpu_gemm.linear(weight, linear.bias, self.packed.get(id(weight)), self.packed_batch, self.gemm_backend)
 
     def _embedding(self, embedding):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional, Type
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from nemo_aligner.models.nlp.gpt import lora
 from nemo_aligner.utils import nemo_file
 from nemo_aligner.utils.errors import CheckpointError
 from nemo_aligner.utils.model_config import merge_checkpoint_config
@@ -79,11 +81,14 @@ def load_model(model_cls: Type, cfg: DictConfig, precision, restore_path: Option
     """
     if not restore_path:
         tokenizer = build_tokenizer(cfg.get("tokenizer"))
-        return model_cls(cfg, tokenizer, precision, **kwargs)
+        return load_peft_adapters(model_cls(cfg, tokenizer, precision, **kwargs))
     ckpt_cfg = nemo_file.read_model_config(restore_path, key)
     merged = merge_checkpoint_config(ckpt_cfg, cfg)
     what = f"{key}={restore_path}"
     with nemo_file.extracted(restore_path, key) as directory:
+        if lora.peft_scheme(ckpt_cfg) == "lora" and not os.path.isdir(os.path.join(directory, nemo_file.MODEL_WEIGHTS)):
+            raise CheckpointError(f"{what}: holds LoRA adapters only (NeMo's PEFT layout); give it as "
+                                  "model.peft.restore_from_path, with the base model as model.restore_from_path")
         weights = CheckpointWeights(directory, merged, what)
         if merged.get("padded_vocab_size") is None and weights.vocab_rows() is not None:
             with open_dict(merged):  # NeMo pads with the TP size it trained with: the stored rows decide
@@ -113,4 +118,36 @@ def load_model(model_cls: Type, cfg: DictConfig, precision, restore_path: Option
                         p.copy_(fresh[name])
             logger.info("kept new %s (not loaded from the checkpoint)", ", ".join(sorted(keep_new)))
     logger.info("restored weights from %s", restore_path)
+    return load_peft_adapters(model)
+
+
+def load_peft_adapters(model, key: str = "model.peft.restore_from_path"):
+    """Set a LoRA model's adapters from ``model.peft.restore_from_path`` (an adapters-only .nemo in
+    NeMo's PEFT layout, saved at any TP/PP size) when it is given; returns the model."""
+    path = (model.cfg.get("peft") or {}).get("restore_from_path")
+    if not path:
+        return model
+    if getattr(model, "lora", None) is None:
+        raise CheckpointError(f"{key}={path} is set but model.peft.peft_scheme is none: set "
+                              "model.peft.peft_scheme=lora (and the adapters' model.peft.lora_tuning settings)")
+    import torch
+
+    saved = nemo_file.read_model_config(path, key)
+    tp, pp = int(saved.get("tensor_model_parallel_size", 1) or 1), int(saved.get("pipeline_model_parallel_size", 1) or 1)
+    what = f"{key}={path}"
+    states = {}
+    with nemo_file.extracted(path, key) as directory:
+        for pp_rank in range(pp):
+            for tp_rank in range(tp):
+                name = nemo_file.peft_weights_file(tp, pp, tp_rank, pp_rank)
+                file = os.path.join(directory, name)
+                if not os.path.isfile(file):
+                    raise CheckpointError(f"{what}: has no {name}; not an adapters-only .nemo (NeMo's PEFT layout) "
+                                          f"saved at tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}")
+                try:
+                    states[(tp_rank, pp_rank)] = torch.load(file, map_location="cpu", weights_only=True)
+                except Exception as err:  # a torn or foreign file
+                    raise CheckpointError(f"{what}: {name} cannot be read ({type(err).__name__})") from None
+    count = lora.load_nemo_adapters(model.module, states, tp, pp, int(model.cfg.num_layers), what)
+    logger.info("LoRA: %d adapter tensors restored from %s", count, path)
     return model

@@ -11,7 +11,7 @@ import torch
 from nemo_aligner.models.alignable_interface import CriticModelInterface
 from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import MegatronGPTRewardModel
 from nemo_aligner.utils import ppo_utils
-from nemo_aligner.utils.weight_swap import cpu_state_copy, swapped_weights
+from nemo_aligner.utils.weight_swap import swapped_weights
 
 
 class MegatronGPTCriticModel(MegatronGPTRewardModel, CriticModelInterface):
@@ -36,7 +36,7 @@ class MegatronGPTCriticModel(MegatronGPTRewardModel, CriticModelInterface):
     # ----------------------------------------------------------------- reward model on the CPU
     def snapshot_reward_model(self) -> None:
         """Keep the current weights (the reward model the critic starts from) on the CPU for scoring."""
-        self.rm_state = cpu_state_copy(self.module)
+        self.rm_state = self.cpu_weights_copy()
 
     def _head(self):
         return getattr(self.module, "rm_head", None)

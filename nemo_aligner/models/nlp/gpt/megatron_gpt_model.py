@@ -10,6 +10,7 @@ from typing import Callable, Dict, List, Optional, Union
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from nemo_aligner.models.nlp.gpt import lora
 from nemo_aligner.models.nlp.gpt.gpt_builder import (
     build_gpt_model,
     padded_vocab_size,
@@ -46,6 +47,8 @@ class MegatronGPTModel:
     # Roles whose sequence-parallel path is known to be wrong (reward heads on scattered hidden
     # states, decoding one token at a time) refuse model.sequence_parallel=True.
     supports_sequence_parallel = True
+    # Parameters (name tags) a LoRA run trains beside the adapters: a role's own new layers (heads).
+    lora_trainable: tuple = ()
 
     def __init__(self, cfg: DictConfig, tokenizer, precision="32", trainable: bool = True):
         from megatron.core import parallel_state
@@ -83,6 +86,14 @@ class MegatronGPTModel:
             # beta=1; cpu_compat provides megatron-core's fused kernel on the CPU).
             self.transformer_config.gradient_accumulation_fusion = True
         module = self.build_module()
+        self.lora = lora.lora_settings(cfg)
+        if self.lora is not None:
+            count = lora.add_lora_adapters(module, self.lora, seed=int(cfg.get("seed", 1234) or 1234),
+                                           gated=self.transformer_config.gated_linear_unit)
+            sizes = lora.freeze_all_but(module, ("adapter_layer",) + tuple(self.lora_trainable))
+            logger.info("LoRA: %d adapters (dim %d, scale %g) on %s; %d parameters train, %d are frozen (this rank)",
+                        count, self.lora.dim, self.lora.scale, ", ".join(self.lora.targets), sizes["trainable"],
+                        sizes["frozen"])
         if torch.cuda.is_available():
             # megatron-core creates its parallel linears on the GPU but norms, heads and other plain
             # torch modules on the CPU: move the whole stage (as Megatron-LM's get_model does).
@@ -317,9 +328,59 @@ class MegatronGPTModel:
         return bool(finite.item())
 
     # ----------------------------------------------------------------- checkpoints
-    def sharded_state_dict(self, prefix: str = "model.") -> dict:
-        """megatron-core sharded state dict with NeMo's key names (``model.decoder.layers...``)."""
-        return self.module.sharded_state_dict(prefix=prefix)
+    def sharded_state_dict(self, prefix: str = "model.", adapters: bool = True) -> dict:
+        """megatron-core sharded state dict with NeMo's key names (``model.decoder.layers...``);
+        ``adapters=False`` leaves LoRA adapters out."""
+        sharded = self.module.sharded_state_dict(prefix=prefix)
+        if not adapters:
+            sharded = {k: v for k, v in sharded.items() if lora.ADAPTER_TAG not in k}
+        return sharded
+
+    def trainable_names(self) -> Optional[set]:
+        """State-dict names of the parameters this run trains; None: all of them (no LoRA)."""
+        if self.lora is None:
+            return None
+        return {name for name, p in self.module.named_parameters() if p.requires_grad}
+
+    def checkpoint_state_dict(self) -> dict:
+        """What a training checkpoint holds of the model: every weight, or with LoRA only the trained ones
+        (adapters, heads); the frozen base comes from ``model.restore_from_path`` on resume."""
+        sharded = self.sharded_state_dict()
+        names = self.trainable_names()
+        if names is not None:
+            sharded = {k: v for k, v in sharded.items() if k[len("model."):] in names}
+        return sharded
+
+    def nemo_export(self) -> str:
+        """What ``save_nemo`` writes: ``full`` weights, LoRA ``adapters`` only (NeMo's PEFT layout), or the
+        adapters ``merged`` into the base weights (``model.peft.merge_on_save``)."""
+        if self.lora is None:
+            return "full"
+        return "merged" if bool((self.cfg.get("peft") or {}).get("merge_on_save", False)) else "adapters"
+
+    def merged_for_export(self):
+        """Context in which the weights are the LoRA-merged ones (the base model's otherwise)."""
+        from contextlib import nullcontext
+
+        return lora.merged_into_base(self.module) if self.lora is not None else nullcontext()
+
+    def nemo_adapter_state(self) -> Dict[str, torch.Tensor]:
+        """This rank's adapters (and trained heads) as NeMo's PEFT checkpoint stores them."""
+        return lora.nemo_adapter_state(self.module, tuple(self.lora_trainable))
+
+    def cpu_weights_copy(self) -> Dict[str, torch.Tensor]:
+        """A CPU copy of the weights to swap back in later (a reference policy, the critic's reward model):
+        with LoRA only the trained tensors, since the frozen base never changes."""
+        from nemo_aligner.utils.weight_swap import cpu_state_copy
+
+        names = self.trainable_names()
+        copy = cpu_state_copy(self.module, names)
+        if names is not None:
+            full = sum(v.numel() * v.element_size() for v in self.module.state_dict().values() if torch.is_tensor(v))
+            kept = sum(v.numel() * v.element_size() for v in copy.values())
+            logger.info("LoRA: weight copy holds %.2f MB (the trained tensors) instead of %.2f MB (this rank)",
+                        kept / 2**20, full / 2**20)
+        return copy
 
     def model_config_dict(self) -> dict:
         """The model config saved into checkpoints."""
@@ -337,6 +398,8 @@ class MegatronGPTModel:
         """Load this stage's weights from a torch_dist directory (any TP/PP layout); returns keys left new."""
         from nemo_aligner.utils.checkpoint_io import load_sharded
 
+        if self.lora is not None:
+            allow_missing = tuple(allow_missing) + ("adapter_layer",)  # a base model has no adapters
         loaded, missing = load_sharded(self.sharded_state_dict(), directory, allow_missing=allow_missing, what=what)
         state = {k[len("model."):]: v for k, v in loaded.items() if k.startswith("model.")}
         result = self.module.load_state_dict(state, strict=False)
@@ -358,6 +421,8 @@ class MegatronGPTModel:
         from nemo_aligner.utils.errors import CheckpointError
         from nemo_aligner.utils.legacy_checkpoint import TE_NORM_ALIASES
 
+        if self.lora is not None:
+            allow_missing = tuple(allow_missing) + ("adapter_layer",)
         te_to_local = {te: local for local, te in TE_NORM_ALIASES.items()}
         tp = parallel_state.get_tensor_model_parallel_world_size()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()

@@ -16,7 +16,7 @@ from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel, spl
 from nemo_aligner.models.nlp.gpt.shared_prompt_forward import packed_forward, prompt_sharing_unsupported
 from nemo_aligner.utils import ppo_utils, prompt_sharing
 from nemo_aligner.models.nlp.gpt.generation import GenerationOutput, LengthParams, SamplingParams, generate
-from nemo_aligner.utils.weight_swap import cpu_state_copy, swapped_weights
+from nemo_aligner.utils.weight_swap import swapped_weights
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
 
     def snapshot_initial_policy(self) -> None:
         """Keep a CPU copy of the current weights as the initial (reference) policy."""
-        self.init_policy_state = cpu_state_copy(self.module)
+        self.init_policy_state = self.cpu_weights_copy()
 
     # ----------------------------------------------------------------- inference
     def prepare_for_inference(self) -> None:

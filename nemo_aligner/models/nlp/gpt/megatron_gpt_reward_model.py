@@ -57,6 +57,7 @@ class MegatronGPTRewardModel(MegatronGPTModel, SupervisedInterface, Inferrable):
     """
 
     supports_sequence_parallel = False  # the head would see sequence-scattered hidden states
+    lora_trainable = ("rm_head",)  # with LoRA the head trains beside the adapters (as peft's modules_to_save)
 
     def __init__(self, cfg, tokenizer, precision="32", trainable: bool = True):
         self.reward_model_type = str(cfg.get("reward_model_type", "binary_ranking") or "binary_ranking")

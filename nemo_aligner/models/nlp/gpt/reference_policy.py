@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from nemo_aligner.models.nlp.gpt.megatron_gpt_ppo_actor import next_token_batch
-from nemo_aligner.utils.weight_swap import cpu_state_copy, swapped_weights
+from nemo_aligner.utils.weight_swap import swapped_weights
 
 
 REFERENCE_PREFIX = "reference_policy"  # NeMo-Aligner's key prefix for the reference weights in a checkpoint
@@ -51,7 +51,7 @@ class ReferencePolicyMixin:
 
     def snapshot_reference_policy(self) -> None:
         """Keep the current weights on the CPU as the reference policy."""
-        self.ref_state = cpu_state_copy(self.module)
+        self.ref_state = self.cpu_weights_copy()
 
     @torch.no_grad()
     def token_logps(self, tokens: torch.Tensor, rows_per_micro_batch: int, reference: bool = False) -> torch.Tensor:

@@ -1,0 +1,206 @@
+"""LoRA (``model.peft.peft_scheme=lora``): the adapter maths against a dense reference, generation with
+adapters, TP=2 and PP=2 runs equal to one process, adapters-only (NeMo's PEFT layout) and merged .nemo
+files, training checkpoints holding only the trained tensors, and the roles that keep a second set of
+weights (reference policy, the critic's reward model) copying only the adapters."""
+
+import io
+import math
+import os
+import re
+import tarfile
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import TINY_ARCH, forward_logits, read_metrics, run_script, train_losses, val_losses
+
+LORA = ["model.peft.peft_scheme=lora", "model.peft.lora_tuning.adapter_dim=8", "model.peft.lora_tuning.alpha=16",
+        "model.peft.lora_tuning.target_modules=[all]", "model.peft.lora_tuning.row_init_method=normal"]
+ALL_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def lora_model_cfg(**tuning):
+    return OmegaConf.create(dict(TINY_ARCH, micro_batch_size=2, global_batch_size=2, encoder_seq_length=32,
+                                 peft={"peft_scheme": "lora", "lora_tuning": tuning}))
+
+
+def _linears(layer):
+    return {"linear_qkv": layer.self_attention.linear_qkv, "linear_proj": layer.self_attention.linear_proj,
+            "linear_fc1": layer.mlp.linear_fc1, "linear_fc2": layer.mlp.linear_fc2}
+
+
+def test_adapters_add_the_scaled_low_rank_update_and_only_they_train(mcore_single):
+    from nemo_aligner.models.nlp.gpt import lora
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
+    from nemo_aligner.models.nlp.gpt.text_generation import generate_texts
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    torch.manual_seed(0)
+    cfg = lora_model_cfg(target_modules=["all"], adapter_dim=4, alpha=16, row_init_method="normal", layer_selection=[2])
+    model = MegatronGPTModel(cfg, ByteTokenizer())
+    first, second = model.module.decoder.layers
+    assert getattr(first.self_attention, "adapter_layer", None) is None  # layer_selection: layer 2 only
+    trained = model.trainable_names()
+    assert len(trained) == 8 and all(".adapter_layer." in n for n in trained), trained
+    assert not any(p.requires_grad for n, p in model.module.named_parameters() if n not in trained)
+
+    for name, linear in _linears(second).items():
+        adapter = linear.__dict__["lora_adapter"]
+        a, b = adapter.linear_in.weight.detach(), adapter.linear_out.weight.detach()
+        assert a.shape[0] == 4 and b.shape[1] == 4 and b.abs().sum() > 0, name
+        x = torch.randn(5, 3, linear.weight.shape[1])
+        out, bias = linear(x)
+        dense = x @ (linear.weight.detach() + (16 / 4) * b @ a).T  # scale alpha / adapter_dim
+        torch.testing.assert_close(out.detach(), dense, atol=1e-5, rtol=1e-5)
+        with lora.adapters_disabled(model.module):
+            torch.testing.assert_close(linear(x)[0].detach(), x @ linear.weight.detach().T, atol=1e-5, rtol=1e-5)
+
+    tokens = torch.randint(0, 250, (2, 12))
+    with_adapters = forward_logits(model, tokens)
+    before = {k: v.clone() for k, v in model.module.state_dict().items() if torch.is_tensor(v)}
+    with lora.merged_into_base(model.module):
+        merged = forward_logits(model, tokens)
+    torch.testing.assert_close(merged, with_adapters, atol=1e-4, rtol=1e-4)
+    assert all(torch.equal(v, model.module.state_dict()[k]) for k, v in before.items())  # restored exactly
+    with lora.adapters_disabled(model.module):
+        assert (forward_logits(model, tokens) - with_adapters).abs().max() > 1e-2
+
+    # Generation (the decode engine reads weights directly) sees the adapters.
+    prompts = ["reverse abc = ", "add 2 3 = ", "copy xyz = "]
+    texts = generate_texts(model, prompts)
+    with lora.merged_into_base(model.module):
+        assert generate_texts(model, prompts) == texts
+    with lora.adapters_disabled(model.module):
+        assert generate_texts(model, prompts) != texts
+
+
+def _sft(tmp_path, name, base, data, extra, nproc=1, steps=12):
+    log_dir = tmp_path / name
+    run_script("train_gpt_sft.py", [
+        f"model.restore_from_path={base}", f"model.data.train_ds.file_path={data['sft_train']}",
+        f"model.data.validation_ds.file_path={data['sft_val']}", f"exp_manager.explicit_log_dir={log_dir}",
+        f"trainer.sft.max_steps={steps}", "trainer.sft.max_epochs=100", "trainer.sft.val_check_interval=6",
+        "trainer.sft.val_at_start=True", "model.optim.lr=2e-2",
+        "model.optim.sched.name=Constant", "model.optim.sched.warmup_steps=0", "model.data.train_ds.global_batch_size=8",
+        "model.data.train_ds.micro_batch_size=4", "exp_manager.create_checkpoint_callback=True", *LORA, *extra],
+        nproc=nproc)
+    return log_dir
+
+
+def _adapter_file(nemo, member="model_weights.ckpt"):
+    with tarfile.open(nemo) as tar:
+        return torch.load(io.BytesIO(tar.extractfile(f"./{member}").read()), weights_only=True)
+
+
+def test_lora_sft_learns_matches_across_tp_pp_and_saves_adapters(tmp_path, base_nemo, builtin_data, mcore_single):
+    from nemo_aligner.models.nlp.gpt.loading import load_model
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
+    from nemo_aligner.utils import nemo_file
+    from nemo_aligner.utils.checkpoint_io import checkpoint_shapes
+
+    base = base_nemo[0]
+    one = _sft(tmp_path, "tp1", base, builtin_data, [])
+    two = _sft(tmp_path, "tp2", base, builtin_data, ["trainer.devices=2", "model.tensor_model_parallel_size=2"], nproc=2)
+    pipe = _sft(tmp_path, "pp2", base, builtin_data, ["trainer.devices=2", "model.pipeline_model_parallel_size=2"],
+                nproc=2)
+    val = val_losses(one)
+    assert val[12] < val[6] < val[0] - 0.4, val  # the frozen random model learns through its adapters alone
+    for other in (two, pipe):
+        assert train_losses(other) == pytest.approx(train_losses(one), rel=1e-4)
+        assert val_losses(other) == pytest.approx(val, rel=1e-4)
+
+    # Training checkpoints: the adapters and their optimizer state only.
+    ckpt = next(p for p in (one / "checkpoints").iterdir() if "step=12" in p.name and p.is_dir())
+    keys = list(checkpoint_shapes(str(ckpt)))
+    assert keys and all(".adapter_layer." in k for k in keys), keys[:5]
+    assert any(k.startswith("optimizer.") for k in keys)
+
+    # The final .nemo: NeMo's PEFT layout, one file per model-parallel rank, NeMo's key names.
+    nemos = {n: d / "checkpoints" / "megatron_gpt_sft.nemo" for n, d in (("one", one), ("two", two), ("pipe", pipe))}
+    assert sorted(nemo_file.list_members(str(nemos["one"]))) == ["model_config.yaml", "model_weights.ckpt"]
+    assert "mp_rank_01/model_weights.ckpt" in nemo_file.list_members(str(nemos["two"]))
+    assert "tp_rank_00_pp_rank_001/model_weights.ckpt" in nemo_file.list_members(str(nemos["pipe"]))
+    saved = _adapter_file(nemos["one"])
+    assert "model.decoder.layers.1.self_attention.adapter_layer.lora_kqv_adapter.linear_in.weight" in saved
+    assert "model.decoder.layers.1.mlp.adapter_layer.lora_4htoh_adapter.linear_out.weight" in saved
+    assert len(saved) == 16
+    assert nemo_file.read_model_config(str(nemos["one"])).peft.peft_scheme == "lora"
+
+    # Adapters saved at any TP/PP load at TP=1 into the same model; the merged .nemo is that model.
+    def cfg(adapters, merge=False):
+        tuning = {"adapter_dim": 8, "alpha": 16, "target_modules": ["all"]}
+        return OmegaConf.create({"peft": {"peft_scheme": "lora", "restore_from_path": str(adapters),
+                                          "merge_on_save": merge, "lora_tuning": tuning}})
+
+    tokens = torch.randint(0, 250, (2, 16))
+    logits = {n: forward_logits(load_model(MegatronGPTModel, cfg(p), "32", base, trainable=False), tokens)
+              for n, p in nemos.items()}
+    # (three trainings whose losses agree to 1e-4: their adapters differ by float rounding)
+    torch.testing.assert_close(logits["two"], logits["one"], atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(logits["pipe"], logits["one"], atol=1e-3, rtol=1e-3)
+    model = load_model(MegatronGPTModel, cfg(nemos["two"], merge=True), "32", base, trainable=False)
+    merged_path = nemo_file.save_nemo(model, str(tmp_path / "merged.nemo"))
+    assert "model_weights/metadata.json" in nemo_file.list_members(merged_path)
+    assert nemo_file.read_model_config(merged_path).peft.peft_scheme == "none"
+    plain = load_model(MegatronGPTModel, OmegaConf.create({}), "32", merged_path, trainable=False)
+    assert plain.lora is None
+    torch.testing.assert_close(forward_logits(plain, tokens), logits["two"], atol=1e-5, rtol=1e-5)
+
+    from nemo_aligner.utils.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"holds LoRA adapters only \(NeMo's PEFT layout\); give it as "
+                                              r"model\.peft\.restore_from_path, with the base model as"):
+        load_model(MegatronGPTModel, OmegaConf.create({}), "32", str(nemos["one"]), trainable=False)
+    with pytest.raises(CheckpointError, match=r"model\.peft\.restore_from_path=.* is set but model\.peft\.peft_scheme "
+                                              r"is none"):
+        load_model(MegatronGPTModel, OmegaConf.create({"peft": {"restore_from_path": str(nemos["one"])}}), "32",
+                   base, trainable=False)
+    bad = cfg(nemos["one"])
+    bad.peft.lora_tuning.adapter_dim = 4
+    with pytest.raises(CheckpointError, match=r"adapter model\.decoder\.layers\.0\.self_attention\.adapter_layer\."
+                                              r"lora_kqv_adapter\.linear_in\.weight has shape \[8, 64\], not what "
+                                              r"model\.peft\.lora_tuning"):
+        load_model(MegatronGPTModel, bad, "32", base, trainable=False)
+
+
+def test_lora_sft_resumes_from_its_adapter_checkpoint(tmp_path, base_nemo, builtin_data):
+    base = base_nemo[0]
+    log_dir = _sft(tmp_path, "run", base, builtin_data, [], steps=6)
+    straight = _sft(tmp_path, "straight", base, builtin_data, [], steps=8)
+    _sft(tmp_path, "run", base, builtin_data, [], steps=8)  # resumes at step 6 from the adapters-only checkpoint
+    resumed = train_losses(log_dir)
+    assert sorted(resumed) == list(range(1, 9))
+    assert resumed == pytest.approx(train_losses(straight), rel=1e-5)
+
+
+def test_lora_dpo_reference_is_the_starting_policy_without_a_weight_copy(tmp_path, sft_nemo, builtin_data):
+    log_dir = tmp_path / "dpo"
+    proc = run_script("train_gpt_dpo.py", [
+        f"pretrained_checkpoint.restore_from_path={sft_nemo}",
+        f"++model.data.data_prefix={{train: [{builtin_data['dpo_train']}], validation: [{builtin_data['dpo_val']}]}}",
+        f"exp_manager.explicit_log_dir={log_dir}", "trainer.dpo.max_steps=15", "trainer.dpo.max_epochs=100",
+        "trainer.dpo.val_check_interval=15", "model.optim.lr=2e-3", "model.dpo.ref_policy_kl_penalty=0.2",
+        "model.peft.peft_scheme=lora",
+        "model.peft.lora_tuning.target_modules=[all]"])
+    train = [r for r in read_metrics(log_dir) if "train/loss" in r]
+    assert train[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference at step 1
+    assert train[0]["train/reward_margin"] == pytest.approx(0.0, abs=1e-6)
+    assert sum(r["train/loss"] for r in train[-3:]) / 3 < math.log(2) - 0.1, [r["train/loss"] for r in train]
+    copy = re.search(r"weight copy holds ([\d.]+) MB \(the trained tensors\) instead of ([\d.]+) MB",
+                     proc.stdout + proc.stderr)
+    assert copy and float(copy[1]) < float(copy[2]) / 3, copy
+    saved = _adapter_file(log_dir / "checkpoints" / "megatron_gpt.nemo")
+    assert saved and all(".adapter_layer." in k for k in saved)
+
+
+def test_lora_reward_model_trains_its_head_with_the_adapters(tmp_path, base_nemo, builtin_data):
+    from conftest import rm_overrides
+
+    log_dir = tmp_path / "rm"
+    run_script("train_reward_model.py", [f"pretrained_checkpoint.restore_from_path={base_nemo[0]}",
+                                         *rm_overrides(builtin_data, log_dir, 2), "model.peft.peft_scheme=lora",
+                                         "exp_manager.create_checkpoint_callback=True"])
+    saved = _adapter_file(log_dir / "checkpoints" / "megatron_gpt.nemo")
+    assert {"model.rm_head.weight", "model.rm_head.bias"} <= set(saved)
+    assert sum(".adapter_layer." in k for k in saved) == 4  # qkv adapters of 2 layers
