@@ -204,3 +204,46 @@ def test_lora_reward_model_trains_its_head_with_the_adapters(tmp_path, base_nemo
     saved = _adapter_file(log_dir / "checkpoints" / "megatron_gpt.nemo")
     assert {"model.rm_head.weight", "model.rm_head.bias"} <= set(saved)
     assert sum(".adapter_layer." in k for k in saved) == 4  # qkv adapters of 2 layers
+
+
+def test_lora_ppo_actor_and_critic_and_grpo(tmp_path, task_data, reward_model, sft_nemo):
+    """PPO with LoRA on both the actor and the critic (whose co-located reward model is kept as a copy of
+    the adapters and head only), and GRPO with LoRA: the KL to the reference starts at 0 and moves."""
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    critic_dir, actor_dir = tmp_path / "critic", tmp_path / "actor"
+    data = f"++model.data.data_prefix={{train: [{task_data['prompts_train']}], validation: [{task_data['prompts_val']}]}}"
+    critic = [f"pretrained_checkpoint.restore_from_path={reward_model[0]}", f"exp_manager.explicit_log_dir={critic_dir}",
+              "model.peft.peft_scheme=lora"]
+    actor = [f"pretrained_checkpoint.restore_from_path={sft_nemo}", data, f"exp_manager.explicit_log_dir={actor_dir}",
+             "trainer.ppo.max_steps=2", "trainer.ppo.max_epochs=100", "model.ppo.num_rollout_samples=16",
+             "model.global_batch_size=16", "model.micro_batch_size=8", "model.ppo.rollout_micro_batch_size=16",
+             "model.ppo.length_params.max_length=9", "model.ppo.num_val_samples=16", "trainer.ppo.save_interval=2",
+             "model.optim.lr=1e-3", "model.peft.peft_scheme=lora"]
+    proc = subprocess.run([sys.executable, "-m", "nemo_aligner.launchers.ppo_local", "--critic-log",
+                           str(tmp_path / "critic.log"), "--critic", *critic, "--actor", *actor],
+                          env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    metrics = [r for r in read_metrics(actor_dir) if "train/init_policy_kl" in r]
+    assert metrics[0]["train/init_policy_kl"] == pytest.approx(0.0, abs=1e-6) and metrics[1]["train/init_policy_kl"] != 0
+    assert all(".adapter_layer." in k for k in _adapter_file(actor_dir / "checkpoints" / "megatron_gpt_ppo_actor.nemo"))
+    critic_log = (tmp_path / "critic.log").read_text()
+    assert re.search(r"LoRA: weight copy holds [\d.]+ MB", critic_log), critic_log[-2000:]
+    from nemo_aligner.utils.checkpoint_io import checkpoint_shapes
+
+    critic_ckpt = next(p for p in (critic_dir / "checkpoints").iterdir() if p.is_dir() and "step=2" in p.name)
+    keys = [k for k in checkpoint_shapes(str(critic_ckpt)) if k.startswith("model.")]
+    assert "model.rm_head.weight" in keys and all(".adapter_layer." in k or "rm_head" in k for k in keys), keys
+
+    log_dir = tmp_path / "grpo"
+    run_script("train_gpt_grpo.py", [
+        f"pretrained_checkpoint.restore_from_path={sft_nemo}", data, "reward_fn=nemo_aligner.data.nlp.builtin_task:reward",
+        f"exp_manager.explicit_log_dir={log_dir}", "trainer.grpo.max_steps=2", "trainer.grpo.max_epochs=100",
+        "model.grpo.num_rollout_samples=8", "model.grpo.num_responses_per_prompt=4", "model.global_batch_size=32",
+        "model.micro_batch_size=8", "model.grpo.num_val_samples=8", "model.grpo.length_params.max_length=9",
+        "model.optim.lr=1e-3", "model.peft.peft_scheme=lora"])
+    train = [r for r in read_metrics(log_dir) if "train/kl_loss" in r]
+    assert train[0]["train/kl_loss"] == pytest.approx(0.0, abs=1e-6) and train[1]["train/kl_loss"] > 0
