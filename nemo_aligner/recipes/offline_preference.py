@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 def run_offline_preference(cfg: DictConfig, name: str, model_cls, make_dataset: Callable, make_collate: Callable,
                            data_description: str, callbacks=None, checkpoint_holds: str = "the SFT .nemo to align",
-                           chunked_data: bool = False):
+                           chunked_data: bool = False, packed_data: bool = False):
     """Train ``pretrained_checkpoint.restore_from_path`` (``checkpoint_holds``) with ``trainer.<name>``;
     a model with a reference policy takes that checkpoint as it. ``make_dataset(paths, model,
     seq_length, key)`` and ``make_collate(model, seq_length)`` build the data (``chunked_data``:
@@ -33,7 +33,7 @@ def run_offline_preference(cfg: DictConfig, name: str, model_cls, make_dataset: 
     seq = int(data_cfg.get("seq_length") or model.cfg.encoder_seq_length)
     datasets = {}
     for split in ("train", "validation"):
-        paths = data_prefix_paths(data_cfg, split, chunks=chunked_data)
+        paths = data_prefix_paths(data_cfg, split, chunks=chunked_data, packs=packed_data)
         if paths:
             datasets[split] = make_dataset(paths, model, seq, f"model.data.data_prefix.{split}")
     if "train" not in datasets:

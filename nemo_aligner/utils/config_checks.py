@@ -61,10 +61,9 @@ REFUSED_UNLESS = {
     "data.reset_position_ids": ((False,), "each sample is one document; set it to False"),
     "data.reset_attention_mask": ((False,), "each sample is one document; set it to False"),
     "data.eod_mask_loss": ((False,), "EOD tokens are trained like any other; set it to False"),
-    "data.data_impl": (("jsonl", "json", "chunked_jsonl", None), "only jsonl files are read (chunked_jsonl: "
-                                                                 "knowledge distillation's records); packed sequences "
-                                                                 "(packed_jsonl, mmap) are not supported yet"),
-    "packed_sequence": ((False, None), "packed sequences are not supported yet; use jsonl data"),
+    "data.data_impl": (("jsonl", "json", "chunked_jsonl", "packed_jsonl", None),
+                       "jsonl files are read (chunked_jsonl: knowledge distillation's records; packed_jsonl: DPO's "
+                       ".npy packs); mmap/Megatron indexed data is not"),
     "fp8": ((False, None), "fp8 needs Transformer Engine's fp8 recipe, which is not supported; use "
                            "trainer.precision=bf16"),
     "checkpoint_callback_params.always_save_nemo": ((False,), "the .nemo is written when training ends "

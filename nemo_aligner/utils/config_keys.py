@@ -226,7 +226,7 @@ def resolve_aliases(cfg: DictConfig) -> None:
 
 
 def check_keys(cfg: DictConfig, config_name: str, overrides: Iterable[str] = (), warn: bool = True,
-               shipped: Optional[DictConfig] = None) -> None:
+               shipped: Optional[DictConfig] = None, extra_keys: Iterable[str] = ()) -> None:
     """Refuse near misses of real keys; warn about keys nothing reads. ``cfg`` is the composed run config;
     ``shipped`` this project's config of the script (loaded here when not given)."""
     check_config_values(cfg)  # refused features and bad values first: they name the key to change
@@ -236,6 +236,7 @@ def check_keys(cfg: DictConfig, config_name: str, overrides: Iterable[str] = (),
         except (OSError, ValueError):  # no shipped config of that name (an installed copy without examples)
             return
     known = known_paths(shipped)
+    known = known | set(extra_keys) if extra_keys else known
     unknown = unknown_keys(cfg, known)
     for path in unknown:
         guess = near_miss(path, known)

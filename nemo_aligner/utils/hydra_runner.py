@@ -74,7 +74,7 @@ def split_hydra_flags(args: List[str]) -> Tuple[List[str], List[str]]:
     return flags, overrides
 
 
-def prepare_config(cfg: DictConfig, config_name: str, args: List[str]) -> DictConfig:
+def prepare_config(cfg: DictConfig, config_name: str, args: List[str], extra_keys=()) -> DictConfig:
     """NeMo-Aligner's keys on the composed config: a user's own config file gets this project's
     shipped config of the same script underneath (keys it lacks take our defaults); aliases are
     resolved; near misses of real keys are refused and keys nothing reads are warned about (once:
@@ -95,20 +95,21 @@ def prepare_config(cfg: DictConfig, config_name: str, args: List[str]) -> DictCo
     from nemo_aligner.utils.distributed import read_launch_info
 
     warn = os.environ.get("NEMO_ALIGNER_SPAWNED") != "1" and read_launch_info().rank == 0
-    config_keys.check_keys(cfg, config_name, overrides, warn=warn, shipped=shipped)
+    config_keys.check_keys(cfg, config_name, overrides, warn=warn, shipped=shipped, extra_keys=extra_keys)
     return cfg
 
 
-def hydra_runner(config_path: str, config_name: str) -> Callable:
+def hydra_runner(config_path: str, config_name: str, extra_keys=()) -> Callable:
     """Decorate ``main(cfg)``; call it with no argument to parse the command line with Hydra,
-    or with a ``DictConfig`` to run it directly (tests, Python API)."""
+    or with a ``DictConfig`` to run it directly (tests, Python API). ``extra_keys``: top-level keys
+    the script reads beyond its config (given as ``+key=value``, as NeMo's data scripts take them)."""
 
     def decorator(task: Callable[[DictConfig], object]) -> Callable:
         command_line: List[str] = []  # the arguments as given, for the ranks started by trainer.devices
         @functools.wraps(task)
         def guarded(cfg: DictConfig):
             try:
-                cfg = prepare_config(cfg, config_name, command_line[1:])
+                cfg = prepare_config(cfg, config_name, command_line[1:], extra_keys)
                 spawned = maybe_spawn(cfg.get("trainer"), argv=command_line)
                 if spawned is not None:  # this process started the ranks and waited for them
                     sys.exit(spawned)

@@ -21,9 +21,15 @@ def _records(paths, key: str):
 
 def build_sft_dataset(ds_cfg, tokenizer, max_seq_length: int, chat: bool, answer_only_loss: bool,
                       chat_prompt_tokens=None, key: str = "model.data.train_ds"):
-    """A prompt/answer or chat SFT dataset from one ``model.data.*_ds`` section."""
-    records, name = _records(ds_cfg.get("file_path") or ds_cfg.get("file_names"), key)
+    """A prompt/answer or chat SFT dataset from one ``model.data.*_ds`` section (with ``packed_sequence``:
+    the packs of a ``.npy`` written by ``prepare_packed_ft_dataset.py``)."""
     seq = min(int(ds_cfg.get("max_seq_length") or max_seq_length), int(max_seq_length))
+    if bool(ds_cfg.get("packed_sequence", False)):
+        from nemo_aligner.data.nlp.packing import PackedDataset
+
+        return PackedDataset(ds_cfg.get("file_path") or ds_cfg.get("file_names"), "sft", seq, tokenizer.vocab_size,
+                             f"{key}.file_path")
+    records, name = _records(ds_cfg.get("file_path") or ds_cfg.get("file_names"), key)
     if chat:
         dataset = GPTSFTChatDataset(name, tokenizer, seq, chat_prompt_tokens=chat_prompt_tokens,
                                     answer_only_loss=answer_only_loss, records=records)
@@ -71,8 +77,14 @@ def build_dataloader(dataset, ds_cfg, collate_fn: Callable, dp_rank: int, dp_siz
 
 
 def sft_collate_fn(tokenizer, max_seq_length: int, pad_to_multiple_of: int = 8):
-    return partial(collate_sft, pad_id=tokenizer.eos_id, max_seq_length=max_seq_length,
-                   pad_to_multiple_of=pad_to_multiple_of)
+    """Batches of SFT samples, or of packs (a dataset with ``packed_sequence``)."""
+    from nemo_aligner.data.nlp.packing import collate_packs
+
+    def collate(samples):
+        if "boundaries" in samples[0]:
+            return collate_packs(samples, tokenizer.eos_id, max_seq_length, max(pad_to_multiple_of, 16))
+        return collate_sft(samples, tokenizer.eos_id, max_seq_length, pad_to_multiple_of)
+    return collate
 
 
 def limit_batches(limit, total: int) -> int:

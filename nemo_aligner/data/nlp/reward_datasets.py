@@ -283,7 +283,7 @@ def chunk_paths(placeholder: str, n_chunks, split: str) -> list:
     return paths
 
 
-def data_prefix_paths(data_cfg, split: str, chunks: bool = False):
+def data_prefix_paths(data_cfg, split: str, chunks: bool = False, packs: bool = False):
     """``model.data.data_prefix.<split>`` (a list, a path, or a dict of them); None if absent. With
     ``chunks`` (knowledge distillation), ``model.data.data_impl=chunked_jsonl`` expands each path's
     ``CHUNK_ID`` over ``model.data.n_chunks`` chunks; elsewhere chunked_jsonl is refused."""
@@ -306,6 +306,14 @@ def data_prefix_paths(data_cfg, split: str, chunks: bool = False):
             raise ConfigError(f"model.data.n_chunks={data_cfg.get('n_chunks')} must be >= 1 with "
                               "model.data.data_impl=chunked_jsonl")
         return [c for p in paths for c in chunk_paths(str(p), n_chunks, split)]
+    if data_cfg.get("data_impl") == "packed_jsonl":
+        if not packs:
+            raise ConfigError("model.data.data_impl=packed_jsonl is read by DPO only (its packed pairs); use jsonl")
+        wrong = next((p for p in paths if not str(p).endswith(".npy")), None)
+        if wrong is not None:
+            raise ConfigError(f"model.data.data_prefix.{split}: {wrong} is not a .npy of packs; with "
+                              "model.data.data_impl=packed_jsonl every split is packed "
+                              "(examples/nlp/data/dpo/prepare_packed_dpo_dataset.py)")
     for p in paths:
         if not os.path.exists(str(p)):
             raise DataError(f"{p}: file does not exist (model.data.data_prefix.{split})")

@@ -101,12 +101,57 @@ class MegatronGPTDPOModel(ReferencePolicyMixin, MegatronGPTModel, SupervisedInte
             }
         return loss, metrics
 
+    # ----------------------------------------------------------------- packed pairs
+    def _packed_loss(self, mb, per_token_ce):
+        """``_loss`` on packs (``model.data.data_impl=packed_jsonl``): each sequence's log-probs summed
+        over its own positions; sequences alternate chosen, rejected."""
+        from nemo_aligner.data.nlp.packing import sequence_sums
+
+        seq, count = mb["sequence"], mb["num_sequences"]
+        mask = mb["loss_mask"].float()
+        policy = sequence_sums(-per_token_ce.float() * mask, seq, count)
+        ratio = policy - sequence_sums(mb["ref"] * mask, seq, count)
+        if self.preference_average or self.sft_average:
+            tokens = sequence_sums(mask, seq, count).clamp(min=1.0)
+        pref_ratio = ratio / tokens if self.preference_average else ratio
+        sft_logps = policy[0::2] / tokens[0::2] if self.sft_average else policy[0::2]
+        keep = torch.arange(mb["rewards"].shape[1], device=count.device).unsqueeze(0) < count.unsqueeze(1)
+        gt = mb["rewards"][keep]
+        rows = torch.repeat_interleave(torch.arange(count.shape[0], device=count.device), count)
+        weight = mb["pack_weight"][rows[0::2]]
+        chosen, rejected = pref_ratio[0::2], pref_ratio[1::2]
+        per_pair = preference_loss(self.loss_kind, chosen, rejected, self.beta, gt[0::2], gt[1::2],
+                                   self.gt_reward_scale)
+        pairs = weight.sum().clamp(min=1.0)
+        pref = (per_pair * weight).sum() / pairs
+        sft = -(sft_logps * weight).sum() / pairs
+        loss = self.preference_weight * pref + self.sft_weight * sft
+        with torch.no_grad():
+            metrics = {
+                "loss": loss.detach().clone(), "preference_loss_sum": (per_pair * weight).sum().detach(),
+                "sft_loss_sum": (-sft_logps * weight).sum().detach(),
+                "correct": ((chosen > rejected).float() * weight).sum(), "pairs": weight.sum(),
+                "rewards_chosen_sum": (self.beta * chosen * weight).sum(),
+                "rewards_rejected_sum": (self.beta * rejected * weight).sum(),
+            }
+        return loss, metrics
+
+    def _packed_outputs(self, batch: Dict[str, torch.Tensor], forward_only: bool):
+        data = {k: batch[k] for k in ("tokens", "labels", "position_ids", "attention_mask")}
+        rows = self.forward_micro_batch_size  # log_prob_forward_micro_batch_size counts pairs; here packs
+        rows = rows if data["tokens"].shape[0] % rows == 0 else self.micro_batch_size
+        batch = dict(batch, ref=self.batch_token_logps(data, rows, reference=True))
+        return self.forward_backward(batch, self._packed_loss, forward_only, self.micro_batch_size)
+
     def get_loss_and_metrics(self, batch: Dict[str, torch.Tensor], forward_only: bool):
         """One global batch of pairs on this data-parallel rank (reference log-probs computed first)."""
-        batch = dict(batch)
-        batch["ref_chosen"], batch["ref_rejected"] = self.reference_logps(batch)
-        data = self._interleaved(batch)
-        outputs = self.forward_backward(data, self._loss, forward_only, 2 * self.micro_batch_size)
+        if "sequence" in batch:  # packs of pairs
+            outputs = self._packed_outputs(batch, forward_only)
+        else:
+            batch = dict(batch)
+            batch["ref_chosen"], batch["ref_rejected"] = self.reference_logps(batch)
+            data = self._interleaved(batch)
+            outputs = self.forward_backward(data, self._loss, forward_only, 2 * self.micro_batch_size)
         m = self.reduce_metrics(outputs, sum_keys=("preference_loss_sum", "sft_loss_sum", "correct", "pairs",
                                                    "rewards_chosen_sum", "rewards_rejected_sum"),
                                 mean_keys=("loss",))

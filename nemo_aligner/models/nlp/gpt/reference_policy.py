@@ -57,13 +57,18 @@ class ReferencePolicyMixin:
     def token_logps(self, tokens: torch.Tensor, rows_per_micro_batch: int, reference: bool = False) -> torch.Tensor:
         """Log-prob of each next token, ``[B, L-1]`` float32 on every rank, by the current policy or
         (``reference=True``) the snapshot; dropout off either way."""
+        return self.batch_token_logps(next_token_batch(tokens), rows_per_micro_batch, reference)[:, :-1].contiguous()
+
+    @torch.no_grad()
+    def batch_token_logps(self, data: dict, rows_per_micro_batch: int, reference: bool = False) -> torch.Tensor:
+        """Log-prob of each ``labels`` token of a batch (``tokens``, ``labels``, ``position_ids``, optionally
+        ``attention_mask``), ``[B, L]`` float32 on every rank."""
         from megatron.core import parallel_state
 
         from nemo_aligner.utils.distributed import broadcast_from_last_stage
 
         if reference and self.ref_state is None:
             raise RuntimeError("snapshot_reference_policy() was not called")
-        data = next_token_batch(tokens)
         training = self.module.training
         self.eval()
         if reference:
@@ -73,7 +78,7 @@ class ReferencePolicyMixin:
             outputs = self.forward_backward(data, None, True, rows_per_micro_batch)
         if training:
             self.train()
-        result = torch.zeros(tokens.shape, dtype=torch.float32)
+        result = torch.zeros(data["tokens"].shape, dtype=torch.float32)
         if parallel_state.is_pipeline_last_stage():
             result = -torch.cat([o.float() for o in outputs]).cpu()  # results live on the host
-        return broadcast_from_last_stage(result)[:, :-1].contiguous()
+        return broadcast_from_last_stage(result)
