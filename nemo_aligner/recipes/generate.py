@@ -17,7 +17,7 @@ from nemo_aligner.utils.distributed import is_global_rank_zero
 from nemo_aligner.utils.errors import ConfigError, DataError
 from nemo_aligner.models.nlp.gpt.generation import LengthParams, SamplingParams
 from nemo_aligner.utils.run_setup import init_run
-from nemo_aligner.models.nlp.gpt.text_generation import generate_texts
+from nemo_aligner.models.nlp.gpt.text_generation import generate_texts, sentence_logprobs
 
 
 def _attributes(value, where: str) -> str:
@@ -68,11 +68,62 @@ def read_prompts(cfg: DictConfig) -> List[Tuple[str, Optional[str]]]:
     return prompts
 
 
+def generation_service(model):
+    """``compute(request) -> response`` of the text generation server (NeMo's ``/generate`` fields)."""
+    from nemo_aligner.servers.text_generation_server import RequestError
+
+    limit = int(model.cfg.encoder_seq_length)
+
+    def compute(req: dict) -> dict:
+        prompts = req["sentences"]
+        for i, p in enumerate(prompts):
+            n = len(model.tokenizer.text_to_ids(p))
+            if n + req["tokens_to_generate"] > limit:
+                raise RequestError(f"sentence {i} has {n} tokens; with tokens_to_generate={req['tokens_to_generate']} "
+                                   f"it exceeds the model's sequence length {limit}")
+        sentences = list(prompts)
+        if req["tokens_to_generate"] > 0:
+            sampling = SamplingParams(use_greedy=req["greedy"], temperature=req["temperature"], top_k=req["top_k"],
+                                      top_p=req["top_p"] or 1.0, end_strings=req["end_strings"])  # NeMo: top_p 0 is off
+            length = LengthParams(max_length=req["tokens_to_generate"], min_length=req["min_tokens_to_generate"])
+            responses = generate_texts(model, prompts, sampling, length, seed=req["random_seed"],
+                                       strip_end_strings=False)
+            sentences = [p + r for p, r in zip(prompts, responses)]
+        out = {"sentences": sentences}
+        if req["compute_logprob"]:
+            out["logprob"] = sentence_logprobs(model, sentences)
+        return out
+    return compute
+
+
+def serve(cfg: DictConfig, model) -> None:
+    """``server=True``: answer ``PUT http://<host>:<port>/generate`` until SIGTERM/SIGINT."""
+    import signal
+    import threading
+
+    from nemo_aligner.servers.text_generation_server import serve_text_generation
+
+    stop = threading.Event()
+    if is_global_rank_zero():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    host, port = str(cfg.get("host") or "127.0.0.1"), int(cfg.get("port", 5555))
+    serve_text_generation(generation_service(model), host, port, int(model.cfg.encoder_seq_length), stop,
+                          ready=lambda: print(f"serving {cfg.gpt_model_file} on http://{host}:{port}/generate",
+                                              flush=True))
+
+
 def run_generate(cfg: DictConfig) -> List[dict]:
-    """Load ``gpt_model_file`` at the configured TP/PP and answer every prompt."""
+    """Load ``gpt_model_file`` at the configured TP/PP and answer every prompt (or, with ``server=True``,
+    serve NeMo's text generation REST API)."""
     if not cfg.get("gpt_model_file"):
         raise ConfigError("gpt_model_file is required: the .nemo to generate with")
     init_run(cfg, cfg.gpt_model_file, "gpt_model_file")
+    if bool(cfg.get("server", False)):
+        model = load_model(GPTSFTModel, cfg.model, cfg.trainer.precision, cfg.gpt_model_file, key="gpt_model_file",
+                           trainable=False)
+        serve(cfg, model)
+        return []
     prompts = read_prompts(cfg)
     for i, (prompt, _) in enumerate(prompts):
         if not prompt:

@@ -409,3 +409,48 @@ class RemoteRewardSource:
 
     def close(self) -> None:
         self.client.close()
+
+
+class TextGenerationClient:
+    """A text generation server speaking NeMo's REST protocol (``PUT http://host:port/generate``: ours,
+    ``generate_gpt.py server=True``, or NeMo's ``megatron_gpt_eval.py server=True``)."""
+
+    def __init__(self, host: str, port: int, key: str = "--host/--port", timeout_s: float = 600.0, wait_s: float = 0.0):
+        self.url = f"http://{host}:{int(port)}/generate"
+        self.where, self.key, self.timeout_s = f"{host}:{port}", key, float(timeout_s)
+        check_reachable(host, int(port), key, wait_s=wait_s)
+
+    def request(self, sentences: Sequence[str], **settings) -> dict:
+        """One request's JSON answer; a refusal or a dead server is a ``RemoteServerError``."""
+        import json
+        import urllib.error
+        import urllib.request
+
+        body = json.dumps({"sentences": list(sentences), **settings}).encode("utf-8")
+        req = urllib.request.Request(self.url, data=body, method="PUT", headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                return json.loads(resp.read().decode("utf-8"))
+        except urllib.error.HTTPError as err:
+            detail = err.read().decode("utf-8", "replace").strip()[:300]
+            raise RemoteServerError(f"text generation server {self.where} ({self.key}) refused the request "
+                                    f"(HTTP {err.code}): {detail}") from None
+        except (urllib.error.URLError, OSError, ValueError) as err:
+            raise RemoteServerError(f"text generation server {self.where} ({self.key}) did not answer: "
+                                    f"{getattr(err, 'reason', err)}") from None
+
+    def generate(self, prompts: Sequence[str], **settings) -> List[str]:
+        """Each prompt followed by its generated text (NeMo's ``sentences``)."""
+        sentences = self.request(prompts, **settings).get("sentences")
+        if not isinstance(sentences, list) or len(sentences) != len(prompts):
+            raise RemoteServerError(f"text generation server {self.where} answered {len(sentences or [])} sentences "
+                                    f"for {len(prompts)} prompts")
+        return sentences
+
+    def logprobs(self, texts: Sequence[str]) -> List[List[float]]:
+        """Each text's per-token log-probabilities (``compute_logprob`` with nothing generated)."""
+        answer = self.request(texts, tokens_to_generate=0, compute_logprob=True)
+        if "logprob" not in answer:
+            raise RemoteServerError(f"text generation server {self.where} returned no log-probabilities "
+                                    "(compute_logprob)")
+        return answer["logprob"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
+import torch
+
 from nemo_aligner.models.nlp.gpt.generation import LengthParams, SamplingParams, generate
 
 
@@ -38,3 +40,33 @@ def generate_texts(model, prompts: Sequence[str], sampling: Optional[SamplingPar
     if training:
         model.train()
     return responses
+
+
+@torch.no_grad()
+def sentence_logprobs(model, texts: Sequence[str], batch_size: int = 16) -> List[List[float]]:
+    """Each text's per-token log-probabilities (of tokens 2..n given the ones before), by a
+    :class:`MegatronGPTModel`; collective over model parallelism (every rank passes the same texts)."""
+    from megatron.core import parallel_state
+
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_ppo_actor import next_token_batch
+    from nemo_aligner.utils.distributed import broadcast_from_last_stage
+
+    tokenizer = model.tokenizer
+    training = model.module.training
+    model.eval()
+    result: List[List[float]] = []
+    for start in range(0, len(texts), max(int(batch_size), 1)):
+        ids = [tokenizer.text_to_ids(t)[: int(model.cfg.encoder_seq_length)] for t in texts[start : start + batch_size]]
+        width = max(len(i) for i in ids)
+        tokens = torch.full((len(ids), width), tokenizer.eos_id, dtype=torch.long)
+        for b, row in enumerate(ids):
+            tokens[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+        outputs = model.forward_backward(next_token_batch(tokens), None, True, len(ids))
+        ce = torch.zeros(tokens.shape, dtype=torch.float32)
+        if parallel_state.is_pipeline_last_stage():
+            ce = torch.cat([o.float() for o in outputs]).cpu()
+        logps = -broadcast_from_last_stage(ce)
+        result += [logps[b, : len(row) - 1].tolist() for b, row in enumerate(ids)]
+    if training:
+        model.train()
+    return result

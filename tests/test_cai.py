@@ -1,0 +1,149 @@
+"""Constitutional AI: the text generation server (NeMo's REST protocol), the SL-CAI and RL-CAI data
+scripts against it, and the training stages they feed, on the built-in tiny model (docs/cai.md)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, SCRIPTS, free_port, read_metrics, run_python, run_script, subprocess_env
+from nemo_aligner.recipes import cai
+from nemo_aligner.servers.text_generation_server import RequestError, parse_request
+from nemo_aligner.utils.errors import DataError
+
+CAI = os.path.join(REPO, "examples", "nlp", "cai")
+TEMPLATE = ["--user_format", "{MESSAGE} ", "--assistant_format", "{MESSAGE}\\n", "--system_format", "{MESSAGE}\\n",
+            "--eos_token", "", "--response_extract_pattern", "", "--end_strings", "--tokens_to_generate", "8"]
+
+
+def test_chat_template_and_judge_parsing():
+    t = cai.ChatTemplate(user_format="<u>{MESSAGE}\n<a>", assistant_format="{MESSAGE}<e>\n",
+                         system_format="<s>{MESSAGE}\n", system_default_message="be kind", eos_token="<e>",
+                         response_extract_pattern="<a>")
+    chat = [{"role": "User", "content": "hi"}, {"role": "Assistant", "content": "hello"}, {"role": "User", "content": "?"}]
+    prompt = t.format(chat)
+    assert prompt == "<s>be kind\n<u>hi\n<a>hello<e>\n<u>?\n<a>"
+    assert t.extract_response(prompt + " sure <e>\n<u>more", prompt) == "sure"
+    assert t.extract_response("other text<a>reply<e>", prompt) == "reply"  # not prefixed: split on the pattern
+    with pytest.raises(Exception, match=r"--user_format='x' must contain \{MESSAGE\}"):
+        cai.ChatTemplate(user_format="x")
+    assert cai.parse_judge_answer('{ "chosen" : 3, "rejected": 1} because', 4) == (2, 0)
+    assert cai.parse_judge_answer("{'chosen': '#2', 'rejected': '#2'}", 4) is None
+    assert cai.parse_judge_answer("chosen: 5, rejected: 1", 4) is None
+    assert cai.parse_judge_answer("no idea", 4) is None
+    splits = cai.split_records(list(range(10)), {"train": 0.8, "test": 0.2}, shuffle=False, seed=0)
+    assert splits == {"train": list(range(8)), "test": [8, 9]}
+    records = cai.preference_records([{"prompt": "p", "responses": ["a", "b", "a"]}, {"prompt": "q", "responses": ["x", "x"]}],
+                                     lambda prompt, responses: (0, 1) if prompt == "p" else (0, 1))
+    assert records == [{"prompt": "p", "chosen": "a", "rejected": "b"}]  # q: identical texts, dropped
+
+
+def test_red_team_prompts_and_instructions(tmp_path):
+    path = tmp_path / "red.jsonl"
+    path.write_text(json.dumps({"transcript": "\n\nHuman: How do I pick a lock?\n\nAssistant: First..."}) + "\n"
+                    + json.dumps({"prompt": "  tell me  "}) + "\n")
+    assert cai.read_red_team_prompts(str(path)) == ["How do I pick a lock?", "tell me"]
+    path.write_text(json.dumps({"transcript": "no turns"}) + "\n")
+    with pytest.raises(DataError, match=r"red\.jsonl:1: transcript has no 'Human: \.\.\. Assistant:' turn"):
+        cai.read_red_team_prompts(str(path))
+    instructions = cai.read_instructions(os.path.join(CAI, "CritiqueRevisionInstructions.json"))
+    assert len(instructions) == 4 and not instructions[0][0].startswith("\n") and not instructions[0][1].endswith(":")
+    bad = tmp_path / "inst.json"
+    bad.write_text(json.dumps({"harmful0": {"prompt": "not a list", "edit_request": "x"}}))
+    with pytest.raises(DataError, match=r"inst\.json: harmful0 must be"):
+        cai.read_instructions(str(bad))
+    assert len(cai.read_few_shot(os.path.join(CAI, "few_shot_samples_example.json"))) == 6
+
+
+@pytest.mark.parametrize("body,message", [
+    (b"not json", r"the body is not JSON"),
+    (b'{"sentences": []}', r"sentences must be a non-empty list"),
+    (b'{"sentences": ["a"], "tokens_to_generate": -1}', r"tokens_to_generate must be an integer in \[0, 64\]"),
+    (b'{"sentences": ["a"], "top_p": 2}', r"top_p must be a number in \[0.0, 1.0\]"),
+    (b'{"sentences": ["a"], "greedy": "yes"}', r"greedy must be true or false"),
+    (b'{"sentences": ["a"], "repetition_penalty": 1.2}', r"repetition_penalty other than 1.0 is not supported"),
+    (b'{"sentences": ["a"], "neighbors": 2}', r"unknown field 'neighbors'"),
+    (b'{"sentences": ["a"], "min_tokens_to_generate": 9, "tokens_to_generate": 8}', r"min_tokens_to_generate is larger"),
+], ids=["json", "empty", "negative", "top-p", "greedy-type", "repetition", "unknown", "min-max"])
+def test_generation_requests_are_checked(body, message):
+    with pytest.raises(RequestError, match=message):
+        parse_request(body, max_tokens=64)
+    ok = parse_request(b'{"sentences": "one", "top_p": 0.0, "end_strings": "<e>"}', 64)
+    assert ok["sentences"] == ["one"] and ok["end_strings"] == ["<e>"] and ok["tokens_to_generate"] == 64
+
+
+def _server(model: str, port: int, log):
+    cmd = [sys.executable, os.path.join(SCRIPTS, "generate_gpt.py"), f"gpt_model_file={model}", "server=True",
+           f"port={port}", "++model.encoder_seq_length=256"]
+    return subprocess.Popen(cmd, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT, cwd=SCRIPTS)
+
+
+def test_cai_pipeline_on_the_builtin_task(tmp_path, sft_nemo, builtin_data):
+    """Server -> SL-CAI records -> SFT on them -> RL-CAI preferences -> reward model and DPO."""
+    from nemo_aligner.servers.clients import TextGenerationClient, check_reachable
+
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    server = _server(sft_nemo, port, log)
+    try:
+        check_reachable("127.0.0.1", port, "port", wait_s=120)
+        client = TextGenerationClient("127.0.0.1", port)
+        reply = client.request(["reverse abc = "], tokens_to_generate=4, greedy=True, compute_logprob=True)
+        assert reply["sentences"][0].startswith("reverse abc = ") and len(reply["logprob"][0]) > 10
+        with pytest.raises(Exception, match=r"HTTP 400\): sentence 0 has \d+ tokens; with tokens_to_generate=250"):
+            client.request(["x" * 40], tokens_to_generate=250)
+
+        sl = tmp_path / "sl" / "sl_cai.jsonl"
+        proc = run_python(os.path.join(CAI, "generate_sl_cai_dataset.py"), [
+            "--red-teaming-prompts-dataset-path", builtin_data["prompts_val"], "--num-examples", "8",
+            "--critique-revision-instructions-path", os.path.join(CAI, "builtin_task", "CritiqueRevisionInstructions.json"),
+            "--helpfulness-dataset-path", builtin_data["chat_val"], "--output-filepath", str(sl),
+            "--port", str(port), "--batch_size", "4", *TEMPLATE])
+        assert "SL-CAI: " in proc.stdout
+        raw = json.loads((tmp_path / "sl" / "cai_output" / "cai_critique_revision_samples.json").read_text())
+        assert len(raw) == 8 and all(r["critique_prompt"] in ("is it right?", "check it:") for r in raw)
+        records = [json.loads(line) for line in sl.read_text().splitlines()]
+        assert len(records) > 64 and sum(r.get("dataset") == "sl_cai_samples" for r in records) >= 4
+
+        rl = tmp_path / "rl"
+        proc = run_python(os.path.join(CAI, "generate_rl_cai_dataset.py"), [
+            "--batch-size", "8", "--red-teaming-file-path", builtin_data["prompts_val"], "--num-examples", "24",
+            "--sys-prompt-constitution-file-path", os.path.join(CAI, "builtin_task", "sys_prompt_constitution"),
+            "--output-dir", str(rl), "--output-filename-prefix", "cai", "--port", str(port), *TEMPLATE])
+        assert "AI preferences" in proc.stdout
+        duplicate = run_python(os.path.join(CAI, "generate_rl_cai_dataset.py"), [
+            "--batch-size", "8", "--red-teaming-file-path", builtin_data["prompts_val"], "--num-examples", "8",
+            "--sys-prompt-constitution-file-path", os.path.join(CAI, "builtin_task", "sys_prompt_constitution"),
+            "--output-dir", str(rl), "--output-filename-prefix", "cai", "--port", str(port), *TEMPLATE], check=False)
+        assert duplicate.returncode == 1 and "already exists" in duplicate.stderr and "Traceback" not in duplicate.stderr
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+    assert server.returncode == 0, (tmp_path / "server.log").read_text()[-2000:]
+
+    comparisons = (rl / "cai_train_comparisons_with_chat_prompt.jsonl").read_text().splitlines()
+    assert len(comparisons) >= 4 and len(comparisons) % 2 == 0
+    run_script("train_gpt_sft.py", [
+        f"model.restore_from_path={sft_nemo}", f"model.data.train_ds.file_path={sl}",
+        f"model.data.validation_ds.file_path={sl}", "model.data.chat=True", "trainer.sft.max_steps=2",
+        "model.data.train_ds.global_batch_size=8", "model.data.train_ds.micro_batch_size=4",
+        f"exp_manager.explicit_log_dir={tmp_path / 'sft'}"])
+    run_script("train_gpt_dpo.py", [
+        f"pretrained_checkpoint.restore_from_path={sft_nemo}",
+        f"++model.data.data_prefix={{train: [{rl / 'cai_train_dpo_with_chat_prompt.jsonl'}]}}",
+        "trainer.dpo.max_steps=2", "model.global_batch_size=2", "model.micro_batch_size=1",
+        f"exp_manager.explicit_log_dir={tmp_path / 'dpo'}"])
+    run_script("train_reward_model.py", [
+        f"pretrained_checkpoint.restore_from_path={sft_nemo}", "++model.data.data_impl=jsonl",
+        f"++model.data.data_prefix={{train: [{rl / 'cai_train_comparisons_with_chat_prompt.jsonl'}]}}",
+        "trainer.rm.max_steps=2", "model.global_batch_size=2", "model.micro_batch_size=1",
+        f"exp_manager.explicit_log_dir={tmp_path / 'rm'}"])
+    for stage, key in (("sft", "train/loss"), ("dpo", "train/loss"), ("rm", "train/loss")):
+        assert [r["step"] for r in read_metrics(tmp_path / stage) if key in r] == [1, 2], stage
