@@ -54,7 +54,8 @@ find_python = $(shell for p in "$$(pyenv root 2>/dev/null)"/versions/$(1)*/bin/p
 	"$$p" -c 'import sys; assert sys.version_info[:2] == tuple(map(int, "$(1)".split(".")))' 2>/dev/null && echo "$$p" && break; done)
 PYTHON312 ?= $(call find_python,3.12)
 LATEST_TESTS ?= tests/test_sft.py tests/test_reward_model.py tests/test_ppo.py tests/test_dpo.py tests/test_grpo.py \
-	tests/test_checkpoints.py tests/test_precision.py tests/test_nemo_formats.py tests/test_layout.py tests/test_request_guard.py
+	tests/test_checkpoints.py tests/test_precision.py tests/test_nemo_formats.py tests/test_layout.py tests/test_request_guard.py \
+	tests/test_lora.py tests/test_packing.py
 
 .PHONY: test-slurm
 test-slurm: $(STAMP)

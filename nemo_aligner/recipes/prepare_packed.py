@@ -56,9 +56,17 @@ def _settings(cfg: DictConfig):
     return str(cfg.output_dir), sizes, algorithm
 
 
-def _write(records_by_size: Dict[int, list], output_dir: str, seed: int, per_record: int) -> List[str]:
+def _pack_and_write(samples: list, longest: int, too_long: str, pack, per_record: int, cfg: DictConfig,
+                    seed: int) -> List[str]:
+    """``pack(samples, size, algorithm, seed)`` for each ``+pack_sizes`` entry, written as
+    ``packed_{size}_seed{seed}.npy``; a size below ``longest`` tokens is refused (``too_long`` says why)."""
+    output_dir, sizes, algorithm = _settings(cfg)
+    for size in sizes:
+        if size < longest:
+            raise ConfigError(f"+pack_sizes: {size} is shorter than {too_long} ({longest} tokens)")
     paths = []
-    for size, records in records_by_size.items():
+    for size in sizes:
+        records = pack(samples, size, algorithm, seed)
         path = packing.save_packed_records(os.path.join(output_dir, f"packed_{size}_seed{seed}.npy"), records)
         logger.info("%s: %s", path, packing.packing_report(records, size, per_record))
         print(f"wrote {path}: {packing.packing_report(records, size, per_record)}")
@@ -70,7 +78,7 @@ def run_prepare_packed_sft(cfg: DictConfig) -> List[str]:
     """Pack ``model.data.train_ds`` (``file_names`` or ``file_path``, cut to its ``max_seq_length``)."""
     from nemo_aligner.data.nlp.builders import build_sft_dataset
 
-    output_dir, sizes, algorithm = _settings(cfg)
+    _settings(cfg)  # checked before the data is read
     seed = int(cfg.get("seed", 0) or 0)
     tokenizer = _tokenizer(cfg)
     ds_cfg = OmegaConf.merge(cfg.model.data.train_ds, {"packed_sequence": False})
@@ -83,13 +91,9 @@ def run_prepare_packed_sft(cfg: DictConfig) -> List[str]:
         ids = list(s["input_ids"])
         mask = s.get("target_mask") or [idx >= int(s.get("answer_start", 0)) for idx in range(len(ids))]
         samples.append({"input_ids": ids, "loss_mask": [bool(m) for m in mask]})
-    longest = max(len(s["input_ids"]) for s in samples)
-    for size in sizes:
-        if size < longest:
-            raise ConfigError(f"+pack_sizes: {size} is shorter than the longest sample ({longest} tokens after "
-                              "truncation to model.data.train_ds.max_seq_length)")
-    packed = {size: packing.pack_sft_samples(samples, size, algorithm, seed) for size in sizes}
-    return _write(packed, output_dir, seed, 1)
+    return _pack_and_write(samples, max(len(s["input_ids"]) for s in samples),
+                           "the longest sample after truncation to model.data.train_ds.max_seq_length",
+                           packing.pack_sft_samples, 1, cfg, seed)
 
 
 def run_prepare_packed_dpo(cfg: DictConfig) -> List[str]:
@@ -97,7 +101,7 @@ def run_prepare_packed_dpo(cfg: DictConfig) -> List[str]:
     ``model.data.seq_length`` (``model.encoder_seq_length``) per response as DPO training cuts them."""
     from nemo_aligner.data.nlp.dpo_dataset import DPOPairDataset
 
-    output_dir, sizes, algorithm = _settings(cfg)
+    _settings(cfg)
     seed = int(cfg.model.get("seed", 1234) if cfg.get("seed") is None else cfg.seed)
     tokenizer = _tokenizer(cfg)
     data_cfg = cfg.model.data
@@ -112,10 +116,6 @@ def run_prepare_packed_dpo(cfg: DictConfig) -> List[str]:
                              default_rejected_reward=float(data_cfg.get("default_rejected_reward", 0.0)),
                              add_eos=bool(data_cfg.get("append_eod", True)))
     samples = [dataset[i] for i in range(len(dataset))]
-    longest = max(len(s["chosen"]) + len(s["rejected"]) for s in samples)
-    for size in sizes:
-        if size < longest:
-            raise ConfigError(f"+pack_sizes: {size} is shorter than the longest pair ({longest} tokens, chosen and "
-                              "rejected together); use at least twice model.data.seq_length")
-    packed = {size: packing.pack_dpo_samples(samples, size, algorithm, seed) for size in sizes}
-    return _write(packed, output_dir, seed, 2)
+    return _pack_and_write(samples, max(len(s["chosen"]) + len(s["rejected"]) for s in samples),
+                           "the longest pair, chosen and rejected together (use at least twice model.data.seq_length)",
+                           packing.pack_dpo_samples, 2, cfg, seed)
