@@ -164,3 +164,18 @@ def test_packing_scripts_and_packed_training(tmp_path, builtin_data, base_nemo):
         f"++model.data.data_prefix={{train: [{builtin_data['dpo_train']}]}}", f"exp_manager.explicit_log_dir={log_dir}2"],
         check=False)
     assert bad.returncode == 1 and "is not a .npy of packs" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_packs_refuse_transformer_engine_attention(monkeypatch):
+    """TE's causal kernels would ignore the block-diagonal mask: packed data asks for the local spec."""
+    from types import SimpleNamespace
+
+    from nemo_aligner.models.nlp.gpt import gpt_builder
+    from nemo_aligner.recipes.prepare_packed import check_packed_attention
+    from nemo_aligner.utils.errors import ConfigError
+
+    monkeypatch.setattr(gpt_builder, "te_available", lambda: True)
+    with pytest.raises(ConfigError, match=r"model\.data\.train_ds\.packed_sequence: packed sequences run on "
+                                          r"megatron-core's local layer spec .* set model\.force_local_spec=True"):
+        check_packed_attention(SimpleNamespace(cfg=OmegaConf.create({})), "model.data.train_ds.packed_sequence")
+    check_packed_attention(SimpleNamespace(cfg=OmegaConf.create({"force_local_spec": True})), "k")

@@ -8,6 +8,7 @@ from typing import Dict
 from omegaconf import DictConfig
 
 from nemo_aligner.recipes.offline_preference import run_offline_preference
+from nemo_aligner.recipes.prepare_packed import check_packed_attention
 from nemo_aligner.recipes.run_helpers import report_finished
 from nemo_aligner.data.nlp.dpo_dataset import DPOPairDataset, collate_dpo
 from nemo_aligner.data.nlp.packing import PackedDataset, collate_packs
@@ -22,6 +23,7 @@ def run_dpo(cfg: DictConfig, callbacks=None) -> Dict[str, float]:
 
     def make_dataset(paths, model, seq, key):
         if packed:  # NeMo-Aligner's packs of pairs (prepare_packed_dpo_dataset.py)
+            check_packed_attention(model, "model.data.data_impl=packed_jsonl")
             return PackedDataset(paths, "dpo", seq, model.tokenizer.vocab_size, key)
         return DPOPairDataset(paths, model.tokenizer, seq, key=key,
                               default_chosen_reward=float(data_cfg.get("default_chosen_reward", 1.0)),

@@ -20,6 +20,17 @@ logger = logging.getLogger(__name__)
 PACKING_KEYS = ("output_dir", "pack_sizes", "packing_algorithm", "tokenizer_path", "tokenizer_type", "seed")
 
 
+def check_packed_attention(model, key: str) -> None:
+    """Packs need the local layer spec: its attention reads the block-diagonal mask; Transformer Engine's
+    causal kernels would ignore it and attend across samples."""
+    from nemo_aligner.models.nlp.gpt.gpt_builder import uses_te_spec
+
+    if uses_te_spec(model.cfg):
+        raise ConfigError(f"{key}: packed sequences run on megatron-core's local layer spec (a block-diagonal "
+                          "attention mask); set model.force_local_spec=True (Transformer Engine's THD attention "
+                          "is not used here)")
+
+
 def _tokenizer(cfg: DictConfig):
     """``+tokenizer_path`` (a .nemo, a SentencePiece model, a Hugging Face directory or name), else
     ``model.restore_from_path``'s tokenizer, else ``model.tokenizer`` (the built-in one by default)."""

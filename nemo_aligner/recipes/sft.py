@@ -8,6 +8,7 @@ from typing import Dict
 
 from omegaconf import DictConfig, open_dict
 
+from nemo_aligner.recipes.prepare_packed import check_packed_attention
 from nemo_aligner.recipes.run_helpers import fit_and_export, report_finished
 from nemo_aligner.algorithms.supervised import SupervisedTrainer, plan_max_steps
 from nemo_aligner.data.nlp.builders import build_dataloader, build_sft_dataset, sft_collate_fn
@@ -42,6 +43,9 @@ def run_sft(cfg: DictConfig, callbacks=None, model_cls=GPTSFTModel, build_datase
     if build_dataset is None:
         def build_dataset(ds_cfg, model, seq, key):
             return build_sft_dataset(ds_cfg, model.tokenizer, seq, chat, answer_only, tokens, key=key)
+    for split in ("train_ds", "validation_ds"):
+        if bool(data_cfg[split].get("packed_sequence", False)):
+            check_packed_attention(model, f"model.data.{split}.packed_sequence")
     train_ds = build_dataset(data_cfg.train_ds, model, seq_len, "model.data.train_ds")
     val_ds = build_dataset(data_cfg.validation_ds, model, seq_len, "model.data.validation_ds")
     collate = (make_collate(model, seq_len) if make_collate is not None
