@@ -82,7 +82,7 @@ def _server(model: str, port: int, log):
 
 
 def test_cai_pipeline_on_the_builtin_task(tmp_path, sft_nemo, builtin_data):
-    """Server -> SL-CAI records -> SFT on them -> RL-CAI preferences -> reward model and DPO."""
+    """Server -> SL-CAI records -> SFT on them -> RL-CAI preferences -> DPO (docs/cai.md runs RM + PPO too)."""
     from nemo_aligner.servers.clients import TextGenerationClient, check_reachable
 
     port = free_port()
@@ -128,8 +128,12 @@ def test_cai_pipeline_on_the_builtin_task(tmp_path, sft_nemo, builtin_data):
         log.close()
     assert server.returncode == 0, (tmp_path / "server.log").read_text()[-2000:]
 
-    comparisons = (rl / "cai_train_comparisons_with_chat_prompt.jsonl").read_text().splitlines()
+    comparisons = [json.loads(line)["text"] for line in
+                   (rl / "cai_train_comparisons_with_chat_prompt.jsonl").read_text().splitlines()]
     assert len(comparisons) >= 4 and len(comparisons) % 2 == 0
+    dpo = [json.loads(line) for line in (rl / "cai_train_dpo_with_chat_prompt.jsonl").read_text().splitlines()]
+    # the reward model's pairs are the DPO pairs' full texts (the RM and PPO stages read them as usual)
+    assert comparisons[:2] == [dpo[0]["prompt"] + dpo[0]["chosen_response"], dpo[0]["prompt"] + dpo[0]["rejected_response"]]
     run_script("train_gpt_sft.py", [
         f"model.restore_from_path={sft_nemo}", f"model.data.train_ds.file_path={sl}",
         f"model.data.validation_ds.file_path={sl}", "model.data.chat=True", "trainer.sft.max_steps=2",
@@ -140,10 +144,5 @@ def test_cai_pipeline_on_the_builtin_task(tmp_path, sft_nemo, builtin_data):
         f"++model.data.data_prefix={{train: [{rl / 'cai_train_dpo_with_chat_prompt.jsonl'}]}}",
         "trainer.dpo.max_steps=2", "model.global_batch_size=2", "model.micro_batch_size=1",
         f"exp_manager.explicit_log_dir={tmp_path / 'dpo'}"])
-    run_script("train_reward_model.py", [
-        f"pretrained_checkpoint.restore_from_path={sft_nemo}", "++model.data.data_impl=jsonl",
-        f"++model.data.data_prefix={{train: [{rl / 'cai_train_comparisons_with_chat_prompt.jsonl'}]}}",
-        "trainer.rm.max_steps=2", "model.global_batch_size=2", "model.micro_batch_size=1",
-        f"exp_manager.explicit_log_dir={tmp_path / 'rm'}"])
-    for stage, key in (("sft", "train/loss"), ("dpo", "train/loss"), ("rm", "train/loss")):
+    for stage, key in (("sft", "train/loss"), ("dpo", "train/loss")):
         assert [r["step"] for r in read_metrics(tmp_path / stage) if key in r] == [1, 2], stage

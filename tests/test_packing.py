@@ -159,11 +159,14 @@ def test_packing_scripts_and_packed_training(tmp_path, builtin_data, base_nemo):
         "model.data.train_ds.packed_sequence=True", f"model.data.validation_ds.file_path={builtin_data['sft_val']}",
         "model.encoder_seq_length=128", "model.data.train_ds.global_batch_size=4", "model.data.train_ds.micro_batch_size=2",
         f"exp_manager.explicit_log_dir={sft_dir}", "trainer.sft.max_steps=2"])
-    bad = run_script("train_gpt_dpo.py", [
-        f"pretrained_checkpoint.restore_from_path={base_nemo[0]}", "++model.data.data_impl=packed_jsonl",
-        f"++model.data.data_prefix={{train: [{builtin_data['dpo_train']}]}}", f"exp_manager.explicit_log_dir={log_dir}2"],
-        check=False)
-    assert bad.returncode == 1 and "is not a .npy of packs" in bad.stderr and "Traceback" not in bad.stderr
+    from nemo_aligner.data.nlp.reward_datasets import data_prefix_paths
+    from nemo_aligner.utils.errors import ConfigError
+
+    jsonl = OmegaConf.create({"data_impl": "packed_jsonl", "data_prefix": {"train": [builtin_data["dpo_train"]]}})
+    with pytest.raises(ConfigError, match=r"model\.data\.data_prefix\.train: .*dpo_train\.jsonl is not a \.npy of packs"):
+        data_prefix_paths(jsonl, "train", packs=True)
+    with pytest.raises(ConfigError, match=r"model\.data\.data_impl=packed_jsonl is read by DPO only"):
+        data_prefix_paths(jsonl, "train")
 
 
 def test_packs_refuse_transformer_engine_attention(monkeypatch):
