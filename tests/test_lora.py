@@ -76,6 +76,41 @@ def test_adapters_add_the_scaled_low_rank_update_and_only_they_train(mcore_singl
         assert generate_texts(model, prompts) != texts
 
 
+def test_nemo_adapter_layout_across_tp_and_pp(mcore_single):
+    """NeMo's PEFT files split linear_in by rows (column-parallel layers) or columns (row-parallel ones) and
+    linear_out by rows, one file per TP/PP rank with stage-local layer numbers: files of a TP=2 or PP=2 run
+    (cut here from a TP=1 model by those rules) load back into the same adapters, gated fc1 included."""
+    from nemo_aligner.models.nlp.gpt import lora
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    torch.manual_seed(0)
+    cfg = lora_model_cfg(target_modules=["all"], adapter_dim=4, row_init_method="normal")
+    state = lora.nemo_adapter_state(MegatronGPTModel(cfg, ByteTokenizer()).module)
+    cfg.seed = 7  # other starting adapters, overwritten by the load
+    fresh = MegatronGPTModel(cfg, ByteTokenizer())
+    assert not torch.equal(lora.nemo_adapter_state(fresh.module)[next(iter(state))], state[next(iter(state))])
+
+    def tp_part(key, value, rank):
+        column = "lora_kqv_adapter" in key or "lora_hto4h_adapter" in key
+        if key.endswith("linear_in.weight"):
+            return value.chunk(2, dim=0 if column else 1)[rank]
+        if "lora_hto4h_adapter" in key:  # gated fc1: each rank's rows are its gate rows then its up rows
+            gate, up = value.chunk(2, dim=0)
+            return torch.cat([gate.chunk(2)[rank], up.chunk(2)[rank]])
+        return value.chunk(2, dim=0)[rank]
+
+    tp2 = {(r, 0): {k: tp_part(k, v, r) for k, v in state.items()} for r in range(2)}
+    pp2 = {(0, p): {k.replace(f"layers.{p}.", "layers.0."): v for k, v in state.items() if f"layers.{p}." in k}
+           for p in range(2)}
+    for saved, tp, pp in ((tp2, 2, 1), (pp2, 1, 2)):
+        assert lora.load_nemo_adapters(fresh.module, saved, tp, pp, 2, "test") == len(state)
+        loaded = lora.nemo_adapter_state(fresh.module)
+        assert all(torch.equal(loaded[k], v) for k, v in state.items()), (tp, pp)
+        cfg.seed = 11
+        fresh = MegatronGPTModel(cfg, ByteTokenizer())
+
+
 def _sft(tmp_path, name, base, data, extra, nproc=1, steps=12):
     log_dir = tmp_path / name
     run_script("train_gpt_sft.py", [
@@ -94,7 +129,7 @@ def _adapter_file(nemo, member="model_weights.ckpt"):
         return torch.load(io.BytesIO(tar.extractfile(f"./{member}").read()), weights_only=True)
 
 
-def test_lora_sft_learns_matches_across_tp_pp_and_saves_adapters(tmp_path, base_nemo, builtin_data, mcore_single):
+def test_lora_sft_learns_matches_at_tp2_and_saves_adapters(tmp_path, base_nemo, builtin_data, mcore_single):
     from nemo_aligner.models.nlp.gpt.loading import load_model
     from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
     from nemo_aligner.utils import nemo_file
@@ -103,13 +138,10 @@ def test_lora_sft_learns_matches_across_tp_pp_and_saves_adapters(tmp_path, base_
     base = base_nemo[0]
     one = _sft(tmp_path, "tp1", base, builtin_data, [])
     two = _sft(tmp_path, "tp2", base, builtin_data, ["trainer.devices=2", "model.tensor_model_parallel_size=2"], nproc=2)
-    pipe = _sft(tmp_path, "pp2", base, builtin_data, ["trainer.devices=2", "model.pipeline_model_parallel_size=2"],
-                nproc=2)
     val = val_losses(one)
     assert val[12] < val[6] < val[0] - 0.4, val  # the frozen random model learns through its adapters alone
-    for other in (two, pipe):
-        assert train_losses(other) == pytest.approx(train_losses(one), rel=1e-4)
-        assert val_losses(other) == pytest.approx(val, rel=1e-4)
+    assert train_losses(two) == pytest.approx(train_losses(one), rel=1e-4)
+    assert val_losses(two) == pytest.approx(val, rel=1e-4)
 
     # Training checkpoints: the adapters and their optimizer state only; a run resumed from step 6 (the
     # frozen base from model.restore_from_path) continues exactly.
@@ -124,17 +156,16 @@ def test_lora_sft_learns_matches_across_tp_pp_and_saves_adapters(tmp_path, base_
     assert train_losses(resumed) == pytest.approx({s: v for s, v in train_losses(one).items() if s > 6}, rel=1e-5)
 
     # The final .nemo: NeMo's PEFT layout, one file per model-parallel rank, NeMo's key names.
-    nemos = {n: d / "checkpoints" / "megatron_gpt_sft.nemo" for n, d in (("one", one), ("two", two), ("pipe", pipe))}
+    nemos = {n: d / "checkpoints" / "megatron_gpt_sft.nemo" for n, d in (("one", one), ("two", two))}
     assert sorted(nemo_file.list_members(str(nemos["one"]))) == ["model_config.yaml", "model_weights.ckpt"]
     assert "mp_rank_01/model_weights.ckpt" in nemo_file.list_members(str(nemos["two"]))
-    assert "tp_rank_00_pp_rank_001/model_weights.ckpt" in nemo_file.list_members(str(nemos["pipe"]))
     saved = _adapter_file(nemos["one"])
     assert "model.decoder.layers.1.self_attention.adapter_layer.lora_kqv_adapter.linear_in.weight" in saved
     assert "model.decoder.layers.1.mlp.adapter_layer.lora_4htoh_adapter.linear_out.weight" in saved
     assert len(saved) == 16
     assert nemo_file.read_model_config(str(nemos["one"])).peft.peft_scheme == "lora"
 
-    # Adapters saved at any TP/PP load at TP=1 into the same model; the merged .nemo is that model.
+    # Adapters saved at TP=2 load at TP=1 into the same model; the merged .nemo is that model.
     def cfg(adapters, merge=False):
         tuning = {"adapter_dim": 8, "alpha": 16, "target_modules": ["all"]}
         return OmegaConf.create({"peft": {"peft_scheme": "lora", "restore_from_path": str(adapters),
@@ -143,9 +174,8 @@ def test_lora_sft_learns_matches_across_tp_pp_and_saves_adapters(tmp_path, base_
     tokens = torch.randint(0, 250, (2, 16))
     logits = {n: forward_logits(load_model(MegatronGPTModel, cfg(p), "32", base, trainable=False), tokens)
               for n, p in nemos.items()}
-    # (three trainings whose losses agree to 1e-4: their adapters differ by float rounding)
+    # (two trainings whose losses agree to 1e-4: their adapters differ by float rounding)
     torch.testing.assert_close(logits["two"], logits["one"], atol=1e-3, rtol=1e-3)
-    torch.testing.assert_close(logits["pipe"], logits["one"], atol=1e-3, rtol=1e-3)
     model = load_model(MegatronGPTModel, cfg(nemos["two"], merge=True), "32", base, trainable=False)
     merged_path = nemo_file.save_nemo(model, str(tmp_path / "merged.nemo"))
     assert "model_weights/metadata.json" in nemo_file.list_members(merged_path)
