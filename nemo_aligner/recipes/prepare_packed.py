@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Dict, List
+from typing import List
 
 from omegaconf import DictConfig, OmegaConf
 

@@ -312,7 +312,3 @@ class PackedDataset(torch.utils.data.Dataset):
                     "boundaries": list(range(0, 2 * pairs + 1, 2)), "rewards": [0.0] * pairs if pairs == 2 else None,
                     "padding": True}
         return self.packs[idx]
-
-    @property
-    def num_sequences(self) -> int:
-        return sum(len(p["boundaries"]) - 1 for p in self.packs)

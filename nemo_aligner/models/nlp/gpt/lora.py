@@ -269,10 +269,6 @@ def adapters(module: torch.nn.Module) -> Iterator[LoraAdapter]:
     return (m for m in module.modules() if isinstance(m, LoraAdapter))
 
 
-def has_adapters(module: torch.nn.Module) -> bool:
-    return next(adapters(module), None) is not None
-
-
 def effective_weight(linear) -> torch.Tensor:
     """A linear layer's weight with its (enabled) adapter merged in: a new tensor, the layer unchanged."""
     adapter = linear.__dict__.get("lora_adapter")
