@@ -9,7 +9,7 @@ import torch
 from conftest import read_metrics, run_script
 from nemo_aligner.data.nlp.dpo_dataset import DPOPairDataset, collate_dpo, render_chat_prompt
 from nemo_aligner.utils.errors import DataError
-from nemo_aligner.utils.preference_losses import preference_loss, sequence_logps
+from nemo_aligner.utils.preference_losses import preference_loss, preference_objective, sequence_logps
 from nemo_aligner.utils.tokenizers import ByteTokenizer
 
 C = torch.tensor([1.0, -0.5, 2.0])
@@ -45,6 +45,23 @@ def test_rpo_losses_use_ground_truth_rewards():
             assert got[i].item() == pytest.approx(kl, abs=1e-6), (kind, i)
     with pytest.raises(ValueError, match="needs ground-truth rewards"):
         preference_loss("rpo_sq", C, R, 0.2)
+
+
+@pytest.mark.parametrize("kind, pref_w, sft_w", [("dpo", 1.0, 0.3), ("ipo", 0.5, 2.0), ("dpo", 0.0, 1.0)])
+def test_objective_adds_the_nll_of_the_chosen_responses(kind, pref_w, sft_w):
+    """``(pref_w * sum w * loss + sft_w * sum w * (-log pi(chosen))) / sum w``, padding pairs (w = 0) out;
+    the SFT term reads the chosen responses' log-probs, never the rejected ones'."""
+    chosen_logps = torch.tensor([-3.0, -1.5, -9.0, -4.0])
+    weight = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    c, r = torch.tensor([1.0, -0.5, 2.0, 50.0]), torch.tensor([0.5, 0.5, -1.0, -50.0])
+    loss, sums = preference_objective(kind, c, r, chosen_logps, weight, 0.2, pref_w, sft_w)
+    per_pair = preference_loss(kind, c, r, 0.2).tolist()[:3]
+    assert sums["preference_loss_sum"].item() == pytest.approx(sum(per_pair))
+    assert sums["sft_loss_sum"].item() == pytest.approx(3.0 + 1.5 + 9.0)
+    assert loss.item() == pytest.approx((pref_w * sum(per_pair) + sft_w * 13.5) / 3)
+    assert sums["correct"].item() == 2.0 and sums["pairs"].item() == 3.0
+    assert sums["rewards_chosen_sum"].item() == pytest.approx(0.2 * 2.5)
+    assert sums["rewards_rejected_sum"].item() == pytest.approx(0.2 * 0.0)
 
 
 def test_sequence_logps_sum_and_mean():
@@ -162,6 +179,60 @@ def test_reference_weights_stay_while_the_policy_trains(mcore_single):
     moved = [k for k, v in model.module.state_dict().items() if isinstance(v, torch.Tensor) and not torch.equal(v, start[k])]
     assert moved  # the policy itself did train
     assert metrics["reward_margin"] > 0 and metrics["accuracy"] == 1.0
+
+
+@pytest.mark.parametrize("average", [False, True])
+def test_logged_metrics_equal_an_independent_computation(mcore_single, average):
+    """The DPO model's loss and logged metrics (preference loss, SFT loss, rewards, accuracy) with an SFT
+    term and a policy moved away from its reference, against log-probs from megatron-core's own forward
+    of the reference and of the policy."""
+    from omegaconf import OmegaConf
+
+    from conftest import TINY_ARCH, forward_logits
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_dpo_model import MegatronGPTDPOModel
+
+    torch.manual_seed(1)
+    beta, pref_w, sft_w = 0.3, 0.7, 0.4
+    cfg = OmegaConf.create(dict(TINY_ARCH, micro_batch_size=2, global_batch_size=4, encoder_seq_length=32,
+                                dpo={"ref_policy_kl_penalty": beta, "preference_loss_weight": pref_w,
+                                     "sft_loss_weight": sft_w, "preference_average_log_probs": average,
+                                     "sft_average_log_probs": average},
+                                optim={"name": "fused_adam", "lr": 1e-2, "sched": {"name": "Constant"}}))
+    tok = ByteTokenizer()
+    model = MegatronGPTDPOModel(cfg, tok)
+    model.setup_optimization(max_steps=10)
+    model.snapshot_reference_policy()
+    records = [{"prompt": f"reverse {w} = ", "chosen_response": w[::-1], "rejected_response": w + "x" * i, "__line__": i}
+               for i, w in enumerate(["abc", "bcdef", "cd", "defg"])]
+    ds = DPOPairDataset(None, tok, 32, records=records)
+    batch = collate_dpo([ds[i] for i in range(4)], tok.eos_id, 32)
+
+    def logps(tokens):
+        logits = forward_logits(model, tokens).float()
+        return torch.log_softmax(logits, -1)[:, :-1].gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+    ref = {side: logps(batch[side]) for side in ("chosen", "rejected")}
+    with torch.no_grad():
+        for p in model.module.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    pol = {side: logps(batch[side]) for side in ("chosen", "rejected")}
+    loss, metrics = model.get_loss_and_metrics(batch, forward_only=True)
+
+    def seq(values, side):
+        return sequence_logps(values, batch[f"{side}_mask"], average)
+
+    c = seq(pol["chosen"] - ref["chosen"], "chosen")
+    r = seq(pol["rejected"] - ref["rejected"], "rejected")
+    pref = -torch.nn.functional.logsigmoid(beta * (c - r))
+    sft = -seq(pol["chosen"], "chosen")
+    assert (c - r).abs().min() > 1e-3  # the policy did move, in a way the reference does not cancel
+    assert metrics["preference_loss"] == pytest.approx(pref.mean().item(), rel=1e-4)
+    assert metrics["sft_loss"] == pytest.approx(sft.mean().item(), rel=1e-4)
+    assert metrics["loss"] == pytest.approx(pref_w * pref.mean().item() + sft_w * sft.mean().item(), rel=1e-4)
+    assert loss == pytest.approx(metrics["loss"], rel=1e-4)
+    assert metrics["rewards_chosen_mean"] == pytest.approx(beta * c.mean().item(), abs=1e-5)
+    assert metrics["rewards_rejected_mean"] == pytest.approx(beta * r.mean().item(), abs=1e-5)
+    assert metrics["accuracy"] == pytest.approx((c > r).float().mean().item())
 
 
 @pytest.mark.parametrize("algorithm,parallel", [

@@ -128,6 +128,34 @@ def test_head_reads_last_real_token(mcore_single, avg_pool):
     assert module_head_dtype(model) == torch.float32
 
 
+def test_logged_loss_equals_the_pairwise_loss_of_the_models_rewards(mcore_single):
+    """The ranking model's training loss and logged metrics (loss, accuracy, mean rewards), with a
+    padding pair, against ``-log sigmoid(r_chosen - r_rejected)`` of the rewards the model infers."""
+    from nemo_aligner.data.nlp.reward_datasets import collate_comparisons
+
+    model = tiny_reward_model(global_batch_size=4)
+    tok = ByteTokenizer()
+    texts = [("reverse abc = cba", "reverse abc = abc"), ("sort dca = acd", "sort dca = dca"),
+             ("reverse gh = hg", "reverse gh = hgg")]
+    samples = [{"chosen": tok.text_to_ids(c) + [tok.eos_id], "rejected": tok.text_to_ids(r) + [tok.eos_id]}
+               for c, r in texts]
+    samples.append({"chosen": [tok.eos_id], "rejected": [tok.eos_id], "padding": True})
+    batch = collate_comparisons(samples, tok.eos_id, 32)
+    loss, metrics = model.get_loss_and_metrics(batch, forward_only=True)
+    model.prepare_for_inference()
+    chosen = model.infer(batch["chosen"][:3], batch["chosen_length"][:3])
+    rejected = model.infer(batch["rejected"][:3], batch["rejected_length"][:3])
+    per_pair = -torch.nn.functional.logsigmoid(chosen - rejected)
+    assert (chosen - rejected).abs().min() > 1e-4
+    assert metrics["loss"] == pytest.approx(per_pair.mean().item(), rel=1e-4)  # over the pairs
+    # the training loss: the mean of the micro-batches' (2 pairs; 1 pair + padding) means
+    assert loss == pytest.approx((per_pair[:2].mean().item() + per_pair[2].item()) / 2, rel=1e-4)
+    assert metrics["accuracy"] == pytest.approx((chosen > rejected).float().mean().item())
+    assert metrics["rewards_chosen_mean"] == pytest.approx(chosen.mean().item(), abs=1e-5)
+    assert metrics["rewards_rejected_mean"] == pytest.approx(rejected.mean().item(), abs=1e-5)
+    assert metrics["pairs"] == 3
+
+
 def module_head_dtype(model):
     return model.module.rm_head.weight.dtype
 

@@ -112,8 +112,7 @@ class ReinforceTrainer(PPOTrainer):
         width = batch["tokens"].shape[1] - 1
         mask = ppo_utils.create_mask(batch["prompt_lengths"], batch["response_lengths"], width)
         kl = self.rollout_kl(batch, mask)
-        sequence_kl = kl.sum(-1)
-        penalised = batch["rewards"] - self.kl_penalty * sequence_kl
+        penalised = ppo_utils.kl_penalised_rewards(batch["rewards"], kl, self.kl_penalty)
         # Responses cut at max_length (no EOS) are not trained on, so they set no one's baseline either.
         advantages = group_advantages(penalised, batch["group_ids"], self.leave_one_out, self.normalize_rewards,
                                       valid=batch["is_end"])

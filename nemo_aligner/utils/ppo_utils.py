@@ -73,6 +73,12 @@ def calculate_ppo_rewards(rewards: torch.Tensor, response_lengths: torch.Tensor,
     return per_token
 
 
+def kl_penalised_rewards(rewards: torch.Tensor, kl: torch.Tensor, kl_penalty: float) -> torch.Tensor:
+    """Sequence rewards of critic-free methods (REINFORCE/RLOO, GRPO): ``r - kl_penalty * sum_t KL_t``
+    over each row's per-token KL ``kl`` [B, T] (already zero outside the response)."""
+    return rewards - kl_penalty * kl.sum(-1)
+
+
 def calculate_advantages_and_returns(values: torch.Tensor, rewards: torch.Tensor, discount_factor: float,
                                      gae_lambda: float, mask: Optional[torch.Tensor] = None):
     """Generalised advantage estimation; the value after the last position is 0.
@@ -96,8 +102,10 @@ def calculate_advantages_and_returns(values: torch.Tensor, rewards: torch.Tensor
 
 def ppo_actor_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                    mask: torch.Tensor, ratio_eps: float, entropy: Optional[torch.Tensor] = None,
-                   entropy_bonus: float = 0.0) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """Clipped surrogate ``max(-A r, -A clip(r, 1 +- eps))`` masked-averaged, minus ``entropy_bonus * entropy``.
+                   entropy_bonus: float = 0.0, init_logprobs: Optional[torch.Tensor] = None,
+                   kl_loss_coef: float = 0.0) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Clipped surrogate ``max(-A r, -A clip(r, 1 +- eps))`` masked-averaged, minus ``entropy_bonus * entropy``,
+    plus ``kl_loss_coef`` times the masked mean of :func:`k3_kl` to ``init_logprobs`` (GRPO's KL in the loss).
 
     ``mask`` should already exclude sequences that did not end properly; with an empty mask the
     loss is zero (but still connected to the graph so every rank runs backward).
@@ -112,11 +120,18 @@ def ppo_actor_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
     mean_entropy = masked_mean(entropy, mask) if entropy is not None else torch.zeros((), dtype=loss.dtype, device=loss.device)
     if entropy is not None and entropy_bonus:
         loss = loss - entropy_bonus * mean_entropy
+    extra = {}
+    if kl_loss_coef:
+        if init_logprobs is None:
+            raise ValueError("kl_loss_coef needs init_logprobs")
+        kl = masked_mean(k3_kl(logprobs, init_logprobs), mask)
+        loss = loss + kl_loss_coef * kl
+        extra["kl_loss"] = kl.detach()
     with torch.no_grad():
         clip_fraction = masked_mean(((ratio - 1.0).abs() > ratio_eps).to(ratio.dtype), mask)
         approx_kl = masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask)
     return loss, {"clip_fraction": clip_fraction, "approx_kl": approx_kl, "entropy": mean_entropy.detach(),
-                  "ratio_mean": masked_mean(ratio.detach(), mask)}
+                  "ratio_mean": masked_mean(ratio.detach(), mask), **extra}
 
 
 def critic_loss(values: torch.Tensor, prev_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

@@ -53,6 +53,25 @@ def preference_loss(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, bet
     raise ValueError(f"model.dpo.preference_loss={kind!r} must be one of {list(PREFERENCE_LOSSES)}")
 
 
+def preference_objective(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, chosen_logps: torch.Tensor,
+                         weight: torch.Tensor, beta: float, preference_weight: float = 1.0, sft_weight: float = 0.0,
+                         gt_chosen: Optional[torch.Tensor] = None, gt_rejected: Optional[torch.Tensor] = None,
+                         gt_reward_scale: float = 1.0):
+    """DPO's training objective over (weighted) pairs and the sums its logged metrics come from.
+
+    ``loss = (preference_weight * sum_i w_i * preference_loss_i + sft_weight * sum_i w_i * (-chosen_logps_i)) / sum_i w_i``:
+    the SFT term is the negative log-likelihood of the *chosen* responses only. ``chosen``/``rejected``
+    are the policy-minus-reference log-prob ratios; the implied rewards are ``beta`` times them.
+    """
+    per_pair = preference_loss(kind, chosen, rejected, beta, gt_chosen, gt_rejected, gt_reward_scale)
+    weight = weight.to(per_pair.dtype)
+    sums = {"preference_loss_sum": (per_pair * weight).sum(), "sft_loss_sum": (-chosen_logps * weight).sum(),
+            "correct": ((chosen > rejected).to(weight.dtype) * weight).sum(), "pairs": weight.sum(),
+            "rewards_chosen_sum": (beta * chosen * weight).sum(), "rewards_rejected_sum": (beta * rejected * weight).sum()}
+    loss = (preference_weight * sums["preference_loss_sum"] + sft_weight * sums["sft_loss_sum"]) / sums["pairs"].clamp(min=1.0)
+    return loss, {k: v.detach() for k, v in sums.items()}
+
+
 def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor, kl_estimate: torch.Tensor,
              beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> torch.Tensor:
     """Per-sample KTO (Ethayarajh et al. 2024): ``w * (1 - sigmoid(beta * (r - z)))`` for desirable responses and

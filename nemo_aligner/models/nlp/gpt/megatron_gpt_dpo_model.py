@@ -12,7 +12,7 @@ from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
 from nemo_aligner.models.nlp.gpt.megatron_gpt_ppo_actor import next_token_batch
 from nemo_aligner.models.nlp.gpt.reference_policy import ReferencePolicyMixin
 from nemo_aligner.utils.errors import ConfigError
-from nemo_aligner.utils.preference_losses import PREFERENCE_LOSSES, preference_loss, sequence_logps
+from nemo_aligner.utils.preference_losses import PREFERENCE_LOSSES, preference_objective, sequence_logps
 
 
 class MegatronGPTDPOModel(ReferencePolicyMixin, MegatronGPTModel, SupervisedInterface):
@@ -83,23 +83,12 @@ class MegatronGPTDPOModel(ReferencePolicyMixin, MegatronGPTModel, SupervisedInte
         logps = -per_token_ce[:, :-1].float()
         half = logps.shape[0] // 2
         mask, weight = mb["mask"], mb["weight"][:half]
-        count = weight.sum().clamp(min=1.0)
         ratio = sequence_logps(logps - mb["ref"], mask, self.preference_average)
-        chosen, rejected = ratio[:half], ratio[half:]
-        per_pair = preference_loss(self.loss_kind, chosen, rejected, self.beta, mb["gt"][:half], mb["gt"][half:],
-                                   self.gt_reward_scale)
-        pref = (per_pair * weight).sum() / count
-        sft = -(sequence_logps(logps[:half], mask[:half], self.sft_average) * weight).sum() / count
-        loss = self.preference_weight * pref + self.sft_weight * sft
-        with torch.no_grad():
-            metrics = {
-                "loss": loss.detach().clone(), "preference_loss_sum": (per_pair * weight).sum().detach(),
-                "sft_loss_sum": (-(sequence_logps(logps[:half], mask[:half], self.sft_average)) * weight).sum(),
-                "correct": ((chosen > rejected).float() * weight).sum(), "pairs": weight.sum(),
-                "rewards_chosen_sum": (self.beta * chosen * weight).sum(),
-                "rewards_rejected_sum": (self.beta * rejected * weight).sum(),
-            }
-        return loss, metrics
+        loss, sums = preference_objective(
+            self.loss_kind, ratio[:half], ratio[half:], sequence_logps(logps[:half], mask[:half], self.sft_average),
+            weight, self.beta, self.preference_weight, self.sft_weight, mb["gt"][:half], mb["gt"][half:],
+            self.gt_reward_scale)
+        return loss, {"loss": loss.detach().clone(), **sums}
 
     # ----------------------------------------------------------------- packed pairs
     def _packed_loss(self, mb, per_token_ce):
@@ -119,22 +108,10 @@ class MegatronGPTDPOModel(ReferencePolicyMixin, MegatronGPTModel, SupervisedInte
         gt = mb["rewards"][keep]
         rows = torch.repeat_interleave(torch.arange(count.shape[0], device=count.device), count)
         weight = mb["pack_weight"][rows[0::2]]
-        chosen, rejected = pref_ratio[0::2], pref_ratio[1::2]
-        per_pair = preference_loss(self.loss_kind, chosen, rejected, self.beta, gt[0::2], gt[1::2],
-                                   self.gt_reward_scale)
-        pairs = weight.sum().clamp(min=1.0)
-        pref = (per_pair * weight).sum() / pairs
-        sft = -(sft_logps * weight).sum() / pairs
-        loss = self.preference_weight * pref + self.sft_weight * sft
-        with torch.no_grad():
-            metrics = {
-                "loss": loss.detach().clone(), "preference_loss_sum": (per_pair * weight).sum().detach(),
-                "sft_loss_sum": (-sft_logps * weight).sum().detach(),
-                "correct": ((chosen > rejected).float() * weight).sum(), "pairs": weight.sum(),
-                "rewards_chosen_sum": (self.beta * chosen * weight).sum(),
-                "rewards_rejected_sum": (self.beta * rejected * weight).sum(),
-            }
-        return loss, metrics
+        loss, sums = preference_objective(self.loss_kind, pref_ratio[0::2], pref_ratio[1::2], sft_logps, weight,
+                                          self.beta, self.preference_weight, self.sft_weight, gt[0::2], gt[1::2],
+                                          self.gt_reward_scale)
+        return loss, {"loss": loss.detach().clone(), **sums}
 
     def _packed_outputs(self, batch: Dict[str, torch.Tensor], forward_only: bool):
         data = {k: batch[k] for k in ("tokens", "labels", "position_ids", "attention_mask")}

@@ -207,11 +207,8 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
         # by the weights that generated them: the old policy's log-probs are these (ratio 1).
         old = mb["logprobs"] if "logprobs" in mb else logprobs.detach()
         loss, stats = ppo_utils.ppo_actor_loss(logprobs, old, mb["advantages"], mask, self.ratio_eps,
-                                               entropy=entropy, entropy_bonus=self.entropy_bonus)
-        if self.kl_loss_coef:
-            kl = ppo_utils.masked_mean(ppo_utils.k3_kl(logprobs, mb["init_logprobs"]), mask)
-            loss = loss + self.kl_loss_coef * kl
-            stats["kl_loss"] = kl.detach()
+                                               entropy=entropy, entropy_bonus=self.entropy_bonus,
+                                               init_logprobs=mb.get("init_logprobs"), kl_loss_coef=self.kl_loss_coef)
         if "logprobs" not in mb:  # the rollout-time KL metric, from this forward instead
             kl = ppo_utils.calculate_kl_penalty(logprobs.detach(), mb["init_logprobs"], absolute_kl)
             stats["init_policy_kl"] = ppo_utils.masked_mean(kl, mb["mask"])

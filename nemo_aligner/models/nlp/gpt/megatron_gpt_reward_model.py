@@ -16,13 +16,19 @@ from nemo_aligner.utils.errors import ConfigError
 REWARD_MODEL_TYPES = ("binary_ranking", "regression")
 
 
+def pairwise_sums(chosen: torch.Tensor, rejected: torch.Tensor, weight: Optional[torch.Tensor] = None):
+    """Sums over (weighted) pairs: ``loss_sum`` of ``-log sigmoid(r_chosen - r_rejected)``, ``correct``
+    (``r_chosen > r_rejected``) and ``pairs``; the training loss and the logged metrics both come from these."""
+    weight = torch.ones_like(chosen) if weight is None else weight.to(chosen.dtype)
+    return {"loss_sum": -(weight * F.logsigmoid(chosen - rejected)).sum(),
+            "correct": (weight * (chosen > rejected).to(chosen.dtype)).sum(), "pairs": weight.sum()}
+
+
 def pairwise_loss(chosen: torch.Tensor, rejected: torch.Tensor, weight: Optional[torch.Tensor] = None):
     """``-log sigmoid(r_chosen - r_rejected)`` averaged over (weighted) pairs, and the accuracy."""
-    weight = torch.ones_like(chosen) if weight is None else weight.to(chosen.dtype)
-    count = weight.sum().clamp(min=1.0)
-    loss = -(weight * F.logsigmoid(chosen - rejected)).sum() / count
-    accuracy = (weight * (chosen > rejected).to(chosen.dtype)).sum() / count
-    return loss, accuracy
+    sums = pairwise_sums(chosen, rejected, weight)
+    count = sums["pairs"].clamp(min=1.0)
+    return sums["loss_sum"] / count, sums["correct"] / count
 
 
 def masked_mse(pred: torch.Tensor, labels: torch.Tensor, mask_value: float = -100.0):
@@ -123,12 +129,11 @@ class MegatronGPTRewardModel(MegatronGPTModel, SupervisedInterface, Inferrable):
         half = rewards.shape[0] // 2
         chosen, rejected = rewards[:half], rewards[half:]
         weight = mb["weight"]
-        loss, accuracy = pairwise_loss(chosen, rejected, weight)
+        sums = pairwise_sums(chosen, rejected, weight)
+        loss = sums["loss_sum"] / sums["pairs"].clamp(min=1.0)
         return loss, {
             "loss": loss.detach().clone(),
-            "loss_sum": -(weight * F.logsigmoid(chosen - rejected)).sum().detach(),
-            "correct": (weight * (chosen > rejected).float()).sum().detach(),
-            "pairs": weight.sum().detach(),
+            **{k: v.detach() for k, v in sums.items()},
             "chosen_sum": (weight * chosen).sum().detach(),
             "rejected_sum": (weight * rejected).sum().detach(),
         }
