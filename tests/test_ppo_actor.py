@@ -9,13 +9,13 @@ from conftest import TINY_ARCH, forward_logits
 from nemo_aligner.utils.tokenizers import ByteTokenizer
 
 
-def build_actor(seed=0, lr=1e-2, precision="32"):
+def build_actor(seed=0, lr=1e-2, precision="32", kl_loss_coef=0.0):
     from nemo_aligner.models.nlp.gpt.megatron_gpt_ppo_actor import MegatronGPTActorModel
 
     torch.manual_seed(seed)
     cfg = OmegaConf.create(dict(
         TINY_ARCH, micro_batch_size=2, global_batch_size=4, encoder_seq_length=32,
-        ppo={"rollout_micro_batch_size": 4, "forward_micro_batch_size": 2, "entropy_bonus": 0.0, "ratio_eps": 0.2,
+        ppo={"reference_policy_kl_penalty": kl_loss_coef, "rollout_micro_batch_size": 4, "forward_micro_batch_size": 2, "entropy_bonus": 0.0, "ratio_eps": 0.2,
              "sampling_params": {"use_greedy": False, "temperature": 1.0}, "length_params": {"max_length": 6}},
         optim={"name": "fused_adam", "lr": lr, "weight_decay": 0.0, "sched": {"name": "Constant"}}))
     model = MegatronGPTActorModel(cfg, ByteTokenizer(), precision=precision)
@@ -115,6 +115,39 @@ def test_update_without_rollout_logprobs_equals_one_with_them(mcore_single):
     expected = float((calculate_kl_penalty(old, init, True) * mask).sum() / mask.sum())
     assert expected > 1e-4
     assert metrics_b["init_policy_kl"] == pytest.approx(expected, rel=0.3)  # mean of per-micro-batch means
+
+
+def test_kl_in_the_loss_pulls_the_policy_back_to_the_initial_one(mcore_single):
+    """GRPO's ``reference_policy_kl_penalty`` in the actor's loss: with zero advantages the loss and the
+    logged ``kl_loss`` are the k3 estimate to the initial policy on the response tokens (an independent
+    computation), and one update lowers it."""
+    from nemo_aligner.utils.ppo_utils import create_mask
+
+    coef = 0.5
+    model = build_actor(lr=2e-4, kl_loss_coef=coef)
+    out = rollouts(model)
+    with torch.no_grad():
+        for p in model.module.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    mask = create_mask(out.prompt_lengths, out.response_lengths, out.tokens.shape[1] - 1)
+    init = model.get_init_policy_logprobs(out.tokens)
+    old = model.get_logprobs(out.tokens)
+    batch = {"tokens": out.tokens, "logprobs": old, "init_logprobs": init, "advantages": torch.zeros_like(mask),
+             "mask": mask, "is_end": torch.ones(4, dtype=torch.bool)}
+
+    def k3(lp):
+        per_mb = [((torch.exp(init[i] - lp[i]) - (init[i] - lp[i]) - 1) * mask[i]).sum() / mask[i].sum()
+                  for i in (slice(0, 2), slice(2, 4))]  # micro-batches of 2 rows
+        return float(sum(per_mb) / 2)
+
+    expected = k3(old)
+    assert expected > 1e-4
+    model.prepare_for_training_step()
+    loss, metrics = model.get_loss_and_metrics(batch, forward_only=False)
+    model.optimizer.step()
+    assert metrics["kl_loss"] == pytest.approx(expected, rel=0.3)  # token-weighted across micro-batches
+    assert loss == pytest.approx(coef * expected, rel=1e-4)
+    assert k3(model.get_logprobs(out.tokens)) < expected
 
 
 @pytest.mark.parametrize("precision", ["32", "bf16"])

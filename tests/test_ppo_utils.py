@@ -262,3 +262,22 @@ def test_reinforce_trainer_advantages_by_hand(mcore_single, leave_one_out, beta)
         on = [expected if first <= t <= last else 0.0 for t in range(7)]
         assert batch["advantages"][row].tolist() == pytest.approx(on, abs=1e-5), row
     assert metrics["rewards_with_kl"] == pytest.approx(sum(penalised) / n, abs=1e-5)
+
+
+def test_mutation_script_names_source_that_exists():
+    """tests/mutation/mutate.py (run by hand) changes exact pieces of source: each must still occur once,
+    and each mutation's tests must exist, or the script would test nothing."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "mutation", "mutate.py")
+    spec = importlib.util.spec_from_file_location("mutate", path)
+    mutate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mutate)
+    assert mutate.check_sources(mutate.MUTATIONS) == []
+    assert len(mutate.MUTATIONS) >= 25 and len({m.name for m in mutate.MUTATIONS}) == len(mutate.MUTATIONS)
+    for m in mutate.MUTATIONS:
+        for test in m.tests:
+            file, _, name = test.partition("::")
+            with open(os.path.join(mutate.ROOT, file), encoding="utf-8") as f:
+                assert not name or f"def {name}(" in f.read(), (m.name, test)
