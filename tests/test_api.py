@@ -3,6 +3,7 @@ SFT/DPO trainers, the registry, the nemo_rl alias, and clear errors."""
 
 import json
 import os
+import re
 
 import pytest
 
@@ -225,21 +226,31 @@ def test_direct_config_environment_and_nemo_rl_alias(weak_sft, tmp_path):
 from nemo_rl import GRPOTrainer
 from nemo_rl.api import list_algorithms, create_trainer
 from nemo_rl.trainers.callbacks import Callback
-from nemo_aligner.environments import BuiltinTaskEnvironment
+from nemo_aligner.environments import BuiltinTaskEnvironment, EnvironmentReturn
+class AskTwice(BuiltinTaskEnvironment):  # the first answer earns nothing; the task asks again and scores the second
+    def step(self, conversations, metadata=None):
+        first = [sum(m["role"] == "assistant" for m in c) == 1 for c in conversations]
+        scored = super().step(conversations, metadata)
+        return EnvironmentReturn([0.0 if f else r for f, r in zip(first, scored.rewards)], [not f for f in first],
+                                 [{{"role": "user", "content": " again: " + c[0]["content"]}} if f else None
+                                  for f, c in zip(first, conversations)])
 trainer = GRPOTrainer({{"policy": {{"model_name": {model!r}, "learning_rate": 1e-5, "max_total_sequence_length": 64,
                                    "dtensor_cfg": {{"tensor_parallel_size": 1}}}},
                        "grpo": {{"num_prompts_per_step": 4, "num_generations_per_prompt": 2, "max_new_tokens": 8}},
                        "output_dir": {str(tmp_path / "alias")!r}}})
 class C(Callback):
     def on_step_end(self, trainer, step, metrics):
-        print("STEP", step, round(metrics["rewards"], 4))
-result = trainer.fit(dataset={data["prompts_val"]!r}, environment=BuiltinTaskEnvironment(), max_steps=2, callbacks=[C()])
+        print("STEP", step, round(metrics["rewards"], 4), "TURNS", metrics["turns"])
+result = trainer.fit(dataset={data["prompts_val"]!r}, environment=AskTwice(), max_steps=2, callbacks=[C()])
 print("ALGOS", list_algorithms(), "STEPS", result.total_steps)
 """
     proc = subprocess.run([sys.executable, "-c", script], env=subprocess_env(), cwd=REPO, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "STEP 1" in proc.stdout and "STEP 2" in proc.stdout
+    # a two-turn environment plays both turns (max_rollout_turns defaults to 8 with an environment)
+    turns = [float(t) for t in re.findall(r"TURNS ([0-9.]+)", proc.stdout)]
+    assert turns and all(1.0 < t <= 2.0 for t in turns), proc.stdout[-2000:]
     from nemo_aligner.api import list_algorithms
 
     assert f"ALGOS {list_algorithms()} STEPS 2" in proc.stdout  # the alias sees the same registry

@@ -47,3 +47,142 @@ def test_grpo_script_runs_with_kl_in_the_loss(tmp_path, sft_nemo, builtin_data):
     for key in ("train/rewards", "train/advantage_abs_mean", "train/clip_fraction", "train/actor_loss"):
         assert all(math.isfinite(r[key]) for r in train), key
     assert "GRPO finished: 3 steps" in proc.stdout
+
+
+class ScriptedPolicy:
+    """A stand-in policy for the episode loop: answers each row from ``script`` (turn -> text) and ends it
+    with EOS, except rows listed in ``unended`` (cut at the length limit); records its prompts."""
+
+    def __init__(self, script, unended=()):
+        from types import SimpleNamespace
+
+        from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+        self.tokenizer, self.script, self.unended = ByteTokenizer(), script, set(unended)
+        self.cfg = SimpleNamespace(encoder_seq_length=128)
+        self.seen = []
+
+    def infer(self, prompts, seed=None, sampling=None):
+        from nemo_aligner.models.nlp.gpt.generation import GenerationOutput
+
+        tok, rows, ends = self.tokenizer, [], []
+        for prompt in prompts:
+            text = self.tokenizer.ids_to_text(prompt)
+            self.seen.append(text)
+            row = int(text.split("#")[1][0])  # prompts are "#<row> ..."
+            turn = text.count(" then: ")
+            ended = (row, turn) not in self.unended
+            rows.append(list(prompt) + tok.text_to_ids(self.script[row][turn]) + ([tok.eos_id] if ended else []))
+            ends.append(ended)
+        width = max(len(r) for r in rows)
+        tokens = torch.full((len(rows), width), tok.eos_id, dtype=torch.long)
+        for i, r in enumerate(rows):
+            tokens[i, : len(r)] = torch.tensor(r)
+        return GenerationOutput(tokens, torch.tensor([len(p) for p in prompts]), torch.tensor([len(r) for r in rows]),
+                                torch.tensor(ends))
+
+
+class SecondTurnDecides:
+    """Turn 1: reward 0 and the observation " then: "; turn 2: reward = the second answer's length / 10."""
+
+    def __init__(self):
+        self.calls = []
+
+    def step(self, conversations, metadata=None):
+        from nemo_aligner.environments import EnvironmentReturn
+
+        self.calls.append([list(c) for c in conversations])
+        rewards, done, observations = [], [], []
+        for c in conversations:
+            if sum(m["role"] == "assistant" for m in c) == 1:
+                rewards.append(0.0), done.append(False), observations.append({"role": "user", "content": " then: "})
+            else:
+                rewards.append(len(c[-1]["content"]) / 10), done.append(True), observations.append(None)
+        return EnvironmentReturn(rewards, done, observations)
+
+
+def test_every_turn_of_a_two_step_environment_counts(mcore_single):
+    """Episodes of a two-step environment whose reward only the second answer decides: the rollout row is
+    prompt, answer 1, observation, answer 2; its reward is the second turn's; the loss mask covers both
+    answers and not the observation; a first answer that did not end stops its episode; the advantages
+    follow the second answers."""
+    from nemo_aligner.algorithms.multi_turn import EpisodeStats, play_episodes
+    from nemo_aligner.algorithms.ppo import Timer
+    from nemo_aligner.algorithms.reinforce import ReinforceTrainer
+    from nemo_aligner.environments.reward_sources import EnvironmentRewardSource
+
+    script = {0: ["ab", "xyz"], 1: ["ab", "x"], 2: ["ab", "wxyz"], 3: ["abc", "never asked"]}
+    policy = ScriptedPolicy(script, unended={(3, 0)})
+    env = SecondTurnDecides()
+    tok = policy.tokenizer
+    prompts = [tok.text_to_ids(f"#{i} q =") for i in range(4)]
+    batch = play_episodes(policy, EnvironmentRewardSource(env, tok), prompts, None, micro_batch_size=3, seed=0,
+                          sampling=None, max_turns=3, timer=Timer(), stats=EpisodeStats(), key="model.grpo.max_rollout_turns")
+    rewards = batch.pop("_futures")[0].result()
+    assert rewards.tolist() == pytest.approx([0.3, 0.1, 0.4, 0.0])
+    assert batch["turns"].tolist() == [2, 2, 2, 1] and batch["is_end"].tolist() == [True, True, True, False]
+    assert len(env.calls) == 2 and len(env.calls[1]) == 3  # row 3 did not end its answer: no second turn
+    assert env.calls[1][0] == [{"role": "user", "content": "#0 q ="}, {"role": "assistant", "content": "ab"},
+                               {"role": "user", "content": " then: "}, {"role": "assistant", "content": "xyz"}]
+    eos = tok.ids_to_text([tok.eos_id])
+    row0 = tok.ids_to_text(batch["tokens"][0, : int(batch["response_lengths"][0])].tolist())
+    assert row0 == f"#0 q =ab{eos} then: xyz{eos}"
+    # the mask: log-prob positions predicting "ab<eos>" and "xyz<eos>", not " then: "
+    p = len(prompts[0])
+    policy_tokens = [t + 1 for t in range(batch["policy_mask"].shape[1]) if batch["policy_mask"][0, t]]
+    assert policy_tokens == [p, p + 1, p + 2] + [p + 3 + 7 + k for k in range(4)]
+    batch.update(rewards=torch.tensor(rewards), logprobs=None, init_logprobs=None,
+                 group_ids=torch.tensor([0, 0, 0, 0]))
+    trainer = ReinforceTrainer.__new__(ReinforceTrainer)
+    trainer.__dict__.update(kl_penalty=0.0, use_absolute_kl=True, leave_one_out=True, normalize_rewards=False,
+                            dp_group=None)
+    metrics = trainer.compute_advantages(batch)
+    assert torch.equal(batch["mask"][0], batch["policy_mask"][0]) and batch["mask"][3].sum() == 3
+    ended = [0.3, 0.1, 0.4]  # row 3 (cut) is in no baseline
+    for row in range(3):
+        expected = ended[row] - (sum(ended) - ended[row]) / 2
+        trained = batch["advantages"][row][batch["mask"][row].bool()].tolist()
+        assert trained == pytest.approx([expected] * int(batch["mask"][row].sum()))
+    assert metrics["turns"] == pytest.approx(7 / 4)
+
+
+def test_max_rollout_turns_needs_an_environment_and_cuts_long_episodes(mcore_single, caplog):
+    from nemo_aligner.algorithms.multi_turn import EpisodeStats, play_episodes
+    from nemo_aligner.algorithms.ppo import Timer
+    from nemo_aligner.algorithms.reinforce import check_rollout_turns
+    from nemo_aligner.environments.reward_sources import EnvironmentRewardSource, FunctionRewardSource
+    from nemo_aligner.utils.errors import ConfigError
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    function = FunctionRewardSource(lambda p, r: 0.0, ByteTokenizer())
+    with pytest.raises(ConfigError, match=r"model\.grpo\.max_rollout_turns=2: only an environment plays several turns"):
+        check_rollout_turns({"max_rollout_turns": 2}, "grpo", function)
+    for bad in (0, "2", 1.5, True):
+        with pytest.raises(ConfigError, match=r"model\.rs\.max_rollout_turns=.* must be an integer >= 1"):
+            check_rollout_turns({"max_rollout_turns": bad}, "rs", function)
+    assert check_rollout_turns({}, "grpo", function) == 1
+
+    class Endless:
+        def step(self, conversations, metadata=None):
+            from nemo_aligner.environments import EnvironmentReturn
+
+            return EnvironmentReturn([1.0] * len(conversations), [False] * len(conversations),
+                                     [{"role": "user", "content": " then: "}] * len(conversations))
+
+    policy = ScriptedPolicy({0: ["a", "b", "c"]})
+    tok = policy.tokenizer
+    with caplog.at_level("WARNING"):
+        batch = play_episodes(policy, EnvironmentRewardSource(Endless(), tok), [tok.text_to_ids("#0 =")], None, 4, 0,
+                              None, 2, Timer(), EpisodeStats(), "model.grpo.max_rollout_turns")
+    assert batch["_futures"][0].result().tolist() == [2.0] and batch["turns"].tolist() == [2]
+    assert "were cut there; raise model.grpo.max_rollout_turns" in caplog.text
+
+    class Mute(Endless):
+        def step(self, conversations, metadata=None):
+            out = super().step(conversations, metadata)
+            out.observations = [None] * len(conversations)
+            return out
+
+    with pytest.raises(ConfigError, match="left conversation 0 not done but its observation is None"):
+        play_episodes(policy, EnvironmentRewardSource(Mute(), tok), [tok.text_to_ids("#0 =")], None, 4, 0, None, 2,
+                      Timer(), EpisodeStats(), "model.grpo.max_rollout_turns")

@@ -20,6 +20,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
+from nemo_aligner.algorithms.multi_turn import EpisodeStats, play_episodes
 from nemo_aligner.algorithms.ppo import PPOTrainer, Timer
 from nemo_aligner.utils import ppo_utils
 from nemo_aligner.utils.distributed import host_all_reduce
@@ -76,6 +77,17 @@ def check_group_sampling(rl_cfg, name: str, refuse_greedy: bool = True) -> int:
     return n
 
 
+def check_rollout_turns(rl_cfg, name: str, reward_source) -> int:
+    """``max_rollout_turns`` (NeMo-RL's key): 1, or more with an environment, which alone can answer a turn."""
+    turns = rl_cfg.get("max_rollout_turns", 1)
+    if isinstance(turns, bool) or not isinstance(turns, int) or turns < 1:
+        raise ConfigError(f"model.{name}.max_rollout_turns={turns!r} must be an integer >= 1")
+    if turns > 1 and not getattr(reward_source, "multi_turn", False):
+        raise ConfigError(f"model.{name}.max_rollout_turns={turns}: only an environment plays several turns; a reward "
+                          "function or reward model scores one response (set it to 1)")
+    return turns
+
+
 class ReinforceTrainer(PPOTrainer):
     """REINFORCE/RLOO for an actor (``MegatronGPTActorModel``) with rewards from ``reward_source``."""
 
@@ -89,11 +101,22 @@ class ReinforceTrainer(PPOTrainer):
         self.normalize_rewards = bool(cfg.get("normalize_rewards", False))
         self.critic_warmup_steps = 0
         self.has_critic = False
+        self.max_rollout_turns = check_rollout_turns(rl_cfg, name, reward_source)
+        self.episode_stats = EpisodeStats()
 
     # ----------------------------------------------------------------- rollouts
     def request_scores(self, out, metadata=None):
         return self.rm_critic.score(out.tokens.numpy(), out.prompt_lengths.numpy(), out.response_lengths.numpy(),
                                     metadata=metadata)
+
+    def generate_rollouts(self, prompts: List[List[int]], micro_batch_size: int, seed: int, sampling, timer: Timer,
+                          metadata: Optional[List[dict]] = None) -> Dict[str, torch.Tensor]:
+        """One response per row, or with ``max_rollout_turns`` > 1 an episode per row (the environment
+        answers each turn; the rewards of all turns add up)."""
+        if self.max_rollout_turns == 1:
+            return super().generate_rollouts(prompts, micro_batch_size, seed, sampling, timer, metadata)
+        return play_episodes(self.model, self.rm_critic, prompts, metadata, micro_batch_size, seed, sampling,
+                             self.max_rollout_turns, timer, self.episode_stats, f"model.{self.name}.max_rollout_turns")
 
     def store_answers(self, batch: Dict, answers: list) -> None:
         batch["rewards"] = torch.tensor(np.concatenate([np.asarray(a, dtype=np.float32).reshape(-1) for a in answers]))
@@ -111,6 +134,8 @@ class ReinforceTrainer(PPOTrainer):
     def compute_advantages(self, batch: Dict[str, torch.Tensor]) -> Dict[str, float]:
         width = batch["tokens"].shape[1] - 1
         mask = ppo_utils.create_mask(batch["prompt_lengths"], batch["response_lengths"], width)
+        if "policy_mask" in batch:  # multi-turn episodes: the environment's tokens are not the policy's actions
+            mask = mask * batch["policy_mask"][:, :width]
         kl = self.rollout_kl(batch, mask)
         penalised = ppo_utils.kl_penalised_rewards(batch["rewards"], kl, self.kl_penalty)
         # Responses cut at max_length (no EOS) are not trained on, so they set no one's baseline either.
@@ -123,9 +148,13 @@ class ReinforceTrainer(PPOTrainer):
                              dtype=torch.float64)
         stats = host_all_reduce(stats, group=self.dp_group)
         n = max(float(stats[1]), 1.0)
-        return {"rewards": float(stats[0]) / n, "init_policy_kl": float(stats[2]) / max(float(stats[3]), 1.0),
-                "response_length": float(stats[4]) / n, "ended_fraction": float(stats[5]) / n,
-                "rewards_with_kl": float(stats[6]) / n, "advantage_abs_mean": float(stats[7]) / n}
+        metrics = {"rewards": float(stats[0]) / n, "init_policy_kl": float(stats[2]) / max(float(stats[3]), 1.0),
+                   "response_length": float(stats[4]) / n, "ended_fraction": float(stats[5]) / n,
+                   "rewards_with_kl": float(stats[6]) / n, "advantage_abs_mean": float(stats[7]) / n}
+        if "turns" in batch:
+            turns = host_all_reduce(batch["turns"].sum().double().reshape(1), group=self.dp_group)
+            metrics["turns"] = float(turns[0]) / n
+        return metrics
 
     def progress_postfix(self, metrics: Dict[str, float]) -> Dict[str, str]:
         return {"reward": f"{metrics['rewards']:.3f}", "kl": f"{metrics['init_policy_kl']:.4f}"}

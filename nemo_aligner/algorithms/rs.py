@@ -83,10 +83,13 @@ class RSTrainer(ReinforceTrainer):
                               batch["is_end"].float().sum(), batch["rewards"][keep].sum(), keep.numel(),
                               batch["is_end"][keep].float().sum()], dtype=torch.float64)
         stats = host_all_reduce(stats, group=self.dp_group)
-        for key in ("tokens", "prompt_lengths", "response_lengths", "is_end", "rewards", "group_ids"):
-            batch[key] = batch[key][keep]
-        batch.update(mask=ppo_utils.create_mask(batch["prompt_lengths"], batch["response_lengths"], width),
-                     logprobs=None, init_logprobs=None, advantages=None)
+        for key in ("tokens", "prompt_lengths", "response_lengths", "is_end", "rewards", "group_ids", "policy_mask"):
+            if key in batch:
+                batch[key] = batch[key][keep]
+        mask = ppo_utils.create_mask(batch["prompt_lengths"], batch["response_lengths"], width)
+        if "policy_mask" in batch:  # multi-turn episodes: trained on the policy's turns, not the environment's
+            mask = mask * batch["policy_mask"][:, :width]
+        batch.update(mask=mask, logprobs=None, init_logprobs=None, advantages=None)
         n, kept = max(float(stats[1]), 1.0), max(float(stats[5]), 1.0)
         return {"rewards": float(stats[0]) / n, "response_length": float(stats[2]) / n,
                 "ended_fraction": float(stats[3]) / n, "selected_rewards": float(stats[4]) / kept,

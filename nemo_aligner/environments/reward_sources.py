@@ -100,8 +100,11 @@ class FunctionRewardSource:
 
 
 class EnvironmentRewardSource:
-    """Rewards from an :class:`EnvironmentInterface`: one ``step`` per scored micro-batch, on the
-    conversation ``[user: prompt, assistant: response]``."""
+    """Rewards from an :class:`EnvironmentInterface`. Single-turn: one ``step`` per scored micro-batch, on
+    the conversation ``[user: prompt, assistant: response]``. Multi-turn episodes (the trainer's
+    ``max_rollout_turns`` > 1) call :meth:`step` once per turn with the growing conversations."""
+
+    multi_turn = True  # the trainer may continue episodes the environment does not end
 
     def __init__(self, environment, tokenizer):
         self.environment = environment
@@ -115,12 +118,9 @@ class EnvironmentRewardSource:
         except ValueError:  # no signature to read: NeMo-RL's form
             self._takes_metadata = True
 
-    def score(self, tokens: np.ndarray, prompt_lengths: np.ndarray, response_lengths: np.ndarray,
-              metadata: Optional[List[dict]] = None) -> Future:
-        import logging
-
-        conversations = [[{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
-                         for prompt, response in decode_rollouts(self.tokenizer, tokens, prompt_lengths, response_lengths)]
+    def step(self, conversations: List[list], metadata: Optional[List[dict]] = None, need_observations: bool = False):
+        """One environment step, checked: ``(rewards float32 [B], done [B] bools, observations [B])``;
+        with ``need_observations`` every conversation not done must get a message to continue with."""
         if self._takes_metadata:
             result = self.environment.step(conversations, metadata if metadata is not None else [{}] * len(conversations))
         else:  # an environment written as step(conversations)
@@ -132,10 +132,31 @@ class EnvironmentRewardSource:
         if len(bad):
             raise ConfigError(f"environment.step returned {rewards[bad[0]]} as the reward of conversation {bad[0]} "
                               f"({len(bad)} non-finite in all); rewards must be finite")
-        if not self._warned and not all(result.done):
+        done = [bool(d) for d in (result.done if result.done is not None else [True] * len(conversations))]
+        if len(done) != len(conversations):
+            raise ConfigError(f"environment.step returned {len(done)} done flags for {len(conversations)} conversations")
+        observations = list(getattr(result, "observations", None) or [None] * len(conversations))
+        if need_observations:
+            if len(observations) != len(conversations):
+                raise ConfigError(f"environment.step returned {len(observations)} observations for {len(conversations)} "
+                                  "conversations; give one per conversation (None where done)")
+            for i, (d, obs) in enumerate(zip(done, observations)):
+                if not d and not (isinstance(obs, dict) and isinstance(obs.get("content"), str)):
+                    raise ConfigError(f"environment.step left conversation {i} not done but its observation is {obs!r}; "
+                                      "give a message such as {'role': 'user', 'content': '...'} to continue with")
+        return rewards, done, observations
+
+    def score(self, tokens: np.ndarray, prompt_lengths: np.ndarray, response_lengths: np.ndarray,
+              metadata: Optional[List[dict]] = None) -> Future:
+        import logging
+
+        conversations = [[{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+                         for prompt, response in decode_rollouts(self.tokenizer, tokens, prompt_lengths, response_lengths)]
+        rewards, done, _ = self.step(conversations, metadata)
+        if not self._warned and not all(done):
             self._warned = True
-            logging.getLogger(__name__).warning("the environment continues some episodes (done=False); GRPO scores "
-                                                "the first turn only")
+            logging.getLogger(__name__).warning("the environment continues some episodes (done=False) but episodes here "
+                                                "have one turn: set max_rollout_turns > 1 to play them on")
         future: Future = Future()
         future.set_result(rewards)
         return future

@@ -21,6 +21,7 @@ class GRPOTrainer(RolloutTrainer):
         "max_new_tokens": ("int", (1, False)), "temperature": ("float", (0.0, True)),
         "kl_penalty": ("float", (0.0, False)), "num_val_prompts": ("int", (1, False)),
         "rollout_micro_batch_size": ("int", (1, False)), "save_period": ("int", (0, False)),
+        "max_rollout_turns": ("int", (1, False)),
     }
 
     @classmethod
@@ -39,7 +40,7 @@ class GRPOTrainer(RolloutTrainer):
         grpo = self._section()
         prompts, n = int(grpo.get("num_prompts_per_step", 32)), int(grpo.get("num_generations_per_prompt", 16))
         values = self._rollout_values(dataset, val_dataset, run_dir, max_steps, max_epochs, "num_responses_per_prompt",
-                                      n, trained_rows=prompts * n)
+                                      n, trained_rows=prompts * n, environment=environment)
         values.update({
             "model.grpo.reference_policy_kl_penalty": float(grpo.get("kl_penalty", 0.01)),
             "trainer.grpo.normalize_rewards": bool(grpo.get("normalize_rewards", True)),

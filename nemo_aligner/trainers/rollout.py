@@ -13,7 +13,10 @@ from nemo_aligner.utils.errors import ConfigError
 # Keyword arguments every rollout trainer's from_pretrained takes besides its own.
 ROLLOUT_EXTRA = ("max_new_tokens", "temperature", "micro_batch_size", "global_batch_size", "seed", "output_dir",
                  "precision", "val_period", "save_period", "num_val_prompts", "overrides", "use_wandb",
-                 "pipeline_parallel_size", "rollout_micro_batch_size")
+                 "pipeline_parallel_size", "rollout_micro_batch_size", "max_rollout_turns")
+# Turns per episode with an environment unless max_rollout_turns says otherwise: it plays on while the
+# environment returns done=False (a reward function scores one response: 1 turn).
+ENVIRONMENT_TURNS = 8
 
 
 class RolloutTrainer(BaseTrainer):
@@ -50,7 +53,7 @@ class RolloutTrainer(BaseTrainer):
         return dict(self._config.get(self.algorithm) or {})
 
     def _rollout_values(self, dataset, val_dataset, run_dir: str, max_steps: Optional[int], max_epochs: Optional[int],
-                        responses_key: str, responses: int, trained_rows: int) -> Dict[str, Any]:
+                        responses_key: str, responses: int, trained_rows: int, environment=None) -> Dict[str, Any]:
         """Config values every rollout run sets: data, sizes, optimizer, sampling, steps and intervals.
         ``responses_key``: the config's name for responses per prompt; ``trained_rows``: rows trained
         on per step (the default global batch)."""
@@ -79,6 +82,8 @@ class RolloutTrainer(BaseTrainer):
             "model.global_batch_size": int(section.get("global_batch_size", trained_rows)),
             "model.micro_batch_size": int(section.get("micro_batch_size", min(trained_rows, 8))),
             "model.seed": int(section.get("seed", 1234)),
+            f"model.{name}.max_rollout_turns": int(section.get("max_rollout_turns",
+                                                              ENVIRONMENT_TURNS if environment is not None else 1)),
             f"trainer.{name}.max_steps": int(max_steps) if max_steps is not None else -1,
             f"trainer.{name}.max_epochs": int(max_epochs) if max_epochs is not None else (1000000 if max_steps else 1),
             f"trainer.{name}.val_check_interval": int(section.get("val_period", 0) or 0),

@@ -20,6 +20,7 @@ class RejectionSamplingTrainer(RolloutTrainer):
         "top_n_rollouts": ("int", (1, False)), "max_new_tokens": ("int", (1, False)),
         "temperature": ("float", (0.0, True)), "num_val_prompts": ("int", (1, False)),
         "rollout_micro_batch_size": ("int", (1, False)), "save_period": ("int", (0, False)),
+        "max_rollout_turns": ("int", (1, False)),
     }
 
     @classmethod
@@ -38,7 +39,7 @@ class RejectionSamplingTrainer(RolloutTrainer):
         prompts, n = int(rs.get("num_prompts_per_step", 32)), int(rs.get("num_rollouts_per_prompt", 4))
         top = int(rs.get("top_n_rollouts", 1))
         values = self._rollout_values(dataset, val_dataset, run_dir, max_steps, max_epochs, "num_rollouts_per_prompt",
-                                      n, trained_rows=prompts * top)
+                                      n, trained_rows=prompts * top, environment=environment)
         values["model.rs.top_n_rollouts"] = top
         return values
 
