@@ -86,7 +86,7 @@ def main(argv=None) -> None:
     ppo_stage(out, paths, sft_nemo, rm_nemo, args.ppo_steps)
     dpo_stage(out, paths, sft_nemo, args.dpo_steps)
     grpo_stage(out, paths, sft_nemo, args.grpo_steps)
-    report(out)
+    report(out, task_scores(out, paths["prompts_val"]))
 
 
 def series(records: list, key: str) -> tuple:
@@ -100,8 +100,24 @@ def first_last_mean(records: list, key: str, n: int) -> tuple:
     return sum(values[:n]) / len(values[:n]), sum(values[-n:]) / len(values[-n:])
 
 
-def report(out: str) -> None:
-    """The summary table, and ``report.png`` with every stage's curves."""
+# The final policy of each stage (the SFT model is where every other stage starts).
+POLICIES = (("SFT", os.path.join("sft", "checkpoints", "megatron_gpt_sft.nemo")),
+            ("PPO", os.path.join("ppo_actor", "checkpoints", "megatron_gpt_ppo_actor.nemo")),
+            ("DPO", os.path.join("dpo", "checkpoints", "megatron_gpt.nemo")),
+            ("GRPO", os.path.join("grpo", "fit_1", "checkpoints", "megatron_gpt_grpo.nemo")))
+
+
+def task_scores(out: str, prompts_file: str) -> dict:
+    """Each stage's policy scored by the task's rule (greedy responses to the held-out prompts)."""
+    from nemo_aligner.recipes.evaluate import greedy_score
+
+    prompts = [r["text"] for r in read_jsonl(prompts_file)]
+    return {name: greedy_score(os.path.join(out, path), prompts, BuiltinTask.score) for name, path in POLICIES}
+
+
+def report(out: str, scores: dict) -> None:
+    """The summary table, and ``report.png`` with every stage's curves and the task ``scores`` of
+    each stage's policy (:func:`task_scores`)."""
     runs = {name: read_jsonl(os.path.join(out, d, "metrics.jsonl"), allow_non_finite=True)
             for name, d in (("sft", "sft"), ("rm", "rm"), ("ppo", "ppo_actor"), ("dpo", "dpo"), ("grpo", "grpo/fit_1"))}
     first_last = lambda name, key: (series(runs[name], key)[1][0], series(runs[name], key)[1][-1])  # noqa: E731
@@ -109,8 +125,11 @@ def report(out: str) -> None:
         ("SFT validation loss", *first_last("sft", "val/loss")),
         ("reward model accuracy (held-out pairs)", *first_last("rm", "val/accuracy")),
         ("PPO reward (reward model, greedy, validation)", *first_last("ppo", "val/global_rewards")),
+        ("PPO task score (greedy, held-out)", scores["SFT"], scores["PPO"]),
         ("DPO preference accuracy (held-out pairs)", *first_last("dpo", "val/accuracy")),
+        ("DPO task score (greedy, held-out)", scores["SFT"], scores["DPO"]),
         ("GRPO task reward (greedy, validation)", *first_last("grpo", "val/global_rewards")),
+        ("GRPO task score (greedy, held-out)", scores["SFT"], scores["GRPO"]),
         # Sampled rewards move more than greedy ones (the greedy answer is already the policy's mode):
         # the mean over the first and the last ten steps.
         ("GRPO task reward (sampled, train, 10-step mean)", *first_last_mean(runs["grpo"], "train/rewards", 10)),
@@ -131,7 +150,12 @@ def report(out: str) -> None:
               ("PPO", "ppo", [("train/rewards", "train reward"), ("val/global_rewards", "validation reward")]),
               ("DPO", "dpo", [("train/loss", "train loss"), ("val/accuracy", "validation accuracy")]),
               ("GRPO (Python API)", "grpo", [("train/rewards", "train reward"), ("val/global_rewards", "validation reward")])]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4 * (len(panels) + 1), 3.2))
+    names = [name for name, _ in POLICIES]
+    axes[-1].bar(names, [scores[n] for n in names], color=["gray"] + ["tab:blue"] * (len(names) - 1))
+    axes[-1].set_ylim(0, 1)
+    axes[-1].set_title("Task score (greedy, held-out)")
+    axes[-1].grid(alpha=0.3, axis="y")
     for ax, (title, name, keys) in zip(axes, panels):
         for key, label in keys:
             x, y = series(runs[name], key)

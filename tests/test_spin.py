@@ -151,21 +151,10 @@ def _spin(model, data, log_dir, seed, extra=(), **kwargs):
 
 def greedy_task_score(nemo: str, prompts_file: str) -> float:
     """Mean built-in task score of greedy responses (9 new tokens at most) to the held-out prompts."""
-    from omegaconf import OmegaConf
-
     from nemo_aligner.data.nlp.builtin_task import BuiltinTask
-    from nemo_aligner.models.nlp.gpt.generation import LengthParams, SamplingParams, generate
-    from nemo_aligner.models.nlp.gpt.loading import load_model
-    from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
+    from nemo_aligner.recipes.evaluate import greedy_score
 
-    model = load_model(MegatronGPTModel, OmegaConf.create({}), "32", nemo, trainable=False)
-    model.eval()
-    prompts = [json.loads(line)["text"] for line in open(prompts_file)]
-    out = generate(model.module, model.tokenizer, [model.tokenizer.text_to_ids(p) for p in prompts],
-                   SamplingParams(use_greedy=True), LengthParams(max_length=9))
-    responses = [model.tokenizer.ids_to_text(out.tokens[b, int(out.prompt_lengths[b]):int(out.response_lengths[b])]
-                                             .tolist()) for b in range(len(prompts))]
-    return float(np.mean([BuiltinTask.score(p, r) for p, r in zip(prompts, responses)]))
+    return greedy_score(str(nemo), [json.loads(line)["text"] for line in open(prompts_file)], BuiltinTask.score)
 
 
 @pytest.mark.parametrize("seed", [1234, 7, 11])

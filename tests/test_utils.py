@@ -213,7 +213,7 @@ def test_ppo_local_splits_the_cores_between_its_jobs(monkeypatch):
 
 def test_demo_report_table_and_curves(tmp_path, capsys):
     """The demo's summary: first and last of each stage's metric, GRPO's sampled reward as 10-step
-    means, and the curves written to report.png."""
+    means, each RL stage's task score next to the SFT model's, and the curves written to report.png."""
     from nemo_aligner.demo import report
 
     def write(d, records):
@@ -226,9 +226,12 @@ def test_demo_report_table_and_curves(tmp_path, capsys):
     write("dpo", [{"step": 1, "train/loss": 0.7, "val/accuracy": 0.8}, {"step": 2, "val/accuracy": 0.95}])
     write("grpo/fit_1", [{"step": 0, "val/global_rewards": 0.2}]
           + [{"step": s, "train/rewards": s / 100} for s in range(1, 31)] + [{"step": 30, "val/global_rewards": 0.3}])
-    report(str(tmp_path))
+    report(str(tmp_path), {"SFT": 0.5, "PPO": 0.625, "DPO": 0.75, "GRPO": 0.875})
     table = {line[:48].strip(): line[48:].split() for line in capsys.readouterr().out.splitlines() if len(line) > 48}
     assert table["SFT validation loss"] == ["2.500", "0.500"]
+    assert table["PPO reward (reward model, greedy, validation)"] == ["0.100", "0.700"]
+    for stage, score in (("PPO", "0.625"), ("DPO", "0.750"), ("GRPO", "0.875")):  # the SFT model's, then the stage's
+        assert table[f"{stage} task score (greedy, held-out)"] == ["0.500", score], stage
     assert table["GRPO task reward (greedy, validation)"] == ["0.200", "0.300"]
     assert table["GRPO task reward (sampled, train, 10-step mean)"] == ["0.055", "0.255"]  # steps 1-10, 21-30
     assert (tmp_path / "report.png").stat().st_size > 0 and not (tmp_path / "report.png.tmp.png").exists()

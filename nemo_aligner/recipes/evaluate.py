@@ -1,0 +1,46 @@
+"""Score a ``.nemo`` policy's greedy responses to held-out prompts with a reward function (the
+built-in task's rule-based score, say), in this process."""
+
+from __future__ import annotations
+
+from typing import Callable, List, Sequence
+
+from omegaconf import OmegaConf
+
+
+def greedy_responses(nemo: str, prompts: Sequence[str], max_new_tokens: int = 9, batch_size: int = 64) -> List[str]:
+    """The policy's greedy response to each prompt (EOS dropped), one process on the CPU or one GPU."""
+    from nemo_aligner.models.nlp.gpt.generation import LengthParams, SamplingParams, generate
+    from nemo_aligner.models.nlp.gpt.loading import load_model
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
+    from nemo_aligner.utils import distributed as D
+
+    import torch.distributed as dist
+
+    started = not dist.is_initialized()
+    if started:
+        D.init_distributed()
+        D.initialize_model_parallel(1, 1)
+    try:
+        model = load_model(MegatronGPTModel, OmegaConf.create({}), "32", nemo, trainable=False)
+        model.eval()
+        tok = model.tokenizer
+        responses = []
+        for start in range(0, len(prompts), batch_size):
+            chunk = [tok.text_to_ids(p) for p in prompts[start: start + batch_size]]
+            out = generate(model.module, tok, chunk, SamplingParams(use_greedy=True),
+                           LengthParams(max_length=max_new_tokens))
+            for b in range(len(chunk)):
+                ids = out.tokens[b, int(out.prompt_lengths[b]): int(out.response_lengths[b])].tolist()
+                responses.append(tok.ids_to_text([t for t in ids if t != tok.eos_id]))
+        return responses
+    finally:
+        if started:
+            D.destroy()
+
+
+def greedy_score(nemo: str, prompts: Sequence[str], reward_fn: Callable[[str, str], float],
+                 max_new_tokens: int = 9) -> float:
+    """The mean of ``reward_fn(prompt, greedy response)`` over ``prompts``."""
+    responses = greedy_responses(nemo, prompts, max_new_tokens)
+    return sum(float(reward_fn(p, r)) for p, r in zip(prompts, responses)) / max(len(prompts), 1)
