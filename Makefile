@@ -1,5 +1,6 @@
 # make demo        : the whole pipeline on the built-in tiny model and data (creates .venv on first use)
-# make test        : the CPU test suite, on the exact versions in constraints.txt
+# make test        : the CPU test suite, on the exact versions in constraints.txt (learning tests apart)
+# make test-learning: the learning tests (each algorithm trains and must improve, several seeds)
 # make test-latest : a representative subset on Python 3.12 with the newest torch and megatron-core
 # make test-oldest : the same subset on Python 3.10 with the oldest torch and megatron-core supported
 # make test-slurm  : the PPO heterogeneous job on a two-node Slurm cluster started here (root; not in make test)
@@ -39,7 +40,13 @@ demo: $(STAMP)
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not learning" tests
+
+# Tests marked `learning`: an algorithm trains on the built-in task and its score, loss or reward
+# must improve (several seeds); CI runs them after make test.
+.PHONY: test-learning
+test-learning: $(STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m learning tests
 
 clean:
 	rm -rf results/demo .pytest_cache

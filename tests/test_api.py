@@ -18,6 +18,7 @@ def weak_sft(tmp_path_factory, weak_policy):
     return tmp_path_factory.mktemp("api"), data, model
 
 
+@pytest.mark.learning
 def test_grpo_snippet_raises_reward_with_callbacks(weak_sft):
     from nemo_aligner import GRPOTrainer
     from nemo_aligner.data.nlp.builtin_task import BuiltinTask

@@ -126,6 +126,7 @@ def test_aligner_chat_format_pairs():
                                                     __line__=2, __file__="x.jsonl")])
 
 
+@pytest.mark.learning
 def test_dpo_learns_preferences_and_keeps_the_reference(tmp_path, sft_nemo):
     """On the built-in pairs, DPO from the SFT model reaches >= 90% held-out preference accuracy with
     a clearly positive reward margin (implied rewards beta * log-ratio)."""

@@ -170,6 +170,7 @@ def _distill(student, train, val, log_dir, *extra, steps=60, val_at_start=True, 
         "model.optim.sched.name=Constant", *extra], **kwargs)
 
 
+@pytest.mark.learning
 @pytest.mark.parametrize("seed, kind", [(1234, "fwd_kl"), (7, "fwd_kl"), (11, "bwd_kl")])
 def test_student_kl_to_the_teacher_falls(tmp_path, kd_records, base_nemo, seed, kind):
     """A randomly initialised student, 60 steps on the teacher's top-4 logits: its held-out KL to the

@@ -97,6 +97,7 @@ def test_kto_refuses_one_sample_per_data_parallel_rank(mcore_single):
     MegatronGPTKTOModel(OmegaConf.merge(cfg, {"global_batch_size": 2}), ByteTokenizer())
 
 
+@pytest.mark.learning
 def test_kto_separates_desirable_from_undesirable(tmp_path, sft_nemo):
     """On the built-in data, 60 KTO steps from the SFT model: the implied reward of held-out desirable
     responses ends clearly above that of undesirable ones (measured ~0.8 at beta 0.1)."""

@@ -91,6 +91,7 @@ def test_two_steps_checkpoints_and_resume(tmp_path, task_data, rm_nemo, sft_nemo
     assert steps == [1, 2, 3, 4]
 
 
+@pytest.mark.learning
 def test_reward_rises_on_the_builtin_task(tmp_path, task_data, rm_nemo, weak_sft_nemo):
     """From a weak SFT policy, 30 PPO steps of 128 rollouts raise the reward model's mean reward on
     greedy responses to 64 held-out prompts by at least 0.3 (measured with two seeds: 0.32 -> 1.01

@@ -109,6 +109,7 @@ def test_reward_sources():
         RemoteRewardSource(cfg, pad_id=tok.eos_id)
 
 
+@pytest.mark.learning
 def test_rloo_raises_the_task_reward(tmp_path, weak_policy):
     """From a partly trained SFT model (150 steps), 100 RLOO steps with the built-in task's reward
     function: the mean sampled reward of the last 20 steps is above the first 20's (measured

@@ -86,6 +86,7 @@ def test_kept_rows_must_fill_whole_global_batches(tmp_path, weak_policy):
             in proc.stderr and "Traceback" not in proc.stderr), proc.stderr[-2000:]
 
 
+@pytest.mark.learning
 @pytest.mark.parametrize("seed", [1234, 7, 11])
 def test_rejection_sampling_raises_the_task_score(tmp_path, weak_policy, seed):
     """From a partly trained SFT model, 100 steps of best-of-4 with the built-in task's reward

@@ -24,6 +24,7 @@ def sft_overrides(data, log_dir, steps, extra=()):
     ]
 
 
+@pytest.mark.learning
 def test_sft_lowers_validation_loss(tmp_path, builtin_data):
     log_dir = tmp_path / "sft"
     proc = run_script("train_gpt_sft.py", sft_overrides(builtin_data, log_dir, 150, [

@@ -157,6 +157,7 @@ def greedy_task_score(nemo: str, prompts_file: str) -> float:
     return greedy_score(str(nemo), [json.loads(line)["text"] for line in open(prompts_file)], BuiltinTask.score)
 
 
+@pytest.mark.learning
 @pytest.mark.parametrize("seed", [1234, 7, 11])
 def test_self_play_raises_held_out_likelihood_of_the_answers(tmp_path, weak_policy, seed, mcore_single):
     """From a partly trained SFT model, 3 iterations of 15 steps (64 prompts each): the held-out SFT

@@ -110,6 +110,7 @@ def _quality_scores(nemo, prompts, out):
                               for r in rows[i * n:(i + 1) * n]])) for i, q in enumerate((0, 2, 4))}
 
 
+@pytest.mark.learning
 def test_an_iteration_moves_the_policy_towards_the_target(tmp_path, steerlm_nemo, sft_nemo, regression_rm):
     """The SteerLM model samples 4 responses to 192 built-in prompts x {quality:4, 2, 0}; the SFT model
     gives log P(y|x), the regression reward model log P(a|x,y). One epoch of SteerLM 2.0 on them:
