@@ -110,10 +110,12 @@ def test_reward_sources():
 
 
 @pytest.mark.learning
-def test_rloo_raises_the_task_reward(tmp_path, weak_policy):
+@pytest.mark.parametrize("seed", [1234, 7, 11])
+def test_rloo_raises_the_task_reward(tmp_path, weak_policy, seed):
     """From a partly trained SFT model (150 steps), 100 RLOO steps with the built-in task's reward
-    function: the mean sampled reward of the last 20 steps is above the first 20's (measured
-    ~0.60 -> ~0.67) and greedy validation does not get worse."""
+    function, for three seeds: the mean sampled reward of the last 20 steps is above the first 20's by
+    more than 0.05 (measured +0.085 to +0.110: ~0.62 -> 0.71-0.73) and greedy validation does not get
+    worse (0.748 -> 0.780, 0.748, 0.776)."""
     model, data = weak_policy
     log_dir = tmp_path / "rloo"
     proc = run_script("train_gpt_reinforce_actor.py", [
@@ -124,14 +126,15 @@ def test_rloo_raises_the_task_reward(tmp_path, weak_policy):
         "model.reinforce.num_rollout_samples=32", "model.reinforce.num_responses_per_prompt=4",
         "model.global_batch_size=64", "model.micro_batch_size=16", "model.reinforce.rollout_micro_batch_size=32",
         "model.reinforce.num_val_samples=64", "model.reinforce.length_params.max_length=9",
-        "model.optim.lr=5e-5", "model.optim.sched.name=Constant"])
+        "model.optim.lr=1e-4", "model.optim.sched.name=Constant", f"model.seed={seed}"])
     metrics = read_metrics(log_dir)
     rewards = [r["train/rewards"] for r in metrics if "train/rewards" in r]
     val = {r["step"]: r["val/global_rewards"] for r in metrics if "val/global_rewards" in r}
     assert len(rewards) == 100 and sorted(val) == [0, 100]
     first, last = np.mean(rewards[:20]), np.mean(rewards[-20:])
-    print(f"RLOO mean sampled reward: first 20 steps {first:.3f}, last 20 steps {last:.3f}; greedy validation {val}")
-    assert last > first + 0.03, (first, last)
+    print(f"RLOO seed {seed} mean sampled reward: first 20 steps {first:.3f}, last 20 steps {last:.3f}; "
+          f"greedy validation {val}")
+    assert last > first + 0.05, (first, last)
     assert val[100] >= val[0] - 0.01, val
     assert all(r["train/init_policy_kl"] >= 0 for r in metrics if "train/init_policy_kl" in r)
     assert "REINFORCE finished: 100 steps" in proc.stdout
