@@ -186,3 +186,32 @@ def test_max_rollout_turns_needs_an_environment_and_cuts_long_episodes(mcore_sin
     with pytest.raises(ConfigError, match="left conversation 0 not done but its observation is None"):
         play_episodes(policy, EnvironmentRewardSource(Mute(), tok), [tok.text_to_ids("#0 =")], None, 4, 0, None, 2,
                       Timer(), EpisodeStats(), "model.grpo.max_rollout_turns")
+
+
+@pytest.mark.learning
+@pytest.mark.parametrize("seed", [1234, 7, 11])
+def test_grpo_raises_the_task_reward(tmp_path, weak_policy, seed):
+    """GRPO (Python API, the task's own scorer) from a partly trained SFT model, 80 steps of 16 prompts x 8
+    at lr 1e-4, for three seeds: the mean sampled reward of the last 20 steps is above the first 20's by
+    more than 0.05 (measured +0.10 for each: ~0.61 -> 0.71) and greedy validation on 64 held-out prompts
+    does not fall by more than its noise (0.748 -> 0.788, 0.713, 0.753)."""
+    import json
+
+    from nemo_aligner import GRPOTrainer
+    from nemo_aligner.data.nlp.builtin_task import BuiltinTask
+
+    model, data = weak_policy
+    trainer = GRPOTrainer.from_pretrained(model, num_prompts_per_step=16, num_generations_per_prompt=8,
+                                          learning_rate=1e-4, max_sequence_length=64, max_new_tokens=9,
+                                          global_batch_size=64, micro_batch_size=16, seed=seed, val_period=80,
+                                          save_period=0, output_dir=str(tmp_path / "grpo"))
+    result = trainer.fit(dataset=data["prompts_train"], val_dataset=data["prompts_val"], reward_fn=BuiltinTask.score,
+                         max_steps=80)
+    rows = [json.loads(line) for line in open(tmp_path / "grpo" / "fit_1" / "metrics.jsonl")]
+    rewards = [r["train/rewards"] for r in rows if "train/rewards" in r]
+    val = {r["step"]: r["val/global_rewards"] for r in rows if "val/global_rewards" in r}
+    first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
+    print(f"GRPO seed {seed}: sampled reward {first:.3f} -> {last:.3f}; greedy validation {val}")
+    assert result.total_steps == 80 and len(rewards) == 80 and sorted(val) == [0, 80]
+    assert last > first + 0.05, (first, last)
+    assert val[80] > val[0] - 0.05, val
