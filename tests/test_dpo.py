@@ -127,9 +127,11 @@ def test_aligner_chat_format_pairs():
 
 
 @pytest.mark.learning
-def test_dpo_learns_preferences_and_keeps_the_reference(tmp_path, sft_nemo):
+@pytest.mark.parametrize("seed", [1234, 7, 11])
+def test_dpo_learns_preferences_and_keeps_the_reference(tmp_path, sft_nemo, seed):
     """On the built-in pairs, DPO from the SFT model reaches >= 90% held-out preference accuracy with
-    a clearly positive reward margin (implied rewards beta * log-ratio)."""
+    a clearly positive reward margin (implied rewards beta * log-ratio), for three seeds (measured at
+    step 60: accuracy 0.945 / 0.953 / 0.922, margin 1.64 / 1.53 / 1.64)."""
     from nemo_aligner.data.nlp.builtin_task import BuiltinTask
 
     data = BuiltinTask(seed=0).write_all(str(tmp_path / "data"), n_train=1000, n_val=128)
@@ -139,8 +141,10 @@ def test_dpo_learns_preferences_and_keeps_the_reference(tmp_path, sft_nemo):
         f"++model.data.data_prefix={{train: [{data['dpo_train']}], validation: [{data['dpo_val']}]}}",
         f"exp_manager.explicit_log_dir={log_dir}", "trainer.dpo.max_steps=60", "trainer.dpo.max_epochs=100",
         "trainer.dpo.val_check_interval=30", "model.dpo.ref_policy_kl_penalty=0.2",
-        "model.optim.lr=2e-4"])
+        "model.optim.lr=2e-4", f"model.seed={seed}"])
     val = [r for r in read_metrics(log_dir) if "val/accuracy" in r]
+    print(f"DPO seed {seed}: " + ", ".join(f"step {r['step']}: accuracy {r['val/accuracy']:.3f}, margin "
+                                           f"{r['val/reward_margin']:.3f}" for r in val))
     first_train = next(r for r in read_metrics(log_dir) if "train/accuracy" in r)
     assert val[-1]["step"] == 60
     assert val[-1]["val/accuracy"] >= 0.9, val
