@@ -95,6 +95,13 @@ def forward_logits(model, tokens):
         return model.module(tokens, positions, None).cpu()
 
 
+def stub_trainer(cls, **attrs):
+    """A trainer object with only the attributes its advantage computation reads."""
+    trainer = cls.__new__(cls)
+    trainer.__dict__.update(attrs)
+    return trainer
+
+
 def read_metrics(log_dir: str) -> list:
     with open(os.path.join(log_dir, "metrics.jsonl"), encoding="utf-8") as f:
         return [json.loads(line) for line in f]

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_script, stub_trainer
 from nemo_aligner.algorithms.reinforce import group_advantages
 from nemo_aligner.utils.ppo_utils import k3_kl
 
@@ -133,9 +133,8 @@ def test_every_turn_of_a_two_step_environment_counts(mcore_single):
     assert policy_tokens == [p, p + 1, p + 2] + [p + 3 + 7 + k for k in range(4)]
     batch.update(rewards=torch.tensor(rewards), logprobs=None, init_logprobs=None,
                  group_ids=torch.tensor([0, 0, 0, 0]))
-    trainer = ReinforceTrainer.__new__(ReinforceTrainer)
-    trainer.__dict__.update(kl_penalty=0.0, use_absolute_kl=True, leave_one_out=True, normalize_rewards=False,
-                            dp_group=None)
+    trainer = stub_trainer(ReinforceTrainer, kl_penalty=0.0, use_absolute_kl=True, leave_one_out=True,
+                           normalize_rewards=False, dp_group=None)
     metrics = trainer.compute_advantages(batch)
     assert torch.equal(batch["mask"][0], batch["policy_mask"][0]) and batch["mask"][3].sum() == 3
     ended = [0.3, 0.1, 0.4]  # row 3 (cut) is in no baseline

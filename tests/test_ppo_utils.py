@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from conftest import stub_trainer
 from nemo_aligner.utils import ppo_utils as P
 
 
@@ -183,13 +184,6 @@ def test_actor_loss_kl_term_by_hand(coef):
     assert bool((towards[mask.bool()] > 0).all()) == (coef > 0)
     with pytest.raises(ValueError, match="init_logprobs"):
         P.ppo_actor_loss(logp, old, adv, mask, 0.2, kl_loss_coef=0.1)
-
-
-def stub_trainer(cls, **attrs):
-    """A trainer object with only the attributes its advantage computation reads."""
-    trainer = cls.__new__(cls)
-    trainer.__dict__.update(attrs)
-    return trainer
 
 
 def rollout_batch():

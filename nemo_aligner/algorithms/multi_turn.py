@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from nemo_aligner.algorithms.ppo import is_mp_source, mp_broadcast
+from nemo_aligner.data.nlp.dpo_dataset import pad_rows
 
 logger = logging.getLogger(__name__)
 
@@ -104,9 +105,7 @@ def play_episodes(model, source, prompts: List[List[int]], metadata: Optional[Li
             conversations[i].append(dict(observations[k]))
     stats.report(cut, n, max_turns, key)
     width = max(len(r) for r in rows)
-    tokens = torch.full((n, width), tok.eos_id, dtype=torch.long)
-    for i, r in enumerate(rows):
-        tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    tokens = pad_rows(rows, width, tok.eos_id)
     future = None
     if is_mp_source():
         future = Future()

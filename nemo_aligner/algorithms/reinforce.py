@@ -131,11 +131,18 @@ class ReinforceTrainer(PPOTrainer):
         batch["group_ids"] = torch.arange(len(prompts)).repeat_interleave(self.responses_per_prompt)
         return batch
 
-    def compute_advantages(self, batch: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    @staticmethod
+    def trained_token_mask(batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """1 on the log-prob positions of the policy's response tokens, [B, T-1]; in multi-turn episodes
+        the environment's observations between turns are not the policy's actions."""
         width = batch["tokens"].shape[1] - 1
         mask = ppo_utils.create_mask(batch["prompt_lengths"], batch["response_lengths"], width)
-        if "policy_mask" in batch:  # multi-turn episodes: the environment's tokens are not the policy's actions
+        if "policy_mask" in batch:
             mask = mask * batch["policy_mask"][:, :width]
+        return mask
+
+    def compute_advantages(self, batch: Dict[str, torch.Tensor]) -> Dict[str, float]:
+        mask = self.trained_token_mask(batch)
         kl = self.rollout_kl(batch, mask)
         penalised = ppo_utils.kl_penalised_rewards(batch["rewards"], kl, self.kl_penalty)
         # Responses cut at max_length (no EOS) are not trained on, so they set no one's baseline either.

@@ -77,7 +77,6 @@ class RSTrainer(ReinforceTrainer):
     def compute_advantages(self, batch: Dict[str, torch.Tensor]) -> Dict[str, float]:
         """Keep each prompt's ``top_n_rollouts`` best responses (the batch then holds only those)."""
         keep = ppo_utils.select_top_n(batch["rewards"], batch["group_ids"], self.top_n, valid=batch["is_end"])
-        width = batch["tokens"].shape[1] - 1
         response = (batch["response_lengths"] - batch["prompt_lengths"]).float()
         stats = torch.tensor([batch["rewards"].sum(), batch["rewards"].numel(), response.sum(),
                               batch["is_end"].float().sum(), batch["rewards"][keep].sum(), keep.numel(),
@@ -86,10 +85,7 @@ class RSTrainer(ReinforceTrainer):
         for key in ("tokens", "prompt_lengths", "response_lengths", "is_end", "rewards", "group_ids", "policy_mask"):
             if key in batch:
                 batch[key] = batch[key][keep]
-        mask = ppo_utils.create_mask(batch["prompt_lengths"], batch["response_lengths"], width)
-        if "policy_mask" in batch:  # multi-turn episodes: trained on the policy's turns, not the environment's
-            mask = mask * batch["policy_mask"][:, :width]
-        batch.update(mask=mask, logprobs=None, init_logprobs=None, advantages=None)
+        batch.update(mask=self.trained_token_mask(batch), logprobs=None, init_logprobs=None, advantages=None)
         n, kept = max(float(stats[1]), 1.0), max(float(stats[5]), 1.0)
         return {"rewards": float(stats[0]) / n, "response_length": float(stats[2]) / n,
                 "ended_fraction": float(stats[3]) / n, "selected_rewards": float(stats[4]) / kept,

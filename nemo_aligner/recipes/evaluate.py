@@ -10,12 +10,13 @@ from omegaconf import OmegaConf
 
 def greedy_responses(nemo: str, prompts: Sequence[str], max_new_tokens: int = 9, batch_size: int = 64) -> List[str]:
     """The policy's greedy response to each prompt (EOS dropped), one process on the CPU or one GPU."""
-    from nemo_aligner.models.nlp.gpt.generation import LengthParams, SamplingParams, generate
+    import torch.distributed as dist
+
+    from nemo_aligner.models.nlp.gpt.generation import LengthParams, SamplingParams
     from nemo_aligner.models.nlp.gpt.loading import load_model
     from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
+    from nemo_aligner.models.nlp.gpt.text_generation import generate_texts
     from nemo_aligner.utils import distributed as D
-
-    import torch.distributed as dist
 
     started = not dist.is_initialized()
     if started:
@@ -23,17 +24,8 @@ def greedy_responses(nemo: str, prompts: Sequence[str], max_new_tokens: int = 9,
         D.initialize_model_parallel(1, 1)
     try:
         model = load_model(MegatronGPTModel, OmegaConf.create({}), "32", nemo, trainable=False)
-        model.eval()
-        tok = model.tokenizer
-        responses = []
-        for start in range(0, len(prompts), batch_size):
-            chunk = [tok.text_to_ids(p) for p in prompts[start: start + batch_size]]
-            out = generate(model.module, tok, chunk, SamplingParams(use_greedy=True),
-                           LengthParams(max_length=max_new_tokens))
-            for b in range(len(chunk)):
-                ids = out.tokens[b, int(out.prompt_lengths[b]): int(out.response_lengths[b])].tolist()
-                responses.append(tok.ids_to_text([t for t in ids if t != tok.eos_id]))
-        return responses
+        return generate_texts(model, prompts, SamplingParams(use_greedy=True), LengthParams(max_length=max_new_tokens),
+                              batch_size=batch_size)
     finally:
         if started:
             D.destroy()
