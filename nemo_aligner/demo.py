@@ -1,9 +1,12 @@
 """``make demo``: the built-in task end to end on a tiny model, on the CPU, in a few minutes.
 
 Writes the built-in data, then runs each stage as a user would: SFT of a randomly initialised
-tiny GPT, a reward model trained from the SFT model, a reward-model server queried by a client,
-PPO (critic server + actor) from both, DPO from the SFT model (all with their Hydra scripts), and
-GRPO through the Python API. Prints a summary table and writes ``report.png`` with the curves.
+tiny GPT; the SFT policy sampled (``generate_gpt.py``) and its answers ranked by the task's rule
+into reward-model comparisons; a reward model trained on those and the built-in pairs; a
+reward-model server queried by a client; PPO (critic server + actor), DPO and REINFORCE/RLOO from
+the SFT model (all with their Hydra scripts); GRPO and rejection sampling through the Python API.
+Every final policy is scored on held-out prompts by the task's rule and by the reward model; prints
+a summary table and writes ``report.png`` with the curves and both scores.
 """
 
 from __future__ import annotations
@@ -51,10 +54,14 @@ def main(argv=None) -> None:
     parser.add_argument("--out-dir", default=os.path.join("results", "demo"))
     parser.add_argument("--sft-steps", type=int, default=150,
                         help="short on purpose: a partly trained policy leaves room for PPO and GRPO to improve it")
-    parser.add_argument("--rm-steps", type=int, default=200)
-    parser.add_argument("--ppo-steps", type=int, default=30)
-    parser.add_argument("--dpo-steps", type=int, default=60)
-    parser.add_argument("--grpo-steps", type=int, default=160)  # 80 left greedy validation within noise of the start
+    parser.add_argument("--policy-samples", type=int, default=4,
+                        help="SFT-policy answers per training prompt, ranked by the task's rule for the reward model")
+    parser.add_argument("--rm-steps", type=int, default=500)
+    parser.add_argument("--ppo-steps", type=int, default=PPO_STEPS)
+    parser.add_argument("--dpo-steps", type=int, default=300)
+    parser.add_argument("--grpo-steps", type=int, default=800)
+    parser.add_argument("--rloo-steps", type=int, default=800)
+    parser.add_argument("--rs-steps", type=int, default=250)
     args = parser.parse_args(argv)
     out = os.path.abspath(args.out_dir)
     data = os.path.join(out, "data")
@@ -81,12 +88,15 @@ def main(argv=None) -> None:
     first, last = rows[0][2], rows[-1][2]
     print(f"\nvalidation loss {first:.3f} -> {last:.3f}; fine-tuned model: {sft_nemo}")
 
-    rm_nemo = reward_model_stage(out, paths, sft_nemo, args.rm_steps)
+    rm_train = policy_comparisons_stage(out, paths, sft_nemo, args.policy_samples)
+    rm_nemo = reward_model_stage(out, paths, sft_nemo, rm_train, args.rm_steps)
     serve_stage(rm_nemo)
     ppo_stage(out, paths, sft_nemo, rm_nemo, args.ppo_steps)
     dpo_stage(out, paths, sft_nemo, args.dpo_steps)
+    rloo_stage(out, paths, sft_nemo, args.rloo_steps)
     grpo_stage(out, paths, sft_nemo, args.grpo_steps)
-    report(out, task_scores(out, paths["prompts_val"]))
+    rs_stage(out, paths, sft_nemo, args.rs_steps)
+    report(out, policy_scores(out, paths["prompts_val"], rm_nemo))
 
 
 def series(records: list, key: str) -> tuple:
@@ -100,76 +110,99 @@ def first_last_mean(records: list, key: str, n: int) -> tuple:
     return sum(values[:n]) / len(values[:n]), sum(values[-n:]) / len(values[-n:])
 
 
-# The final policy of each stage (the SFT model is where every other stage starts).
-POLICIES = (("SFT", os.path.join("sft", "checkpoints", "megatron_gpt_sft.nemo")),
-            ("PPO", os.path.join("ppo_actor", "checkpoints", "megatron_gpt_ppo_actor.nemo")),
-            ("DPO", os.path.join("dpo", "checkpoints", "megatron_gpt.nemo")),
-            ("GRPO", os.path.join("grpo", "fit_1", "checkpoints", "megatron_gpt_grpo.nemo")))
+# The final policy of each stage (the SFT model is where every other stage starts), and its metrics directory.
+POLICIES = (("SFT", os.path.join("sft", "checkpoints", "megatron_gpt_sft.nemo"), "sft"),
+            ("PPO", os.path.join("ppo_actor", "checkpoints", "megatron_gpt_ppo_actor.nemo"), "ppo_actor"),
+            ("DPO", os.path.join("dpo", "checkpoints", "megatron_gpt.nemo"), "dpo"),
+            ("RLOO", os.path.join("rloo", "checkpoints", "megatron_gpt_reinforce_actor.nemo"), "rloo"),
+            ("GRPO", os.path.join("grpo", "fit_1", "checkpoints", "megatron_gpt_grpo.nemo"), os.path.join("grpo", "fit_1")),
+            ("RS", os.path.join("rs", "fit_1", "checkpoints", "megatron_gpt_rs_actor.nemo"), os.path.join("rs", "fit_1")))
+PPO_STEPS = 100
 
 
-def task_scores(out: str, prompts_file: str) -> dict:
-    """Each stage's policy scored by the task's rule (greedy responses to the held-out prompts)."""
-    from nemo_aligner.recipes.evaluate import greedy_score
+def policy_scores(out: str, prompts_file: str, rm_nemo: str) -> dict:
+    """``{stage: (task score, reward-model score)}``: each stage's greedy responses to the held-out
+    prompts, scored by the task's rule and by the demo's reward model (means)."""
+    from nemo_aligner.recipes.evaluate import greedy_responses, reward_model_scores
 
     prompts = [r["text"] for r in read_jsonl(prompts_file)]
-    return {name: greedy_score(os.path.join(out, path), prompts, BuiltinTask.score) for name, path in POLICIES}
+    scores = {}
+    for name, path, _ in POLICIES:
+        responses = greedy_responses(os.path.join(out, path), prompts)
+        task = sum(BuiltinTask.score(p, r) for p, r in zip(prompts, responses)) / len(prompts)
+        rm = reward_model_scores(rm_nemo, [p + r for p, r in zip(prompts, responses)])
+        scores[name] = (task, sum(rm) / len(rm))
+    return scores
 
 
 def report(out: str, scores: dict) -> None:
-    """The summary table, and ``report.png`` with every stage's curves and the task ``scores`` of
-    each stage's policy (:func:`task_scores`)."""
-    runs = {name: read_jsonl(os.path.join(out, d, "metrics.jsonl"), allow_non_finite=True)
-            for name, d in (("sft", "sft"), ("rm", "rm"), ("ppo", "ppo_actor"), ("dpo", "dpo"), ("grpo", "grpo/fit_1"))}
+    """The summary table, and ``report.png`` with every stage's curves and both scores of each
+    stage's policy (:func:`policy_scores`)."""
+    runs = {name: read_jsonl(os.path.join(out, d, "metrics.jsonl"), allow_non_finite=True) for name, _, d in POLICIES}
+    runs["RM"] = read_jsonl(os.path.join(out, "rm", "metrics.jsonl"), allow_non_finite=True)
     first_last = lambda name, key: (series(runs[name], key)[1][0], series(runs[name], key)[1][-1])  # noqa: E731
-    rows = [
-        ("SFT validation loss", *first_last("sft", "val/loss")),
-        ("reward model accuracy (held-out pairs)", *first_last("rm", "val/accuracy")),
-        ("PPO reward (reward model, greedy, validation)", *first_last("ppo", "val/global_rewards")),
-        ("PPO task score (greedy, held-out)", scores["SFT"], scores["PPO"]),
-        ("DPO preference accuracy (held-out pairs)", *first_last("dpo", "val/accuracy")),
-        ("DPO task score (greedy, held-out)", scores["SFT"], scores["DPO"]),
-        ("GRPO task reward (greedy, validation)", *first_last("grpo", "val/global_rewards")),
-        ("GRPO task score (greedy, held-out)", scores["SFT"], scores["GRPO"]),
-        # Sampled rewards move more than greedy ones (the greedy answer is already the policy's mode):
-        # the mean over the first and the last ten steps.
-        ("GRPO task reward (sampled, train, 10-step mean)", *first_last_mean(runs["grpo"], "train/rewards", 10)),
-    ]
+    sft_task, sft_rm = scores["SFT"]
+    half_gap = sft_task + (1.0 - sft_task) / 2
+    rows = [("SFT validation loss", *first_last("SFT", "val/loss")),
+            ("reward model accuracy (held-out pairs)", *first_last("RM", "val/accuracy")),
+            ("DPO preference accuracy (held-out pairs)", *first_last("DPO", "val/accuracy"))]
     print("\n" + "=" * 72)
-    print(f"{'stage':<48} {'first':>10} {'last':>10}")
+    print(f"{'training':<48} {'first':>10} {'last':>10}")
     print("-" * 72)
     for name, first, last in rows:
         print(f"{name:<48} {first:>10.3f} {last:>10.3f}")
+    print("=" * 72)
+    print("Final policies on the 200 held-out prompts (greedy): the task's rule-based score (fraction of")
+    print(f"right characters) and the reward model's score. Half the gap from SFT to perfect: {half_gap:.3f}.")
+    print(f"{'policy':<8} {'task score':>11} {'change':>8} {'reward model':>13} {'change':>8}")
+    print("-" * 72)
+    for name, _, _ in POLICIES:
+        task, rm = scores[name]
+        change = "" if name == "SFT" else f"{task - sft_task:+8.3f}"
+        rm_change = "" if name == "SFT" else f"{rm - sft_rm:+8.3f}"
+        print(f"{name:<8} {task:>11.3f} {change:>8} {rm:>13.3f} {rm_change:>8}")
     print("=" * 72)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("SFT", "sft", [("train/loss", "train loss"), ("val/loss", "validation loss")]),
-              ("Reward model", "rm", [("train/loss", "train loss"), ("val/accuracy", "validation accuracy")]),
-              ("PPO", "ppo", [("train/rewards", "train reward"), ("val/global_rewards", "validation reward")]),
-              ("DPO", "dpo", [("train/loss", "train loss"), ("val/accuracy", "validation accuracy")]),
-              ("GRPO (Python API)", "grpo", [("train/rewards", "train reward"), ("val/global_rewards", "validation reward")])]
-    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4 * (len(panels) + 1), 3.2))
-    names = [name for name, _ in POLICIES]
-    axes[-1].bar(names, [scores[n] for n in names], color=["gray"] + ["tab:blue"] * (len(names) - 1))
-    axes[-1].set_ylim(0, 1)
-    axes[-1].set_title("Task score (greedy, held-out)")
-    axes[-1].grid(alpha=0.3, axis="y")
+    panels = [("SFT", "SFT", [("train/loss", "train loss"), ("val/loss", "validation loss")]),
+              ("Reward model", "RM", [("train/loss", "train loss"), ("val/accuracy", "validation accuracy")]),
+              ("PPO (reward model)", "PPO", [("train/rewards", "train reward"), ("val/global_rewards", "validation reward")]),
+              ("DPO (+ SFT loss on chosen)", "DPO", [("train/preference_loss", "train preference loss"),
+                                                     ("val/accuracy", "validation accuracy")]),
+              ("RLOO (task reward)", "RLOO", [("train/rewards", "train reward"), ("val/global_rewards", "validation reward")]),
+              ("GRPO (task reward, Python API)", "GRPO",
+               [("train/rewards", "train reward"), ("val/global_rewards", "validation reward")]),
+              ("RS (task reward, Python API)", "RS",
+               [("train/rewards", "train reward"), ("val/global_rewards", "validation reward")])]
+    fig, axes = plt.subplots(3, 3, figsize=(13, 10))
+    axes = axes.ravel()
     for ax, (title, name, keys) in zip(axes, panels):
         for key, label in keys:
             x, y = series(runs[name], key)
             ax.plot(x, y, marker="o" if len(x) < 12 else None, label=label)
-        ax.set_title(title)
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
+    names = [name for name, _, _ in POLICIES]
+    colors = ["gray"] + ["tab:blue"] * (len(names) - 1)
+    for ax, column, title in ((axes[-2], 0, "Task score (rule, greedy, held-out)"),
+                              (axes[-1], 1, "Reward-model score (greedy, held-out)")):
+        ax.bar(names, [scores[n][column] for n in names], color=colors)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+    axes[-2].set_ylim(0, 1)
+    axes[-2].axhline(half_gap, color="tab:red", linestyle="--", linewidth=1, label="half the gap from SFT to 1")
+    axes[-2].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     path = os.path.join(out, "report.png")
-    fig.savefig(path + ".tmp.png", dpi=110)
+    fig.savefig(path + ".tmp.png", dpi=100)
     os.replace(path + ".tmp.png", path)
     plt.close(fig)
-    print(f"training curves: {path}")
+    print(f"training curves and scores: {path}")
 
 
 def grpo_stage(out: str, paths: dict, sft_nemo: str, steps: int) -> None:
@@ -180,18 +213,60 @@ def grpo_stage(out: str, paths: dict, sft_nemo: str, steps: int) -> None:
     grpo_dir = os.path.join(out, "grpo")
     remove_stage_dir(grpo_dir)
     print("\n>>> GRPOTrainer.from_pretrained(sft_nemo, num_prompts_per_step=16, num_generations_per_prompt=8, "
-          "learning_rate=5e-5).fit(dataset=prompts_train.jsonl, reward_fn=task.score)", flush=True)
+          "learning_rate=1e-4).fit(dataset=prompts_train.jsonl, reward_fn=task.score)", flush=True)
     trainer = GRPOTrainer.from_pretrained(sft_nemo, num_prompts_per_step=16, num_generations_per_prompt=8,
-                                          learning_rate=5e-5, max_sequence_length=64, max_new_tokens=9,
-                                          global_batch_size=64, micro_batch_size=16, output_dir=grpo_dir)
+                                          learning_rate=1e-4, max_sequence_length=64, max_new_tokens=9,
+                                          global_batch_size=64, micro_batch_size=64, output_dir=grpo_dir,
+                                          val_period=max(steps // 8, 1))
     result = trainer.fit(dataset=paths["prompts_train"], val_dataset=paths["prompts_val"],
                          reward_fn=Task.score, max_steps=steps)
     print(f"GRPO: {result.total_steps} steps; validation reward {result.metrics['final_val_reward']:.3f}; "
           f"policy: {result.model_path}")
 
 
+def rs_stage(out: str, paths: dict, sft_nemo: str, steps: int) -> None:
+    """Rejection sampling from the SFT model through the Python API: the best of 8 answers to each
+    prompt (by the task's scorer) is trained on."""
+    from nemo_aligner import RejectionSamplingTrainer
+    from nemo_aligner.data.nlp.builtin_task import BuiltinTask as Task
+
+    rs_dir = os.path.join(out, "rs")
+    remove_stage_dir(rs_dir)
+    print("\n>>> RejectionSamplingTrainer.from_pretrained(sft_nemo, num_prompts_per_step=64, "
+          "num_rollouts_per_prompt=8, top_n_rollouts=1, learning_rate=2e-4).fit(dataset=prompts_train.jsonl, "
+          "reward_fn=task.score)", flush=True)
+    trainer = RejectionSamplingTrainer.from_pretrained(sft_nemo, num_prompts_per_step=64, num_rollouts_per_prompt=8,
+                                                       top_n_rollouts=1, learning_rate=2e-4, max_sequence_length=64,
+                                                       max_new_tokens=9, global_batch_size=64, micro_batch_size=64,
+                                                       output_dir=rs_dir, val_period=max(steps // 5, 1))
+    result = trainer.fit(dataset=paths["prompts_train"], val_dataset=paths["prompts_val"],
+                         reward_fn=Task.score, max_steps=steps)
+    print(f"RS: {result.total_steps} steps; validation reward {result.metrics['final_val_reward']:.3f}; "
+          f"policy: {result.model_path}")
+
+
+def rloo_stage(out: str, paths: dict, sft_nemo: str, steps: int) -> None:
+    """REINFORCE with the leave-one-out baseline (RLOO) from the SFT model, rewarded by the task's
+    scorer given as ``reward_fn``."""
+    rloo_dir = os.path.join(out, "rloo")
+    remove_stage_dir(rloo_dir)
+    run("train_gpt_reinforce_actor.py", [
+        f"pretrained_checkpoint.restore_from_path={sft_nemo}",
+        f"++model.data.data_prefix={{train: [{paths['prompts_train']}], validation: [{paths['prompts_val']}]}}",
+        "reward_fn=nemo_aligner.data.nlp.builtin_task:reward",
+        f"trainer.reinforce.max_steps={steps}", "trainer.reinforce.max_epochs=100",
+        f"trainer.reinforce.val_check_interval={max(steps // 8, 1)}", "trainer.reinforce.save_interval=0",
+        "model.reinforce.num_rollout_samples=16", "model.reinforce.num_responses_per_prompt=8",
+        "model.global_batch_size=64", "model.micro_batch_size=64", "model.reinforce.rollout_micro_batch_size=128",
+        "model.reinforce.num_val_samples=200", "model.reinforce.length_params.max_length=9",
+        "model.optim.lr=1e-4", "model.optim.sched.name=Constant",
+        f"exp_manager.explicit_log_dir={rloo_dir}", "exp_manager.resume_if_exists=False",
+    ])
+
+
 def dpo_stage(out: str, paths: dict, sft_nemo: str, steps: int) -> None:
-    """DPO from the SFT model on the built-in preference pairs (the SFT model is the reference)."""
+    """DPO from the SFT model on the built-in preference pairs (the SFT model is the reference), with
+    the SFT loss on the chosen responses added (``model.dpo.sft_loss_weight``, as Nemotron-4's DPO)."""
     dpo_dir = os.path.join(out, "dpo")
     remove_stage_dir(dpo_dir)
     run("train_gpt_dpo.py", [
@@ -199,7 +274,7 @@ def dpo_stage(out: str, paths: dict, sft_nemo: str, steps: int) -> None:
         f"++model.data.data_prefix={{train: [{paths['dpo_train']}], validation: [{paths['dpo_val']}]}}",
         f"trainer.dpo.max_steps={steps}", "trainer.dpo.max_epochs=100",
         f"trainer.dpo.val_check_interval={max(steps // 3, 1)}", "model.dpo.ref_policy_kl_penalty=0.2",
-        "model.optim.lr=2e-4", f"exp_manager.explicit_log_dir={dpo_dir}", "exp_manager.resume_if_exists=False",
+        "model.dpo.sft_loss_weight=1.0", "model.optim.lr=2e-4", f"exp_manager.explicit_log_dir={dpo_dir}", "exp_manager.resume_if_exists=False",
     ])
     print("\nDPO (policy from the SFT model, reference = the SFT model), held-out pairs:")
     for record in read_jsonl(os.path.join(dpo_dir, "metrics.jsonl"), allow_non_finite=True):
@@ -244,14 +319,37 @@ def ppo_stage(out: str, paths: dict, sft_nemo: str, rm_nemo: str, steps: int) ->
     print(f"  actor: {os.path.join(actor_dir, 'checkpoints', 'megatron_gpt_ppo_actor.nemo')}")
 
 
-def reward_model_stage(out: str, paths: dict, sft_nemo: str, steps: int) -> str:
+def policy_comparisons_stage(out: str, paths: dict, sft_nemo: str, samples: int) -> str:
+    """Reward-model training data that covers the policy's own answers: ``generate_gpt.py`` samples
+    the SFT policy ``samples`` times per training prompt, the task's rule ranks each prompt's answers
+    (and the right one), and the labelled pairs are added to the built-in comparisons. Returns the file."""
+    from nemo_aligner.data.nlp.jsonl import write_jsonl
+
+    work = os.path.join(out, "policy_samples")
+    os.makedirs(work, exist_ok=True)
+    prompts = [r["text"] for r in read_jsonl(paths["prompts_train"])]
+    repeated = os.path.join(work, "prompts_repeated.jsonl")
+    write_jsonl(repeated, [{"prompt": p} for p in prompts for _ in range(samples)])
+    sampled = os.path.join(work, "sft_samples.jsonl")
+    run("generate_gpt.py", [f"gpt_model_file={sft_nemo}", f"prompts_file={repeated}", f"output_file={sampled}",
+                            "inference.greedy=False", "inference.temperature=1.0", "inference.tokens_to_generate=9",
+                            "inference.seed=1", "batch_size=256"])
+    labelled = BuiltinTask.labelled_comparison_records(list(read_jsonl(sampled)))
+    rm_train = os.path.join(work, "rm_train_with_policy_samples.jsonl")
+    write_jsonl(rm_train, [{"text": r["text"]} for r in read_jsonl(paths["rm_train"])] + labelled)
+    print(f"reward-model comparisons: {len(labelled) // 2} pairs of the SFT policy's answers ranked by the task's "
+          f"rule, plus the built-in pairs: {rm_train}")
+    return rm_train
+
+
+def reward_model_stage(out: str, paths: dict, sft_nemo: str, rm_train: str, steps: int) -> str:
     rm_dir = os.path.join(out, "rm")
     remove_stage_dir(rm_dir)
     run("train_reward_model.py", [
         f"pretrained_checkpoint.restore_from_path={sft_nemo}",
         "++model.data.data_impl=jsonl",
-        f"++model.data.data_prefix={{train: [{paths['rm_train']}], validation: [{paths['rm_val']}]}}",
-        f"trainer.rm.max_steps={steps}", "trainer.rm.max_epochs=100",
+        f"++model.data.data_prefix={{train: [{rm_train}], validation: [{paths['rm_val']}]}}",
+        f"trainer.rm.max_steps={steps}", "trainer.rm.max_epochs=100", "model.micro_batch_size=16",
         f"trainer.rm.val_check_interval={max(steps // 4, 1)}",
         f"exp_manager.explicit_log_dir={rm_dir}", "exp_manager.resume_if_exists=False",
     ])

@@ -190,6 +190,24 @@ def test_builtin_task_is_deterministic_and_scored():
         assert task.score(task.prompt_text(i), task.corrupt(o, rng)) < 1.0
 
 
+def test_labelled_comparisons_rank_the_policys_answers_by_the_rule():
+    samples = [{"prompt": "reverse abcd = ", "response": r} for r in ("dcbx\n", "dcba", "dcbx", "xxxx", "", "dcba junk")]
+    samples.append({"prompt": "sort ba = ", "response": "ab"})  # only the right answer: no pair
+    records = BuiltinTask.labelled_comparison_records(samples, max_pairs_per_prompt=10)
+    pairs = [(records[i]["text"], records[i + 1]["text"]) for i in range(0, len(records), 2)]
+    # distinct answers dcba (1.0, also the truth), dcbx (0.75), xxxx (0.0), "" (0.0): the pairs of different scores
+    expected = {("dcba", "dcbx"), ("dcba", "xxxx"), ("dcba", ""), ("dcbx", "xxxx"), ("dcbx", "")}
+    assert {(a.removeprefix("reverse abcd = "), b.removeprefix("reverse abcd = ")) for a, b in pairs} == expected
+    assert len(pairs) == len(expected)
+    for better, worse in pairs:
+        prompt = "reverse abcd = "
+        assert BuiltinTask.score(prompt, better[len(prompt):]) > BuiltinTask.score(prompt, worse[len(prompt):])
+    # the cap, and the right answer joins even when the policy never gave it
+    capped = BuiltinTask.labelled_comparison_records([{"prompt": "sort dcba = ", "response": "abdc"}], max_pairs_per_prompt=1)
+    assert capped == [{"text": "sort dcba = abcd"}, {"text": "sort dcba = abdc"}]
+    assert len(BuiltinTask.labelled_comparison_records(samples, max_pairs_per_prompt=2)) == 4
+
+
 def test_builtin_task_writes_every_format(tmp_path):
     from nemo_aligner.data.nlp.jsonl import read_jsonl
 

@@ -3,6 +3,7 @@ high held-out accuracy (pairwise) and low error (regression), TP=2 equal to one 
 
 import math
 import os
+import random
 
 import pytest
 import torch
@@ -178,6 +179,25 @@ def test_reward_model_reaches_90_percent_held_out(reward_model):
     assert metrics[-1]["val/accuracy"] >= 0.90, metrics
     assert metrics[-1]["val/rewards_chosen_mean"] > metrics[-1]["val/rewards_rejected_mean"]
     assert "validation accuracy" in stdout and os.path.isfile(nemo)
+
+
+def test_reward_model_scores_match_one_text_at_a_time_and_rank_right_answers(reward_model):
+    """recipes.evaluate.reward_model_scores (the demo's reward-model column): right-padding in a batch
+    changes no reward, and the trained model prefers the right answer to a near miss for most prompts."""
+    from nemo_aligner.data.nlp.builtin_task import BuiltinTask
+    from nemo_aligner.recipes.evaluate import reward_model_scores
+
+    task, rng = BuiltinTask(seed=5), random.Random(5)
+    texts = []
+    for inp, answer in task.examples(24, "scores"):
+        prompt = task.prompt_text(inp)
+        texts += [prompt + answer, prompt + task.corrupt(answer, rng)]
+    batched = reward_model_scores(reward_model[0], texts, batch_size=48)
+    single = reward_model_scores(reward_model[0], texts[:6], batch_size=1)
+    assert batched[:6] == pytest.approx(single, abs=1e-4)
+    assert len({round(r, 4) for r in batched}) > 10  # not a constant
+    wins = sum(batched[i] > batched[i + 1] for i in range(0, len(texts), 2))
+    assert wins >= 18, (wins, batched)
 
 
 def test_regression_reward_model_learns_two_attributes(task_data, regression_rm):

@@ -212,8 +212,8 @@ def test_ppo_local_splits_the_cores_between_its_jobs(monkeypatch):
 
 
 def test_demo_report_table_and_curves(tmp_path, capsys):
-    """The demo's summary: first and last of each stage's metric, GRPO's sampled reward as 10-step
-    means, each RL stage's task score next to the SFT model's, and the curves written to report.png."""
+    """The demo's summary: first and last of the training metrics, each policy's task and reward-model
+    scores with their change from the SFT model's, the half-gap target, and report.png written."""
     from nemo_aligner.demo import report
 
     def write(d, records):
@@ -222,18 +222,24 @@ def test_demo_report_table_and_curves(tmp_path, capsys):
 
     write("sft", [{"step": 1, "train/loss": 3.0, "val/loss": 2.5}, {"step": 2, "train/loss": 1.0, "val/loss": 0.5}])
     write("rm", [{"step": 1, "train/loss": 1.0, "val/accuracy": 0.6}, {"step": 2, "val/accuracy": 0.9}])
-    write("ppo_actor", [{"step": 0, "val/global_rewards": 0.1}, {"step": 5, "train/rewards": 1.0, "val/global_rewards": 0.7}])
-    write("dpo", [{"step": 1, "train/loss": 0.7, "val/accuracy": 0.8}, {"step": 2, "val/accuracy": 0.95}])
-    write("grpo/fit_1", [{"step": 0, "val/global_rewards": 0.2}]
-          + [{"step": s, "train/rewards": s / 100} for s in range(1, 31)] + [{"step": 30, "val/global_rewards": 0.3}])
-    report(str(tmp_path), {"SFT": 0.5, "PPO": 0.625, "DPO": 0.75, "GRPO": 0.875})
-    table = {line[:48].strip(): line[48:].split() for line in capsys.readouterr().out.splitlines() if len(line) > 48}
+    write("dpo", [{"step": 1, "train/preference_loss": 0.7, "val/accuracy": 0.8}, {"step": 2, "val/accuracy": 0.95}])
+    for d in ("ppo_actor", "rloo", "grpo/fit_1", "rs/fit_1"):
+        write(d, [{"step": 0, "val/global_rewards": 0.1}, {"step": 5, "train/rewards": 1.0, "val/global_rewards": 0.7}])
+    scores = {"SFT": (0.5, 1.0), "PPO": (0.25, 3.0), "DPO": (0.75, 1.5), "RLOO": (0.8, 1.25), "GRPO": (0.875, 2.0),
+              "RS": (0.5, 0.5)}
+    report(str(tmp_path), scores)
+    out = capsys.readouterr().out
+    table = {line[:48].strip(): line[48:].split() for line in out.splitlines() if len(line) > 48}
     assert table["SFT validation loss"] == ["2.500", "0.500"]
-    assert table["PPO reward (reward model, greedy, validation)"] == ["0.100", "0.700"]
-    for stage, score in (("PPO", "0.625"), ("DPO", "0.750"), ("GRPO", "0.875")):  # the SFT model's, then the stage's
-        assert table[f"{stage} task score (greedy, held-out)"] == ["0.500", score], stage
-    assert table["GRPO task reward (greedy, validation)"] == ["0.200", "0.300"]
-    assert table["GRPO task reward (sampled, train, 10-step mean)"] == ["0.055", "0.255"]  # steps 1-10, 21-30
+    assert table["reward model accuracy (held-out pairs)"] == ["0.600", "0.900"]
+    assert table["DPO preference accuracy (held-out pairs)"] == ["0.800", "0.950"]
+    assert "Half the gap from SFT to perfect: 0.750." in out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
+            if line.split() and line.split()[0] in scores}
+    assert rows["SFT"] == ["0.500", "1.000"]
+    assert rows["PPO"] == ["0.250", "-0.250", "3.000", "+2.000"]
+    assert rows["GRPO"] == ["0.875", "+0.375", "2.000", "+1.000"]
+    assert rows["RS"] == ["0.500", "+0.000", "0.500", "-0.500"]
     assert (tmp_path / "report.png").stat().st_size > 0 and not (tmp_path / "report.png.tmp.png").exists()
 
 

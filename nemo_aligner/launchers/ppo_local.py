@@ -90,6 +90,7 @@ def run(critic_overrides: List[str], actor_overrides: List[str], critic_nproc: i
     print(f"starting the critic server on 127.0.0.1:{port} (log: {log_path}); {env['OMP_NUM_THREADS']} "
           f"thread(s) per process", flush=True)
     # Appended to, so a resumed run keeps the previous run's server output.
+    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     offset = os.path.getsize(log_path) if os.path.exists(log_path) else 0
     with open(log_path, "a", encoding="utf-8") as log:
         if offset:

@@ -179,6 +179,30 @@ class BuiltinTask:
     def prompt_records(self, n: int, split: str) -> List[Dict]:
         return [{"text": self.prompt_text(i)} for i, _ in self.examples(n, split)]
 
+    @classmethod
+    def labelled_comparison_records(cls, samples: List[Dict], max_pairs_per_prompt: int = 4,
+                                    seed: int = 0) -> List[Dict]:
+        """Reward-model comparisons from a policy's own responses, labelled by :meth:`score` (the
+        task's annotator): ``samples`` are ``{"prompt", "response"}`` records (several per prompt, as
+        ``generate_gpt.py`` writes them). Each prompt's distinct answers and the right answer are
+        ranked by score; up to ``max_pairs_per_prompt`` pairs with different scores are kept, the
+        better one first, in NeMo-Aligner's consecutive-lines layout. A reward model trained on these
+        has seen the kinds of answer the policy gives, not only the hand-made near misses."""
+        rng = random.Random(seed)
+        by_prompt: Dict[str, set] = {}
+        for record in samples:
+            answer = record["response"].strip().split("\n")[0].split(" ")[0] if record["response"].strip() else ""
+            by_prompt.setdefault(record["prompt"], set()).add(answer)
+        out = []
+        for prompt, answers in by_prompt.items():
+            truth = cls.target(prompt)
+            ranked = [(1.0, truth)] + [(cls.score(prompt, a), a) for a in sorted(answers - {truth})]
+            pairs = [(a, b) for sa, a in ranked for sb, b in ranked if sa > sb]
+            rng.shuffle(pairs)
+            for better, worse in pairs[:max_pairs_per_prompt]:
+                out += [{"text": prompt + better}, {"text": prompt + worse}]
+        return out
+
     def write_all(self, out_dir: str, n_train: int = 2000, n_val: int = 200) -> Dict[str, str]:
         """Write every format for ``train`` and ``val``; returns ``{name: path}``."""
         os.makedirs(out_dir, exist_ok=True)
