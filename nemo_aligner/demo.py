@@ -59,9 +59,9 @@ def main(argv=None) -> None:
     parser.add_argument("--rm-steps", type=int, default=500)
     parser.add_argument("--ppo-steps", type=int, default=PPO_STEPS)
     parser.add_argument("--dpo-steps", type=int, default=300)
-    parser.add_argument("--grpo-steps", type=int, default=800)
-    parser.add_argument("--rloo-steps", type=int, default=800)
-    parser.add_argument("--rs-steps", type=int, default=250)
+    parser.add_argument("--grpo-steps", type=int, default=1000)
+    parser.add_argument("--rloo-steps", type=int, default=1000)
+    parser.add_argument("--rs-steps", type=int, default=300)
     args = parser.parse_args(argv)
     out = os.path.abspath(args.out_dir)
     data = os.path.join(out, "data")
@@ -117,7 +117,7 @@ POLICIES = (("SFT", os.path.join("sft", "checkpoints", "megatron_gpt_sft.nemo"),
             ("RLOO", os.path.join("rloo", "checkpoints", "megatron_gpt_reinforce_actor.nemo"), "rloo"),
             ("GRPO", os.path.join("grpo", "fit_1", "checkpoints", "megatron_gpt_grpo.nemo"), os.path.join("grpo", "fit_1")),
             ("RS", os.path.join("rs", "fit_1", "checkpoints", "megatron_gpt_rs_actor.nemo"), os.path.join("rs", "fit_1")))
-PPO_STEPS = 100
+PPO_STEPS = 50
 
 
 def policy_scores(out: str, prompts_file: str, rm_nemo: str) -> dict:

@@ -206,6 +206,12 @@ def test_labelled_comparisons_rank_the_policys_answers_by_the_rule():
     capped = BuiltinTask.labelled_comparison_records([{"prompt": "sort dcba = ", "response": "abdc"}], max_pairs_per_prompt=1)
     assert capped == [{"text": "sort dcba = abcd"}, {"text": "sort dcba = abdc"}]
     assert len(BuiltinTask.labelled_comparison_records(samples, max_pairs_per_prompt=2)) == 4
+    for bad, message in (([{"prompt": "reverse abc = "}], "samples:1: needs string fields"),
+                         ([{"prompt": "flip abc = ", "response": "cba", "__file__": "s.jsonl", "__line__": 3}],
+                          "s.jsonl:3: prompt 'flip abc = ' is not a built-in task prompt"),
+                         (["cba"], "sample 1: a record")):
+        with pytest.raises(DataError, match=message):
+            BuiltinTask.labelled_comparison_records(bad)
 
 
 def test_builtin_task_writes_every_format(tmp_path):

@@ -92,17 +92,19 @@ def test_two_steps_checkpoints_and_resume(tmp_path, task_data, rm_nemo, sft_nemo
 
 
 @pytest.mark.learning
-def test_reward_rises_on_the_builtin_task(tmp_path, task_data, rm_nemo, weak_sft_nemo):
+@pytest.mark.parametrize("seed", [1234, 7, 11])
+def test_reward_rises_on_the_builtin_task(tmp_path, task_data, rm_nemo, weak_sft_nemo, seed):
     """From a weak SFT policy, 30 PPO steps of 128 rollouts raise the reward model's mean reward on
-    greedy responses to 64 held-out prompts by at least 0.3 (measured with two seeds: 0.32 -> 1.01
-    and 0.32 -> 0.95). The tiny reward model is exploitable, so the task's own score does not rise
-    with it (see docs/ppo.md); this test checks that PPO optimises the reward it is given."""
+    greedy responses to 64 held-out prompts by at least 0.3, for each of three seeds. The tiny reward
+    model is exploitable, so the task's own score does not rise with it (see docs/ppo.md); this test
+    checks that PPO optimises the reward it is given."""
     critic = [f"pretrained_checkpoint.restore_from_path={rm_nemo}", f"exp_manager.explicit_log_dir={tmp_path / 'c'}",
               "model.optim.lr=3e-4", "model.global_batch_size=64"]
     actor = actor_overrides(task_data, weak_sft_nemo, tmp_path / "a", 30, [
         "trainer.ppo.val_check_interval=15", "trainer.ppo.save_interval=0", "model.optim.lr=5e-5",
         "trainer.ppo.critic_warmup_steps=3", "model.ppo.num_rollout_samples=128", "model.global_batch_size=64",
-        "model.micro_batch_size=16", "model.ppo.rollout_micro_batch_size=32", "model.ppo.num_val_samples=64"])
+        "model.micro_batch_size=16", "model.ppo.rollout_micro_batch_size=32", "model.ppo.num_val_samples=64",
+        f"model.seed={seed}"])
     launch(critic, actor)
     val = {r["step"]: r["val/global_rewards"] for r in read_metrics(tmp_path / "a") if "val/global_rewards" in r}
     assert sorted(val) == [0, 15, 30]

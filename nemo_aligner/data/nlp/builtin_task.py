@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from nemo_aligner.data.nlp.jsonl import write_jsonl
+from nemo_aligner.utils.errors import DataError
 
 OPERATIONS = {
     "reverse": lambda word: word[::-1],
@@ -190,7 +191,17 @@ class BuiltinTask:
         has seen the kinds of answer the policy gives, not only the hand-made near misses."""
         rng = random.Random(seed)
         by_prompt: Dict[str, set] = {}
-        for record in samples:
+        for i, record in enumerate(samples):
+            if not isinstance(record, dict):
+                raise DataError(f"sample {i + 1}: a record with 'prompt' and 'response', not {type(record).__name__}")
+            where = f"{record.get('__file__', 'samples')}:{record.get('__line__', i + 1)}"
+            if not all(isinstance(record.get(k), str) for k in ("prompt", "response")):
+                raise DataError(f"{where}: needs string fields 'prompt' and 'response'")
+            try:
+                cls.target(record["prompt"])
+            except (ValueError, KeyError) as err:
+                raise DataError(f"{where}: prompt {record['prompt']!r} is not a built-in task prompt "
+                                f"('reverse|sort <word> = ')") from err
             answer = record["response"].strip().split("\n")[0].split(" ")[0] if record["response"].strip() else ""
             by_prompt.setdefault(record["prompt"], set()).add(answer)
         out = []
