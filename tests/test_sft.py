@@ -25,10 +25,11 @@ def sft_overrides(data, log_dir, steps, extra=()):
 
 
 @pytest.mark.learning
-def test_sft_lowers_validation_loss(tmp_path, builtin_data):
+@pytest.mark.parametrize("seed", [1234, 7, 11])
+def test_sft_lowers_validation_loss(tmp_path, builtin_data, seed):
     log_dir = tmp_path / "sft"
     proc = run_script("train_gpt_sft.py", sft_overrides(builtin_data, log_dir, 150, [
-        "trainer.sft.val_check_interval=50", "model.optim.sched.warmup_steps=5",
+        "trainer.sft.val_check_interval=50", "model.optim.sched.warmup_steps=5", f"model.seed={seed}",
         "exp_manager.create_wandb_logger=True", "exp_manager.wandb_logger_kwargs.project=sft_test"]))
     val = val_losses(log_dir)
     assert sorted(val) == [50, 100, 150]
