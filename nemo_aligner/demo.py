@@ -57,7 +57,7 @@ def main(argv=None) -> None:
     parser.add_argument("--policy-samples", type=int, default=4,
                         help="SFT-policy answers per training prompt, ranked by the task's rule for the reward model")
     parser.add_argument("--rm-steps", type=int, default=500)
-    parser.add_argument("--ppo-steps", type=int, default=PPO_STEPS)
+    parser.add_argument("--ppo-steps", type=int, default=50)
     parser.add_argument("--dpo-steps", type=int, default=300)
     parser.add_argument("--grpo-steps", type=int, default=1000)
     parser.add_argument("--rloo-steps", type=int, default=1000)
@@ -111,21 +111,19 @@ POLICIES = (("SFT", os.path.join("sft", "checkpoints", "megatron_gpt_sft.nemo"),
             ("RLOO", os.path.join("rloo", "checkpoints", "megatron_gpt_reinforce_actor.nemo"), "rloo"),
             ("GRPO", os.path.join("grpo", "fit_1", "checkpoints", "megatron_gpt_grpo.nemo"), os.path.join("grpo", "fit_1")),
             ("RS", os.path.join("rs", "fit_1", "checkpoints", "megatron_gpt_rs_actor.nemo"), os.path.join("rs", "fit_1")))
-PPO_STEPS = 50
 
 
 def policy_scores(out: str, prompts_file: str, rm_nemo: str) -> dict:
     """``{stage: (task score, reward-model score)}``: each stage's greedy responses to the held-out
     prompts, scored by the task's rule and by the demo's reward model (means)."""
-    from nemo_aligner.recipes.evaluate import greedy_responses, reward_model_scores
+    from nemo_aligner.recipes.evaluate import greedy_responses, mean_reward, reward_model_scores
 
     prompts = [r["text"] for r in read_jsonl(prompts_file)]
     scores = {}
     for name, path, _ in POLICIES:
         responses = greedy_responses(os.path.join(out, path), prompts)
-        task = sum(BuiltinTask.score(p, r) for p, r in zip(prompts, responses)) / len(prompts)
         rm = reward_model_scores(rm_nemo, [p + r for p, r in zip(prompts, responses)])
-        scores[name] = (task, sum(rm) / len(rm))
+        scores[name] = (mean_reward(prompts, responses, BuiltinTask.score), sum(rm) / len(rm))
     return scores
 
 

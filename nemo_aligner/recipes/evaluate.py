@@ -62,5 +62,9 @@ def _single_process():
 def greedy_score(nemo: str, prompts: Sequence[str], reward_fn: Callable[[str, str], float],
                  max_new_tokens: int = 9) -> float:
     """The mean of ``reward_fn(prompt, greedy response)`` over ``prompts``."""
-    responses = greedy_responses(nemo, prompts, max_new_tokens)
+    return mean_reward(prompts, greedy_responses(nemo, prompts, max_new_tokens), reward_fn)
+
+
+def mean_reward(prompts: Sequence[str], responses: Sequence[str], reward_fn: Callable[[str, str], float]) -> float:
+    """The mean of ``reward_fn(prompt, response)`` over the pairs."""
     return sum(float(reward_fn(p, r)) for p, r in zip(prompts, responses)) / max(len(prompts), 1)

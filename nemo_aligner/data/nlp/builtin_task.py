@@ -62,11 +62,16 @@ class BuiltinTask:
         op, word = prompt.strip().removesuffix(PROMPT_END.strip()).split()[:2]
         return OPERATIONS[op](word)
 
+    @staticmethod
+    def answer(response: str) -> str:
+        """The answer a response gives: its first word on its first line ("" when empty)."""
+        return response.strip().split("\n")[0].split(" ")[0] if response.strip() else ""
+
     @classmethod
     def score(cls, prompt: str, response: str) -> float:
         """Reward in [0, 1]: matching characters over the longer of answer and response."""
         target = cls.target(prompt)
-        answer = response.strip().split("\n")[0].split(" ")[0] if response.strip() else ""
+        answer = cls.answer(response)
         if not answer:
             return 0.0
         hits = sum(a == b for a, b in zip(answer, target))
@@ -202,8 +207,7 @@ class BuiltinTask:
             except (ValueError, KeyError) as err:
                 raise DataError(f"{where}: prompt {record['prompt']!r} is not a built-in task prompt "
                                 f"('reverse|sort <word> = ')") from err
-            answer = record["response"].strip().split("\n")[0].split(" ")[0] if record["response"].strip() else ""
-            by_prompt.setdefault(record["prompt"], set()).add(answer)
+            by_prompt.setdefault(record["prompt"], set()).add(cls.answer(record["response"]))
         out = []
         for prompt, answers in by_prompt.items():
             truth = cls.target(prompt)
