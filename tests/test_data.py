@@ -214,6 +214,39 @@ def test_labelled_comparisons_rank_the_policys_answers_by_the_rule():
             BuiltinTask.labelled_comparison_records(bad)
 
 
+def test_scored_records_label_each_answer_by_the_rule():
+    task = BuiltinTask(seed=3)
+    records = task.scored_records(50, "train", answers_per_prompt=4)
+    assert len(records) == 250  # the right answer and four others per prompt
+    labels = []
+    for start in range(0, len(records), 5):
+        group = records[start:start + 5]
+        prompt = group[0]["text"].split("= ")[0] + "= "
+        answers = [r["text"][len(prompt):] for r in group]
+        assert all(r["text"].startswith(prompt) for r in group)
+        assert answers[0] == task.target(prompt) and group[0]["label"] == 4.0
+        assert len(set(answers)) == 5  # distinct
+        for r, a in zip(group[1:], answers[1:]):
+            assert r["label"] == 4 * task.score(prompt, a) < 4.0
+            labels.append(r["label"])
+    # wrong answers span the scale: some near misses, some with nothing right, and lengths vary
+    assert min(labels) == 0.0 and max(labels) >= 3.0 and len(set(labels)) >= 8
+    lengths = {len(r["text"].split("= ")[1]) - len(task.target(r["text"].split("= ")[0] + "= ")) for r in records}
+    assert {-2, -1, 0, 1, 2} <= lengths
+    assert records == task.scored_records(50, "train", answers_per_prompt=4)  # deterministic
+
+
+def test_labelled_score_records_keep_the_policys_responses():
+    samples = [{"prompt": "reverse abcd = ", "response": r} for r in ("dcba", "dcbx", "dcba junk", "")]
+    records = BuiltinTask.labelled_score_records(samples + [{"prompt": "sort ba = ", "response": "ba"}])
+    assert records == [{"text": "reverse abcd = dcba", "label": 4.0}, {"text": "reverse abcd = dcbx", "label": 3.0},
+                       {"text": "reverse abcd = dcba junk", "label": 4.0}, {"text": "reverse abcd = ", "label": 0.0},
+                       {"text": "sort ba = ba", "label": 0.0}]
+    with pytest.raises(DataError, match="s.jsonl:2: prompt 'flip abc = ' is not a built-in task prompt"):
+        BuiltinTask.labelled_score_records([{"prompt": "flip abc = ", "response": "cba", "__file__": "s.jsonl",
+                                             "__line__": 2}])
+
+
 def test_builtin_task_writes_every_format(tmp_path):
     from nemo_aligner.data.nlp.jsonl import read_jsonl
 

@@ -185,17 +185,48 @@ class BuiltinTask:
     def prompt_records(self, n: int, split: str) -> List[Dict]:
         return [{"text": self.prompt_text(i)} for i, _ in self.examples(n, split)]
 
+    def candidate_answers(self, task_input: str, answer: str, rng: random.Random, n: int = 10) -> List[str]:
+        """Answers a policy might give, right and wrong: the right one, the word itself and each
+        operation's answer, then ``n`` drawn from edits of the answer (one to three), permutations,
+        strings of the word's letters or of the alphabet (length 1 to the answer's + 3), the answer
+        with letters appended, its prefixes and one letter repeated."""
+        word = task_input.removesuffix(PROMPT_END).split()[1]
+        out = [answer, word, *(OPERATIONS[o](word) for o in OPERATIONS)]
+        for _ in range(n):
+            kind = rng.randrange(7)
+            if kind == 0:
+                out.append(self.corrupt(answer, rng, rng.choice((1, 1, 2, 3))))
+            elif kind == 1:
+                out.append("".join(rng.sample(answer, len(answer))))
+            elif kind in (2, 3):
+                letters = word if kind == 2 else self.alphabet
+                out.append("".join(rng.choice(letters) for _ in range(rng.randint(1, len(answer) + 3))))
+            elif kind == 4:
+                out.append(answer + "".join(rng.choice(word + self.alphabet) for _ in range(rng.randint(1, 3))))
+            elif kind == 5:
+                out.append(answer[: rng.randrange(1, len(answer))] if len(answer) > 1 else answer + answer)
+            else:
+                out.append(rng.choice(word) * rng.randint(max(1, len(answer) - 1), len(answer) + 2))
+        return out
+
+    def scored_records(self, n: int, split: str, answers_per_prompt: int = 4) -> List[Dict]:
+        """Regression reward-model data (``model.reward_model_type=regression``): for ``n`` prompts,
+        the right answer and ``answers_per_prompt`` distinct :meth:`candidate_answers`, each
+        ``{"text", "label"}`` with the label ``4 * score`` (0-4, as SteerLM's quality)."""
+        rng = self._rng(f"{split}:scored")
+        out = []
+        for task_input, answer in self.examples(n, split):
+            prompt = self.prompt_text(task_input)
+            others = sorted(set(self.candidate_answers(task_input, answer, rng)) - {answer})
+            for text in [answer] + rng.sample(others, min(answers_per_prompt, len(others))):
+                out.append({"text": prompt + text, "label": 4 * self.score(prompt, text)})
+        return out
+
     @classmethod
-    def labelled_comparison_records(cls, samples: List[Dict], max_pairs_per_prompt: int = 4,
-                                    seed: int = 0) -> List[Dict]:
-        """Reward-model comparisons from a policy's own responses, labelled by :meth:`score` (the
-        task's annotator): ``samples`` are ``{"prompt", "response"}`` records (several per prompt, as
-        ``generate_gpt.py`` writes them). Each prompt's distinct answers and the right answer are
-        ranked by score; up to ``max_pairs_per_prompt`` pairs with different scores are kept, the
-        better one first, in NeMo-Aligner's consecutive-lines layout. A reward model trained on these
-        has seen the kinds of answer the policy gives, not only the hand-made near misses."""
-        rng = random.Random(seed)
-        by_prompt: Dict[str, set] = {}
+    def _samples_by_prompt(cls, samples: List[Dict]) -> Dict[str, List[str]]:
+        """``{prompt: [response, ...]}`` of ``{"prompt", "response"}`` records (as ``generate_gpt.py``
+        writes them), each checked to be a built-in task prompt (DataError naming the record)."""
+        by_prompt: Dict[str, List[str]] = {}
         for i, record in enumerate(samples):
             if not isinstance(record, dict):
                 raise DataError(f"sample {i + 1}: a record with 'prompt' and 'response', not {type(record).__name__}")
@@ -207,9 +238,22 @@ class BuiltinTask:
             except (ValueError, KeyError) as err:
                 raise DataError(f"{where}: prompt {record['prompt']!r} is not a built-in task prompt "
                                 f"('reverse|sort <word> = ')") from err
-            by_prompt.setdefault(record["prompt"], set()).add(cls.answer(record["response"]))
+            by_prompt.setdefault(record["prompt"], []).append(record["response"])
+        return by_prompt
+
+    @classmethod
+    def labelled_comparison_records(cls, samples: List[Dict], max_pairs_per_prompt: int = 4,
+                                    seed: int = 0) -> List[Dict]:
+        """Reward-model comparisons from a policy's own responses, labelled by :meth:`score` (the
+        task's annotator): ``samples`` are ``{"prompt", "response"}`` records (several per prompt, as
+        ``generate_gpt.py`` writes them). Each prompt's distinct answers and the right answer are
+        ranked by score; up to ``max_pairs_per_prompt`` pairs with different scores are kept, the
+        better one first, in NeMo-Aligner's consecutive-lines layout. A reward model trained on these
+        has seen the kinds of answer the policy gives, not only the hand-made near misses."""
+        rng = random.Random(seed)
         out = []
-        for prompt, answers in by_prompt.items():
+        for prompt, responses in cls._samples_by_prompt(samples).items():
+            answers = {cls.answer(r) for r in responses}
             truth = cls.target(prompt)
             ranked = [(1.0, truth)] + [(cls.score(prompt, a), a) for a in sorted(answers - {truth})]
             pairs = [(a, b) for sa, a in ranked for sb, b in ranked if sa > sb]
@@ -217,6 +261,14 @@ class BuiltinTask:
             for better, worse in pairs[:max_pairs_per_prompt]:
                 out += [{"text": prompt + better}, {"text": prompt + worse}]
         return out
+
+    @classmethod
+    def labelled_score_records(cls, samples: List[Dict]) -> List[Dict]:
+        """Regression reward-model data from a policy's own responses: each ``{"prompt", "response"}``
+        record becomes ``{"text": prompt + response, "label": 4 * score}``, the response as the
+        policy wrote it (what PPO's reward model will be given)."""
+        return [{"text": prompt + response, "label": 4 * cls.score(prompt, response)}
+                for prompt, responses in cls._samples_by_prompt(samples).items() for response in responses]
 
     def write_all(self, out_dir: str, n_train: int = 2000, n_val: int = 200) -> Dict[str, str]:
         """Write every format for ``train`` and ``val``; returns ``{name: path}``."""
