@@ -1,9 +1,10 @@
-"""``make demo``: the built-in task end to end on a tiny model, on the CPU, in about 12 minutes.
+"""``make demo``: the built-in task end to end on a tiny model, on the CPU, in about 18 minutes.
 
 Writes the built-in data, then runs each stage as a user would: SFT of a randomly initialised
-tiny GPT; the SFT policy sampled (``generate_gpt.py``) and its answers ranked by the task's rule
-into reward-model comparisons; a reward model trained on those and the built-in pairs; a
-reward-model server queried by a client; PPO (critic server + actor), DPO and REINFORCE/RLOO from
+tiny GPT (the policy), and a longer SFT run the reward model starts from; the SFT policy sampled
+(``generate_gpt.py``) and its answers scored by the task's rule, with generated right and wrong
+answers, into regression reward-model data; the reward model; a reward-model server queried by a
+client; PPO (critic server + actor), DPO and REINFORCE/RLOO from
 the SFT model (all with their Hydra scripts); GRPO and rejection sampling through the Python API.
 Every final policy is scored on held-out prompts by the task's rule and by the reward model; prints
 a summary table and writes ``report.png`` with the curves and both scores.
@@ -54,10 +55,12 @@ def main(argv=None) -> None:
     parser.add_argument("--out-dir", default=os.path.join("results", "demo"))
     parser.add_argument("--sft-steps", type=int, default=150,
                         help="short on purpose: a partly trained policy leaves room for PPO and GRPO to improve it")
-    parser.add_argument("--policy-samples", type=int, default=4,
-                        help="SFT-policy answers per training prompt, ranked by the task's rule for the reward model")
-    parser.add_argument("--rm-steps", type=int, default=500)
-    parser.add_argument("--ppo-steps", type=int, default=50)
+    parser.add_argument("--rm-backbone-steps", type=int, default=600,
+                        help="SFT steps of the model the reward model starts from (a stronger model than the policy)")
+    parser.add_argument("--policy-samples", type=int, default=8,
+                        help="SFT-policy answers per training prompt, scored by the task's rule for the reward model")
+    parser.add_argument("--rm-steps", type=int, default=3000)
+    parser.add_argument("--ppo-steps", type=int, default=200)
     parser.add_argument("--dpo-steps", type=int, default=300)
     parser.add_argument("--grpo-steps", type=int, default=1000)
     parser.add_argument("--rloo-steps", type=int, default=1000)
@@ -68,28 +71,10 @@ def main(argv=None) -> None:
     paths = BuiltinTask(seed=0).write_all(data, n_train=2000, n_val=200)
     print(f"built-in data written to {data}")
 
-    sft_dir = os.path.join(out, "sft")
-    remove_stage_dir(sft_dir)  # a fresh run each time (metrics.jsonl appends)
-    run("train_gpt_sft.py", [
-        f"model.data.train_ds.file_path={paths['sft_train']}",
-        f"model.data.validation_ds.file_path={paths['sft_val']}",
-        f"trainer.sft.max_steps={args.sft_steps}",
-        "trainer.sft.max_epochs=100",
-        f"trainer.sft.val_check_interval={max(args.sft_steps // 6, 1)}",
-        f"exp_manager.explicit_log_dir={sft_dir}",
-        "exp_manager.resume_if_exists=False",
-    ])
-    rows = loss_table(os.path.join(sft_dir, "metrics.jsonl"))
-    print("\nSFT on the built-in task (tiny GPT, random init):")
-    print(f"{'step':>6} {'train loss':>11} {'val loss':>9}")
-    for step, train, val in rows:
-        print(f"{step:>6} {train if train is not None else float('nan'):>11.4f} {val:>9.4f}")
-    sft_nemo = os.path.join(sft_dir, "checkpoints", "megatron_gpt_sft.nemo")
-    first, last = rows[0][2], rows[-1][2]
-    print(f"\nvalidation loss {first:.3f} -> {last:.3f}; fine-tuned model: {sft_nemo}")
-
-    rm_train = policy_comparisons_stage(out, paths, sft_nemo, args.policy_samples)
-    rm_nemo = reward_model_stage(out, paths, sft_nemo, rm_train, args.rm_steps)
+    sft_nemo = sft_stage(out, paths, "sft", args.sft_steps)
+    backbone = sft_stage(out, paths, "rm_backbone", args.rm_backbone_steps)
+    rm_train, rm_val = reward_model_data_stage(out, paths, sft_nemo, args.policy_samples)
+    rm_nemo = reward_model_stage(out, backbone, rm_train, rm_val, args.rm_steps)
     serve_stage(rm_nemo)
     ppo_stage(out, paths, sft_nemo, rm_nemo, args.ppo_steps)
     dpo_stage(out, paths, sft_nemo, args.dpo_steps)
@@ -97,6 +82,29 @@ def main(argv=None) -> None:
     grpo_stage(out, paths, sft_nemo, args.grpo_steps)
     rs_stage(out, paths, sft_nemo, args.rs_steps)
     report(out, policy_scores(out, paths["prompts_val"], rm_nemo))
+
+
+def sft_stage(out: str, paths: dict, name: str, steps: int) -> str:
+    """SFT of a randomly initialised tiny GPT on the built-in task; returns the .nemo."""
+    sft_dir = os.path.join(out, name)
+    remove_stage_dir(sft_dir)  # a fresh run each time (metrics.jsonl appends)
+    run("train_gpt_sft.py", [
+        f"model.data.train_ds.file_path={paths['sft_train']}",
+        f"model.data.validation_ds.file_path={paths['sft_val']}",
+        f"trainer.sft.max_steps={steps}",
+        "trainer.sft.max_epochs=100",
+        f"trainer.sft.val_check_interval={max(steps // 6, 1)}",
+        f"exp_manager.explicit_log_dir={sft_dir}",
+        "exp_manager.resume_if_exists=False",
+    ])
+    rows = loss_table(os.path.join(sft_dir, "metrics.jsonl"))
+    print(f"\nSFT on the built-in task (tiny GPT, random init), {steps} steps:")
+    print(f"{'step':>6} {'train loss':>11} {'val loss':>9}")
+    for step, train, val in rows:
+        print(f"{step:>6} {train if train is not None else float('nan'):>11.4f} {val:>9.4f}")
+    nemo = os.path.join(sft_dir, "checkpoints", "megatron_gpt_sft.nemo")
+    print(f"\nvalidation loss {rows[0][2]:.3f} -> {rows[-1][2]:.3f}; fine-tuned model: {nemo}")
+    return nemo
 
 
 def series(records: list, key: str) -> tuple:
@@ -136,7 +144,7 @@ def report(out: str, scores: dict) -> None:
     sft_task, sft_rm = scores["SFT"]
     half_gap = sft_task + (1.0 - sft_task) / 2
     rows = [("SFT validation loss", *first_last("SFT", "val/loss")),
-            ("reward model accuracy (held-out pairs)", *first_last("RM", "val/accuracy")),
+            ("reward model squared error (held-out answers)", *first_last("RM", "val/mse")),
             ("DPO preference accuracy (held-out pairs)", *first_last("DPO", "val/accuracy"))]
     print("\n" + "=" * 72)
     print(f"{'training':<48} {'first':>10} {'last':>10}")
@@ -160,7 +168,8 @@ def report(out: str, scores: dict) -> None:
     import matplotlib.pyplot as plt
 
     panels = [("SFT", "SFT", [("train/loss", "train loss"), ("val/loss", "validation loss")]),
-              ("Reward model", "RM", [("train/loss", "train loss"), ("val/accuracy", "validation accuracy")]),
+              ("Reward model (regression)", "RM", [("train/loss", "train squared error"),
+                                                   ("val/mse", "validation squared error")]),
               ("PPO (reward model)", "PPO", [("train/rewards", "train reward"), ("val/global_rewards", "validation reward")]),
               ("DPO (+ SFT loss on chosen)", "DPO", [("train/preference_loss", "train preference loss"),
                                                      ("val/accuracy", "validation accuracy")]),
@@ -295,7 +304,7 @@ def ppo_stage(out: str, paths: dict, sft_nemo: str, rm_nemo: str, steps: int) ->
          f"trainer.ppo.val_check_interval={max(steps // 2, 1)}", "trainer.ppo.save_interval=0",
          "model.ppo.num_rollout_samples=128", "model.global_batch_size=64", "model.micro_batch_size=16",
          "model.ppo.rollout_micro_batch_size=32", "model.ppo.num_val_samples=64",
-         "model.ppo.length_params.max_length=12", "model.optim.lr=5e-5", "trainer.ppo.critic_warmup_steps=3"],
+         "model.ppo.length_params.max_length=12", "model.optim.lr=1e-4", "trainer.ppo.critic_warmup_steps=3"],
         critic_log=os.path.join(out, "ppo_critic_server.log"))
     if code != 0:
         raise SystemExit(f"PPO failed (status {code}); critic log: {os.path.join(out, 'ppo_critic_server.log')}")
@@ -312,13 +321,14 @@ def ppo_stage(out: str, paths: dict, sft_nemo: str, rm_nemo: str, steps: int) ->
     print(f"  actor: {os.path.join(actor_dir, 'checkpoints', 'megatron_gpt_ppo_actor.nemo')}")
 
 
-def policy_comparisons_stage(out: str, paths: dict, sft_nemo: str, samples: int) -> str:
-    """Reward-model training data that covers the policy's own answers: ``generate_gpt.py`` samples
-    the SFT policy ``samples`` times per training prompt, the task's rule ranks each prompt's answers
-    (and the right one), and the labelled pairs are added to the built-in comparisons. Returns the file."""
+def reward_model_data_stage(out: str, paths: dict, sft_nemo: str, samples: int) -> tuple:
+    """Regression reward-model data that covers the policy's own answers: ``generate_gpt.py`` samples
+    the SFT policy ``samples`` times per training prompt, and the task's rule scores each response
+    (:meth:`BuiltinTask.labelled_score_records`); added to them, right and wrong answers of 20000
+    generated prompts (:meth:`BuiltinTask.scored_records`). Returns the train and validation files."""
     from nemo_aligner.data.nlp.jsonl import write_jsonl
 
-    work = os.path.join(out, "policy_samples")
+    work = os.path.join(out, "reward_model_data")
     os.makedirs(work, exist_ok=True)
     prompts = [r["text"] for r in read_jsonl(paths["prompts_train"])]
     repeated = os.path.join(work, "prompts_repeated.jsonl")
@@ -327,29 +337,35 @@ def policy_comparisons_stage(out: str, paths: dict, sft_nemo: str, samples: int)
     run("generate_gpt.py", [f"gpt_model_file={sft_nemo}", f"prompts_file={repeated}", f"output_file={sampled}",
                             "inference.greedy=False", "inference.temperature=1.0", "inference.tokens_to_generate=9",
                             "inference.seed=1", "batch_size=256"])
-    labelled = BuiltinTask.labelled_comparison_records(list(read_jsonl(sampled)))
-    rm_train = os.path.join(work, "rm_train_with_policy_samples.jsonl")
-    write_jsonl(rm_train, [{"text": r["text"]} for r in read_jsonl(paths["rm_train"])] + labelled)
-    print(f"reward-model comparisons: {len(labelled) // 2} pairs of the SFT policy's answers ranked by the task's "
-          f"rule, plus the built-in pairs: {rm_train}")
-    return rm_train
+    labelled = BuiltinTask.labelled_score_records(list(read_jsonl(sampled)))
+    task = BuiltinTask(seed=0)
+    generated = task.scored_records(20000, "train")
+    train, val = os.path.join(work, "scored_train.jsonl"), os.path.join(work, "scored_val.jsonl")
+    write_jsonl(train, labelled + generated)
+    write_jsonl(val, task.scored_records(200, "val"))
+    print(f"reward-model data: {len(labelled)} SFT-policy responses and {len(generated)} generated answers, "
+          f"each labelled 4 x the task's score: {train}")
+    return train, val
 
 
-def reward_model_stage(out: str, paths: dict, sft_nemo: str, rm_train: str, steps: int) -> str:
+def reward_model_stage(out: str, backbone_nemo: str, rm_train: str, rm_val: str, steps: int) -> str:
+    """A regression reward model (one output: the predicted 4 x score) from ``backbone_nemo``."""
     rm_dir = os.path.join(out, "rm")
     remove_stage_dir(rm_dir)
     run("train_reward_model.py", [
-        f"pretrained_checkpoint.restore_from_path={sft_nemo}",
+        f"pretrained_checkpoint.restore_from_path={backbone_nemo}",
+        "model.reward_model_type=regression",
         "++model.data.data_impl=jsonl",
-        f"++model.data.data_prefix={{train: [{rm_train}], validation: [{paths['rm_val']}]}}",
-        f"trainer.rm.max_steps={steps}", "trainer.rm.max_epochs=100", "model.micro_batch_size=16",
+        f"++model.data.data_prefix={{train: [{rm_train}], validation: [{rm_val}]}}",
+        f"trainer.rm.max_steps={steps}", "trainer.rm.max_epochs=100",
+        "model.micro_batch_size=32", "model.global_batch_size=32",
         f"trainer.rm.val_check_interval={max(steps // 4, 1)}",
         f"exp_manager.explicit_log_dir={rm_dir}", "exp_manager.resume_if_exists=False",
     ])
-    print("\nReward model (Bradley-Terry on chosen/rejected pairs), held-out accuracy:")
+    print("\nReward model (regression on 4 x the task's score), held-out mean squared error:")
     for record in read_jsonl(os.path.join(rm_dir, "metrics.jsonl"), allow_non_finite=True):
-        if "val/accuracy" in record:
-            print(f"  step {record['step']:>4}: {record['val/accuracy']:.3f}")
+        if "val/mse" in record:
+            print(f"  step {record['step']:>4}: {record['val/mse']:.3f}")
     return os.path.join(rm_dir, "checkpoints", "megatron_gpt.nemo")
 
 

@@ -221,7 +221,7 @@ def test_demo_report_table_and_curves(tmp_path, capsys):
         (tmp_path / d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
     write("sft", [{"step": 1, "train/loss": 3.0, "val/loss": 2.5}, {"step": 2, "train/loss": 1.0, "val/loss": 0.5}])
-    write("rm", [{"step": 1, "train/loss": 1.0, "val/accuracy": 0.6}, {"step": 2, "val/accuracy": 0.9}])
+    write("rm", [{"step": 1, "train/loss": 1.0, "val/mse": 0.6}, {"step": 2, "val/mse": 0.25}])
     write("dpo", [{"step": 1, "train/preference_loss": 0.7, "val/accuracy": 0.8}, {"step": 2, "val/accuracy": 0.95}])
     for d in ("ppo_actor", "rloo", "grpo/fit_1", "rs/fit_1"):
         write(d, [{"step": 0, "val/global_rewards": 0.1}, {"step": 5, "train/rewards": 1.0, "val/global_rewards": 0.7}])
@@ -231,7 +231,7 @@ def test_demo_report_table_and_curves(tmp_path, capsys):
     out = capsys.readouterr().out
     table = {line[:48].strip(): line[48:].split() for line in out.splitlines() if len(line) > 48}
     assert table["SFT validation loss"] == ["2.500", "0.500"]
-    assert table["reward model accuracy (held-out pairs)"] == ["0.600", "0.900"]
+    assert table["reward model squared error (held-out answers)"] == ["0.600", "0.250"]
     assert table["DPO preference accuracy (held-out pairs)"] == ["0.800", "0.950"]
     assert "Half the gap from SFT to perfect: 0.750." in out
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
