@@ -57,9 +57,15 @@ class BuiltinTask:
         return f"{task_input} "
 
     @staticmethod
-    def target(prompt: str) -> str:
-        """The correct answer for a prompt (with or without the trailing space)."""
+    def operands(prompt: str) -> Tuple[str, str]:
+        """``(operation, word)`` of a prompt or task input (with or without the trailing space)."""
         op, word = prompt.strip().removesuffix(PROMPT_END.strip()).split()[:2]
+        return op, word
+
+    @classmethod
+    def target(cls, prompt: str) -> str:
+        """The correct answer for a prompt (with or without the trailing space)."""
+        op, word = cls.operands(prompt)
         return OPERATIONS[op](word)
 
     @staticmethod
@@ -91,7 +97,7 @@ class BuiltinTask:
         if roll < 0.6:
             return self.corrupt(answer, rng)
         if roll < 0.8:
-            op, word = task_input.removesuffix(PROMPT_END).split()[:2]
+            op, word = self.operands(task_input)
             other = [OPERATIONS[o](word) for o in OPERATIONS if o != op and OPERATIONS[o](word) != answer]
             if other:
                 return other[0]
@@ -190,7 +196,7 @@ class BuiltinTask:
         operation's answer, then ``n`` drawn from edits of the answer (one to three), permutations,
         strings of the word's letters or of the alphabet (length 1 to the answer's + 3), the answer
         with letters appended, its prefixes and one letter repeated."""
-        word = task_input.removesuffix(PROMPT_END).split()[1]
+        word = self.operands(task_input)[1]
         out = [answer, word, *(OPERATIONS[o](word) for o in OPERATIONS)]
         for _ in range(n):
             kind = rng.randrange(7)
