@@ -291,3 +291,27 @@ def test_run_interpolations_see_the_checkpoints_sequence_length():
     assert merged.encoder_seq_length == 48 and merged.rs.length_params.max_length == 24
     root.model.encoder_seq_length = 64  # a value the run sets wins
     assert merge_checkpoint_config(OmegaConf.create({"encoder_seq_length": 48}), root.model).rs.length_params.max_length == 32
+
+
+def test_a_run_head_setting_that_differs_from_a_reward_models_is_warned(caplog):
+    """``use_avg_pool`` is a run setting (the run's value wins, as in NeMo); a critic that turns off
+    the pooling a reward model was trained with is told, an SFT checkpoint (no head) is not."""
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.utils.model_config import merge_checkpoint_config
+
+    rm = OmegaConf.create({"num_layers": 2, "reward_model_type": "regression", "use_avg_pool": True})
+    with caplog.at_level(logging.WARNING, logger="nemo_aligner.utils.model_config"):
+        merged = merge_checkpoint_config(rm, OmegaConf.create({"use_avg_pool": False}))
+    assert merged.use_avg_pool is False
+    assert [r.getMessage() for r in caplog.records] == [
+        "model.use_avg_pool=False differs from the reward-model checkpoint's True, which its head was trained "
+        "with: pass model.use_avg_pool=True to keep it"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nemo_aligner.utils.model_config"):
+        merge_checkpoint_config(rm, OmegaConf.create({"use_avg_pool": True}))
+        merge_checkpoint_config(OmegaConf.create({"num_layers": 2, "use_avg_pool": True}),
+                                OmegaConf.create({"use_avg_pool": False}))
+    assert caplog.records == []

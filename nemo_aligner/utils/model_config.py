@@ -22,6 +22,9 @@ ARCHITECTURE_KEYS = (
 # Keys a checkpoint sets unless the run sets them (null in the shipped configs: "the checkpoint's").
 CHECKPOINT_UNLESS_SET = ("encoder_seq_length", "seq_len_interpolation_factor", "hidden_dropout", "attention_dropout",
                          "ffn_dropout")
+# Keys a reward model's head was trained with: the run's value wins (as in NeMo), with a warning when it
+# differs from a reward-model checkpoint's, since the head then reads features it was not trained on.
+HEAD_KEYS = ("use_avg_pool",)
 # Keys describing the checkpoint itself, never copied into a new model's config.
 _CHECKPOINT_ONLY = ("mcore_gpt", "dist_ckpt_format", "target", "precision", "nemo_version", "transformer_engine")
 
@@ -56,8 +59,19 @@ def merge_checkpoint_config(ckpt_cfg: DictConfig, run_cfg: DictConfig,
             run.pop(key, None)  # null: keep the checkpoint's value
         elif base.get(key) is not None and run[key] != base[key]:
             logger.info("model.%s=%s set by the run (the checkpoint's is %s)", key, run[key], base[key])
+    warn_head_keys(base, run)
     merged = OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(run))
     return merged
+
+
+def warn_head_keys(base: dict, run: dict) -> None:
+    """Warn for each :data:`HEAD_KEYS` value of the run that differs from a reward-model checkpoint's."""
+    if "reward_model_type" not in base:  # no reward head in the checkpoint (an SFT model)
+        return
+    for key in HEAD_KEYS:
+        if key in base and key in run and run[key] is not None and run[key] != base[key]:
+            logger.warning("model.%s=%s differs from the reward-model checkpoint's %s, which its head was trained "
+                           "with: pass model.%s=%s to keep it", key, run[key], base[key], key, base[key])
 
 
 def drop_overwritten(base: dict, overwrite: dict) -> None:
