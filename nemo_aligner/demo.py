@@ -1,4 +1,4 @@
-"""``make demo``: the built-in task end to end on a tiny model, on the CPU, in about 18 minutes.
+"""``make demo``: the built-in task end to end on a tiny model, on the CPU, in about 27 minutes.
 
 Writes the built-in data, then runs each stage as a user would: SFT of a randomly initialised
 tiny GPT (the policy), and a longer SFT run the reward model starts from; the SFT policy sampled
@@ -60,7 +60,9 @@ def main(argv=None) -> None:
     parser.add_argument("--policy-samples", type=int, default=8,
                         help="SFT-policy answers per training prompt, scored by the task's rule for the reward model")
     parser.add_argument("--rm-steps", type=int, default=3000)
-    parser.add_argument("--ppo-steps", type=int, default=200)
+    parser.add_argument("--rm-batch-size", type=int, default=128,
+                        help="the reward model's global batch (a smaller one trains a reward model PPO exploits)")
+    parser.add_argument("--ppo-steps", type=int, default=800)
     parser.add_argument("--dpo-steps", type=int, default=300)
     parser.add_argument("--grpo-steps", type=int, default=1000)
     parser.add_argument("--rloo-steps", type=int, default=1000)
@@ -74,7 +76,7 @@ def main(argv=None) -> None:
     sft_nemo = sft_stage(out, paths, "sft", args.sft_steps)
     backbone = sft_stage(out, paths, "rm_backbone", args.rm_backbone_steps)
     rm_train, rm_val = reward_model_data_stage(out, paths, sft_nemo, args.policy_samples)
-    rm_nemo = reward_model_stage(out, backbone, rm_train, rm_val, args.rm_steps)
+    rm_nemo = reward_model_stage(out, backbone, rm_train, rm_val, args.rm_steps, args.rm_batch_size)
     serve_stage(rm_nemo)
     ppo_stage(out, paths, sft_nemo, rm_nemo, args.ppo_steps)
     dpo_stage(out, paths, sft_nemo, args.dpo_steps)
@@ -296,14 +298,15 @@ def ppo_stage(out: str, paths: dict, sft_nemo: str, rm_nemo: str, steps: int) ->
     print("\n$ python -m nemo_aligner.launchers.ppo_local --critic ... --actor ...", flush=True)
     code = run_ppo(
         [f"pretrained_checkpoint.restore_from_path={rm_nemo}", f"exp_manager.explicit_log_dir={critic_dir}",
-         "model.global_batch_size=64", "model.optim.lr=3e-4", "exp_manager.resume_if_exists=False"],
+         "model.global_batch_size=64", "model.micro_batch_size=64", "trainer.ppo.max_batch_size=128",
+         "model.optim.lr=3e-4", "exp_manager.resume_if_exists=False"],
         [f"pretrained_checkpoint.restore_from_path={sft_nemo}",
          f"++model.data.data_prefix={{train: [{paths['prompts_train']}], validation: [{paths['prompts_val']}]}}",
          f"exp_manager.explicit_log_dir={actor_dir}", "exp_manager.resume_if_exists=False",
          f"trainer.ppo.max_steps={steps}", "trainer.ppo.max_epochs=100",
-         f"trainer.ppo.val_check_interval={max(steps // 2, 1)}", "trainer.ppo.save_interval=0",
-         "model.ppo.num_rollout_samples=128", "model.global_batch_size=64", "model.micro_batch_size=16",
-         "model.ppo.rollout_micro_batch_size=32", "model.ppo.num_val_samples=64",
+         f"trainer.ppo.val_check_interval={max(steps // 4, 1)}", "trainer.ppo.save_interval=0",
+         "model.ppo.num_rollout_samples=128", "model.global_batch_size=64", "model.micro_batch_size=64",
+         "model.ppo.rollout_micro_batch_size=128", "model.ppo.num_val_samples=64",
          "model.ppo.length_params.max_length=12", "model.optim.lr=1e-4", "trainer.ppo.critic_warmup_steps=3"],
         critic_log=os.path.join(out, "ppo_critic_server.log"))
     if code != 0:
@@ -348,7 +351,7 @@ def reward_model_data_stage(out: str, paths: dict, sft_nemo: str, samples: int) 
     return train, val
 
 
-def reward_model_stage(out: str, backbone_nemo: str, rm_train: str, rm_val: str, steps: int) -> str:
+def reward_model_stage(out: str, backbone_nemo: str, rm_train: str, rm_val: str, steps: int, batch: int) -> str:
     """A regression reward model (one output: the predicted 4 x score) from ``backbone_nemo``."""
     rm_dir = os.path.join(out, "rm")
     remove_stage_dir(rm_dir)
@@ -358,7 +361,7 @@ def reward_model_stage(out: str, backbone_nemo: str, rm_train: str, rm_val: str,
         "++model.data.data_impl=jsonl",
         f"++model.data.data_prefix={{train: [{rm_train}], validation: [{rm_val}]}}",
         f"trainer.rm.max_steps={steps}", "trainer.rm.max_epochs=100",
-        "model.micro_batch_size=32", "model.global_batch_size=32",
+        f"model.micro_batch_size={batch}", f"model.global_batch_size={batch}",
         f"trainer.rm.val_check_interval={max(steps // 4, 1)}",
         f"exp_manager.explicit_log_dir={rm_dir}", "exp_manager.resume_if_exists=False",
     ])
