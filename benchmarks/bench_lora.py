@@ -8,7 +8,7 @@ rank): the copy ``cpu_weights_copy`` makes (what DPO's reference policy, PPO's i
 the critic's co-located reward model keep), DDP's gradient buffers and the optimizer's state.
 LoRA is NeMo-Aligner's default (``adapter_dim`` 32 on ``attention_qkv``) and the same on every
 linear layer (``target_modules=[all]``). Step times are medians of ``--steps`` steps after one
-warm-up step. Results go to ``benchmarks/results/lora[_bf16].json``.
+warm-up step. Results go to ``benchmarks/results/<device>/lora[_bf16].json``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import bench_device, default_precision, init_single_process, machine, model_cfg, synchronize, write_json  # noqa: E402
+from common import bench_device, default_precision, init_single_process, machine, model_cfg, synchronize, versions_line, write_json  # noqa: E402
 
 VARIANTS = {
     "full": None,
@@ -108,6 +108,7 @@ def main(argv=None) -> dict:
     payload = {"machine": machine(), "device": str(bench_device()), "precision": args.precision,
                "batch": args.batch, "seq": args.seq, "steps": args.steps, "results": rows}
     name = "lora" + ("_bf16" if args.precision == "bf16" else "")
+    print("versions:", versions_line())
     print("wrote", write_json(name, payload))
     return payload
 

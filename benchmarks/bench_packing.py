@@ -8,7 +8,7 @@ as instruction data is. Padded: batches of ``--batch`` samples, each padded to i
 rows of ``--max-len`` tokens, batches of packs holding about as many tokens as a padded batch's
 ``--max-len`` rows would. Both run forward, backward and an optimizer step per batch on the same model
 and count only real (non-padding) tokens. The two sides alternate, reversing which goes first every
-other round; medians are reported. Results: ``benchmarks/results/packing[_bf16].json``.
+other round; medians are reported. Results: ``benchmarks/results/<device>/packing[_bf16].json``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import alternate, bench_device, default_precision, init_single_process, machine, median, model_cfg, synchronize, write_json  # noqa: E402
+from common import alternate, bench_device, default_precision, init_single_process, machine, median, model_cfg, synchronize, versions_line, write_json  # noqa: E402
 
 
 def skewed_lengths(n: int, max_len: int, seed: int = 0):
@@ -102,6 +102,7 @@ def main(argv=None) -> dict:
               f"{r['tokens_per_s']:9.0f} trained tokens/s")
     print(f"packed / padded: {result['speedup']:.2f}x")
     name = "packing" + ("_bf16" if args.precision == "bf16" else "")
+    print("versions:", versions_line())
     print("wrote", write_json(name, result))
     return result
 

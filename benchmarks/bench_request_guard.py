@@ -4,7 +4,7 @@ stand-in backend and through the guard to it, alternating, for a small and a lar
 
     python benchmarks/bench_request_guard.py [--rounds 9] [--requests 100]
 
-Writes benchmarks/results/request_guard.json. The backend answers at once, so the guard's cost is
+Writes benchmarks/results/<device>/request_guard.json. The backend answers at once, so the guard's cost is
 measured against a request that does no model work (a real server's forward dwarfs it)."""
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import time
 from typing import Callable, Dict, List
@@ -66,6 +67,11 @@ def device_description() -> str:
     from nemo_aligner.utils.cpu_gemm import decode_gemm_backend
 
     return f"CPU {cpu_model()}, {torch.get_num_threads()} threads, decode GEMM {decode_gemm_backend()}"
+
+
+def versions_line() -> str:
+    """``name version, ...`` of the installed packages of both sides, for the printed tables."""
+    return ", ".join(f"{name} {v}" for name, v in versions().items() if v)
 
 
 def default_precision() -> str:
@@ -150,12 +156,39 @@ def machine() -> dict:
     return {"cpu": platform.processor() or platform.machine(), "cpu_model": cpu_model(),
             "decode_gemm": decode_gemm_backend(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "cuda": torch.cuda.is_available(),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "versions": versions()}
+
+
+def versions() -> dict:
+    """Installed versions of both sides' packages (None where one is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in ("nemo-aligner", "megatron-core", "torch", "transformers", "trl"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def device_slug() -> str:
+    """A folder name for the device the timings ran on: ``nvidia-h100-80gb-hbm3``, or the CPU model
+    and its threads (``cpu-amd-epyc-2t``), so results from different machines sit side by side."""
+    def clean(text: str) -> str:  # "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz" -> "intel xeon platinum 8481c"
+        return re.sub(r"\((r|tm)\)|\bcpu\b|@.*$", " ", text.lower())
+
+    name = clean(torch.cuda.get_device_name()) if torch.cuda.is_available() else \
+        f"cpu {clean(cpu_model())} {torch.get_num_threads()}t"
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-")
 
 
 def write_json(name: str, payload: dict, out_dir: str = None) -> str:
-    out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    """``payload`` (with the device's description added) to ``benchmarks/results/<device>/<name>.json``,
+    through a temporary file."""
+    out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", device_slug())
     os.makedirs(out_dir, exist_ok=True)
+    payload = {"device": device_description(), **payload}
     path = os.path.join(out_dir, f"{name}.json")
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:

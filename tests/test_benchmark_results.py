@@ -1,0 +1,34 @@
+"""Benchmark results are written per device, with the device named inside."""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+common = pytest.importorskip("common")
+
+
+@pytest.mark.parametrize("model, threads, slug", [
+    ("Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz", 2, "cpu-intel-xeon-platinum-8481c-2t"),
+    ("AMD EPYC 9B14", 16, "cpu-amd-epyc-9b14-16t"),
+])
+def test_device_slug_names_the_cpu_and_its_threads(monkeypatch, model, threads, slug):
+    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(common, "cpu_model", lambda: model)
+    monkeypatch.setattr(common.torch, "get_num_threads", lambda: threads)
+    assert common.device_slug() == slug
+
+
+def test_device_slug_of_a_gpu(monkeypatch):
+    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(common.torch.cuda, "get_device_name", lambda: "NVIDIA H100 80GB HBM3")
+    assert common.device_slug() == "nvidia-h100-80gb-hbm3"
+
+
+def test_write_json_puts_the_device_first_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "device_description", lambda: "CPU test, 2 threads")
+    path = common.write_json("grpo", {"ratio": 0.5}, out_dir=str(tmp_path))
+    assert json.load(open(path)) == {"device": "CPU test, 2 threads", "ratio": 0.5}
+    assert os.listdir(tmp_path) == ["grpo.json"]
