@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from common import (bench_device, build_pair, default_precision, device_description, init_single_process, machine,
-                    median, race, synchronize, versions_line, write_json)
+                    median, race, synchronize, write_json)
 
 
 def kernel_floor(module, prompts: torch.Tensor, new_tokens: int, rounds: int = 3) -> dict:
@@ -148,7 +148,6 @@ def main(argv=None) -> dict:
           "about the most a decode loop on these kernels could reach (measured after the race: +- the VM's drift)")
     payload = {"benchmark": "generation", "machine": machine(), "args": vars(args), "rows": rows}
     name = "generation" + ("_sample" if args.sample else "") + ("_bf16" if args.precision == "bf16" else "")
-    print("versions:", versions_line())
     print("written", write_json(name, payload))
     return payload
 

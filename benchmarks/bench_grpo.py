@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from common import build_pair, default_precision, device_description, init_single_process, machine, versions_line, write_json
+from common import build_pair, default_precision, device_description, init_single_process, machine, write_json
 
 
 def byte_tokenizer_dir(path: str) -> str:
@@ -258,7 +258,6 @@ def main(argv=None) -> dict:
           + ", ".join(f"{k} {v:.2f}s" for k, v in sorted(trl_phases.items())))
     payload = {"benchmark": "grpo", "machine": machine(), "args": vars(args), "trl_version": trl.__version__,
                "rows": [row]}
-    print("versions:", versions_line())
     print("written", write_json("grpo" + ("_bf16" if bf16 else ""), payload))
     return payload
 

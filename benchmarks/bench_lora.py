@@ -22,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import bench_device, default_precision, init_single_process, machine, model_cfg, synchronize, versions_line, write_json  # noqa: E402
+from common import default_precision, init_single_process, machine, model_cfg, synchronize, write_json  # noqa: E402
 
 VARIANTS = {
     "full": None,
@@ -105,10 +105,9 @@ def main(argv=None) -> dict:
         print(f"{r['shape']:8} {r['variant']:9} {r['trained_parameters']:>12,} {r['weight_copy_bytes'] / mb:>15.1f} "
               f"{r['gradient_bytes'] / mb:>9.1f} {r['optimizer_state_bytes'] / mb:>13.1f} {r['step_s']:>7.3f} "
               f"{r['tokens_per_s']:>9.0f}")
-    payload = {"machine": machine(), "device": str(bench_device()), "precision": args.precision,
+    payload = {"machine": machine(), "precision": args.precision,
                "batch": args.batch, "seq": args.seq, "steps": args.steps, "results": rows}
     name = "lora" + ("_bf16" if args.precision == "bf16" else "")
-    print("versions:", versions_line())
     print("wrote", write_json(name, payload))
     return payload
 

@@ -22,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import alternate, bench_device, default_precision, init_single_process, machine, median, model_cfg, synchronize, versions_line, write_json  # noqa: E402
+from common import alternate, default_precision, init_single_process, machine, median, model_cfg, synchronize, write_json  # noqa: E402
 
 
 def skewed_lengths(n: int, max_len: int, seed: int = 0):
@@ -91,7 +91,7 @@ def main(argv=None) -> dict:
                    "tokens_per_s": real / median(times["padded"])},
         "packed": {"batches": len(packed), "packs": len(packs), "positions": packed_positions,
                    "seconds": median(times["packed"]), "tokens_per_s": real / median(times["packed"])},
-        "times": times, "machine": machine(), "device": str(bench_device()),
+        "times": times, "machine": machine(),
     }
     result["speedup"] = result["packed"]["tokens_per_s"] / result["padded"]["tokens_per_s"]
     print(f"{args.samples} samples (median {result['median_length']} tokens, longest {max(lengths)}), "
@@ -102,7 +102,6 @@ def main(argv=None) -> dict:
               f"{r['tokens_per_s']:9.0f} trained tokens/s")
     print(f"packed / padded: {result['speedup']:.2f}x")
     name = "packing" + ("_bf16" if args.precision == "bf16" else "")
-    print("versions:", versions_line())
     print("wrote", write_json(name, result))
     return result
 

@@ -25,7 +25,7 @@ import tempfile
 
 import torch
 
-from common import cpu_model, init_single_process, machine, model_cfg, versions_line, write_json
+from common import cpu_model, init_single_process, machine, model_cfg, write_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -126,7 +126,6 @@ def main(argv=None) -> dict:
     print(f"ratio measured / serial {row['ratio']:.2f}; the actor waited for {waits:.3f} s of the server's "
           f"{busy:.3f} s busy time (hidden share {row['hidden_share']:.0%})")
     payload = {"benchmark": "ppo", "machine": machine(), "args": vars(args), "rows": [row]}
-    print("versions:", versions_line())
     print("written", write_json("ppo", payload))
     return payload
 

@@ -15,7 +15,7 @@ import time
 import torch
 
 from common import (bench_device, build_pair, default_precision, device_description, init_single_process, machine,
-                    matmul_peak_gflops, race, synchronize, versions_line, write_json)
+                    matmul_peak_gflops, race, synchronize, write_json)
 
 
 def model_flops_per_token(cfg: dict, seq: int, params: int) -> float:
@@ -91,7 +91,6 @@ def main(argv=None) -> dict:
         print(f"{r['shape']:<8} {r['params_M']:>7.1f}M {r['hf_tok_s']:>9.0f} {r['ours_tok_s']:>11.0f} {r['ratio']:>6.2f} "
               f"{r['hf_mfu']:>7.1%} {r['ours_mfu']:>9.1%}")
     payload = {"benchmark": "sft", "machine": machine(), "peak_gflops": peak, "args": vars(args), "rows": rows}
-    print("versions:", versions_line())
     print("written", write_json("sft" + ("_bf16" if bf16 else ""), payload))
     return payload
 

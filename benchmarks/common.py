@@ -185,10 +185,11 @@ def device_slug() -> str:
 
 def write_json(name: str, payload: dict, out_dir: str = None) -> str:
     """``payload`` (with the device's description added) to ``benchmarks/results/<device>/<name>.json``,
-    through a temporary file."""
+    through a temporary file; prints both sides' package versions (they are in ``machine()``)."""
     out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", device_slug())
     os.makedirs(out_dir, exist_ok=True)
     payload = {"device": device_description(), **payload}
+    print("versions:", versions_line())
     path = os.path.join(out_dir, f"{name}.json")
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
