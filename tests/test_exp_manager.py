@@ -1,6 +1,7 @@
 """The experiment manager refuses, in one line and before writing anything, a log directory in use
-by a live run, a log directory that is a file, and checkpoint settings it would misread; a run
-that fails while starting leaves the previous run's hparams.yaml as it was."""
+by a live run, a log directory that is a file, checkpoint settings it would misread and a logger
+whose package is missing; a run that fails while starting leaves the previous run's hparams.yaml as
+it was."""
 
 import os
 import subprocess
@@ -64,6 +65,16 @@ def test_a_log_dir_that_is_a_file_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"the log directory .*run .* is a file"):
         manage(tmp_path / "run")
     assert (tmp_path / "run").read_text() == "notes"
+
+
+@pytest.mark.parametrize("key, module", [("create_wandb_logger", "wandb"),
+                                         ("create_tensorboard_logger", "torch.utils.tensorboard")])
+def test_a_logger_whose_package_is_missing_is_refused(tmp_path, monkeypatch, key, module):
+    monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError, as with the package absent
+    exp = OmegaConf.create({"explicit_log_dir": str(tmp_path / "run"), "create_tensorboard_logger": False, key: True})
+    with pytest.raises(ConfigError, match=rf"exp_manager.{key}=True needs the .* package .*exp_manager.{key}=False"):
+        exp_manager(exp, OmegaConf.create({"model": {"lr": 1}}))
+    assert not (tmp_path / "run").exists()
 
 
 def test_hparams_are_written_only_once_the_run_logs(tmp_path):

@@ -377,3 +377,34 @@ def test_slow_server_is_retried_then_given_up_on(slow_server, caplog):
     retries = [r.getMessage() for r in caplog.records if "sending the request again" in r.getMessage()]
     assert len(retries) == 1 and "retry 1 of 2, remote_rm.max_retries" in retries[0], retries
     assert slow_server.proc.poll() is None
+
+
+def test_serves_with_pytriton_installed_outside_site_packages(tmp_path, monkeypatch, rm_nemo_and_rewards):
+    """PyTriton imported from a directory on PYTHONPATH (``pip install --target``) takes itself for a
+    source checkout and does not put its bundled libraries on tritonserver's library path: the server
+    still starts and answers."""
+    import pytriton
+
+    package = os.path.dirname(pytriton.__file__)
+    site = tmp_path / "site"
+    site.mkdir()
+    os.symlink(package, site / "pytriton")
+    os.symlink(os.path.join(os.path.dirname(package), "nvidia_pytriton.libs"), site / "nvidia_pytriton.libs")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    nemo, expected = rm_nemo_and_rewards
+    with Server(tmp_path, nemo) as srv:
+        with client(srv.port) as c:
+            got = c.infer_texts(TEXTS[:3]).result()
+    np.testing.assert_allclose(got, [expected[t] for t in TEXTS[:3]], rtol=1e-5, atol=1e-5)
+
+
+def test_library_path_puts_python_and_pytriton_libraries_first_once(monkeypatch):
+    import sysconfig
+
+    from nemo_aligner.servers.triton_host import prepare_library_path, pytriton_libs_dir
+
+    monkeypatch.setenv("LD_LIBRARY_PATH", f"/opt/x{os.pathsep}{pytriton_libs_dir()}")
+    prepare_library_path()
+    prepare_library_path()
+    assert os.environ["LD_LIBRARY_PATH"].split(os.pathsep) == [sysconfig.get_config_var("LIBDIR"), pytriton_libs_dir(),
+                                                               "/opt/x"]

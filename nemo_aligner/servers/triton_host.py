@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import shutil
@@ -75,15 +76,28 @@ def check_ports_free(address: ServerAddress, key: str) -> None:
 
 
 def prepare_library_path() -> None:
-    """Put this Python's LIBDIR first on ``LD_LIBRARY_PATH`` for the Triton backend.
+    """Put this Python's LIBDIR and PyTriton's bundled libraries first on ``LD_LIBRARY_PATH``.
 
     Under pyenv (and other non-system Pythons) the backend otherwise loads the system
     libpython and every model load fails with an RLock attribute error.
     """
-    libdir = sysconfig.get_config_var("LIBDIR")
-    current = os.environ.get("LD_LIBRARY_PATH", "")
-    if libdir and not current.startswith(libdir):
-        os.environ["LD_LIBRARY_PATH"] = f"{libdir}:{current}" if current else libdir
+    wanted = [d for d in (sysconfig.get_config_var("LIBDIR"), pytriton_libs_dir()) if d]
+    current = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if d]
+    if current[:len(wanted)] != wanted:
+        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(wanted + [d for d in current if d not in wanted])
+
+
+def pytriton_libs_dir() -> Optional[str]:
+    """The libraries PyTriton's wheel bundles (``nvidia_pytriton.libs`` beside ``pytriton``), or None.
+
+    PyTriton looks for them only when it is installed in one of this Python's site-packages; installed
+    elsewhere (``pip install --target``, a directory on ``PYTHONPATH``) it takes itself for a source
+    checkout, and ``tritonserver`` fails to load libcudart."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    libs = os.path.join(os.path.dirname(list(spec.submodule_search_locations)[0]), "nvidia_pytriton.libs")
+    return libs if os.path.isdir(libs) else None
 
 
 # PyTriton puts unix sockets in its workspace; their paths must stay under ~108 bytes.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import socket
@@ -109,6 +110,15 @@ def _check_exp_config(exp_cfg, log_dir: str) -> None:
     mode = params.get("mode")
     if mode is not None and str(mode) not in ("min", "max"):
         raise ConfigError(f"exp_manager.checkpoint_callback_params.mode={mode!r} must be 'min' or 'max'")
+    # A logger whose package is missing would fail only once the model is built, with a traceback.
+    for key, module, package in (("create_tensorboard_logger", "torch.utils.tensorboard", "tensorboard"),
+                                 ("create_wandb_logger", "wandb", "wandb")):
+        if exp_cfg.get(key, key == "create_tensorboard_logger"):
+            try:
+                importlib.import_module(module)
+            except ImportError as err:
+                raise ConfigError(f"exp_manager.{key}=True needs the {package} package ({err}): install it "
+                                  f"(pip install {package}) or set exp_manager.{key}=False") from None
 
 
 def set_aside_earlier_checkpoints(checkpoint_dir: str) -> Optional[str]:
