@@ -29,8 +29,7 @@ def sft_overrides(data, log_dir, steps, extra=()):
 def test_sft_lowers_validation_loss(tmp_path, builtin_data, seed):
     log_dir = tmp_path / "sft"
     proc = run_script("train_gpt_sft.py", sft_overrides(builtin_data, log_dir, 150, [
-        "trainer.sft.val_check_interval=50", "model.optim.sched.warmup_steps=5", f"model.seed={seed}",
-        "exp_manager.create_wandb_logger=True", "exp_manager.wandb_logger_kwargs.project=sft_test"]))
+        "trainer.sft.val_check_interval=50", "model.optim.sched.warmup_steps=5", f"model.seed={seed}"]))
     val = val_losses(log_dir)
     assert sorted(val) == [50, 100, 150]
     # Random init starts near ln(262) = 5.6; the task is learnable, so the loss must fall far.
@@ -39,7 +38,14 @@ def test_sft_lowers_validation_loss(tmp_path, builtin_data, seed):
     assert nemo.is_file()
     assert f".nemo written to {nemo}" in proc.stdout
     assert "SFT finished: 150 steps" in proc.stdout
-    # TensorBoard events, an offline wandb run and the train metrics are logged.
+
+
+def test_tensorboard_wandb_and_metrics_are_logged(tmp_path, builtin_data):
+    """TensorBoard events, an offline wandb run in the log directory and the train metrics."""
+    log_dir = tmp_path / "sft"
+    run_script("train_gpt_sft.py", sft_overrides(builtin_data, log_dir, 2, [
+        "exp_manager.create_wandb_logger=True", "exp_manager.wandb_logger_kwargs.project=sft_test",
+        "exp_manager.create_checkpoint_callback=False"]))
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(log_dir))
     assert any(name.startswith("offline-run-") for name in os.listdir(log_dir / "wandb"))
     record = next(r for r in read_metrics(log_dir) if r.get("step") == 1 and "train/loss" in r)
