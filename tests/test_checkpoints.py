@@ -81,6 +81,34 @@ def test_save_load_round_trip_in_process(tmp_path, mcore_single):
     assert restored.cfg.hidden_size == 64 and restored.cfg.padded_vocab_size == model.cfg.padded_vocab_size
 
 
+def test_extra_state_the_checkpoint_lacks_is_left_to_the_module(tmp_path, mcore_single):
+    """A model with a module state the writing spec does not store (Transformer Engine's attention keeps
+    an ``_extra_state``; the local spec's has none) loads the checkpoint; its weights are the saved ones."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from nemo_aligner.utils import nemo_file
+    from nemo_aligner.utils.nemo_file import save_nemo
+
+    torch.manual_seed(5)
+    saved = tiny_model()
+    path = save_nemo(saved, str(tmp_path / "m.nemo"))
+    reader = tiny_model()
+    own = reader.sharded_state_dict
+
+    def with_attention_state(*args, **kwargs):
+        state = own(*args, **kwargs)
+        state["model.decoder.layers.self_attention.core_attention._extra_state"] = ShardedObject(
+            "model.decoder.layers.self_attention.core_attention._extra_state", None, (1,), (0,), replica_id=0)
+        return state
+
+    reader.sharded_state_dict = with_attention_state
+    with nemo_file.extracted(path) as directory:
+        reader.load_weights(nemo_file.weights_dir(directory), what="model.restore_from_path")
+    for (name, a), (_, b) in zip(saved.module.state_dict().items(), reader.module.state_dict().items()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), name
+
+
 def test_wrong_shape_checkpoint_is_named(tmp_path, mcore_single):
     from nemo_aligner.utils.errors import CheckpointError
     from nemo_aligner.utils.nemo_file import save_nemo

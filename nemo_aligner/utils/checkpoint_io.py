@@ -176,6 +176,17 @@ def checkpoint_shapes(directory: str) -> Dict[str, Tuple[int, ...]]:
             if isinstance(meta, TensorStorageMetadata)}
 
 
+def checkpoint_objects(directory: str) -> set:
+    """Keys of the non-tensor entries (megatron-core's ``ShardedObject``s, such as a layer's
+    ``_extra_state``) stored in a torch_dist checkpoint, without their ``/shard_...`` suffix."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata = FileSystemReader(directory).read_metadata()
+    return {key.split("/shard_")[0] for key, meta in metadata.state_dict_metadata.items()
+            if isinstance(meta, BytesStorageMetadata)}
+
+
 def is_sharded_checkpoint(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, "metadata.json"))
 
@@ -199,6 +210,7 @@ def load_sharded(
     if not is_sharded_checkpoint(directory):
         raise CheckpointError(f"{what} {directory}: not a torch_dist checkpoint (no metadata.json)")
     stored = checkpoint_shapes(directory)
+    stored_objects = checkpoint_objects(directory)
     missing, mismatched = [], []
 
     def prune(tree: dict, prefix: str = "") -> dict:
@@ -209,6 +221,11 @@ def load_sharded(
                 continue
             if isinstance(value, ShardedObject) and any(tag in value.key for tag in allow_missing):
                 continue  # extra state of a module that is new in this model (e.g. a reward head)
+            if isinstance(value, ShardedObject) and value.key.endswith("_extra_state") and \
+                    value.key not in stored_objects:
+                # a module state the other layer spec does not write (Transformer Engine's attention
+                # keeps FP8 metadata; the local spec has none): the module keeps its own
+                continue
             if isinstance(value, ShardedTensorFactory) and value.key not in stored and \
                     any(tag in value.key for tag in allow_missing):
                 missing.append(value.key)  # a new gated-MLP tensor (e.g. a LoRA adapter on fc1)
