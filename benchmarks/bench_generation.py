@@ -8,6 +8,7 @@ both run there in bf16 (bf16 weights on both sides).
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -78,7 +79,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--sample", action="store_true", help="temperature 1.0 sampling instead of greedy")
     parser.add_argument("--precision", choices=["32", "bf16"], default=default_precision(),
                         help="bf16 on a GPU, 32 on the CPU by default")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="our decode steps replay a captured CUDA graph (NEMO_ALIGNER_CUDA_GRAPHS=1; a GPU only)")
     args = parser.parse_args(argv)
+    os.environ["NEMO_ALIGNER_CUDA_GRAPHS"] = "1" if args.cuda_graphs else "0"
 
     from nemo_aligner.models.nlp.gpt.generation import LengthParams, SamplingParams, generate
 
@@ -147,7 +151,8 @@ def main(argv=None) -> dict:
           "alone, cache at its mean length;\nratio at floor: HF's time over (prefill + (new tokens - 1) x floor step), "
           "about the most a decode loop on these kernels could reach (measured after the race: +- the VM's drift)")
     payload = {"benchmark": "generation", "machine": machine(), "args": vars(args), "rows": rows}
-    name = "generation" + ("_sample" if args.sample else "") + ("_bf16" if args.precision == "bf16" else "")
+    name = "generation" + ("_sample" if args.sample else "") + ("_bf16" if args.precision == "bf16" else "") + \
+        ("_cudagraphs" if args.cuda_graphs else "")
     print("written", write_json(name, payload))
     return payload
 

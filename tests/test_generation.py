@@ -93,6 +93,66 @@ def check_cached_logits_equal_forward(extra):
     return decoder
 
 
+@pytest.mark.parametrize("arch", [TINY_ARCH, TINY_GPT2_ARCH, dict(TINY_ARCH, qk_layernorm=True)],
+                         ids=["llama", "gpt2", "qk_layernorm"])
+def test_static_decode_step_equals_forward(mcore_single, arch):
+    """The static-shape decode step (what a CUDA graph captures: the slot is a tensor, the whole cache
+    is read under a mask) gives the full forward's logits at every step, with ragged prompts and
+    cache slots after the current one holding garbage."""
+    from nemo_aligner.models.nlp.gpt.generation import KVCacheDecoder
+
+    model = build(arch, seed=3)
+    tok = model.tokenizer
+    prompts = [tok.text_to_ids("reverse abc = "), tok.text_to_ids("sort ab = ")]
+    longest, steps = max(map(len, prompts)), 4
+    total = longest + steps + 3
+    pad = torch.tensor([longest - len(p) for p in prompts])
+    tokens = torch.full((2, longest), tok.eos_id)
+    for b, p in enumerate(prompts):
+        tokens[b, pad[b]:] = torch.tensor(p)
+    slots = torch.arange(total).unsqueeze(0)
+    device = model.device
+    positions, key_mask = (slots - pad[:, None]).clamp(min=0).to(device), (slots >= pad[:, None]).to(device)
+    decoder = KVCacheDecoder(model.module, 2, total)
+    decoder.forward(tokens.to(device), positions[:, :longest], 0, key_mask)
+    with torch.no_grad():
+        decoder.cache[:, :, :, :, longest:].normal_(std=10.0)  # never read unless the mask is wrong
+    ids = [list(p) for p in prompts]
+    for step, new in enumerate(tok.text_to_ids("cba ")[:steps]):
+        slot = longest + step
+        fed = torch.full((2, 1), new, device=device)
+        logits = decoder.static_step(fed, positions[:, slot:slot + 1], torch.tensor([slot], device=device),
+                                     key_mask).cpu()
+        for b in range(2):
+            ids[b].append(new)
+            assert torch.allclose(logits[b], full_logits(model, ids[b]), atol=1e-4), (step, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("arch", [TINY_ARCH, TINY_GPT2_ARCH], ids=["llama", "gpt2"])
+def test_cuda_graph_decode_generates_what_the_eager_loop_does(mcore_single, monkeypatch, arch):
+    """With NEMO_ALIGNER_CUDA_GRAPHS=1 every decode step replays the captured graph, and greedy and
+    seeded sampling give the eager loop's tokens."""
+    from nemo_aligner.models.nlp.gpt import generation
+
+    model = build(arch, seed=5)
+    tok = model.tokenizer
+    prompts = [tok.text_to_ids(p) for p in PROMPTS]
+    replays = []
+    own_call = generation.CUDAGraphDecodeStep.__call__
+    monkeypatch.setattr(generation.CUDAGraphDecodeStep, "__call__",
+                        lambda self, *a: replays.append(1) or own_call(self, *a))
+    for sampling in (SamplingParams(use_greedy=True), SamplingParams(temperature=1.0, top_k=20)):
+        outputs = {}
+        for graphs in ("0", "1"):
+            monkeypatch.setenv("NEMO_ALIGNER_CUDA_GRAPHS", graphs)
+            outputs[graphs] = generate(model.module, tok, prompts, sampling, LengthParams(max_length=10, min_length=10),
+                                       seed=7)
+        assert outputs["1"].tokens.tolist() == outputs["0"].tokens.tolist()
+        assert outputs["1"].response_lengths.tolist() == outputs["0"].response_lengths.tolist()
+    assert len(replays) == 2 * 9  # every decode step after the first sampled token, in both runs
+
+
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 30.0])
 def test_decode_rms_norm_is_as_accurate_as_torchs(scale):
     """The decode loop's float32 RMSNorm (fewer kernels than torch's CPU composite) agrees with

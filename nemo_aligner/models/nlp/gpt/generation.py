@@ -15,7 +15,9 @@ training forward, so sampling settings (temperature, top-k, top-p) cannot bias t
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -28,6 +30,8 @@ from nemo_aligner.models.nlp.gpt.lean_ops import rotary_from_tables
 from nemo_aligner.models.nlp.gpt import lora
 from nemo_aligner.utils import cpu_gemm, cpu_kernels
 from nemo_aligner.utils.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 
@@ -168,6 +172,7 @@ class KVCacheDecoder:
         # the QKV projection's output, so one copy per layer and step stores both.
         self.cache = torch.zeros(len(layers), batch, self.groups, 2, max_len, self.head_dim, dtype=dtype,
                                  device=self.device)
+        self.slots = torch.arange(max_len, device=self.device)  # static_step's mask of slots after the current
         self.layer_cache = list(self.cache.unbind(0))
         self.layer_keys = [c[:, :, 0] for c in self.layer_cache]  # [B, group, T, d] views
         self.layer_values = [c[:, :, 1] for c in self.layer_cache]
@@ -259,8 +264,10 @@ class KVCacheDecoder:
                     fc1=self._linear(mlp.linear_fc1), fc2=self._linear(mlp.linear_fc2),
                     q_norm=None if identity(q_norm) else q_norm, k_norm=None if identity(k_norm) else k_norm)
 
-    def _attention(self, plan: dict, x: torch.Tensor, rope, start: int, mask, index: int,
+    def _attention(self, plan: dict, x: torch.Tensor, rope, start, mask, index: int,
                    rows: Optional[torch.Tensor]) -> torch.Tensor:
+        """Self-attention of ``x`` [S, B, H] fed at cache slot ``start`` (an int; or a 1-element tensor
+        from ``static_step``, whose ``mask`` covers the whole cache)."""
         mixed = plan["qkv"](x)
         s, b = mixed.shape[:2]
         per_group = self.heads // self.groups
@@ -283,15 +290,20 @@ class KVCacheDecoder:
                 query = rotary_from_tables(query.reshape(s, b, self.heads, self.head_dim), cos, sin)
                 key = rotary_from_tables(key, cos, sin)
             key_value = torch.stack((key, value), dim=3)
-        end = start + s
         key_value = key_value.permute(1, 2, 3, 0, 4)  # [rows fed, groups, 2, S, d]
         # Keys are stored after rotation, once.
-        # narrow() rather than indexing with slice tuples: fewer dispatches per layer and step
-        self.layer_cache[index].narrow(3, start, s).copy_(key_value if rows is None else key_value.index_select(0, rows))
-        if rows is None:
-            keys, values = self.layer_keys[index].narrow(2, 0, end), self.layer_values[index].narrow(2, 0, end)
-        else:  # a prefill of distinct prompts attends to its own keys
-            keys, values = key_value[:, :, 0], key_value[:, :, 1]
+        if torch.is_tensor(start):  # static_step: the slot is data and every cache slot is read (masked)
+            self.layer_cache[index].index_copy_(3, start, key_value)
+            keys, values = self.layer_keys[index], self.layer_values[index]
+        else:
+            end = start + s
+            # narrow() rather than indexing with slice tuples: fewer dispatches per layer and step
+            self.layer_cache[index].narrow(3, start, s).copy_(
+                key_value if rows is None else key_value.index_select(0, rows))
+            if rows is None:
+                keys, values = self.layer_keys[index].narrow(2, 0, end), self.layer_values[index].narrow(2, 0, end)
+            else:  # a prefill of distinct prompts attends to its own keys
+                keys, values = key_value[:, :, 0], key_value[:, :, 1]
         # [B, heads, S, d]; a group's query heads are adjacent
         q = query.reshape(s, b, self.heads, self.head_dim).permute(1, 2, 0, 3)
         gqa = per_group > 1  # SDPA maps query head h to key/value head h // per_group: no copied cache
@@ -337,6 +349,29 @@ class KVCacheDecoder:
             hidden = out
         return self.output(normed).float()
 
+    def _rope(self, positions: torch.Tensor):
+        """(cos, sin) [S, B, 1, 1, rot/2] for ``positions`` [B, S], or None without RoPE."""
+        if self.rope is None:
+            return None
+        table = F.embedding(positions.t(), self.rope_table)[:, :, None, None]  # [S, B, 1, 1, rot]
+        half = table.shape[-1] // 2
+        return table[..., :half], table[..., half:]
+
+    @torch.inference_mode()
+    def static_step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor,
+                    key_mask: torch.Tensor) -> torch.Tensor:
+        """One decode step whose shapes and memory do not change from step to step, so that a CUDA
+        graph can capture it: ``tokens`` and ``positions`` [B, 1] and ``slot`` (a 1-element tensor) on
+        the device; every cache slot is read, those after ``slot`` and the padding (``key_mask``
+        [B, T] False) masked. One rank only (no tensor or pipeline parallelism). Returns logits [B, V]."""
+        hidden = self.embed(tokens, positions)
+        rope = self._rope(positions)
+        mask = key_mask.logical_and(self.slots <= slot)[:, None, None, :]  # [B, 1, 1, T]
+        for index, plan in enumerate(self.layers):
+            hidden = self._attention(plan, plan["norm1"](hidden), rope, slot, mask, index, None).add_(hidden)
+            hidden = self._mlp(plan, plan["norm2"](hidden)).add_(hidden)
+        return self.output(self.final_norm(hidden[-1:]))[0].float()
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, start: int, key_mask: torch.Tensor,
                 padded: Optional[bool] = None, rows: Optional[torch.Tensor] = None):
@@ -368,11 +403,7 @@ class KVCacheDecoder:
             hidden = torch.empty(tokens.shape[1], tokens.shape[0], self.config.hidden_size, dtype=self.dtype,
                                  device=device)
             dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
-        rope = None
-        if self.rope is not None:
-            table = F.embedding(positions.t(), self.rope_table)[:, :, None, None]  # [S, B, 1, 1, rot]
-            half = table.shape[-1] // 2
-            rope = (table[..., :half], table[..., half:])  # cos, sin: [S, B, 1, 1, rot/2]
+        rope = self._rope(positions)
         mask = None
         if s == 1:  # one new token sees every real cached slot: no causal part, no mask without padding
             mask = key_mask[:, None, None, :end] if padded else None
@@ -389,6 +420,59 @@ class KVCacheDecoder:
         if rows is not None:
             logits = logits.index_select(0, rows)
         return _gather_vocab(logits.float(), self.tp)
+
+
+class CUDAGraphDecodeStep:
+    """``KVCacheDecoder.static_step`` for one batch, captured once as a CUDA graph: each decode step
+    copies its token, positions and slot into the captured buffers and replays the graph, one launch
+    instead of a few hundred small kernels (decode of small and mid-sized models is launch-bound)."""
+
+    def __init__(self, decoder: KVCacheDecoder, key_mask: torch.Tensor, first_slot: int):
+        device = decoder.device
+        batch = key_mask.shape[0]
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.slot = torch.full((1,), first_slot, dtype=torch.long, device=device)
+        self.key_mask = key_mask
+        # torch's rule: warm up on a side stream before capturing. The warm-up writes cache slot
+        # ``first_slot``, which the first real step overwrites before any step reads it.
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                decoder.static_step(self.tokens, self.positions, self.slot, self.key_mask)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = decoder.static_step(self.tokens, self.positions, self.slot, self.key_mask)
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
+        """Logits [B, V] for ``tokens`` [B, 1] at ``positions`` [B, 1] and cache slot ``slot``; the
+        tensor is the graph's own output buffer, overwritten by the next call."""
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        self.slot.fill_(slot)
+        self.graph.replay()
+        return self.logits
+
+
+def cuda_graphs_enabled() -> bool:
+    """``NEMO_ALIGNER_CUDA_GRAPHS=1``: decode steps on a GPU replay a captured CUDA graph."""
+    return os.environ.get("NEMO_ALIGNER_CUDA_GRAPHS", "0").strip().lower() in ("1", "true", "yes")
+
+
+def _graphed_step(decoder: KVCacheDecoder, key_mask: torch.Tensor, first_slot: int, steps: int):
+    """The CUDA-graph decode step where it applies (enabled, a GPU, one rank, more than one step),
+    else None; a capture that fails falls back to the eager step with a warning."""
+    if not (cuda_graphs_enabled() and decoder.device.type == "cuda" and decoder.tp == 1 and decoder.pp == 1
+            and steps > 1):
+        return None
+    try:
+        return CUDAGraphDecodeStep(decoder, key_mask, first_slot)
+    except Exception as err:  # noqa: BLE001 - any capture failure: the eager step still works
+        logger.warning("CUDA graph capture of the decode step failed (%s: %s); decoding without it",
+                       type(err).__name__, err)
+        return None
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator] = None) -> torch.Tensor:
@@ -524,6 +608,7 @@ def _generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Sam
         fed = torch.tensor(sorted(distinct.values()), dtype=torch.long)
         rows = torch.searchsorted(fed, first)  # cache row -> its prompt's row among those fed
     logits = decoder.forward(tokens[fed, :longest], positions[fed, :longest], 0, key_mask[fed], padded, rows)
+    graphed = _graphed_step(decoder, key_mask, longest, new_tokens)
     for step in range(new_tokens):
         if last_stage:
             logits = logits[:, : tokenizer.vocab_size]  # vocabulary padding rows are never sampled
@@ -553,7 +638,10 @@ def _generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Sam
         done |= stop | (generated >= budget)
         if bool(done.all()) or step == new_tokens - 1:
             break
-        logits = decoder.forward(token.unsqueeze(1), positions[:, slot : slot + 1], slot, key_mask, padded)
+        if graphed is not None:
+            logits = graphed(token.unsqueeze(1), positions[:, slot : slot + 1], slot)
+        else:
+            logits = decoder.forward(token.unsqueeze(1), positions[:, slot : slot + 1], slot, key_mask, padded)
 
     # Back to right padding: [prompt][response][eos padding]. Every row fits max_sequence_length, so
     # the width does too (unless a prompt alone is longer).
