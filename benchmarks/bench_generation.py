@@ -3,6 +3,10 @@ model with identical weights, same prompts and sampling, alternating runs in one
 both run there in bf16 (bf16 weights on both sides).
 
     python benchmarks/bench_generation.py [--shapes tiny small] [--rounds 3] [--sample] [--precision 32|bf16]
+        [--hf-static-compile] [--cuda-graphs]
+
+Each decode step is also reported against its memory floor: the bytes of weights and KV cache it
+must read, over the bandwidth measured by a large copy.
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common import (bench_device, build_pair, default_precision, device_description, init_single_process, machine,
-                    median, race, synchronize, write_json)
+from common import (alternate, bench_device, build_pair, default_precision, device_description, init_single_process,
+                    machine, median, memory_bandwidth_gbs, race, synchronize, write_json)
 
 
 def kernel_floor(module, prompts: torch.Tensor, new_tokens: int, rounds: int = 3) -> dict:
@@ -69,6 +73,22 @@ def kernel_floor(module, prompts: torch.Tensor, new_tokens: int, rounds: int = 3
                 "decode_step_s": timed(decode_step)}
 
 
+def bytes_per_decode_step(module, batch: int, mean_length: int) -> int:
+    """What one decode step must read from memory: every linear layer's weight (the output layer's
+    included) and the KV cache of ``batch`` rows at ``mean_length`` slots."""
+    cfg = module.config
+    weights = [module.output_layer.weight if module.output_layer.weight is not None
+               else module.shared_embedding_or_output_weight()]
+    for layer in module.decoder.layers:
+        weights += [layer.self_attention.linear_qkv.weight, layer.self_attention.linear_proj.weight,
+                    layer.mlp.linear_fc1.weight, layer.mlp.linear_fc2.weight]
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+    groups = cfg.num_query_groups or cfg.num_attention_heads
+    cache_bytes = len(module.decoder.layers) * batch * groups * 2 * mean_length * head_dim * weights[0].element_size()
+    return weight_bytes + cache_bytes
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["tiny", "small"])
@@ -79,6 +99,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--sample", action="store_true", help="temperature 1.0 sampling instead of greedy")
     parser.add_argument("--precision", choices=["32", "bf16"], default=default_precision(),
                         help="bf16 on a GPU, 32 on the CPU by default")
+    parser.add_argument("--hf-static-compile", action="store_true",
+                        help="also race HF generate with a static cache and a torch.compile'd forward (its fastest built-in path)")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="our decode steps replay a captured CUDA graph (NEMO_ALIGNER_CUDA_GRAPHS=1; a GPU only)")
     args = parser.parse_args(argv)
@@ -87,6 +109,7 @@ def main(argv=None) -> dict:
     from nemo_aligner.models.nlp.gpt.generation import LengthParams, SamplingParams, generate
 
     init_single_process()
+    bandwidth = memory_bandwidth_gbs()
     rows = []
     for shape in args.shapes:
         ours, hf = build_pair(shape, args.prompt + args.new_tokens, precision=args.precision)
@@ -126,6 +149,33 @@ def main(argv=None) -> dict:
             return elapsed
 
         row = dict(shape=shape, **race(run_ours, run_hf, args.rounds, args.batch * args.new_tokens))
+        if args.hf_static_compile:
+            import copy
+
+            fast = copy.deepcopy(hf)
+            # HF's fastest built-in decode: a static cache and a compiled forward (CUDA graphs on a GPU)
+            fast.forward = torch.compile(fast.forward, mode="reduce-overhead" if torch.cuda.is_available() else None,
+                                         fullgraph=True)
+
+            def run_hf_fast():
+                start = time.perf_counter()
+                with torch.inference_mode():
+                    out = fast.generate(hf_prompts, attention_mask=torch.ones_like(hf_prompts),
+                                        max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                                        do_sample=args.sample, temperature=1.0, top_k=0, top_p=1.0,
+                                        eos_token_id=tok.eos_id, pad_token_id=tok.eos_id, suppress_tokens=padding_ids,
+                                        cache_implementation="static")
+                synchronize()
+                outputs["hf_static_compile"] = out[:, args.prompt :].cpu()
+                return time.perf_counter() - start
+
+            run_hf_fast(), run_hf_fast()  # compiles (and captures) for these shapes
+            times = alternate({"ours": run_ours, "hf_static_compile": run_hf_fast}, args.rounds)
+            row.update(hf_static_compile_s=times["hf_static_compile"], ours_vs_static_compile_s=times["ours"],
+                       ratio_vs_hf_static_compile=median(times["hf_static_compile"]) / median(times["ours"]),
+                       hf_static_compile_same_tokens=(bool(torch.equal(outputs["ours"], outputs["hf_static_compile"]))
+                                                      if not args.sample else None))
+            del fast
         row["identical_greedy_tokens"] = bool(torch.equal(outputs["ours"], outputs["hf"])) if not args.sample else None
         # How far the decode loop is from its kernels: HF's time over our prefill plus new-tokens steps
         # that ran only their matmuls and attention.
@@ -136,6 +186,11 @@ def main(argv=None) -> dict:
         row.update(prefill_ms=floor["prefill_s"] * 1e3, decode_floor_ms=floor["decode_step_s"] * 1e3,
                    ours_decode_step_ms=(ours_s - floor["prefill_s"]) / steps * 1e3,
                    ratio_at_floor=median(row["hf_s"]) / floor_s)
+        # The memory floor: a step cannot beat reading its weights and cache at the measured bandwidth.
+        step_bytes = bytes_per_decode_step(ours.module, args.batch, args.prompt + args.new_tokens // 2)
+        row.update(bytes_per_step=step_bytes, bandwidth_gbs=bandwidth,
+                   bandwidth_floor_step_ms=step_bytes / (bandwidth * 1e9) * 1e3)
+        row["share_of_bandwidth_floor"] = row["bandwidth_floor_step_ms"] / row["ours_decode_step_ms"]
         rows.append(row)
         del ours, hf
     print(f"\nGeneration, batch {args.batch}, prompt {args.prompt}, {args.new_tokens} new tokens, "
@@ -147,6 +202,11 @@ def main(argv=None) -> dict:
         print(f"{r['shape']:<8} {r['hf_tok_s']:>10.0f} {r['ours_tok_s']:>11.0f} {r['ratio']:>7.2f} "
               f"{str(r['identical_greedy_tokens']):>12} {r['prefill_ms']:>11.0f} {r['ours_decode_step_ms']:>15.2f} "
               f"{r['decode_floor_ms']:>14.2f} {r['ratio_at_floor']:>15.2f}")
+    for r in rows:
+        print(f"{r['shape']:<8} bandwidth floor: {r['bytes_per_step'] / 1e6:.1f} MB a step at {r['bandwidth_gbs']:.0f} GB/s = "
+              f"{r['bandwidth_floor_step_ms']:.3f} ms; our step reaches {100 * r['share_of_bandwidth_floor']:.0f}% of it"
+              + (f"; ours / HF static cache + torch.compile: {r['ratio_vs_hf_static_compile']:.2f}x"
+                 if "ratio_vs_hf_static_compile" in r else ""))
     print("decode step: ours, (median time - prefill) / (new tokens - 1); floor step: its matmuls and attention "
           "alone, cache at its mean length;\nratio at floor: HF's time over (prefill + (new tokens - 1) x floor step), "
           "about the most a decode loop on these kernels could reach (measured after the race: +- the VM's drift)")

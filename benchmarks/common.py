@@ -124,6 +124,24 @@ def matmul_peak_gflops(n: int = 2048, repeats: int = 5, dtype: torch.dtype = tor
     return 2 * n ** 3 / best / 1e9
 
 
+def memory_bandwidth_gbs(mib: int = None, repeats: int = 5) -> float:
+    """Measured memory bandwidth of ``bench_device()`` in GB/s, counting bytes read and written: best
+    of ``repeats`` copies of a ``mib`` MiB buffer (1 GiB on a GPU, 256 MiB on the CPU: beyond the caches)."""
+    device = bench_device()
+    mib = mib or (1024 if device.type == "cuda" else 256)
+    src = torch.ones(mib * 2 ** 20 // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / best / 1e9
+
+
 def alternate(contenders: Dict[str, Callable[[], float]], rounds: int) -> Dict[str, List[float]]:
     """Run each contender once per round, in turn, the order reversed every other round (neither
     always runs first); each call returns its measured seconds."""
