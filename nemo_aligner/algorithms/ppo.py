@@ -226,8 +226,10 @@ class PPOTrainer(StepSchedule):
             if self.rollout_logprobs_needed:
                 with timer("logprobs"):
                     batch["logprobs"] = self.model.get_logprobs(*self.rollout_rows(batch))
+            swap = {}
             with timer("init_logprobs"):
-                batch["init_logprobs"] = self.model.get_init_policy_logprobs(*self.rollout_rows(batch))
+                batch["init_logprobs"] = self.model.get_init_policy_logprobs(*self.rollout_rows(batch), seconds=swap)
+            timer.seconds.update({f"init_policy_{k}": v for k, v in swap.items()})  # parts of init_logprobs
             self.resolve_rewards(batch, timer)
         finally:
             self.model.finish_inference()

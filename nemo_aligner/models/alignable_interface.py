@@ -117,8 +117,9 @@ class AlignableGenerativeInterface(SupervisedInterface, Inferrable):
         """Offload optimizer state after the policy update."""
 
     @abstractmethod
-    def get_init_policy_logprobs(self, rollout_batches) -> torch.Tensor:
-        """Reference log-probs from the initial policy (weights swapped in from CPU)."""
+    def get_init_policy_logprobs(self, tokens, prompt_lengths=None, response_lengths=None, seconds=None) -> torch.Tensor:
+        """Reference log-probs from the initial policy (weights swapped in from CPU); ``seconds``, a dict,
+        receives the swap's ``swap_in`` and ``swap_out`` times."""
 
 
 class SelfPlayInterface(SupervisedInterface, Inferrable):

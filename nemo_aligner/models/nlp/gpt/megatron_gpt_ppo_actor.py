@@ -139,11 +139,13 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
         return broadcast_from_last_stage(result)[:, :-1].contiguous()
 
     def get_init_policy_logprobs(self, tokens: torch.Tensor, prompt_lengths: Optional[torch.Tensor] = None,
-                                 response_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Log-probs under the initial policy, its weights swapped in from the CPU for the call."""
+                                 response_lengths: Optional[torch.Tensor] = None,
+                                 seconds: Optional[dict] = None) -> torch.Tensor:
+        """Log-probs under the initial policy, its weights swapped in from the CPU for the call;
+        ``seconds`` receives the swap's ``swap_in`` and ``swap_out`` times (``swapped_weights``)."""
         if self.init_policy_state is None:
             raise RuntimeError("snapshot_initial_policy() was not called")
-        with swapped_weights(self.module, self.init_policy_state):
+        with swapped_weights(self.module, self.init_policy_state, seconds):
             return self.get_logprobs(tokens, prompt_lengths, response_lengths)
 
     def _pack_by_prompt(self, batch: Dict[str, torch.Tensor], prompt_lengths: Optional[torch.Tensor],
