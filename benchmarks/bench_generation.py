@@ -70,23 +70,18 @@ def kernel_floor(module, prompts: torch.Tensor, new_tokens: int, rounds: int = 3
 
     with torch.inference_mode():  # as the decode loop runs
         return {"prefill_s": timed(lambda: decoder.forward(prompts, positions, 0, key_mask, False)),
-                "decode_step_s": timed(decode_step)}
+                "decode_step_s": timed(decode_step),
+                "cache_bytes": decoder.cache.numel() * decoder.cache.element_size()}  # at the mean length
 
 
-def bytes_per_decode_step(module, batch: int, mean_length: int) -> int:
-    """What one decode step must read from memory: every linear layer's weight (the output layer's
-    included) and the KV cache of ``batch`` rows at ``mean_length`` slots."""
-    cfg = module.config
+def weight_bytes_per_decode_step(module) -> int:
+    """The weights one decode step must read from memory: every linear layer's (the output layer's included)."""
     weights = [module.output_layer.weight if module.output_layer.weight is not None
                else module.shared_embedding_or_output_weight()]
     for layer in module.decoder.layers:
         weights += [layer.self_attention.linear_qkv.weight, layer.self_attention.linear_proj.weight,
                     layer.mlp.linear_fc1.weight, layer.mlp.linear_fc2.weight]
-    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
-    head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
-    groups = cfg.num_query_groups or cfg.num_attention_heads
-    cache_bytes = len(module.decoder.layers) * batch * groups * 2 * mean_length * head_dim * weights[0].element_size()
-    return weight_bytes + cache_bytes
+    return sum(w.numel() * w.element_size() for w in weights)
 
 
 def main(argv=None) -> dict:
@@ -187,7 +182,7 @@ def main(argv=None) -> dict:
                    ours_decode_step_ms=(ours_s - floor["prefill_s"]) / steps * 1e3,
                    ratio_at_floor=median(row["hf_s"]) / floor_s)
         # The memory floor: a step cannot beat reading its weights and cache at the measured bandwidth.
-        step_bytes = bytes_per_decode_step(ours.module, args.batch, args.prompt + args.new_tokens // 2)
+        step_bytes = weight_bytes_per_decode_step(ours.module) + floor["cache_bytes"]
         row.update(bytes_per_step=step_bytes, bandwidth_gbs=bandwidth,
                    bandwidth_floor_step_ms=step_bytes / (bandwidth * 1e9) * 1e3)
         row["share_of_bandwidth_floor"] = row["bandwidth_floor_step_ms"] / row["ours_decode_step_ms"]

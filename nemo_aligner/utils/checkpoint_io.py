@@ -164,27 +164,24 @@ def non_finite_tensor(module: torch.nn.Module) -> Optional[str]:
 
 
 def checkpoint_shapes(directory: str) -> Dict[str, Tuple[int, ...]]:
-    """Global shape of every tensor stored in a torch_dist checkpoint.
+    """Global shape of every tensor stored in a torch_dist checkpoint."""
+    return checkpoint_contents(directory)[0]
+
+
+def checkpoint_contents(directory: str) -> Tuple[Dict[str, Tuple[int, ...]], set]:
+    """What a torch_dist checkpoint stores, from one read of its metadata: the global shape of every
+    tensor, and the keys of its non-tensor entries (megatron-core's ``ShardedObject``s, such as a
+    layer's ``_extra_state``) without their ``/shard_...`` suffix.
 
     Read from torch's own checkpoint metadata: megatron-core's ``load_tensors_metadata`` passes every
     stored tensor property to ``torch.empty``, which fails from torch 2.15 on (``strides``)."""
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    metadata = FileSystemReader(directory).read_metadata()
-    return {key: tuple(meta.size) for key, meta in metadata.state_dict_metadata.items()
-            if isinstance(meta, TensorStorageMetadata)}
-
-
-def checkpoint_objects(directory: str) -> set:
-    """Keys of the non-tensor entries (megatron-core's ``ShardedObject``s, such as a layer's
-    ``_extra_state``) stored in a torch_dist checkpoint, without their ``/shard_...`` suffix."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    metadata = FileSystemReader(directory).read_metadata()
-    return {key.split("/shard_")[0] for key, meta in metadata.state_dict_metadata.items()
-            if isinstance(meta, BytesStorageMetadata)}
+    entries = FileSystemReader(directory).read_metadata().state_dict_metadata
+    shapes = {key: tuple(meta.size) for key, meta in entries.items() if isinstance(meta, TensorStorageMetadata)}
+    objects = {key.split("/shard_")[0] for key, meta in entries.items() if isinstance(meta, BytesStorageMetadata)}
+    return shapes, objects
 
 
 def is_sharded_checkpoint(directory: str) -> bool:
@@ -209,8 +206,7 @@ def load_sharded(
 
     if not is_sharded_checkpoint(directory):
         raise CheckpointError(f"{what} {directory}: not a torch_dist checkpoint (no metadata.json)")
-    stored = checkpoint_shapes(directory)
-    stored_objects = checkpoint_objects(directory)
+    stored, stored_objects = checkpoint_contents(directory)
     missing, mismatched = [], []
 
     def prune(tree: dict, prefix: str = "") -> dict:

@@ -93,6 +93,13 @@ def lock_log_dir(log_dir: str) -> None:
     _LOCKS[log_dir] = handle
 
 
+_LOGGER_DEFAULTS = {"create_tensorboard_logger": True, "create_wandb_logger": False}
+
+
+def _logger_on(exp_cfg, key: str) -> bool:
+    return bool(exp_cfg.get(key, _LOGGER_DEFAULTS[key]))
+
+
 def _check_exp_config(exp_cfg, log_dir: str) -> None:
     if os.path.exists(log_dir) and not os.path.isdir(log_dir):
         raise ConfigError(f"the log directory {log_dir} (exp_manager.explicit_log_dir, or exp_dir/name) is a file")
@@ -113,7 +120,7 @@ def _check_exp_config(exp_cfg, log_dir: str) -> None:
     # A logger whose package is missing would fail only once the model is built, with a traceback.
     for key, module, package in (("create_tensorboard_logger", "torch.utils.tensorboard", "tensorboard"),
                                  ("create_wandb_logger", "wandb", "wandb")):
-        if exp_cfg.get(key, key == "create_tensorboard_logger"):
+        if _logger_on(exp_cfg, key):
             try:
                 importlib.import_module(module)
             except ImportError as err:
@@ -196,8 +203,8 @@ def exp_manager(exp_cfg: DictConfig, full_cfg: DictConfig, default_name: str = "
     wandb_kwargs = OmegaConf.to_container(exp_cfg.get("wandb_logger_kwargs") or OmegaConf.create({}), resolve=True)
     metric_logger = MetricLogger(
         log_dir,
-        create_tensorboard=bool(exp_cfg.get("create_tensorboard_logger", True)),
-        create_wandb=bool(exp_cfg.get("create_wandb_logger", False)),
+        create_tensorboard=_logger_on(exp_cfg, "create_tensorboard_logger"),
+        create_wandb=_logger_on(exp_cfg, "create_wandb_logger"),
         wandb_kwargs=wandb_kwargs,
         config=config,
         on_first_log=write_hparams,
