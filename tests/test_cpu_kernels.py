@@ -163,6 +163,35 @@ def test_packed_linear_against_float64(ext, n, k):
         ext.packed_linear(torch.randn(2, k + 1), packed, n, None)
 
 
+@pytest.mark.parametrize("rows,k,n", [(1, 5, 3), (200, 300, 33), (385, 257, 40), (7, 130, 17)])
+def test_packed_gemm_variants_against_float64(ext, rows, k, n):
+    """The training GEMM's three products, with row counts over several 192-row blocks (and a
+    remainder), k over several 128-step chunks (and a part-chunk), n not a multiple of 16:
+    x @ weight^T + bias (pack_linear), x @ b (pack_matrix), and out += x_t^T @ b with x_t given
+    transposed ([k, rows], read in place), as close to float64 as torch's float32 products."""
+    torch.manual_seed(5)
+    x, weight, b, bias = torch.randn(rows, k), torch.randn(n, k), torch.randn(k, n), torch.randn(n)
+    out = torch.randn(rows, n)
+
+    def check(ours, exact, reference):
+        assert ours.shape == exact.shape
+        assert (ours.double() - exact).abs().max() <= 4 * (reference.double() - exact).abs().max() + 1e-6
+
+    check(ext.packed_gemm(x, False, ext.pack_linear(weight), n, bias, None),
+          F.linear(x.double(), weight.double(), bias.double()), F.linear(x, weight, bias))
+    check(ext.packed_gemm(x.view(1, rows, k), False, ext.pack_matrix(b), n, None, None)[0],
+          x.double() @ b.double(), x @ b)
+    expected, reference = out.double() + x.double() @ b.double(), out + x @ b
+    x_t = x.t().contiguous()
+    result = ext.packed_gemm(x_t, True, ext.pack_matrix(b), n, None, out)
+    assert result.data_ptr() == out.data_ptr()  # added into `out`, no new tensor
+    check(out, expected, reference)
+    with pytest.raises(RuntimeError, match="out"):
+        ext.packed_gemm(x, False, ext.pack_matrix(b), n, None, torch.zeros(rows, n + 1))
+    with pytest.raises(RuntimeError, match="does not match"):
+        ext.packed_gemm(x_t, False, ext.pack_matrix(b), n, None, None)
+
+
 def test_kernels_refuse_bad_shapes(ext):
     qkv, cache = _layout(2, 2, 1, 8, 6)
     with pytest.raises(RuntimeError, match="qkv width"):

@@ -85,8 +85,10 @@ def check_cached_logits_equal_forward(extra):
     slots = torch.arange(longest).unsqueeze(0)
     tokens, slots, pad = (t.to(model.device) for t in (tokens, slots, pad))  # the decoder's inputs live with it
     decoder = KVCacheDecoder(model.module, 2, longest)
-    # Prefill all but the last slot, then one decode step.
-    decoder.forward(tokens[:, :-1], (slots - pad[:, None]).clamp(min=0)[:, :-1], 0, slots >= pad[:, None])
+    # Prefill all but the last slot (its logits: the last slot's, with padding on row 1), then one decode step.
+    first = decoder.forward(tokens[:, :-1], (slots - pad[:, None]).clamp(min=0)[:, :-1], 0, slots >= pad[:, None]).cpu()
+    assert torch.allclose(first[0], full_logits(model, a[:-1]), atol=1e-4)
+    assert torch.allclose(first[1], full_logits(model, b[:-1]), atol=1e-4)
     last = decoder.forward(tokens[:, -1:], (slots - pad[:, None])[:, -1:], longest - 1, slots >= pad[:, None]).cpu()
     assert torch.allclose(last[0], full_logits(model, a), atol=1e-4)
     assert torch.allclose(last[1], full_logits(model, b), atol=1e-4)

@@ -9,7 +9,8 @@
 //   swiglu            silu(gate) * up, one pass
 // Training uses swiglu and swiglu_backward (one pass each instead of five elementwise ops) and
 // rms_norm_forward/backward (one pass each instead of ~6 and ~7 ops).
-// The matmuls stay with torch (packed oneDNN/MKL GEMMs). Built at first use by
+// pack_linear/pack_matrix/packed_gemm: an AVX2/FMA GEMM over packed 16-column panels, for decode
+// steps, prefills and (cpu_gemm.NativeLinear) training matmuls. Built at first use by
 // nemo_aligner/utils/cpu_kernels.py; torch's ops are the reference (tests/test_cpu_kernels.py).
 
 #include <torch/extension.h>
@@ -409,66 +410,138 @@ std::vector<at::Tensor> rms_norm_backward(const at::Tensor& grad, const at::Tens
   return {dx, dweight};
 }
 
-// Skinny GEMM for decode steps (a few dozen rows against each weight): y = x @ weight^T (+ bias).
-// pack_linear lays weight [N, K] out as 16-column panels [ceil(N / 16), K, 16] (zero-padded), so a
-// 4 x 16 register block streams one panel row per k with two loads; packed_linear runs the panels
-// in parallel. AVX2 + FMA only (has_packed_linear() says whether this build has it).
+// GEMM through packed panels: out (+)= x @ B (+ bias), float32, AVX2 + FMA.
+// B is packed as 16-column panels [ceil(N / 16), K, 16] (zero-padded): pack_linear packs a linear
+// layer's weight [N, K] (B = weight^T), pack_matrix a row-major B [K, N] (plain copies of each row's
+// 16-column segments). A 6 x 16 register block streams one panel row per k with two loads.
+// x is row-major [rows, K], or transposed ([K, rows]: a weight gradient's grad_output^T, read in
+// place). Work is split into blocks of up to kRowBlock rows times one panel; the k loop runs in
+// chunks of kChunk, each chunk of a panel (8 KiB) used by every 6-row block of the row block
+// before the next chunk is read, and the next chunk prefetched while the current one is used (a
+// decode step streams every weight from memory once: without it the first row block stalls on
+// memory while the others run from cache). has_packed_linear() says whether this build has it.
 constexpr int64_t kPanel = 16;
-constexpr int64_t kChunk = 128;  // k steps summed in registers before joining the running total
+constexpr int64_t kChunk = 128;     // k steps summed in registers before joining the running total
+constexpr int64_t kRowBlock = 192;  // rows that share a panel's chunks (their x rows stay in cache)
 
-at::Tensor pack_linear(const at::Tensor& weight) {
-  check_f32(weight, "weight");
-  TORCH_CHECK(weight.dim() == 2, "pack_linear: weight [N, K]");
-  const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
-  at::Tensor packed = at::zeros({panels, k, kPanel}, weight.options());
-  const float* w = weight.data_ptr<float>();
+// Packs columns of B, where element (k, j) of B is at b[k * k_stride + j * j_stride].
+at::Tensor pack_panels(const float* b, int64_t k, int64_t n, int64_t k_stride, int64_t j_stride,
+                       const at::TensorOptions& options) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  at::Tensor packed = at::zeros({panels, k, kPanel}, options);
   float* p = packed.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t panel = begin; panel < end; ++panel)
-      for (int64_t j = 0; j < kPanel && panel * kPanel + j < n; ++j) {
-        const float* row = w + (panel * kPanel + j) * k;
-        float* dst = p + panel * k * kPanel + j;
-        for (int64_t i = 0; i < k; ++i) dst[i * kPanel] = row[i];
+    for (int64_t panel = begin; panel < end; ++panel) {
+      const int64_t cols = std::min(kPanel, n - panel * kPanel);
+      float* dst = p + panel * k * kPanel;
+      if (j_stride == 1) {  // row-major B: each panel row is a contiguous segment
+        for (int64_t i = 0; i < k; ++i)
+          std::memcpy(dst + i * kPanel, b + i * k_stride + panel * kPanel, cols * sizeof(float));
+      } else {
+        for (int64_t j = 0; j < cols; ++j) {
+          const float* src = b + (panel * kPanel + j) * j_stride;
+          for (int64_t i = 0; i < k; ++i) dst[i * kPanel + j] = src[i * k_stride];
+        }
       }
+    }
   });
   return packed;
 }
 
+at::Tensor pack_linear(const at::Tensor& weight) {
+  check_f32(weight, "weight");
+  TORCH_CHECK(weight.dim() == 2, "pack_linear: weight [N, K]");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  return pack_panels(weight.data_ptr<float>(), k, n, 1, k, weight.options());
+}
+
+at::Tensor pack_matrix(const at::Tensor& b) {
+  check_f32(b, "b");
+  TORCH_CHECK(b.dim() == 2, "pack_matrix: b [K, N]");
+  const int64_t k = b.size(0), n = b.size(1);
+  return pack_panels(b.data_ptr<float>(), k, n, n, 1, b.options());
+}
+
 #ifdef NA_AVX2
-// ROWS rows of x (row stride k) times one packed panel [k, 16] -> 16 columns of those rows. Up to
-// 6 x 2 accumulators (12 of the 16 vector registers): enough independent FMA chains to cover
-// the FMA latency.
-template <int ROWS>
-inline void panel_kernel(const float* __restrict x, int64_t k, const float* __restrict panel, float* __restrict out,
-                         int64_t out_stride, int64_t cols, const float* __restrict bias) {
-  // The k loop runs in chunks whose sums are added into `total`: each output is a sum of short
-  // sequential sums, as in blocked BLAS (one sequential sum over k = 3072 rounds ~5x worse).
-  alignas(32) float total[6][kPanel] = {};
-  for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
-    const int64_t k1 = std::min(k, k0 + kChunk);
-    // Named registers (a first version with an accumulator array and 4-row blocks ran at 50 GFLOP/s).
-    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
-           c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    for (int64_t i = k0; i < k1; ++i) {
-      const __m256 w0 = _mm256_loadu_ps(panel + i * kPanel), w1 = _mm256_loadu_ps(panel + i * kPanel + 8);
-#define NA_PANEL_ROW(R)                                  \
-  if (ROWS > R) {                                        \
-    const __m256 a = _mm256_broadcast_ss(x + R * k + i); \
-    c##R##0 = _mm256_fmadd_ps(a, w0, c##R##0);           \
-    c##R##1 = _mm256_fmadd_ps(a, w1, c##R##1);           \
+// acc[ROWS][16] += x[ROWS, len] @ panel[len, 16]. Row r, step i of x is at x[r * ld + i], or at
+// x[r + i * ld] when TRANSPOSED. Up to 6 x 2 accumulators (12 of the 16 vector registers): enough
+// independent FMA chains to cover the FMA latency. `prefetch`: `prefetch_lines` 64-byte lines (panel
+// rows) to bring into cache, one per k step from the first.
+template <int ROWS, bool TRANSPOSED>
+inline void panel_chunk(const float* __restrict x, int64_t ld, int64_t len, const float* __restrict panel,
+                        float* __restrict acc, const float* prefetch, int64_t prefetch_lines) {
+  // Named registers (a first version with an accumulator array and 4-row blocks ran at 50 GFLOP/s).
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
+         c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  for (int64_t i = 0; i < len; ++i) {
+    if (i < prefetch_lines) _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * kPanel), _MM_HINT_T0);
+    const __m256 w0 = _mm256_loadu_ps(panel + i * kPanel), w1 = _mm256_loadu_ps(panel + i * kPanel + 8);
+#define NA_PANEL_ROW(R)                                                                          \
+  if (ROWS > R) {                                                                                \
+    const __m256 a = _mm256_broadcast_ss(TRANSPOSED ? x + R + i * ld : x + R * ld + i);          \
+    c##R##0 = _mm256_fmadd_ps(a, w0, c##R##0);                                                   \
+    c##R##1 = _mm256_fmadd_ps(a, w1, c##R##1);                                                   \
   }
-      NA_PANEL_ROW(0) NA_PANEL_ROW(1) NA_PANEL_ROW(2) NA_PANEL_ROW(3) NA_PANEL_ROW(4) NA_PANEL_ROW(5)
+    NA_PANEL_ROW(0) NA_PANEL_ROW(1) NA_PANEL_ROW(2) NA_PANEL_ROW(3) NA_PANEL_ROW(4) NA_PANEL_ROW(5)
 #undef NA_PANEL_ROW
-    }
-    const __m256 acc[6][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
-    for (int r = 0; r < ROWS; ++r) {
-      _mm256_store_ps(total[r], _mm256_add_ps(_mm256_load_ps(total[r]), acc[r][0]));
-      _mm256_store_ps(total[r] + 8, _mm256_add_ps(_mm256_load_ps(total[r] + 8), acc[r][1]));
-    }
   }
+  const __m256 sums[6][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
   for (int r = 0; r < ROWS; ++r) {
-    float* o = out + r * out_stride;
-    for (int64_t j = 0; j < cols; ++j) o[j] = bias != nullptr ? total[r][j] + bias[j] : total[r][j];
+    float* a = acc + r * kPanel;
+    _mm256_store_ps(a, _mm256_add_ps(_mm256_load_ps(a), sums[r][0]));
+    _mm256_store_ps(a + 8, _mm256_add_ps(_mm256_load_ps(a + 8), sums[r][1]));
+  }
+}
+
+template <bool TRANSPOSED>
+inline void chunk_rows(int64_t rows, const float* x, int64_t ld, int64_t len, const float* panel, float* acc,
+                       const float* prefetch) {
+  // Each 6-row block prefetches its share of the next chunk's lines: spread out, the requests
+  // overlap the arithmetic instead of queueing behind each other.
+  const int64_t step = TRANSPOSED ? 1 : ld, blocks = (rows + 5) / 6;
+  const int64_t share = prefetch != nullptr ? (len + blocks - 1) / blocks : 0;
+  int64_t r = 0, block = 0;
+  auto lines = [&](int64_t b) { return std::max<int64_t>(0, std::min(share, len - b * share)); };
+  for (; r + 6 <= rows; r += 6, ++block)
+    panel_chunk<6, TRANSPOSED>(x + r * step, ld, len, panel, acc + r * kPanel, prefetch + block * share * kPanel,
+                               lines(block));
+  const float* xr = x + r * step;
+  float* ar = acc + r * kPanel;
+  const float* pr = prefetch + block * share * kPanel;
+  const int64_t pl = lines(block);
+  switch (rows - r) {
+    case 5: panel_chunk<5, TRANSPOSED>(xr, ld, len, panel, ar, pr, pl); break;
+    case 4: panel_chunk<4, TRANSPOSED>(xr, ld, len, panel, ar, pr, pl); break;
+    case 3: panel_chunk<3, TRANSPOSED>(xr, ld, len, panel, ar, pr, pl); break;
+    case 2: panel_chunk<2, TRANSPOSED>(xr, ld, len, panel, ar, pr, pl); break;
+    case 1: panel_chunk<1, TRANSPOSED>(xr, ld, len, panel, ar, pr, pl); break;
+    default: break;
+  }
+}
+
+// One task: rows [r0, r0 + rows) of the output times one panel (16 columns from col).
+template <bool TRANSPOSED>
+void gemm_task(const float* x, int64_t ld, int64_t k, int64_t r0, int64_t rows, const float* panel,
+               const float* packed_end, float* out, int64_t n, int64_t col, const float* bias, bool accumulate) {
+  alignas(32) float acc[kRowBlock * kPanel];
+  std::fill(acc, acc + rows * kPanel, 0.0f);
+  const float* xb = TRANSPOSED ? x + r0 : x + r0 * ld;
+  for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
+    const int64_t len = std::min(kChunk, k - k0);
+    // The panels are contiguous: after a panel's last chunk comes the next panel's first.
+    const float* next = panel + (k0 + kChunk) * kPanel;
+    const float* prefetch = next + kChunk * kPanel <= packed_end ? next : nullptr;
+    chunk_rows<TRANSPOSED>(rows, TRANSPOSED ? xb + k0 * ld : xb + k0, ld, len, panel + k0 * kPanel, acc, prefetch);
+  }
+  const int64_t cols = std::min(kPanel, n - col);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = out + (r0 + r) * n + col;
+    const float* a = acc + r * kPanel;
+    for (int64_t j = 0; j < cols; ++j) {
+      float v = a[j];
+      if (bias != nullptr) v += bias[j];
+      o[j] = accumulate ? o[j] + v : v;
+    }
   }
 }
 #endif
@@ -481,48 +554,67 @@ bool has_packed_linear() {
 #endif
 }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                         const c10::optional<at::Tensor>& bias) {
+// out (+)= x @ B (+ bias) with B packed by pack_linear / pack_matrix ([K, n] after packing).
+// x: [..., K] row-major, or with x_transposed a [K, rows] matrix whose transpose is the left
+// operand. out: None for a new [..., n] tensor, else a contiguous [rows, n] tensor added into.
+at::Tensor packed_gemm(const at::Tensor& x, bool x_transposed, const at::Tensor& packed, int64_t n,
+                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
   check_f32(x, "x");
   check_f32(packed, "packed");
-  TORCH_CHECK(has_packed_linear(), "packed_linear: this build has no AVX2 + FMA kernel");
-  const int64_t k = x.size(-1), panels = packed.size(0);
+  TORCH_CHECK(has_packed_linear(), "packed_gemm: this build has no AVX2 + FMA kernel");
+  TORCH_CHECK(!x_transposed || x.dim() == 2, "packed_gemm: a transposed x is a [K, rows] matrix");
+  const int64_t k = x_transposed ? x.size(0) : x.size(-1), panels = packed.size(0);
   TORCH_CHECK(packed.dim() == 3 && packed.size(1) == k && packed.size(2) == kPanel && panels * kPanel >= n &&
-                  (panels - 1) * kPanel < n, "packed_linear: packed weight does not match x or n");
+                  (panels - 1) * kPanel < n, "packed_gemm: packed matrix does not match x or n");
+  const int64_t rows = x_transposed ? x.size(1) : (k == 0 ? 0 : x.numel() / k);
   const float* b = nullptr;
   if (bias.has_value()) {
     check_f32(*bias, "bias");
-    TORCH_CHECK(bias->numel() == n, "packed_linear: bias [N]");
+    TORCH_CHECK(bias->numel() == n, "packed_gemm: bias [N]");
     b = bias->data_ptr<float>();
   }
-  const int64_t rows = x.numel() / k;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  at::Tensor out = at::empty(shape, x.options());
+  at::Tensor result;
+  if (out.has_value()) {
+    check_f32(*out, "out");
+    TORCH_CHECK(out->numel() == rows * n && out->size(-1) == n, "packed_gemm: out [rows, n]");
+    result = *out;
+  } else {
+    std::vector<int64_t> shape;
+    if (x_transposed) {
+      shape = {rows, n};
+    } else {
+      shape.assign(x.sizes().begin(), x.sizes().end());
+      shape.back() = n;
+    }
+    result = at::empty(shape, x.options());
+  }
 #ifdef NA_AVX2
   const float* xp = x.data_ptr<float>();
   const float* pp = packed.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t panel = begin; panel < end; ++panel) {
-      const float* pw = pp + panel * k * kPanel;
-      const int64_t col = panel * kPanel, cols = std::min(kPanel, n - col);
+  const float* packed_end = pp + packed.numel();
+  float* op = result.data_ptr<float>();
+  const bool accumulate = out.has_value();
+  const int64_t ld = x_transposed ? rows : k;
+  const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
+  // Tasks run a row block's panels in order: its x rows stay in cache, the panels stream.
+  at::parallel_for(0, blocks * panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t block = task / panels, panel = task % panels;
+      const int64_t r0 = block * kRowBlock, nrows = std::min(kRowBlock, rows - r0), col = panel * kPanel;
       const float* pb = b != nullptr ? b + col : nullptr;
-      int64_t r = 0;
-      for (; r + 6 <= rows; r += 6) panel_kernel<6>(xp + r * k, k, pw, op + r * n + col, n, cols, pb);
-      float* o = op + r * n + col;
-      switch (rows - r) {
-        case 5: panel_kernel<5>(xp + r * k, k, pw, o, n, cols, pb); break;
-        case 4: panel_kernel<4>(xp + r * k, k, pw, o, n, cols, pb); break;
-        case 3: panel_kernel<3>(xp + r * k, k, pw, o, n, cols, pb); break;
-        case 2: panel_kernel<2>(xp + r * k, k, pw, o, n, cols, pb); break;
-        case 1: panel_kernel<1>(xp + r * k, k, pw, o, n, cols, pb); break;
-        default: break;
-      }
+      if (x_transposed)
+        gemm_task<true>(xp, ld, k, r0, nrows, pp + panel * k * kPanel, packed_end, op, n, col, pb, accumulate);
+      else
+        gemm_task<false>(xp, ld, k, r0, nrows, pp + panel * k * kPanel, packed_end, op, n, col, pb, accumulate);
     }
   });
 #endif
-  return out;
+  return result;
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                         const c10::optional<at::Tensor>& bias) {
+  return packed_gemm(x, false, packed, n, bias, c10::nullopt);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -534,7 +626,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_backward", &swiglu_backward, "the gradient of swiglu");
   m.def("rms_norm_forward", &rms_norm_forward, "RMSNorm for training: (output, rstd)");
   m.def("rms_norm_backward", &rms_norm_backward, "the gradient of RMSNorm: (dx, dweight)");
-  m.def("pack_linear", &pack_linear, "weight [N, K] -> 16-column panels for packed_linear");
+  m.def("pack_linear", &pack_linear, "weight [N, K] -> 16-column panels of weight^T for packed_gemm");
+  m.def("pack_matrix", &pack_matrix, "b [K, N] -> 16-column panels of b for packed_gemm");
   m.def("packed_linear", &packed_linear, "x @ weight^T (+ bias) through pack_linear's panels");
+  m.def("packed_gemm", &packed_gemm, "out (+)= x @ b (+ bias), x row-major or transposed, b packed");
   m.def("has_packed_linear", &has_packed_linear, "whether packed_linear has a kernel in this build");
 }

@@ -265,9 +265,10 @@ class KVCacheDecoder:
                     q_norm=None if identity(q_norm) else q_norm, k_norm=None if identity(k_norm) else k_norm)
 
     def _attention(self, plan: dict, x: torch.Tensor, rope, start, mask, index: int,
-                   rows: Optional[torch.Tensor]) -> torch.Tensor:
+                   rows: Optional[torch.Tensor], last_only: bool = False) -> torch.Tensor:
         """Self-attention of ``x`` [S, B, H] fed at cache slot ``start`` (an int; or a 1-element tensor
-        from ``static_step``, whose ``mask`` covers the whole cache)."""
+        from ``static_step``, whose ``mask`` covers the whole cache). ``last_only``: every slot's key
+        and value go to the cache, but only the last slot's output is computed ([1, B, H])."""
         mixed = plan["qkv"](x)
         s, b = mixed.shape[:2]
         per_group = self.heads // self.groups
@@ -307,6 +308,9 @@ class KVCacheDecoder:
         # [B, heads, S, d]; a group's query heads are adjacent
         q = query.reshape(s, b, self.heads, self.head_dim).permute(1, 2, 0, 3)
         gqa = per_group > 1  # SDPA maps query head h to key/value head h // per_group: no copied cache
+        if last_only and s > 1:  # the last query sees every fed slot: causal or not, only padding masks it
+            q, s = q[:, :, -1:], 1
+            mask = mask[:, :, -1:] if mask is not None else None
         if mask is None and s > 1:  # no padding: a plain causal prefill
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scale, enable_gqa=gqa)
         else:  # mask None here: one new token sees every cached slot
@@ -410,8 +414,13 @@ class KVCacheDecoder:
         elif padded or start > 0:
             causal = torch.ones(s, end, dtype=torch.bool, device=device).tril(diagonal=start)
             mask = (causal.unsqueeze(0) & key_mask[:, None, :end]).unsqueeze(1)  # [B, 1, S, T]
+        last = len(self.layers) - 1
         for index, plan in enumerate(self.layers):
-            hidden = self._attention(plan, plan["norm1"](hidden), rope, start, mask, index, rows).add_(hidden)
+            # Only the last slot's logits are returned: the last layer needs every slot's key and value
+            # (the cache) but its output projection and MLP only for the last slot.
+            last_only = self.last_stage and index == last and s > 1
+            out = self._attention(plan, plan["norm1"](hidden), rope, start, mask, index, rows, last_only)
+            hidden = out.add_(hidden[-1:] if last_only else hidden)
             hidden = self._mlp(plan, plan["norm2"](hidden)).add_(hidden)
         if not self.last_stage:
             dist.send(hidden.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
