@@ -86,3 +86,127 @@ def test_cpuinfo_fields_of_this_machine():
     assert vendor == first.get("vendor_id", "")
     assert cpu_gemm.cpuinfo("model name") == first.get("model name", "")
     assert cpu_gemm.cpuinfo("no such field") == ""
+
+
+NATIVE = cpu_gemm.available("native")
+needs_native = pytest.mark.skipif(not NATIVE or torch.cuda.is_available(),
+                                  reason="our CPU GEMM needs AVX2 + FMA and the built kernels (and no GPU holding the model)")
+
+
+def _float64_linear(x, weight, bias, grad):
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, weight, bias))
+    out = F.linear(x64, w64, b64)
+    out.backward(grad.double())
+    return out, x64.grad, w64.grad, b64.grad
+
+
+@needs_native
+@pytest.mark.parametrize("out_features", [24, 1024])  # 1024 rows of weight gradient: the padded transposed read
+def test_native_linear_forward_and_gradients_against_float64(out_features):
+    """NativeLinear's output, input, weight and bias gradients, for a strided [S, B, K] input, are as
+    close to float64 as torch's float32 linear layer."""
+    torch.manual_seed(2)
+    x = torch.randn(3, 13, 40).transpose(0, 1).requires_grad_()  # [13, 3, 40], not contiguous
+    weight, bias = torch.randn(out_features, 40, requires_grad=True), torch.randn(out_features, requires_grad=True)
+    grad = torch.randn(13, 3, out_features)
+    ours = cpu_gemm.NativeLinear.apply(x, weight, bias, None)
+    ours.backward(grad)
+    ours = (ours.detach(), x.grad, weight.grad, bias.grad)
+    for t in (x, weight, bias):
+        t.grad = None
+    reference = F.linear(x, weight, bias)
+    reference.backward(grad)
+    reference = (reference.detach(), x.grad, weight.grad, bias.grad)
+    exact = _float64_linear(x, weight, bias, grad)
+    for name, a, r, e in zip(("output", "input grad", "weight grad", "bias grad"), ours, reference, exact):
+        assert a.shape == e.shape, name
+        assert (a.double() - e.detach()).abs().max() <= 4 * (r.double() - e.detach()).abs().max() + 1e-6, name
+
+
+@needs_native
+def test_native_linear_adds_the_weight_gradient_into_main_grad():
+    """With megatron-core's ``main_grad`` the weight gradient is added into it (no gradient in a new
+    tensor); a parameter with ``grad_added_to_main_grad`` gets a dummy gradient (zeros with
+    ``zero_out_wgrad``) and the flag set, as megatron-core's own linear layer does."""
+    torch.manual_seed(3)
+    x, grad = torch.randn(37, 40, requires_grad=True), torch.randn(37, 24)
+    weight = torch.randn(24, 40, requires_grad=True)
+    before = torch.randn(24, 40)
+    weight.main_grad = before.clone()
+    weight.grad_added_to_main_grad, weight.zero_out_wgrad = False, True
+    cpu_gemm.NativeLinear.apply(x, weight, None, weight.main_grad).backward(grad)
+    expected = before.double() + grad.double().t() @ x.detach().double()
+    assert torch.allclose(weight.main_grad.double(), expected, atol=1e-4)
+    assert weight.grad_added_to_main_grad is True
+    assert torch.equal(weight.grad, torch.zeros(24, 40))
+    assert torch.allclose(x.grad, grad @ weight.detach(), atol=1e-5)
+
+
+@needs_native
+def test_megatron_linear_calls_go_to_native_only_where_it_applies(monkeypatch):
+    """The wrapper around megatron-core's linear functions runs our GEMM for float32 CPU calls without
+    communication, and hands everything else to megatron-core's function unchanged."""
+    seen = []
+
+    def original(input, weight, *args, **kwargs):
+        seen.append(kwargs)
+        return F.linear(input, weight, kwargs.get("bias"))
+
+    linear = cpu_gemm.native_linear_or(original)
+    torch.manual_seed(4)
+    x, weight, bias = torch.randn(5, 2, 16), torch.randn(8, 16), torch.randn(8)
+    plain = dict(bias=bias, gradient_accumulation_fusion=False, allreduce_dgrad=False, sequence_parallel=False,
+                 grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None)
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "native")
+    assert torch.allclose(linear(x, weight, **plain), F.linear(x, weight, bias), atol=1e-5)
+    assert seen == []
+    for change in ({"sequence_parallel": True}, {"allreduce_dgrad": True}, {"grad_output_buffer": []},
+                   {"gtp_remat_size": 2}, {"a_newer_megatron_core_argument": 1}):
+        linear(x, weight, **dict(plain, **change))
+        assert len(seen) == 1 and seen.pop() == dict(plain, **change), change
+    linear(x.double(), weight.double(), **dict(plain, bias=bias.double()))
+    assert len(seen) == 1
+    seen.clear()
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "plain")  # torch's matmuls where our GEMM is not the choice
+    linear(x, weight, **plain)
+    assert len(seen) == 1
+
+
+@needs_native
+def test_training_step_through_native_equals_torchs(mcore_single, monkeypatch):
+    """A GRPO/PPO actor's loss and every main_grad (DDP's gradient buffers, filled in the GEMM) are
+    the same with the linear layers on our GEMM as on torch's matmuls, and our GEMM did run."""
+    from test_ppo_actor import build_actor, rollouts
+    from nemo_aligner.utils.ppo_utils import create_mask
+
+    model = build_actor(lr=1e-3)
+    out = rollouts(model)
+    mask = create_mask(out.prompt_lengths, out.response_lengths, out.tokens.shape[1] - 1)
+    batch = {"tokens": out.tokens, "advantages": torch.randn(4, 1) * mask, "mask": mask,
+             "is_end": torch.ones(4, dtype=torch.bool), "logprobs": None,
+             "init_logprobs": model.get_init_policy_logprobs(out.tokens)}
+    calls = []
+    apply = cpu_gemm.NativeLinear.apply
+    monkeypatch.setattr(cpu_gemm.NativeLinear, "apply", lambda *a: calls.append(1) or apply(*a))
+    results = {}
+    for backend in ("plain", "native"):
+        monkeypatch.setenv(cpu_gemm.ENV_VAR, backend)
+        calls.clear()
+        model.prepare_for_training_step()
+        loss, _ = model.get_loss_and_metrics(batch, forward_only=False)
+        results[backend] = (loss, [p.main_grad.clone() for p in model.module.parameters()], len(calls))
+    assert results["plain"][2] == 0 and results["native"][2] > 0
+    assert results["native"][0] == pytest.approx(results["plain"][0], rel=1e-5)
+    assert sum(float(g.abs().sum()) for g in results["native"][1]) > 0
+    for a, b in zip(results["plain"][1], results["native"][1]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+@needs_native
+def test_native_linear_output_can_be_modified_in_place():
+    """Layers add the residual into a linear layer's output in place; autograd refuses that for a
+    custom function's output that is a view."""
+    x, weight = torch.randn(4, 2, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
+    out = cpu_gemm.NativeLinear.apply(x, weight, None, None)
+    out.add_(1.0).sum().backward()
+    assert torch.allclose(weight.grad, x.detach().reshape(-1, 8).sum(0).expand(6, 8), atol=1e-5)

@@ -18,10 +18,16 @@ library's packed GEMM runs that fastest depends on the CPU (measured, see benchm
   against ours).
 
 ``NEMO_ALIGNER_DECODE_GEMM`` (``auto`` | ``native`` | ``mkl`` | ``onednn`` | ``plain``) overrides the choice.
+
+Where the choice is ``native``, the float32 CPU matmuls of training and of log-prob passes use our
+kernel too (:class:`NativeLinear`, routed in by ``utils.patches.cpu_compat``): forward, input
+gradient and weight gradient (added straight into megatron-core's ``main_grad``), ~1.2x MKL's
+``F.linear`` on the AMD EPYC at training shapes.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from typing import Callable, Optional
@@ -114,3 +120,103 @@ def linear(weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[
     # oneDNN is faster only for skinny inputs: a prefill's thousands of rows run ~10% faster on MKL
     # (measured on the small benchmark model, Zen 3).
     return lambda x: onednn_linear(x, packed, bias, "none", [], "") if x.numel() <= skinny else F.linear(x, weight, bias)
+
+
+def training_kernels():
+    """The compiled kernels where float32 CPU training matmuls run on our GEMM (the packed-GEMM
+    choice is ``native``), else None."""
+    key = (os.environ.get(ENV_VAR, ""), os.environ.get("NEMO_ALIGNER_CPU_KERNELS", ""))
+    if key not in _TRAINING_CHOICE:
+        _TRAINING_CHOICE[key] = decode_gemm_backend() == "native"
+    return _kernels() if _TRAINING_CHOICE[key] else None
+
+
+_TRAINING_CHOICE: dict = {}
+
+
+class NativeLinear(torch.autograd.Function):
+    """``input @ weight^T (+ bias)`` for float32 CPU tensors through our packed GEMM, forward and
+    backward. With ``main_grad`` (megatron-core's gradient accumulation fusion: the DDP buffer the
+    optimizer reads), the weight gradient is added into it in the GEMM itself, and the gradient
+    returned for the weight follows megatron-core's linear layer (a dummy where the parameter has
+    ``grad_added_to_main_grad``, else None)."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, main_grad):
+        ext = _kernels()
+        n = weight.shape[0]
+        # [..., n] straight from the kernel: a view of it as the output would be refused by autograd
+        # wherever the layer's output is later modified in place
+        out = ext.packed_gemm(input.contiguous(), False, ext.pack_linear(weight.contiguous()), n,
+                              bias.contiguous() if bias is not None else None, None)
+        ctx.save_for_backward(input, weight)
+        ctx.main_grad = main_grad  # not saved for backward: a buffer written in place
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        ext = _kernels()
+        n, k = weight.shape
+        grad_output = grad_output.contiguous()
+        grad = grad_output.view(-1, n)
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_input = ext.packed_gemm(grad_output, False, ext.pack_matrix(weight.contiguous()), k, None, None)
+        if ctx.needs_input_grad[1]:
+            # weight gradient [n, k] = grad^T @ input: grad is read transposed in place
+            packed_input = ext.pack_matrix(input.reshape(-1, k).contiguous())
+            main_grad = ctx.main_grad
+            if main_grad is None:
+                grad_weight = ext.packed_gemm(grad, True, packed_input, k, None, None)
+            else:
+                if main_grad.dtype == torch.float32 and main_grad.is_contiguous():
+                    ext.packed_gemm(grad, True, packed_input, k, None, main_grad)
+                else:
+                    main_grad.add_(ext.packed_gemm(grad, True, packed_input, k, None, None).to(main_grad.dtype))
+                weight.main_grad = main_grad
+                if hasattr(weight, "grad_added_to_main_grad"):
+                    # megatron-core's DDP hooks expect a gradient tensor (they skip adding it)
+                    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+                    grad_weight = make(main_grad.shape, dtype=input.dtype, device=input.device)
+                    weight.grad_added_to_main_grad = True
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.sum(0)
+        return grad_input, grad_weight, grad_bias, None
+
+
+# Keyword arguments of megatron-core's linear functions (0.16-0.19) that NativeLinear handles; any
+# other keyword (a newer megatron-core's) sends the call back to megatron-core.
+_LINEAR_KEYS = {"bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel", "grad_output_buffer",
+                "wgrad_deferral_limit", "async_grad_allreduce", "tp_group", "gtp_remat_size"}
+
+
+def native_linear_or(original: Callable) -> Callable:
+    """megatron-core's ``linear_with_grad_accumulation_and_async_allreduce`` or
+    ``linear_with_frozen_weight`` (``original``), with this rank's local matmul on our GEMM where it
+    applies: float32 CPU tensors, no autocast, no communication inside the linear (no
+    sequence parallelism or input-gradient all-reduce: a layer's tensor-parallel reduction happens
+    outside it), no deferred weight gradients; everything else goes to ``original``."""
+
+    def linear(input, weight, *args, **kwargs):
+        if (args or not kwargs.keys() <= _LINEAR_KEYS or kwargs.get("allreduce_dgrad")
+                or kwargs.get("sequence_parallel") or kwargs.get("grad_output_buffer") is not None
+                or kwargs.get("async_grad_allreduce") or (kwargs.get("gtp_remat_size") or 1) != 1
+                or input.device.type != "cpu" or input.dtype != torch.float32 or weight.dtype != torch.float32
+                or weight.dim() != 2 or input.shape[-1] != weight.shape[1] or hasattr(weight, "__fsdp_param__")
+                or torch.is_autocast_enabled("cpu") or training_kernels() is None):
+            return original(input, weight, *args, **kwargs)
+        bias = kwargs.get("bias")
+        if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"):
+            return original(input, weight, *args, **kwargs)
+        main_grad = None
+        if kwargs.get("gradient_accumulation_fusion") and weight.requires_grad:
+            main_grad = getattr(weight, "main_grad", None)
+        return NativeLinear.apply(input, weight, bias, main_grad)
+
+    # Its name, docstring and attributes (megatron-core's function reads its own `.warned` through
+    # the module-level name, which is now this one).
+    functools.update_wrapper(linear, original)
+    linear.nemo_aligner_native = True
+    return linear

@@ -2,7 +2,8 @@
 
 megatron-core assumes a GPU in a handful of places. Every patch below is applied
 once, only when ``torch.cuda.is_available()`` is False, and each says which
-megatron-core code needs it. Nothing here changes behaviour on a GPU machine.
+megatron-core code needs it; one more routes float32 linear layers to our CPU GEMM
+(``_patch_native_linears``). Nothing here changes behaviour on a GPU machine.
 """
 
 from __future__ import annotations
@@ -318,6 +319,19 @@ def _patch_wgrad_accumulation():
         layers._grad_accum_fusion_available = True
 
 
+def _patch_native_linears():
+    """float32 linear layers on our CPU GEMM where it is the packed-GEMM choice (``cpu_gemm``):
+    megatron-core's layers call these two functions by their module-level names."""
+    from megatron.core.tensor_parallel import layers
+
+    from nemo_aligner.utils import cpu_gemm
+
+    for name in ("linear_with_grad_accumulation_and_async_allreduce", "linear_with_frozen_weight"):
+        original = getattr(layers, name, None)
+        if original is not None and not getattr(original, "nemo_aligner_native", False):
+            setattr(layers, name, cpu_gemm.native_linear_or(original))
+
+
 def _patch_grad_scaler_reload():
     """fp16 resume: ``DynamicGradScaler.load_state_dict`` moves the saved loss scale with ``.cuda()``
     (a tensor method the module redirection cannot reach); keep it on the CPU."""
@@ -356,6 +370,7 @@ def apply_cpu_patches() -> bool:
     _patch_tensor_checks()
     _patch_multi_tensor_ops()
     _patch_wgrad_accumulation()
+    _patch_native_linears()
     _patch_grad_scaler_reload()
     _APPLIED = True
     return True
