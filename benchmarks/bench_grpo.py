@@ -28,37 +28,8 @@ import time
 
 import torch
 
-from common import build_pair, default_precision, device_description, init_single_process, machine, write_json
-
-
-def byte_tokenizer_dir(path: str) -> str:
-    """A Hugging Face tokenizer with our byte tokenizer's ids (byte b -> id b, then the specials)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from nemo_aligner.utils.tokenizers import BYTE_SPECIAL_TOKENS
-
-    vocab = {ch: b for b, ch in enumerate(_bytes_to_unicode())}
-    vocab.update({tok: 256 + i for i, tok in enumerate(BYTE_SPECIAL_TOKENS)})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
-    fast.save_pretrained(path)
-    return path
-
-
-def _bytes_to_unicode():
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(bs, (chr(c) for c in cs)))
-    return [table[b] for b in range(256)]
+from common import (build_pair, byte_tokenizer_dir, default_precision, device_description, init_single_process,
+                    machine, write_json)
 
 
 def main(argv=None) -> dict:

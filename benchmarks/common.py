@@ -21,13 +21,15 @@ SHAPES = {
     "small": dict(num_layers=12, hidden_size=768, ffn_hidden_size=3072, num_attention_heads=12),
     # for GPUs: the two above leave an H100 mostly idle
     "medium": dict(num_layers=24, hidden_size=1024, ffn_hidden_size=4096, num_attention_heads=16),
+    # ~1B (0.97B with the byte vocabulary), TinyLlama's layout: grouped-query attention, 4 groups
+    "large": dict(num_layers=22, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=32, num_query_groups=4),
 }
 
 
 def model_cfg(shape: str, seq: int, micro_batch: int = 8) -> dict:
     """A Llama-shaped model config (RoPE, RMSNorm, SwiGLU, untied embeddings), as the built-in models;
     ``micro_batch`` is its micro- and global batch size."""
-    return dict(SHAPES[shape], num_query_groups=None, encoder_seq_length=seq, max_position_embeddings=seq,
+    return dict({"num_query_groups": None, **SHAPES[shape]}, encoder_seq_length=seq, max_position_embeddings=seq,
                 position_embedding_type="rope", normalization="rmsnorm", activation="swiglu", bias=False,
                 share_embeddings_and_output_weights=False, make_vocab_size_divisible_by=128,
                 micro_batch_size=micro_batch, global_batch_size=micro_batch, hidden_dropout=0.0, attention_dropout=0.0,
@@ -105,6 +107,36 @@ def build_pair(shape: str, seq: int, model_cls=None, trainable: bool = False, pr
     missing, unexpected = hf.load_state_dict(mcore_to_hf(state, arch, cfg_full), strict=False)
     assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
     return ours, hf.to(bench_device()).eval()
+
+
+def byte_tokenizer_dir(path: str) -> str:
+    """A Hugging Face tokenizer with our byte tokenizer's ids (byte b -> id b, then the specials)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from nemo_aligner.utils.tokenizers import BYTE_SPECIAL_TOKENS
+
+    vocab = {ch: b for b, ch in enumerate(_bytes_to_unicode())}
+    vocab.update({tok: 256 + i for i, tok in enumerate(BYTE_SPECIAL_TOKENS)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    fast.save_pretrained(path)
+    return path
+
+
+def _bytes_to_unicode():
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, (chr(c) for c in cs)))
+    return [table[b] for b in range(256)]
 
 
 def matmul_peak_gflops(n: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:

@@ -32,3 +32,13 @@ def test_write_json_puts_the_device_first_and_leaves_no_temporary_file(tmp_path,
     path = common.write_json("grpo", {"ratio": 0.5}, out_dir=str(tmp_path))
     assert json.load(open(path)) == {"device": "CPU test, 2 threads", "ratio": 0.5}
     assert os.listdir(tmp_path) == ["grpo.json"]
+
+
+def test_large_shape_is_a_1b_grouped_query_model():
+    """The ~1B GPU shape keeps its query groups; the others default to one group per head."""
+    large, small = common.model_cfg("large", 1024), common.model_cfg("small", 256)
+    assert large["num_query_groups"] == 4 and small["num_query_groups"] is None
+    h, f, layers, heads = large["hidden_size"], large["ffn_hidden_size"], large["num_layers"], large["num_attention_heads"]
+    kv = 2 * h * (h // heads) * large["num_query_groups"]
+    params = layers * (2 * h * h + kv + 3 * h * f) + 2 * 384 * h  # byte vocabulary padded to 384, untied
+    assert 0.9e9 < params < 1.1e9
