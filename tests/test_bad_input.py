@@ -53,6 +53,16 @@ def test_bad_training_file(tmp_path, builtin_data, content, expected):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("variable", ["NEMO_ALIGNER_DECODE_GEMM", "NEMO_ALIGNER_CPU_KERNELS"])
+def test_bad_cpu_kernel_setting_is_refused_before_work(tmp_path, builtin_data, monkeypatch, variable):
+    """Both are read deep inside the first forward pass; a bad value stops the run at its start."""
+    monkeypatch.setenv(variable, "fastest")
+    proc = run_bad(tmp_path, builtin_data["sft_train"], builtin_data["sft_val"])
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert proc.returncode == 1 and len(lines) == 1 and f"{variable}='fastest'" in lines[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "restored weights" not in proc.stderr + proc.stdout
+
+
 def test_missing_path(tmp_path, builtin_data):
     proc = run_bad(tmp_path, tmp_path / "nope.jsonl", builtin_data["sft_val"])
     assert f"error: {tmp_path / 'nope.jsonl'}: file does not exist" in proc.stderr

@@ -66,13 +66,19 @@ def available(backend: str) -> bool:
     return backend == "plain"
 
 
+def requested_backend() -> str:
+    """``NEMO_ALIGNER_DECODE_GEMM`` (``auto`` when unset); an unknown value is an error naming it."""
+    requested = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if requested not in ("auto",) + BACKENDS:
+        raise ConfigError(f"{ENV_VAR}={requested!r}: expected one of auto, {', '.join(BACKENDS)}")
+    return requested
+
+
 def decode_gemm_backend() -> str:
     """The packed-GEMM backend for CPU decode steps: ``NEMO_ALIGNER_DECODE_GEMM`` if set (an
     unavailable one is an error), else MKL on Intel CPUs, our own kernel (else oneDNN) on other
     x86 CPUs, plain ``F.linear`` elsewhere or where the chosen library is missing."""
-    requested = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if requested not in ("auto",) + BACKENDS:
-        raise ConfigError(f"{ENV_VAR}={requested!r}: expected one of auto, {', '.join(BACKENDS)}")
+    requested = requested_backend()
     if requested != "auto":
         if not available(requested):
             raise ConfigError(f"{ENV_VAR}={requested!r}: this torch build has no {requested} packed GEMM")

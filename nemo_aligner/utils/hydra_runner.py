@@ -79,10 +79,13 @@ def prepare_config(cfg: DictConfig, config_name: str, args: List[str], extra_key
     shipped config of the same script underneath (keys it lacks take our defaults); aliases are
     resolved; near misses of real keys are refused and keys nothing reads are warned about (once:
     rank 0, and not again in the ranks ``trainer.devices`` starts)."""
-    from nemo_aligner.utils import config_keys
+    from nemo_aligner.utils import config_keys, cpu_gemm, cpu_kernels
     from nemo_aligner.utils.exp_manager import setup_console_logging
 
     setup_console_logging()
+    # The CPU kernel settings are read deep inside the first forward: refuse a bad one before any work.
+    cpu_kernels.mode()
+    cpu_gemm.requested_backend()
     flags, overrides = split_hydra_flags(args)
     shipped = None
     if any(f.split("=")[0] in ("--config-path", "-cp", "--config-dir", "-cd", "--config-name", "-cn") for f in flags):
