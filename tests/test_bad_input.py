@@ -63,9 +63,12 @@ def test_bad_cpu_kernel_setting_is_refused_before_work(tmp_path, builtin_data, m
     assert "Traceback" not in proc.stderr and "restored weights" not in proc.stderr + proc.stdout
 
 
-def test_missing_path(tmp_path, builtin_data):
-    proc = run_bad(tmp_path, tmp_path / "nope.jsonl", builtin_data["sft_val"])
+def test_missing_path(tmp_path, builtin_data, base_nemo):
+    """Refused before the model is built (its checkpoint is not read)."""
+    proc = run_bad(tmp_path, tmp_path / "nope.jsonl", builtin_data["sft_val"],
+                   extra=[f"model.restore_from_path={base_nemo[0]}"])
     assert f"error: {tmp_path / 'nope.jsonl'}: file does not exist" in proc.stderr
+    assert "restored weights" not in proc.stdout + proc.stderr
 
 
 def test_missing_restore_path(tmp_path, builtin_data):

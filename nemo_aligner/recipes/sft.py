@@ -12,6 +12,7 @@ from nemo_aligner.recipes.prepare_packed import check_packed_attention
 from nemo_aligner.recipes.run_helpers import fit_and_export, report_finished
 from nemo_aligner.algorithms.supervised import SupervisedTrainer, plan_max_steps
 from nemo_aligner.data.nlp.builders import build_dataloader, build_sft_dataset, sft_collate_fn
+from nemo_aligner.data.nlp.jsonl import check_files_exist
 from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
 from nemo_aligner.models.nlp.gpt.loading import load_model
 from nemo_aligner.utils.exp_manager import exp_manager
@@ -35,6 +36,9 @@ def run_sft(cfg: DictConfig, callbacks=None, model_cls=GPTSFTModel, build_datase
         cfg.model.global_batch_size = data_cfg.train_ds.global_batch_size
         cfg.model.val_micro_batch_size = data_cfg.validation_ds.get("micro_batch_size", cfg.model.micro_batch_size)
 
+    for split in ("train_ds", "validation_ds"):  # before the model is built: a wrong path stops the run at once
+        if not bool(data_cfg[split].get("packed_sequence", False)):
+            check_files_exist(data_cfg[split].get("file_path") or data_cfg[split].get("file_names"))
     model = load_model(model_cls, cfg.model, cfg.trainer.precision, restore, key="model.restore_from_path")
     seq_len = int(model.cfg.encoder_seq_length)
     answer_only = bool(cfg.model.get("answer_only_loss", True))

@@ -104,6 +104,19 @@ def read_jsonl(path: str, allow_non_finite: bool = False) -> List[Dict[str, Any]
     return records
 
 
+def check_files_exist(paths) -> None:
+    """Refuse (as :func:`read_jsonl` would) a named data file that is missing or a directory: called
+    before a model is built, so a wrong path stops a run at once (on every rank alike)."""
+    if paths is None or paths == "???" or (isinstance(paths, str) and not paths):
+        return  # the builders name the missing key
+    for path in [paths] if isinstance(paths, str) else paths:
+        path = str(path)
+        if path and not os.path.exists(path):
+            raise DataError(f"{path}: file does not exist")
+        if path and os.path.isdir(path):
+            raise DataError(f"{path}: is a directory, expected a .jsonl file")
+
+
 def read_jsonl_files(paths, key: str) -> List[Dict[str, Any]]:
     """Records of one or more jsonl files (a path or a list); each keeps ``__file__`` and ``__line__``.
 
