@@ -29,7 +29,7 @@ import time
 import torch
 
 from common import (build_pair, byte_tokenizer_dir, default_precision, device_description, init_single_process,
-                    machine, write_json)
+                    machine, trainer_step_timer, write_json)
 
 
 def main(argv=None) -> dict:
@@ -83,7 +83,7 @@ def main(argv=None) -> dict:
     padded_vocab = hf.config.vocab_size
     del hf
     tok_dir = byte_tokenizer_dir(hf_dir)
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     # One optimizer step per GRPO step: the step's rollouts are generated in one batch
@@ -105,18 +105,6 @@ def main(argv=None) -> dict:
     def trl_reward(prompts, completions, **kwargs):
         return [reward(p, c) for p, c in zip(prompts, completions)]
 
-    class StepTimes(TrainerCallback):
-        """Each optimizer step's wall time (generation, scoring, logprobs, forward/backward, update)."""
-
-        def __init__(self):
-            self.seconds, self.start = [], None
-
-        def on_step_begin(self, args_, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args_, state, control, **kwargs):
-            self.seconds.append(time.perf_counter() - self.start)
-
     # TRL times its phases (generate, logprobs, loss, rewards) with ProfilingContext, which only reports
     # them to wandb/mlflow/trackio: catch them here, by step, to report TRL's phases too.
     from trl.extras import profiling
@@ -124,7 +112,7 @@ def main(argv=None) -> dict:
     def run_trl(run: int):
         """One TRL training run: its step times after the first, phases per step, response lengths."""
         blocks = []  # (step index, block name, seconds)
-        timer = StepTimes()
+        timer = trainer_step_timer()  # each step: generation, scoring, logprobs, forward/backward, update
         original_log = profiling.ProfilingContext._log_metrics
 
         def record(context, duration):

@@ -22,7 +22,8 @@ import time
 import torch
 
 from common import (alternate, bench_device, build_pair, byte_tokenizer_dir, default_precision, device_description,
-                    init_single_process, machine, matmul_peak_gflops, median, synchronize, write_json)
+                    init_single_process, machine, matmul_peak_gflops, median, synchronize, trainer_step_timer,
+                    write_json)
 
 
 def model_flops_per_token(cfg: dict, seq: int, params: int) -> float:
@@ -131,27 +132,15 @@ def trl_runner(hf, inputs: torch.Tensor, args, bf16: bool):
 
     import trl
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
 
     work = tempfile.mkdtemp(prefix="bench_sft_trl_")
     tokenizer = AutoTokenizer.from_pretrained(byte_tokenizer_dir(work))
     rows = inputs.cpu().tolist() * (args.steps + 1)  # one batch per step, the same rows as the others
     dataset = Dataset.from_dict({"input_ids": rows})
 
-    class StepTimes(TrainerCallback):
-        def __init__(self):
-            self.seconds, self.start = [], None
-
-        def on_step_begin(self, args_, state, control, **kwargs):
-            synchronize()
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args_, state, control, **kwargs):
-            synchronize()
-            self.seconds.append(time.perf_counter() - self.start)
-
     def run_trl():
-        timer = StepTimes()
+        timer = trainer_step_timer()
         config = trl.SFTConfig(output_dir=os.path.join(work, "out"), per_device_train_batch_size=args.batch,
                                gradient_accumulation_steps=1, max_steps=args.steps + 1, learning_rate=1e-4,
                                lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,

@@ -139,6 +139,26 @@ def _bytes_to_unicode():
     return [table[b] for b in range(256)]
 
 
+def trainer_step_timer():
+    """A Hugging Face ``TrainerCallback`` whose ``seconds`` lists each optimizer step's wall time (on a
+    GPU, up to its queued work's end)."""
+    from transformers import TrainerCallback
+
+    class StepTimes(TrainerCallback):
+        def __init__(self):
+            self.seconds, self.start = [], None
+
+        def on_step_begin(self, args_, state, control, **kwargs):
+            synchronize()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args_, state, control, **kwargs):
+            synchronize()
+            self.seconds.append(time.perf_counter() - self.start)
+
+    return StepTimes()
+
+
 def matmul_peak_gflops(n: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
     """Measured ``dtype`` matmul throughput of ``bench_device()`` (best of ``repeats``; n x n x n,
     8192 on a GPU)."""

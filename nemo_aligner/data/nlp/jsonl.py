@@ -62,10 +62,7 @@ def read_jsonl(path: str, allow_non_finite: bool = False) -> List[Dict[str, Any]
     """
     if not path:
         raise DataError("no data file given (empty path)")
-    if not os.path.exists(path):
-        raise DataError(f"{path}: file does not exist")
-    if os.path.isdir(path):
-        raise DataError(f"{path}: is a directory, expected a .jsonl file")
+    _check_file(path)
     records = []
     opener = gzip.open if path.endswith(".gz") else open  # .jsonl.gz, as public datasets ship
     try:
@@ -104,17 +101,21 @@ def read_jsonl(path: str, allow_non_finite: bool = False) -> List[Dict[str, Any]
     return records
 
 
+def _check_file(path: str) -> None:
+    if not os.path.exists(path):
+        raise DataError(f"{path}: file does not exist")
+    if os.path.isdir(path):
+        raise DataError(f"{path}: is a directory, expected a .jsonl file")
+
+
 def check_files_exist(paths) -> None:
-    """Refuse (as :func:`read_jsonl` would) a named data file that is missing or a directory: called
+    """Refuse (as :func:`read_jsonl` does) a named data file that is missing or a directory: called
     before a model is built, so a wrong path stops a run at once (on every rank alike)."""
     if paths is None or paths == "???" or (isinstance(paths, str) and not paths):
         return  # the builders name the missing key
     for path in [paths] if isinstance(paths, str) else paths:
-        path = str(path)
-        if path and not os.path.exists(path):
-            raise DataError(f"{path}: file does not exist")
-        if path and os.path.isdir(path):
-            raise DataError(f"{path}: is a directory, expected a .jsonl file")
+        if str(path):
+            _check_file(str(path))
 
 
 def read_jsonl_files(paths, key: str) -> List[Dict[str, Any]]:
