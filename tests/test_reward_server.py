@@ -267,6 +267,36 @@ def test_a_dead_triton_process_makes_the_server_exit_non_zero(tmp_path, rm_nemo_
     assert "Triton stopped serving without a stop signal (its process died)" in srv.text()
 
 
+def test_tritonserver_exiting_at_start_is_reported_at_once(monkeypatch):
+    """tritonserver exits while PyTriton waits for it to be ready (here: its gRPC port taken after the
+    server checked it): one error quoting Triton's reason within seconds, not PyTriton's 120 s
+    timeout, and no process left behind."""
+    import socket
+
+    from nemo_aligner.servers import triton_host
+    from nemo_aligner.utils.errors import ServerError
+
+    monkeypatch.setattr(triton_host, "check_ports_free", lambda address, key: None)  # taken after the check
+    grpc = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", grpc))
+        taken.listen()
+        start = time.monotonic()
+        with pytest.raises(ServerError) as err:
+            triton_host.serve_forever(triton_host.ServerAddress("127.0.0.1", free_port(), grpc, free_port()),
+                                      lambda triton: pytest.fail("bound models to a dead server"), "test server",
+                                      "inference", {})
+        elapsed = time.monotonic() - start
+    assert elapsed < 30, elapsed
+    message = str(err.value)
+    assert message.startswith("test server: tritonserver exited while starting: "), message
+    assert f"127.0.0.1:{grpc}' already in use" in message, message
+    time.sleep(0.5)
+    # this process's own tritonserver (the other tests' servers run theirs under their own processes)
+    assert not [p for p in psutil.Process().children()
+                if "tritonserver" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE]
+
+
 @pytest.mark.parametrize("layout", [["model.tensor_model_parallel_size=2"], []], ids=["tp2", "dp2"])
 def test_two_process_serving(tmp_path, rm_nemo_and_rewards, layout):
     nemo, expected = rm_nemo_and_rewards

@@ -5,12 +5,15 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
 import sysconfig
 import tempfile
-from contextlib import contextmanager
+import time
+import warnings
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, Optional
 
@@ -174,6 +177,85 @@ def stop_on_signals(stop_on_sigterm: Optional[Callable[[], bool]] = None) -> Ite
             signal.signal(sig, handler)
 
 
+# Where PyTriton 0.7 waits (up to 120 s) for tritonserver to become ready while starting it and
+# while binding models: module name -> the name of its wait function there.
+_READINESS_WAITS = {"pytriton.triton": "wait_for_server_ready", "pytriton.models.manager": "wait_for_server_ready"}
+
+
+def _exited_tritonserver(triton):
+    """``triton``'s tritonserver process when it was started and has exited since, else None (also
+    where this PyTriton keeps it under other names: the check then never fires)."""
+    server = getattr(triton, "_triton_server", None)
+    if getattr(server, "_tritonserver_running_cmd", None) is None or server.is_alive():
+        return None
+    return server
+
+
+def _exit_reason(server, log_file: str, lines: int = 3) -> str:
+    """The error lines of an exited tritonserver (its log file, then its output), for one message."""
+    text = ""
+    try:
+        with open(log_file, errors="replace") as f:
+            text = f.read()[-20000:]
+    except OSError:
+        pass
+    try:
+        text += "\n" + (server.logs() or "")[-20000:]
+    except Exception:  # its output is a courtesy in the message, never a second error
+        pass
+    found = [line.strip() for line in text.splitlines() if line.strip()]
+    # Triton's own error records first (the first is the cause), then its command-line complaints
+    logged = [line for line in found if re.match(r"E\d{4} ", line)][:lines]
+    said = [line for line in found if re.match(r"(error|bad option|fail)", line, re.I)][-lines:]
+    picked = [line[:300] for line in (logged or said or found[-lines:])]
+    return ": " + " | ".join(picked) if picked else ""
+
+
+@contextmanager
+def fail_fast_on_triton_exit(triton, description: str, log_file: str, log_note: str = "") -> Iterator[None]:
+    """While ``Triton`` starts and binds models: a tritonserver that exits (a bad option, a missing
+    library, a port taken in the meantime) ends PyTriton's readiness wait within a second with a
+    :class:`ServerError` quoting its errors (from ``log_file`` and its output; ``log_note`` names a
+    log that outlives the server), instead of after PyTriton's 120 s timeout."""
+    import importlib
+
+    from pytriton.client.exceptions import PyTritonClientTimeoutError
+    from pytriton.client.warnings import NotSupportedTimeoutWarning
+
+    from nemo_aligner.utils.errors import ServerError
+
+    patched = []
+    for module_name, attr in _READINESS_WAITS.items():
+        module = importlib.import_module(module_name)
+        original = getattr(module, attr, None)
+        if original is None:
+            continue
+
+        def wait(client, timeout_s=None, headers=None, _original=original):
+            deadline = time.monotonic() + (timeout_s if timeout_s is not None else 120.0)
+            while True:
+                remaining = deadline - time.monotonic()
+                try:
+                    with warnings.catch_warnings():  # it warns when a step is shorter than the client's timeout
+                        warnings.simplefilter("ignore", NotSupportedTimeoutWarning)
+                        return _original(client, timeout_s=max(0.0, min(1.0, remaining)), headers=headers)
+                except PyTritonClientTimeoutError:
+                    server = _exited_tritonserver(triton)
+                    if server is not None:
+                        raise ServerError(f"{description}: tritonserver exited while starting{log_note}"
+                                          f"{_exit_reason(server, log_file)}") from None
+                    if remaining <= 1.0:
+                        raise
+
+        setattr(module, attr, wait)
+        patched.append((module, attr, original))
+    try:
+        yield
+    finally:
+        for module, attr, original in patched:
+            setattr(module, attr, original)
+
+
 def serve_forever(address: ServerAddress, bind, description: str, key: str, limits: Dict[str, ModelLimits],
                   workspace_dir: Optional[str] = None, triton_log_file: Optional[str] = None,
                   stop_on_sigterm: Optional[Callable[[], bool]] = None) -> None:
@@ -197,14 +279,21 @@ def serve_forever(address: ServerAddress, bind, description: str, key: str, limi
     prepare_library_path()
     backend_port = free_port()
     with workspace(workspace_dir) as ws, stop_on_signals(stop_on_sigterm) as stop:
+        # the default log lives in the workspace, removed on exit: messages quote it instead of naming it
         log_file = triton_log_file or os.path.join(os.path.dirname(ws), "tritonserver.log")
+        log_note = f" (log: {triton_log_file})" if triton_log_file else ""
         config = TritonConfig(http_address=LOOPBACK, http_port=backend_port, grpc_address=LOOPBACK,
                               grpc_port=address.grpc_port, metrics_address=LOOPBACK,
                               metrics_port=address.metrics_port, log_verbose=0, log_file=log_file,
                               exit_timeout_secs=5)
-        with Triton(config=config, workspace=ws) as triton, \
-                _guarded(address, backend_port, limits, key):
-            bind(triton)
+        with ExitStack() as stack:
+            triton = Triton(config=config, workspace=ws)
+            stack.callback(triton.stop)  # its __exit__; also after a failed start
+            with fail_fast_on_triton_exit(triton, description, log_file, log_note):
+                triton.__enter__()  # starts tritonserver
+            stack.enter_context(_guarded(address, backend_port, limits, key))
+            with fail_fast_on_triton_exit(triton, description, log_file, log_note):
+                bind(triton)
             print(f"{description} ready on {address.url} (grpc {address.grpc_port}, metrics {address.metrics_port})",
                   flush=True)
             stop.received = False
@@ -216,4 +305,5 @@ def serve_forever(address: ServerAddress, bind, description: str, key: str, limi
                 from nemo_aligner.utils.errors import ServerError
 
                 raise ServerError(f"{description} on {address.url}: Triton stopped serving without a stop signal "
-                                  f"(its process died); see {log_file}")
+                                  f"(its process died){log_note}"
+                                  f"{_exit_reason(getattr(triton, '_triton_server', None), log_file)}")
