@@ -66,7 +66,7 @@ def main(argv=None) -> None:
     parser.add_argument("--dpo-steps", type=int, default=300)
     parser.add_argument("--grpo-steps", type=int, default=1000)
     parser.add_argument("--rloo-steps", type=int, default=1000)
-    parser.add_argument("--rs-steps", type=int, default=300)
+    parser.add_argument("--rs-steps", type=int, default=600)
     args = parser.parse_args(argv)
     out = os.path.abspath(args.out_dir)
     data = os.path.join(out, "data")
