@@ -256,6 +256,14 @@ def fail_fast_on_triton_exit(triton, description: str, log_file: str, log_note: 
             setattr(module, attr, original)
 
 
+def _stop_quietly(triton) -> None:
+    """``triton.stop()``. After a failed start PyTriton warns that it cannot clean a workspace it
+    never made; :func:`workspace` removes the whole directory either way."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Could not clean workspace")
+        triton.stop()
+
+
 def serve_forever(address: ServerAddress, bind, description: str, key: str, limits: Dict[str, ModelLimits],
                   workspace_dir: Optional[str] = None, triton_log_file: Optional[str] = None,
                   stop_on_sigterm: Optional[Callable[[], bool]] = None) -> None:
@@ -288,7 +296,7 @@ def serve_forever(address: ServerAddress, bind, description: str, key: str, limi
                               exit_timeout_secs=5)
         with ExitStack() as stack:
             triton = Triton(config=config, workspace=ws)
-            stack.callback(triton.stop)  # its __exit__; also after a failed start
+            stack.callback(_stop_quietly, triton)  # its __exit__; also after a failed start
             with fail_fast_on_triton_exit(triton, description, log_file, log_note):
                 triton.__enter__()  # starts tritonserver
             stack.enter_context(_guarded(address, backend_port, limits, key))
