@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, Optional
 
 from nemo_aligner.servers.request_guard import ModelLimits, RequestGuard
-from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.utils.errors import ConfigError, ServerError
 
 logger = logging.getLogger(__name__)
 
@@ -177,9 +177,9 @@ def stop_on_signals(stop_on_sigterm: Optional[Callable[[], bool]] = None) -> Ite
             signal.signal(sig, handler)
 
 
-# Where PyTriton 0.7 waits (up to 120 s) for tritonserver to become ready while starting it and
-# while binding models: module name -> the name of its wait function there.
-_READINESS_WAITS = {"pytriton.triton": "wait_for_server_ready", "pytriton.models.manager": "wait_for_server_ready"}
+# The modules whose ``wait_for_server_ready`` PyTriton 0.7 calls (waiting up to 120 s for tritonserver
+# to become ready) while starting it and while binding models.
+_READINESS_WAIT_MODULES = ("pytriton.triton", "pytriton.models.manager")
 
 
 def _exited_tritonserver(triton):
@@ -217,17 +217,13 @@ def fail_fast_on_triton_exit(triton, description: str, log_file: str, log_note: 
     library, a port taken in the meantime) ends PyTriton's readiness wait within a second with a
     :class:`ServerError` quoting its errors (from ``log_file`` and its output; ``log_note`` names a
     log that outlives the server), instead of after PyTriton's 120 s timeout."""
-    import importlib
-
     from pytriton.client.exceptions import PyTritonClientTimeoutError
     from pytriton.client.warnings import NotSupportedTimeoutWarning
 
-    from nemo_aligner.utils.errors import ServerError
-
     patched = []
-    for module_name, attr in _READINESS_WAITS.items():
+    for module_name in _READINESS_WAIT_MODULES:
         module = importlib.import_module(module_name)
-        original = getattr(module, attr, None)
+        original = getattr(module, "wait_for_server_ready", None)
         if original is None:
             continue
 
@@ -247,13 +243,13 @@ def fail_fast_on_triton_exit(triton, description: str, log_file: str, log_note: 
                     if remaining <= 1.0:
                         raise
 
-        setattr(module, attr, wait)
-        patched.append((module, attr, original))
+        module.wait_for_server_ready = wait
+        patched.append((module, original))
     try:
         yield
     finally:
-        for module, attr, original in patched:
-            setattr(module, attr, original)
+        for module, original in patched:
+            module.wait_for_server_ready = original
 
 
 def _stop_quietly(triton) -> None:
@@ -299,8 +295,7 @@ def serve_forever(address: ServerAddress, bind, description: str, key: str, limi
             stack.callback(_stop_quietly, triton)  # its __exit__; also after a failed start
             with fail_fast_on_triton_exit(triton, description, log_file, log_note):
                 triton.__enter__()  # starts tritonserver
-            stack.enter_context(_guarded(address, backend_port, limits, key))
-            with fail_fast_on_triton_exit(triton, description, log_file, log_note):
+                stack.enter_context(_guarded(address, backend_port, limits, key))
                 bind(triton)
             print(f"{description} ready on {address.url} (grpc {address.grpc_port}, metrics {address.metrics_port})",
                   flush=True)
@@ -310,8 +305,6 @@ def serve_forever(address: ServerAddress, bind, description: str, key: str, limi
             except KeyboardInterrupt:
                 pass
             if not stop.received:
-                from nemo_aligner.utils.errors import ServerError
-
                 raise ServerError(f"{description} on {address.url}: Triton stopped serving without a stop signal "
                                   f"(its process died){log_note}"
                                   f"{_exit_reason(getattr(triton, '_triton_server', None), log_file)}")
