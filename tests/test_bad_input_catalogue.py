@@ -207,6 +207,12 @@ def config_values(**overrides):
     return lambda: check_config_values(sft_config(**overrides))
 
 
+def value_shapes(**overrides):
+    from nemo_aligner.utils.config_keys import check_value_shapes
+
+    return lambda: check_value_shapes(sft_config(**overrides), sft_config())
+
+
 def lora_config(**overrides):
     from nemo_aligner.models.nlp.gpt.lora import lora_settings
 
@@ -344,6 +350,24 @@ CONFIG_CASES = {
     "wrong-type-float": (config_values(**{"model.optim.lr": "fast"}), r"model\.optim\.lr='fast' must be a number"),
     "bool-for-int": (config_values(**{"model.data.train_ds.micro_batch_size": True}),
                      r"model\.data\.train_ds\.micro_batch_size=True must be an integer"),
+    "list-for-int": (config_values(**{"model.micro_batch_size": [1]}),
+                     r"model\.micro_batch_size=\[1\] must be an integer, got a list"),
+    "dict-for-number": (config_values(**{"model.optim.lr": {"x": 1}}),
+                        r"model\.optim\.lr=\{'x': 1\} must be a number, got a dict"),
+    "number-for-text": (config_values(**{"model.data.train_ds.label_key": -5}),
+                        r"model\.data\.train_ds\.label_key=-5 must be text, got int"),
+    "null-seed": (config_values(**{"model.seed": None}), r"model\.seed=null: this key needs a value"),
+    "null-prompt-template": (config_values(**{"model.data.train_ds.prompt_template": None}),
+                             r"model\.data\.train_ds\.prompt_template=null: this key needs a value"),
+    "nan-anywhere": (config_values(**{"model.init_method_std": float("nan")}),
+                     r"model\.init_method_std=nan is not a number"),
+    "unknown-recompute-granularity": (config_values(**{"model.activations_checkpoint_granularity": "some"}),
+                                      r"model\.activations_checkpoint_granularity='some' must be one of full, "
+                                      r"selective, null"),
+    "text-for-bool": (value_shapes(**{"exp_manager.create_wandb_logger": "abc"}),
+                      r"exp_manager\.create_wandb_logger='abc' must be true or false"),
+    "list-for-bool": (value_shapes(**{"model.answer_only_loss": [True]}),
+                      r"model\.answer_only_loss=\[True\] must be a single value \(like its default, True\), got a list"),
     "zero-size": (config_values(**{"model.global_batch_size": 0}), r"model\.global_batch_size=0 must be > 0"),
     "negative-size": (config_values(**{"model.num_layers": -2}), r"model\.num_layers=-2 must be > 0"),
     "negative-lr": (config_values(**{"model.optim.lr": -0.1}), r"model\.optim\.lr=-0\.1 must be >= 0"),

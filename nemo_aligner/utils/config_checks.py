@@ -23,18 +23,31 @@ POSITIVE_INTS = frozenset({
     "rollout_micro_batch_size", "forward_micro_batch_size", "val_rollout_micro_batch_size",
     "inference_micro_batch_size", "num_rollout_samples", "num_val_samples", "num_responses_per_prompt",
     "num_generations_per_prompt", "max_batch_size", "make_vocab_size_divisible_by", "batch_size",
-    "max_sequence_length", "max_train_rows",
+    "max_sequence_length", "max_train_rows", "log_prob_forward_micro_batch_size", "pad_to_multiple_of",
+    "pad_length_to_multiple_of", "num_query_groups", "kv_channels",
 })
 NON_NEGATIVE_INTS = frozenset({
     "critic_warmup_steps", "num_workers",
     "max_consecutive_nonfinite_steps", "min_length", "top_k", "max_retries", "tokens_to_generate",
-    "min_tokens_to_generate",
+    "min_tokens_to_generate", "seed",
 })
 NON_NEGATIVE_NUMBERS = frozenset({
     "val_check_interval", "save_interval", "lr", "min_lr", "weight_decay", "gradient_clip_val", "temperature", "warmup_steps", "timeout_s",
     "hidden_dropout", "attention_dropout", "ffn_dropout", "initial_policy_kl_penalty", "reference_policy_kl_penalty",
-    "ref_policy_kl_penalty",
+    "ref_policy_kl_penalty", "sft_loss_weight", "preference_loss_weight", "gt_reward_scale",
 })
+# Any finite number (either sign).
+FINITE_NUMBERS = frozenset({"default_chosen_reward", "default_rejected_reward"})
+# Keys a run cannot do without: null is an error (elsewhere null means "the default" or "off").
+NOT_NULL = frozenset({"seed", "global_batch_size", "gt_reward_scale", "sft_loss_weight", "preference_loss_weight",
+                      "prompt_template", "label_key"})
+# Text values (record field names, templates).
+STRINGS = frozenset({"prompt_template", "label_key", "truncation_field"})
+# One of a few values (null: off).
+CHOICES = {
+    "activations_checkpoint_granularity": ("full", "selective", None),
+    "activations_checkpoint_method": ("uniform", "block", None),
+}
 # Probabilities that must stay below 1 (a dropout of 1 zeroes every activation).
 UNIT_INTERVAL = frozenset({"hidden_dropout", "attention_dropout", "ffn_dropout"})
 POSITIVE_NUMBERS = frozenset({"eps"})
@@ -80,9 +93,15 @@ REFUSED_UNLESS = {
 INTS_OR_UNLIMITED = frozenset({"max_steps", "max_epochs"})
 # Lightning's ``limit_*_batches``: a fraction (float <= 1.0) or a count (int; -1 or null: all).
 BATCH_LIMITS = frozenset({"limit_train_batches", "limit_val_batches", "limit_test_batches"})
+# Keys checked above that take one value: a list or dict there is an error, not a subtree.
+SINGLE_VALUED = (POSITIVE_INTS | NON_NEGATIVE_INTS | NON_NEGATIVE_NUMBERS | POSITIVE_NUMBERS | FINITE_NUMBERS
+                 | INTS_OR_UNLIMITED | BATCH_LIMITS | STRINGS | frozenset(CHOICES) | frozenset(UNSUPPORTED_UNLESS)
+                 | {"attribute_weights"})
 
 
 def _leaves(node, prefix: str) -> Iterator[Tuple[str, object]]:
+    """``(dotted path, value)`` of every scalar, and of a list or dict given where a checked key
+    takes a single value (``model.micro_batch_size=[1]`` is an error naming it, not a skipped leaf)."""
     if isinstance(node, DictConfig):
         for key in node.keys():
             path = f"{prefix}.{key}" if prefix else str(key)
@@ -90,9 +109,24 @@ def _leaves(node, prefix: str) -> Iterator[Tuple[str, object]]:
                 value = node[key]
             except Exception:  # a missing value ('???') or an interpolation that cannot resolve yet
                 continue
-            yield from _leaves(value, path)
+            if isinstance(value, (DictConfig, ListConfig)) and str(key) in SINGLE_VALUED:
+                yield path, value
+            else:
+                yield from _leaves(value, path)
     elif not isinstance(node, ListConfig):
         yield prefix, node
+
+
+def _type_name(value) -> str:
+    if isinstance(value, DictConfig):
+        return "a dict"
+    if isinstance(value, ListConfig):
+        return "a list"
+    return type(value).__name__
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _is_off(value, allowed) -> bool:
@@ -122,36 +156,62 @@ def check_config_values(cfg: DictConfig) -> None:
                                   f"{allowed[0]!r}, i.e. off)")
             continue
         if value is None:
+            if name in NOT_NULL and not (name == "global_batch_size" and "inference" in cfg):
+                raise ConfigError(f"{path}=null: this key needs a value")
             continue
         if name in POSITIVE_INTS or name in NON_NEGATIVE_INTS:
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"{path}={value!r} must be an integer, got {type(value).__name__}")
+                raise ConfigError(f"{path}={_shown(value)} must be an integer, got {_type_name(value)}")
             if name in POSITIVE_INTS and value <= 0:
                 raise ConfigError(f"{path}={value} must be > 0")
             if name in NON_NEGATIVE_INTS and value < 0:
                 raise ConfigError(f"{path}={value} must be >= 0")
         elif name in INTS_OR_UNLIMITED:
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"{path}={value!r} must be an integer (-1 or null: no limit), got {type(value).__name__}")
+                raise ConfigError(f"{path}={_shown(value)} must be an integer (-1 or null: no limit), got "
+                                  f"{_type_name(value)}")
         elif name in BATCH_LIMITS:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"{path}={value!r} must be a fraction (0.0-1.0) or a batch count "
-                                  f"(-1 or null: all), got {type(value).__name__}")
+            if not _is_number(value):
+                raise ConfigError(f"{path}={_shown(value)} must be a fraction (0.0-1.0) or a batch count "
+                                  f"(-1 or null: all), got {_type_name(value)}")
             if isinstance(value, float) and not 0.0 <= value <= 1.0:
                 raise ConfigError(f"{path}={value} must be a fraction between 0.0 and 1.0, or an integer count")
             if name == "limit_train_batches" and value == 0:
                 raise ConfigError(f"{path}={value} leaves no training batches; use a positive count or fraction, "
                                   "or -1 / 1.0 for all")
-        elif name in NON_NEGATIVE_NUMBERS or name in POSITIVE_NUMBERS:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"{path}={value!r} must be a number, got {type(value).__name__}")
+        elif name in NON_NEGATIVE_NUMBERS or name in POSITIVE_NUMBERS or name in FINITE_NUMBERS:
+            if not _is_number(value):
+                raise ConfigError(f"{path}={_shown(value)} must be a number, got {_type_name(value)}")
             if not math.isfinite(value):  # lr=inf or nan trains to an all-NaN model
                 raise ConfigError(f"{path}={value} must be a finite number")
+            if name in FINITE_NUMBERS:
+                continue
             if value < 0 or (name in POSITIVE_NUMBERS and value == 0):
                 raise ConfigError(f"{path}={value} must be {'> 0' if name in POSITIVE_NUMBERS else '>= 0'}")
             if name in UNIT_INTERVAL and value >= 1:
                 raise ConfigError(f"{path}={value} must be < 1 (a probability; 1 drops everything)")
+        elif name in STRINGS:
+            if not isinstance(value, str):
+                raise ConfigError(f"{path}={_shown(value)} must be text, got {_type_name(value)}")
+        elif name in CHOICES:
+            if isinstance(value, (DictConfig, ListConfig)) or value not in CHOICES[name]:
+                raise ConfigError(f"{path}={_shown(value)} must be one of "
+                                  f"{', '.join('null' if c is None else c for c in CHOICES[name])}")
+        elif name == "attribute_weights":
+            items = list(value) if isinstance(value, ListConfig) else None
+            if items is None or not all(_is_number(w) and math.isfinite(w) for w in items):
+                raise ConfigError(f"{path}={_shown(value)} must be a list of numbers (one weight per attribute) "
+                                  "or null")
+        elif isinstance(value, float) and math.isnan(value):  # never a setting: NaN spreads into every weight
+            raise ConfigError(f"{path}=nan is not a number")
     _check_betas(cfg, "")
+
+
+def _shown(value) -> str:
+    """A config value as the user would write it on the command line."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        return str(OmegaConf.to_container(value, resolve=False))
+    return repr(value)
 
 
 def _check_betas(node, prefix: str) -> None:

@@ -147,6 +147,30 @@ def _in_open_subtree(path: str) -> bool:
     return any(path == p or path.startswith(p + ".") for p in OPEN_SUBTREES)
 
 
+def check_value_shapes(cfg: DictConfig, shipped: DictConfig) -> None:
+    """A key whose shipped value is true/false takes true/false (or null), and one whose shipped
+    value is a single number or bool takes a single value, not a list or dict: ``"abc"`` for
+    ``exp_manager.create_wandb_logger`` would otherwise read as true, and a list deep in a recipe
+    fails with a traceback that names no key."""
+    for path, node in _paths(shipped):
+        if isinstance(node, (DictConfig, ListConfig)) or node._is_interpolation() or node._is_missing():
+            continue
+        default = node._value()
+        if default is None or isinstance(default, str):
+            continue  # null and text keys take several kinds of value (precision=16 or "bf16")
+        try:
+            value = OmegaConf.select(cfg, path, throw_on_missing=False)
+        except Exception:  # an interpolation that does not resolve yet: checked where it is read
+            continue
+        if value is None:
+            continue
+        if isinstance(value, (DictConfig, ListConfig)):
+            raise ConfigError(f"{path}={OmegaConf.to_container(value, resolve=False)} must be a single value "
+                              f"(like its default, {default!r}), got a {'list' if isinstance(value, ListConfig) else 'dict'}")
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise ConfigError(f"{path}={value!r} must be true or false")
+
+
 def unknown_keys(cfg: DictConfig, known: Set[str]) -> List[str]:
     """Leaf keys of ``cfg`` that nothing reads (outside the open subtrees)."""
     out = []
@@ -235,6 +259,7 @@ def check_keys(cfg: DictConfig, config_name: str, overrides: Iterable[str] = (),
             shipped = load_shipped(config_name)
         except (OSError, ValueError):  # no shipped config of that name (an installed copy without examples)
             return
+    check_value_shapes(cfg, shipped)
     known = known_paths(shipped)
     known = known | set(extra_keys) if extra_keys else known
     unknown = unknown_keys(cfg, known)
