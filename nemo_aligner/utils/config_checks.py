@@ -24,7 +24,7 @@ POSITIVE_INTS = frozenset({
     "inference_micro_batch_size", "num_rollout_samples", "num_val_samples", "num_responses_per_prompt",
     "num_generations_per_prompt", "max_batch_size", "make_vocab_size_divisible_by", "batch_size",
     "max_sequence_length", "max_train_rows", "log_prob_forward_micro_batch_size", "pad_to_multiple_of",
-    "pad_length_to_multiple_of", "num_query_groups", "kv_channels",
+    "pad_length_to_multiple_of", "num_query_groups", "kv_channels", "activations_checkpoint_num_layers",
 })
 NON_NEGATIVE_INTS = frozenset({
     "critic_warmup_steps", "num_workers",
@@ -34,10 +34,11 @@ NON_NEGATIVE_INTS = frozenset({
 NON_NEGATIVE_NUMBERS = frozenset({
     "val_check_interval", "save_interval", "lr", "min_lr", "weight_decay", "gradient_clip_val", "temperature", "warmup_steps", "timeout_s",
     "hidden_dropout", "attention_dropout", "ffn_dropout", "initial_policy_kl_penalty", "reference_policy_kl_penalty",
-    "ref_policy_kl_penalty", "sft_loss_weight", "preference_loss_weight", "gt_reward_scale",
+    "ref_policy_kl_penalty", "sft_loss_weight", "preference_loss_weight", "gt_reward_scale", "constant_steps",
+    "hold_steps", "warmup_ratio",
 })
 # Any finite number (either sign).
-FINITE_NUMBERS = frozenset({"default_chosen_reward", "default_rejected_reward"})
+FINITE_NUMBERS = frozenset({"default_chosen_reward", "default_rejected_reward", "mean"})
 # Keys a run cannot do without: null is an error (elsewhere null means "the default" or "off").
 NOT_NULL = frozenset({"seed", "global_batch_size", "gt_reward_scale", "sft_loss_weight", "preference_loss_weight",
                       "prompt_template", "label_key"})
@@ -50,7 +51,7 @@ CHOICES = {
 }
 # Probabilities that must stay below 1 (a dropout of 1 zeroes every activation).
 UNIT_INTERVAL = frozenset({"hidden_dropout", "attention_dropout", "ffn_dropout"})
-POSITIVE_NUMBERS = frozenset({"eps"})
+POSITIVE_NUMBERS = frozenset({"eps", "std"})  # std: the reward model's reward_standardization.std
 # Keys NeMo-Aligner's configs carry that this project does not implement: accepted at the value that
 # means "off", an error otherwise (silently ignoring, say, a LoRA request would train every weight).
 UNSUPPORTED_UNLESS = {

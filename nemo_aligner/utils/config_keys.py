@@ -153,9 +153,12 @@ def check_value_shapes(cfg: DictConfig, shipped: DictConfig) -> None:
     ``exp_manager.create_wandb_logger`` would otherwise read as true, and a list deep in a recipe
     fails with a traceback that names no key."""
     for path, node in _paths(shipped):
-        if isinstance(node, (DictConfig, ListConfig)) or node._is_interpolation() or node._is_missing():
+        if isinstance(node, (DictConfig, ListConfig)) or node._is_missing():
             continue
-        default = node._value()
+        try:  # an interpolation's value (validation_ds.add_sep: ${model.data.train_ds.add_sep})
+            default = OmegaConf.select(shipped, path, throw_on_missing=False) if node._is_interpolation() else node._value()
+        except Exception:
+            continue
         if default is None or isinstance(default, str):
             continue  # null and text keys take several kinds of value (precision=16 or "bf16")
         try:
