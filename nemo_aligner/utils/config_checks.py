@@ -97,7 +97,9 @@ BATCH_LIMITS = frozenset({"limit_train_batches", "limit_val_batches", "limit_tes
 # Keys checked above that take one value: a list or dict there is an error, not a subtree.
 SINGLE_VALUED = (POSITIVE_INTS | NON_NEGATIVE_INTS | NON_NEGATIVE_NUMBERS | POSITIVE_NUMBERS | FINITE_NUMBERS
                  | INTS_OR_UNLIMITED | BATCH_LIMITS | STRINGS | frozenset(CHOICES) | frozenset(UNSUPPORTED_UNLESS)
-                 | {"attribute_weights"})
+                 | {"attribute_weights"}) - {"ref_policy_kl_penalty"}
+# One value or a list (SPIN's KL penalty: one per iteration, checked by its trainer).
+VALUE_OR_LIST = frozenset({"ref_policy_kl_penalty"})
 
 
 def _leaves(node, prefix: str) -> Iterator[Tuple[str, object]]:

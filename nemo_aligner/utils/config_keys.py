@@ -20,7 +20,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from nemo_aligner.utils.config_checks import REFUSED_UNLESS, check_config_values
+from nemo_aligner.utils.config_checks import REFUSED_UNLESS, VALUE_OR_LIST, check_config_values
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.model_config import ARCHITECTURE_KEYS, CHECKPOINT_UNLESS_SET
 
@@ -159,7 +159,7 @@ def check_value_shapes(cfg: DictConfig, shipped: DictConfig) -> None:
             default = OmegaConf.select(shipped, path, throw_on_missing=False) if node._is_interpolation() else node._value()
         except Exception:
             continue
-        if default is None or isinstance(default, str):
+        if default is None or isinstance(default, (str, DictConfig, ListConfig)) or path.rsplit(".", 1)[-1] in VALUE_OR_LIST:
             continue  # null and text keys take several kinds of value (precision=16 or "bf16")
         try:
             value = OmegaConf.select(cfg, path, throw_on_missing=False)
