@@ -94,12 +94,12 @@ REFUSED_UNLESS = {
 INTS_OR_UNLIMITED = frozenset({"max_steps", "max_epochs"})
 # Lightning's ``limit_*_batches``: a fraction (float <= 1.0) or a count (int; -1 or null: all).
 BATCH_LIMITS = frozenset({"limit_train_batches", "limit_val_batches", "limit_test_batches"})
+# One value or a list (SPIN's KL penalty: one per iteration, checked by its trainer).
+VALUE_OR_LIST = frozenset({"ref_policy_kl_penalty"})
 # Keys checked above that take one value: a list or dict there is an error, not a subtree.
 SINGLE_VALUED = (POSITIVE_INTS | NON_NEGATIVE_INTS | NON_NEGATIVE_NUMBERS | POSITIVE_NUMBERS | FINITE_NUMBERS
                  | INTS_OR_UNLIMITED | BATCH_LIMITS | STRINGS | frozenset(CHOICES) | frozenset(UNSUPPORTED_UNLESS)
-                 | {"attribute_weights"}) - {"ref_policy_kl_penalty"}
-# One value or a list (SPIN's KL penalty: one per iteration, checked by its trainer).
-VALUE_OR_LIST = frozenset({"ref_policy_kl_penalty"})
+                 | {"attribute_weights"}) - VALUE_OR_LIST
 
 
 def _leaves(node, prefix: str) -> Iterator[Tuple[str, object]]:
@@ -120,7 +120,8 @@ def _leaves(node, prefix: str) -> Iterator[Tuple[str, object]]:
         yield prefix, node
 
 
-def _type_name(value) -> str:
+def type_name(value) -> str:
+    """A config value's kind for a message: "a list", "a dict", or the Python type's name."""
     if isinstance(value, DictConfig):
         return "a dict"
     if isinstance(value, ListConfig):
@@ -164,19 +165,19 @@ def check_config_values(cfg: DictConfig) -> None:
             continue
         if name in POSITIVE_INTS or name in NON_NEGATIVE_INTS:
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"{path}={_shown(value)} must be an integer, got {_type_name(value)}")
+                raise ConfigError(f"{path}={shown(value)} must be an integer, got {type_name(value)}")
             if name in POSITIVE_INTS and value <= 0:
                 raise ConfigError(f"{path}={value} must be > 0")
             if name in NON_NEGATIVE_INTS and value < 0:
                 raise ConfigError(f"{path}={value} must be >= 0")
         elif name in INTS_OR_UNLIMITED:
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"{path}={_shown(value)} must be an integer (-1 or null: no limit), got "
-                                  f"{_type_name(value)}")
+                raise ConfigError(f"{path}={shown(value)} must be an integer (-1 or null: no limit), got "
+                                  f"{type_name(value)}")
         elif name in BATCH_LIMITS:
             if not _is_number(value):
-                raise ConfigError(f"{path}={_shown(value)} must be a fraction (0.0-1.0) or a batch count "
-                                  f"(-1 or null: all), got {_type_name(value)}")
+                raise ConfigError(f"{path}={shown(value)} must be a fraction (0.0-1.0) or a batch count "
+                                  f"(-1 or null: all), got {type_name(value)}")
             if isinstance(value, float) and not 0.0 <= value <= 1.0:
                 raise ConfigError(f"{path}={value} must be a fraction between 0.0 and 1.0, or an integer count")
             if name == "limit_train_batches" and value == 0:
@@ -184,7 +185,7 @@ def check_config_values(cfg: DictConfig) -> None:
                                   "or -1 / 1.0 for all")
         elif name in NON_NEGATIVE_NUMBERS or name in POSITIVE_NUMBERS or name in FINITE_NUMBERS:
             if not _is_number(value):
-                raise ConfigError(f"{path}={_shown(value)} must be a number, got {_type_name(value)}")
+                raise ConfigError(f"{path}={shown(value)} must be a number, got {type_name(value)}")
             if not math.isfinite(value):  # lr=inf or nan trains to an all-NaN model
                 raise ConfigError(f"{path}={value} must be a finite number")
             if name in FINITE_NUMBERS:
@@ -195,22 +196,22 @@ def check_config_values(cfg: DictConfig) -> None:
                 raise ConfigError(f"{path}={value} must be < 1 (a probability; 1 drops everything)")
         elif name in STRINGS:
             if not isinstance(value, str):
-                raise ConfigError(f"{path}={_shown(value)} must be text, got {_type_name(value)}")
+                raise ConfigError(f"{path}={shown(value)} must be text, got {type_name(value)}")
         elif name in CHOICES:
             if isinstance(value, (DictConfig, ListConfig)) or value not in CHOICES[name]:
-                raise ConfigError(f"{path}={_shown(value)} must be one of "
+                raise ConfigError(f"{path}={shown(value)} must be one of "
                                   f"{', '.join('null' if c is None else c for c in CHOICES[name])}")
         elif name == "attribute_weights":
             items = list(value) if isinstance(value, ListConfig) else None
             if items is None or not all(_is_number(w) and math.isfinite(w) for w in items):
-                raise ConfigError(f"{path}={_shown(value)} must be a list of numbers (one weight per attribute) "
+                raise ConfigError(f"{path}={shown(value)} must be a list of numbers (one weight per attribute) "
                                   "or null")
         elif isinstance(value, float) and math.isnan(value):  # never a setting: NaN spreads into every weight
             raise ConfigError(f"{path}=nan is not a number")
     _check_betas(cfg, "")
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
     """A config value as the user would write it on the command line."""
     if isinstance(value, (DictConfig, ListConfig)):
         return str(OmegaConf.to_container(value, resolve=False))

@@ -20,7 +20,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from nemo_aligner.utils.config_checks import REFUSED_UNLESS, VALUE_OR_LIST, check_config_values
+from nemo_aligner.utils.config_checks import REFUSED_UNLESS, VALUE_OR_LIST, check_config_values, shown, type_name
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.model_config import ARCHITECTURE_KEYS, CHECKPOINT_UNLESS_SET
 
@@ -159,8 +159,9 @@ def check_value_shapes(cfg: DictConfig, shipped: DictConfig) -> None:
             default = OmegaConf.select(shipped, path, throw_on_missing=False) if node._is_interpolation() else node._value()
         except Exception:
             continue
-        if default is None or isinstance(default, (str, DictConfig, ListConfig)) or path.rsplit(".", 1)[-1] in VALUE_OR_LIST:
-            continue  # null and text keys take several kinds of value (precision=16 or "bf16")
+        if (default is None or isinstance(default, (str, DictConfig, ListConfig))
+                or path.rsplit(".", 1)[-1] in VALUE_OR_LIST):
+            continue  # null and text keys take several kinds of value (precision=16 or "bf16"); dicts are subtrees
         try:
             value = OmegaConf.select(cfg, path, throw_on_missing=False)
         except Exception:  # an interpolation that does not resolve yet: checked where it is read
@@ -168,8 +169,8 @@ def check_value_shapes(cfg: DictConfig, shipped: DictConfig) -> None:
         if value is None:
             continue
         if isinstance(value, (DictConfig, ListConfig)):
-            raise ConfigError(f"{path}={OmegaConf.to_container(value, resolve=False)} must be a single value "
-                              f"(like its default, {default!r}), got a {'list' if isinstance(value, ListConfig) else 'dict'}")
+            raise ConfigError(f"{path}={shown(value)} must be a single value (like its default, {default!r}), "
+                              f"got {type_name(value)}")
         if isinstance(default, bool) and not isinstance(value, bool):
             raise ConfigError(f"{path}={value!r} must be true or false")
 
