@@ -307,14 +307,18 @@ def grpo_sampling(**overrides):
     return lambda: run_grpo(cfg)
 
 
-def generate_config(**overrides):
+def shipped_config_values(name, **overrides):
+    """The value checks of shipped config ``name`` (its own keys only, no defaults list) with ``overrides``."""
     from nemo_aligner.utils.config_checks import check_config_values
 
-    cfg = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "examples", "nlp", "gpt", "conf",
-                                      "gpt_generate.yaml"))
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "examples", "nlp", "gpt", "conf", f"{name}.yaml"))
     for key, value in overrides.items():
         OmegaConf.update(cfg, key, value, force_add=False)
     return lambda: check_config_values(cfg)
+
+
+def generate_config(**overrides):
+    return shipped_config_values("gpt_generate", **overrides)
 
 
 CONFIG_CASES = {
@@ -357,6 +361,23 @@ CONFIG_CASES = {
     "number-for-text": (config_values(**{"model.data.train_ds.label_key": -5}),
                         r"model\.data\.train_ds\.label_key=-5 must be text, got int"),
     "null-seed": (config_values(**{"model.seed": None}), r"model\.seed=null: this key needs a value"),
+    "null-micro-batch": (config_values(**{"model.micro_batch_size": None}),
+                         r"model\.micro_batch_size=null: this key needs a value"),
+    "list-for-a-path": (generate_config(prompts_file=[1]), r"prompts_file=\[1\] must be one path, got a list"),
+    "number-for-a-path": (config_values(**{"exp_manager.explicit_log_dir": 5}),
+                          r"exp_manager\.explicit_log_dir=5 must be one path, got int \(quote a name made of digits: "
+                          r"explicit_log_dir='5'\)"),
+    "null-clip-ratio": (shipped_config_values("gpt_ppo_actor", **{"model.ppo.ratio_eps": None}),
+                        r"model\.ppo\.ratio_eps=null: this key needs a value"),
+    "gae-lambda-above-one": (shipped_config_values("gpt_ppo_actor", **{"trainer.ppo.gae_lambda": 1.5}),
+                             r"trainer\.ppo\.gae_lambda=1\.5 must be between 0 and 1"),
+    "list-for-response-length": (shipped_config_values("gpt_grpo", **{"model.grpo.length_params.max_length": [1]}),
+                                 r"model\.grpo\.length_params\.max_length=\[1\] must be an integer, got a list"),
+    "port-out-of-range": (shipped_config_values("gpt_ppo_critic", **{"trainer.ppo.port": 70000}),
+                          r"trainer\.ppo\.port=70000 must be a TCP port, 1-65535"),
+    "zero-distillation-scale": (shipped_config_values("gpt_knowledge_distillation",
+                                                      **{"model.knowledge_distillation.logits_scale": 0.0}),
+                                r"model\.knowledge_distillation\.logits_scale=0\.0 must be > 0"),
     "null-prompt-template": (config_values(**{"model.data.train_ds.prompt_template": None}),
                              r"model\.data\.train_ds\.prompt_template=null: this key needs a value"),
     "nan-anywhere": (config_values(**{"model.init_method_std": float("nan")}),

@@ -25,25 +25,33 @@ POSITIVE_INTS = frozenset({
     "num_generations_per_prompt", "max_batch_size", "make_vocab_size_divisible_by", "batch_size",
     "max_sequence_length", "max_train_rows", "log_prob_forward_micro_batch_size", "pad_to_multiple_of",
     "pad_length_to_multiple_of", "num_query_groups", "kv_channels", "activations_checkpoint_num_layers",
+    "max_length", "max_rollout_turns", "num_rollouts_per_prompt", "top_n_rollouts", "num_attributes",
+    "max_iterations", "dist_timeout_minutes",
 })
 NON_NEGATIVE_INTS = frozenset({
     "critic_warmup_steps", "num_workers",
     "max_consecutive_nonfinite_steps", "min_length", "top_k", "max_retries", "tokens_to_generate",
-    "min_tokens_to_generate", "seed",
+    "min_tokens_to_generate", "seed", "max_queue_delay_microseconds",
 })
 NON_NEGATIVE_NUMBERS = frozenset({
     "val_check_interval", "save_interval", "lr", "min_lr", "weight_decay", "gradient_clip_val", "temperature", "warmup_steps", "timeout_s",
     "hidden_dropout", "attention_dropout", "ffn_dropout", "initial_policy_kl_penalty", "reference_policy_kl_penalty",
     "ref_policy_kl_penalty", "sft_loss_weight", "preference_loss_weight", "gt_reward_scale", "constant_steps",
-    "hold_steps", "warmup_ratio",
+    "hold_steps", "warmup_ratio", "entropy_bonus", "ratio_eps", "discount_factor", "gae_lambda",
+    "desirable_loss_weight", "undesirable_loss_weight", "kd_loss_weight", "loss_clip_val", "wait_for_server_s",
+    "shutdown_idle_s",
 })
 # Any finite number (either sign).
 FINITE_NUMBERS = frozenset({"default_chosen_reward", "default_rejected_reward", "mean"})
 # Keys a run cannot do without: null is an error (elsewhere null means "the default" or "off").
-NOT_NULL = frozenset({"seed", "global_batch_size", "gt_reward_scale", "sft_loss_weight", "preference_loss_weight",
-                      "prompt_template", "label_key"})
+NOT_NULL = frozenset({"seed", "global_batch_size", "micro_batch_size", "gt_reward_scale", "sft_loss_weight", "preference_loss_weight",
+                      "prompt_template", "label_key", "ratio_eps", "discount_factor", "gae_lambda", "max_length",
+                      "num_rollouts_per_prompt", "top_n_rollouts", "desirable_loss_weight", "undesirable_loss_weight",
+                      "kd_loss_weight", "target_logits_scale", "logits_scale", "loss_clip_val", "shutdown_idle_s"})
 # Text values (record field names, templates).
 STRINGS = frozenset({"prompt_template", "label_key", "truncation_field"})
+# One path each (a list or a number there would reach os.path as a list or a file descriptor).
+PATHS = frozenset({"prompts_file", "output_file", "gpt_model_file", "explicit_log_dir", "restore_from_path"})
 # One of a few values (null: off).
 CHOICES = {
     "activations_checkpoint_granularity": ("full", "selective", None),
@@ -51,7 +59,12 @@ CHOICES = {
 }
 # Probabilities that must stay below 1 (a dropout of 1 zeroes every activation).
 UNIT_INTERVAL = frozenset({"hidden_dropout", "attention_dropout", "ffn_dropout"})
-POSITIVE_NUMBERS = frozenset({"eps", "std"})  # std: the reward model's reward_standardization.std
+# At most 1: GAE's discount (gamma) and lambda.
+AT_MOST_ONE = frozenset({"discount_factor", "gae_lambda"})
+# std: the reward model's reward_standardization.std; the scales divide knowledge distillation's logits.
+POSITIVE_NUMBERS = frozenset({"eps", "std", "target_logits_scale", "logits_scale"})
+# TCP ports (null: not served / chosen freely).
+PORTS = frozenset({"port", "grpc_port", "metrics_port"})
 # Keys NeMo-Aligner's configs carry that this project does not implement: accepted at the value that
 # means "off", an error otherwise (silently ignoring, say, a LoRA request would train every weight).
 UNSUPPORTED_UNLESS = {
@@ -98,7 +111,7 @@ BATCH_LIMITS = frozenset({"limit_train_batches", "limit_val_batches", "limit_tes
 VALUE_OR_LIST = frozenset({"ref_policy_kl_penalty"})
 # Keys checked above that take one value: a list or dict there is an error, not a subtree.
 SINGLE_VALUED = (POSITIVE_INTS | NON_NEGATIVE_INTS | NON_NEGATIVE_NUMBERS | POSITIVE_NUMBERS | FINITE_NUMBERS
-                 | INTS_OR_UNLIMITED | BATCH_LIMITS | STRINGS | frozenset(CHOICES) | frozenset(UNSUPPORTED_UNLESS)
+                 | INTS_OR_UNLIMITED | BATCH_LIMITS | STRINGS | PATHS | PORTS | frozenset(CHOICES) | frozenset(UNSUPPORTED_UNLESS)
                  | {"attribute_weights"}) - VALUE_OR_LIST
 
 
@@ -160,7 +173,8 @@ def check_config_values(cfg: DictConfig) -> None:
                                   f"{allowed[0]!r}, i.e. off)")
             continue
         if value is None:
-            if name in NOT_NULL and not (name == "global_batch_size" and "inference" in cfg):
+            # inference_rm.yaml: a null batch size there means "from inference.*" (or NeMo's calculator off)
+            if name in NOT_NULL and not (name in ("global_batch_size", "micro_batch_size") and "inference" in cfg):
                 raise ConfigError(f"{path}=null: this key needs a value")
             continue
         if name in POSITIVE_INTS or name in NON_NEGATIVE_INTS:
@@ -194,9 +208,19 @@ def check_config_values(cfg: DictConfig) -> None:
                 raise ConfigError(f"{path}={value} must be {'> 0' if name in POSITIVE_NUMBERS else '>= 0'}")
             if name in UNIT_INTERVAL and value >= 1:
                 raise ConfigError(f"{path}={value} must be < 1 (a probability; 1 drops everything)")
+            if name in AT_MOST_ONE and value > 1:
+                raise ConfigError(f"{path}={value} must be between 0 and 1")
+        elif name in PORTS:
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+                raise ConfigError(f"{path}={shown(value)} must be a TCP port, 1-65535")
         elif name in STRINGS:
             if not isinstance(value, str):
                 raise ConfigError(f"{path}={shown(value)} must be text, got {type_name(value)}")
+        elif name in PATHS:
+            if not isinstance(value, str):
+                raise ConfigError(f"{path}={shown(value)} must be one path, got {type_name(value)} (quote a name "
+                                  f"made of digits: {name}='{value}')" if _is_number(value) else
+                                  f"{path}={shown(value)} must be one path, got {type_name(value)}")
         elif name in CHOICES:
             if isinstance(value, (DictConfig, ListConfig)) or value not in CHOICES[name]:
                 raise ConfigError(f"{path}={shown(value)} must be one of "

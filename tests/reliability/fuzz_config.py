@@ -1,10 +1,10 @@
-"""Config fuzzing: run the SFT, DPO and reward-model scripts with one hostile value per run (text
+"""Config fuzzing: run the training and generation scripts with one hostile value per run (text
 for a number, -1, NaN, 1e18, null, a list or a dict where one value belongs, ...) for keys drawn
 at random from their shipped configs, on the built-in data and a tiny model, and report every run
 that ended in a traceback or a hang instead of a one-line refusal or a finished run.
 
     python tests/reliability/fuzz_config.py                     # 200 runs, seed 0 (~15 min on 2 cores)
-    python tests/reliability/fuzz_config.py --runs 50 --seed 3 --targets dpo rm
+    python tests/reliability/fuzz_config.py --runs 50 --seed 3 --targets dpo rm grpo
 
 Prints each traceback's key, value and last lines, then the count of each outcome (``refused``:
 exit 1 with one error line; ``accepted``: the run finished; ``TRACEBACK``; ``timeout``), and writes
@@ -45,7 +45,13 @@ def run(cmd, work, timeout_s):
 
 
 class Targets:
-    """The base command of each script: 2 steps on the built-in data (DPO and RM from a tiny SFT model)."""
+    """The base command of each script: 2 steps on the built-in data (all but SFT from a tiny SFT model)."""
+
+    CONFIGS = {"sft": ("train_gpt_sft.py", "gpt_sft"), "dpo": ("train_gpt_dpo.py", "gpt_dpo"),
+               "rm": ("train_reward_model.py", "training_rm"), "kto": ("train_gpt_kto.py", "gpt_kto"),
+               "spin": ("train_gpt_spin.py", "gpt_spin"), "steerlm": ("train_steerlm_model.py", "gpt_steerlm"),
+               "grpo": ("train_gpt_grpo.py", "gpt_grpo"), "reinforce": ("train_gpt_reinforce_actor.py", "gpt_reinforce_actor"),
+               "rs": ("train_gpt_rs_actor.py", "gpt_rs_actor"), "generate": ("generate_gpt.py", "gpt_generate")}
 
     def __init__(self, work: str, timeout_s: float):
         self.work, self.timeout_s = work, timeout_s
@@ -55,23 +61,46 @@ class Targets:
         if rc != 0:
             raise SystemExit(f"the base SFT run failed:\n{out[-3000:]}")
 
-    CONFIGS = {"sft": ("train_gpt_sft.py", "gpt_sft"), "dpo": ("train_gpt_dpo.py", "gpt_dpo"),
-               "rm": ("train_reward_model.py", "training_rm")}
-
     def command(self, target: str, log_dir: str) -> list:
-        d = self.data
+        d, nemo = self.data, self.sft_nemo
         script = os.path.join(SCRIPTS, self.CONFIGS[target][0])
+        if target == "generate":
+            return [sys.executable, script, f"gpt_model_file={nemo}", f"prompts_file={d['prompts_val']}",
+                    f"output_file={os.path.join(log_dir, 'out.jsonl')}", "inference.tokens_to_generate=4",
+                    "batch_size=8"]
         common = [f"exp_manager.explicit_log_dir={log_dir}", "exp_manager.resume_if_exists=False"]
-        if target == "sft":
-            return [sys.executable, script, f"model.data.train_ds.file_path={d['sft_train']}",
-                    f"model.data.validation_ds.file_path={d['sft_val']}", "trainer.sft.max_steps=2",
-                    "trainer.sft.val_check_interval=2", "trainer.sft.limit_val_batches=1"] + common
-        split = {"dpo": ("dpo_train", "dpo_val"), "rm": ("rm_train", "rm_val")}[target]
+        section = "sft" if target == "steerlm" else target
+        steps = [f"trainer.{section}.max_steps=2", f"trainer.{section}.val_check_interval=2"]
+        if target not in ("grpo", "reinforce", "rs"):  # these validate on num_val_samples prompts
+            steps.append(f"trainer.{section}.limit_val_batches=1")
+        if target in ("sft", "spin", "steerlm"):
+            files = {"sft": ("sft_train", "sft_val"), "spin": ("sft_train", "sft_val"),
+                     "steerlm": ("steerlm_train", "steerlm_val")}[target]
+            base = [f"model.data.train_ds.file_path={d[files[0]]}", f"model.data.validation_ds.file_path={d[files[1]]}"]
+            if target == "sft":
+                return [sys.executable, script] + base + steps + common
+            if target == "steerlm":
+                return [sys.executable, script, f"model.restore_from_path={nemo}"] + base + steps + common
+            return [sys.executable, script, f"pretrained_checkpoint.restore_from_path={nemo}"] + base + steps + [
+                "trainer.spin.max_iterations=1", "model.global_batch_size=8", "model.micro_batch_size=4",
+                "model.spin.rollout_micro_batch_size=8", "model.spin.length_params.max_length=4"] + common
+        split = {"dpo": ("dpo_train", "dpo_val"), "rm": ("rm_train", "rm_val"),
+                 "kto": ("kto_train", "kto_val")}.get(target, ("prompts_train", "prompts_val"))
         prefix = f"{{train: [{d[split[0]]}], validation: [{d[split[1]]}], test: [{d[split[1]]}]}}"
-        return [sys.executable, script, f"pretrained_checkpoint.restore_from_path={self.sft_nemo}",
-                f"++model.data.data_prefix={prefix}", f"trainer.{target}.max_steps=2",
-                f"trainer.{target}.val_check_interval=2", f"trainer.{target}.limit_val_batches=1",
-                "model.global_batch_size=4", "model.micro_batch_size=1"] + common
+        base = [sys.executable, script, f"pretrained_checkpoint.restore_from_path={nemo}",
+                f"++model.data.data_prefix={prefix}"] + steps + common
+        if target in ("dpo", "rm", "kto"):
+            return base + ["model.global_batch_size=4", "model.micro_batch_size=1"]
+        rollout = {"grpo": ["model.grpo.num_rollout_samples=4", "model.grpo.num_responses_per_prompt=2",
+                            "model.grpo.num_val_samples=4"],
+                   "reinforce": ["model.reinforce.num_rollout_samples=4", "model.reinforce.num_responses_per_prompt=2",
+                                 "model.reinforce.rollout_micro_batch_size=4", "model.reinforce.num_val_samples=4"],
+                   "rs": ["model.rs.num_rollout_samples=4", "model.rs.num_rollouts_per_prompt=2",
+                          "model.rs.top_n_rollouts=1", "model.rs.rollout_micro_batch_size=4",
+                          "model.rs.num_val_samples=4"]}[target]
+        return base + rollout + ["reward_fn=nemo_aligner.data.nlp.builtin_task:reward",
+                                 f"model.{target}.length_params.max_length=4", "model.global_batch_size=4",
+                                 "model.micro_batch_size=2"]
 
 
 def leaves(cfg) -> list:
@@ -114,6 +143,10 @@ def main(argv=None) -> int:
 
     work = tempfile.mkdtemp(prefix="fuzz_config_")
     targets = Targets(work, args.timeout_s)
+    for target in args.targets:  # a base command that fails would make every one of its runs look "refused"
+        rc, out = run(targets.command(target, os.path.join(work, "base", target)), work, args.timeout_s)
+        if rc != 0:
+            raise SystemExit(f"the base {target} run failed:\n{out[-3000:]}")
     cases = []
     for target in args.targets:
         shipped = OmegaConf.load(os.path.join(SCRIPTS, "conf", Targets.CONFIGS[target][1] + ".yaml"))
