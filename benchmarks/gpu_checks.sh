@@ -83,7 +83,7 @@ for s in $STAGES; do
       transformers.__version__); print(torch.cuda.get_device_name())'; $PY -c 'import pytriton; print(\"pytriton ok\")'" ;;
     tests) stage tests 60 150 $PYTEST -n 4 tests/test_generation.py tests/test_weight_swap.py tests/test_te_spec.py \
       tests/test_precision.py tests/test_checkpoints.py tests/test_critic_server.py ;;
-    learning) stage learning 120 330 $PYTEST -n 6 -m learning -rA tests/test_sft.py tests/test_ppo.py tests/test_steerlm2.py ;;
+    learning) stage learning 120 330 $PYTEST -n 9 -m learning -rA tests/test_sft.py tests/test_ppo.py tests/test_steerlm2.py ;;
     generation) stage generation 60 180 $PY benchmarks/bench_generation.py --shapes small medium --rounds 3 \
       --cuda-graphs --hf-static-compile ;;
     sft) stage sft 60 150 $PY benchmarks/bench_sft.py --shapes large --batch 16 --seq 1024 --rounds 3 ;;
