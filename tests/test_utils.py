@@ -107,6 +107,21 @@ def test_cosine_schedule_matches_nemo_shape():
     assert constant.get_lr({"lr_mult": 1.0}) == 0.5
 
 
+def test_optimizer_config_reads_nemos_keys_and_null_means_the_default():
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.utils.optim import optimizer_config
+
+    given = optimizer_config(OmegaConf.create({"name": "distributed_fused_adam", "lr": 3e-4, "betas": [0.8, 0.9],
+                                               "eps": 1e-5, "weight_decay": 0.1, "initial_loss_scale": 1024}),
+                             torch.float32, clip_grad=1.0)
+    assert (given.lr, given.adam_beta1, given.adam_beta2, given.adam_eps, given.weight_decay, given.initial_loss_scale,
+            given.use_distributed_optimizer, given.clip_grad) == (3e-4, 0.8, 0.9, 1e-5, 0.1, 1024.0, True, 1.0)
+    nulls = optimizer_config(OmegaConf.create({"lr": 1e-4, "eps": None, "initial_loss_scale": None, "weight_decay": None}),
+                             torch.float32, clip_grad=0.0)
+    assert (nulls.adam_eps, nulls.initial_loss_scale, nulls.weight_decay) == (1e-8, 2.0**16, 0.0)
+
+
 def test_byte_tokenizer_round_trip():
     tok = ByteTokenizer()
     ids = tok.text_to_ids("héllo<eos>")

@@ -41,6 +41,11 @@ def optim_lr(optim_cfg, warn: bool = False) -> float:
     return float(lr)
 
 
+def _or_default(value, default: float) -> float:
+    """A number key's value, null meaning its default (0 stays 0: the value checks refuse it where it is wrong)."""
+    return default if value is None else float(value)
+
+
 def optimizer_config(optim_cfg, dtype: torch.dtype, clip_grad: float):
     """megatron-core ``OptimizerConfig`` from ``model.optim`` (name, lr, weight_decay, betas, eps)."""
     from megatron.core.optimizer import OptimizerConfig
@@ -59,13 +64,13 @@ def optimizer_config(optim_cfg, dtype: torch.dtype, clip_grad: float):
         weight_decay=float(optim_cfg.get("weight_decay", 0.0) or 0.0),
         adam_beta1=float(betas[0]),
         adam_beta2=float(betas[1]),
-        adam_eps=float(optim_cfg.get("eps", 1e-8)),
+        adam_eps=_or_default(optim_cfg.get("eps"), 1e-8),
         sgd_momentum=float(optim_cfg.get("momentum", 0.0) or 0.0),  # torch's SGD default, as NeMo's `name: sgd`
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         params_dtype=dtype,
         loss_scale=None,
-        initial_loss_scale=float(optim_cfg.get("initial_loss_scale", 2**16)),
+        initial_loss_scale=_or_default(optim_cfg.get("initial_loss_scale"), 2.0**16),
         use_distributed_optimizer=name in _DISTRIBUTED_NAMES,
         clip_grad=float(clip_grad or 0.0),
     )

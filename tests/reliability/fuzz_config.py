@@ -61,6 +61,13 @@ class Targets:
         if rc != 0:
             raise SystemExit(f"the base SFT run failed:\n{out[-3000:]}")
 
+    def check_bases(self, targets) -> None:
+        """Run each target's base command: one that fails would make every fuzzed run look "refused"."""
+        for target in targets:
+            rc, out = run(self.command(target, os.path.join(self.work, "base", target)), self.work, self.timeout_s)
+            if rc != 0:
+                raise SystemExit(f"the base {target} run failed:\n{out[-3000:]}")
+
     def command(self, target: str, log_dir: str) -> list:
         d, nemo = self.data, self.sft_nemo
         script = os.path.join(SCRIPTS, self.CONFIGS[target][0])
@@ -103,6 +110,53 @@ class Targets:
                                  "model.micro_batch_size=2"]
 
 
+def arguments(doc: str, runs: int, targets: list) -> argparse.ArgumentParser:
+    """The fuzzers' command line: --runs, --seed, --targets, --workers, --timeout-s, --json."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=runs)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--targets", nargs="+", default=targets, choices=targets)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--timeout-s", type=float, default=300)
+    parser.add_argument("--json", help="write every run's outcome here")
+    return parser
+
+
+def prepared(args, prefix: str):
+    """A fresh work directory and the Targets in it (built-in data, the base SFT model), each of
+    ``args.targets``' base commands checked."""
+    work = tempfile.mkdtemp(prefix=prefix)
+    targets = Targets(work, args.timeout_s)
+    targets.check_bases(args.targets)
+    return work, targets
+
+
+def outcome(rc, out: str) -> dict:
+    """One run's verdict (refused, accepted, TRACEBACK, timeout) and its last output lines."""
+    lines = [line for line in out.strip().splitlines() if line.strip()]
+    traceback = "Traceback (most recent call last)" in out
+    verdict = "timeout" if rc == "timeout" else "accepted" if rc == 0 else "TRACEBACK" if traceback else "refused"
+    return {"verdict": verdict, "last_lines": lines[-12:] if verdict in ("TRACEBACK", "timeout") else lines[-1:]}
+
+
+def run_all(cases, one, workers: int, json_path, title) -> int:
+    """``one(case)`` for every case on ``workers`` threads; prints each traceback or hang (``title(result)``
+    names it), then the count of each outcome; writes them all to ``json_path``. Exit status 1 if any
+    run ended in a traceback or a hang."""
+    results = []
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        for result in pool.map(one, cases):
+            results.append(result)
+            if result["verdict"] in ("TRACEBACK", "timeout"):
+                print(f"== {result['verdict']}: {title(result)}\n" + "\n".join(result["last_lines"]) + "\n", flush=True)
+    counts = Counter(r["verdict"] for r in results)
+    print(", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1)
+    return 1 if counts["TRACEBACK"] or counts["timeout"] else 0
+
+
 def leaves(cfg) -> list:
     """``(dotted path, shipped value)`` of every leaf (interpolations unresolved)."""
     out = []
@@ -132,21 +186,8 @@ def hostile_values(default) -> list:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--targets", nargs="+", default=list(Targets.CONFIGS), choices=list(Targets.CONFIGS))
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--timeout-s", type=float, default=300)
-    parser.add_argument("--json", help="write every run's outcome here")
-    args = parser.parse_args(argv)
-
-    work = tempfile.mkdtemp(prefix="fuzz_config_")
-    targets = Targets(work, args.timeout_s)
-    for target in args.targets:  # a base command that fails would make every one of its runs look "refused"
-        rc, out = run(targets.command(target, os.path.join(work, "base", target)), work, args.timeout_s)
-        if rc != 0:
-            raise SystemExit(f"the base {target} run failed:\n{out[-3000:]}")
+    args = arguments(__doc__, 200, list(Targets.CONFIGS)).parse_args(argv)
+    work, targets = prepared(args, "fuzz_config_")
     cases = []
     for target in args.targets:
         shipped = OmegaConf.load(os.path.join(SCRIPTS, "conf", Targets.CONFIGS[target][1] + ".yaml"))
@@ -160,26 +201,9 @@ def main(argv=None) -> int:
         i, (target, key, value) = case
         rc, out = run(targets.command(target, os.path.join(work, "runs", str(i))) + [f"++{key}={value}"], work,
                       args.timeout_s)
-        lines = [line for line in out.strip().splitlines() if line.strip()]
-        traceback = "Traceback (most recent call last)" in out
-        verdict = "timeout" if rc == "timeout" else "accepted" if rc == 0 else "TRACEBACK" if traceback else "refused"
-        return {"target": target, "key": key, "value": value, "verdict": verdict,
-                "last_lines": lines[-12:] if verdict in ("TRACEBACK", "timeout") else lines[-1:]}
+        return {"target": target, "key": key, "value": value, **outcome(rc, out)}
 
-    results = []
-    with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
-        for result in pool.map(one, cases):
-            results.append(result)
-            if result["verdict"] in ("TRACEBACK", "timeout"):
-                print(f"== {result['verdict']}: {result['target']} {result['key']}={result['value']}\n"
-                      + "\n".join(result["last_lines"]) + "\n", flush=True)
-    counts = Counter(r["verdict"] for r in results)
-    print(", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=1)
-    return 1 if counts["TRACEBACK"] or counts["timeout"] else 0
-
+    return run_all(cases, one, args.workers, args.json, lambda r: f"{r['target']} {r['key']}={r['value']}")
 
 if __name__ == "__main__":
     sys.exit(main())
