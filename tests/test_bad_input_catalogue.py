@@ -307,18 +307,29 @@ def grpo_sampling(**overrides):
     return lambda: run_grpo(cfg)
 
 
-def shipped_config_values(name, **overrides):
-    """The value checks of shipped config ``name`` (its own keys only, no defaults list) with ``overrides``."""
-    from nemo_aligner.utils.config_checks import check_config_values
-
+def shipped_config(name, **overrides):
+    """Shipped config ``name`` (its own keys only, no defaults list) with ``overrides`` (values replaced,
+    not merged)."""
     cfg = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "examples", "nlp", "gpt", "conf", f"{name}.yaml"))
     for key, value in overrides.items():
-        OmegaConf.update(cfg, key, value, force_add=False)
-    return lambda: check_config_values(cfg)
+        OmegaConf.update(cfg, key, value, merge=False, force_add=False)
+    return cfg
+
+
+def shipped_config_values(name, **overrides):
+    from nemo_aligner.utils.config_checks import check_config_values
+
+    return lambda: check_config_values(shipped_config(name, **overrides))
 
 
 def generate_config(**overrides):
     return shipped_config_values("gpt_generate", **overrides)
+
+
+def generate_prompts(**overrides):
+    from nemo_aligner.recipes.generate import read_prompts
+
+    return lambda: read_prompts(shipped_config("gpt_generate", **overrides))
 
 
 CONFIG_CASES = {
@@ -339,6 +350,10 @@ CONFIG_CASES = {
     "generate-negative-tokens": (generate_config(**{"inference.tokens_to_generate": -1}),
                                  r"inference\.tokens_to_generate=-1 must be >= 0"),
     "generate-zero-batch": (generate_config(batch_size=0), r"batch_size=0 must be > 0"),
+    "generate-list-for-a-prompt": (generate_prompts(prompts=[[1], "fine"]),
+                                   r"prompts\[0\]=\[1\] must be text \(prompts: a list of strings\)"),
+    "dict-for-end-strings": (shipped_config_values("gpt_grpo", **{"model.grpo.sampling_params.end_strings": {"x": 1}}),
+                             r"model\.grpo\.sampling_params\.end_strings=\{'x': 1\} must be a list of strings"),
     "dpo-beta-zero": (dpo_beta(0.0, "ipo"), r"model\.dpo\.ref_policy_kl_penalty=0\.0 \(beta\) must be > 0"),
     "dpo-beta-negative": (dpo_beta(-0.1), r"model\.dpo\.ref_policy_kl_penalty=-0\.1 \(beta\) must be > 0"),
     "grpo-greedy-rollouts": (grpo_sampling(**{"model.grpo.sampling_params.use_greedy": True}),

@@ -279,6 +279,9 @@ def test_sampling_settings():
     assert (sample(logits, zero, g) == 0).all()
     unset = SamplingParams.from_cfg(OmegaConf.create({"temperature": None, "top_p": None}))
     assert (unset.temperature, unset.top_p) == (1.0, 1.0)
+    # One end string given without brackets is one end string, not one per character.
+    assert SamplingParams.from_cfg(OmegaConf.create({"end_strings": "<eos>"})).end_strings == ["<eos>"]
+    assert SamplingParams.from_cfg(OmegaConf.create({"end_strings": ["a", 7]})).end_strings == ["a", "7"]
 
 
 def test_tp2_and_pp2_generate_like_one_process(tmp_path, base_nemo):

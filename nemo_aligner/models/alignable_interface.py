@@ -11,6 +11,14 @@ import torch
 
 
 
+def string_list(value) -> List[str]:
+    """A config list of strings; one string is a list of one (``end_strings='<|endoftext|>'``), not
+    one per character."""
+    if value is None:
+        return []
+    return [str(value)] if isinstance(value, str) else [str(s) for s in value]
+
+
 @dataclass
 class SamplingParams:
     """NeMo's ``sampling_params``: greedy or temperature/top-k/top-p sampling, and end strings."""
@@ -32,7 +40,7 @@ class SamplingParams:
         return cls(
             use_greedy=bool(cfg.get("use_greedy", False)), temperature=float(value("temperature", 1.0)),
             top_k=int(value("top_k", 0)), top_p=float(value("top_p", 1.0)),
-            end_strings=[str(s) for s in (cfg.get("end_strings") or [])])
+            end_strings=string_list(cfg.get("end_strings")))
 
 
 @dataclass

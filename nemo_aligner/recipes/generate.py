@@ -15,6 +15,7 @@ from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
 from nemo_aligner.models.nlp.gpt.loading import load_model
 from nemo_aligner.utils.distributed import is_global_rank_zero
 from nemo_aligner.utils.errors import ConfigError, DataError
+from nemo_aligner.models.alignable_interface import string_list
 from nemo_aligner.models.nlp.gpt.generation import LengthParams, SamplingParams
 from nemo_aligner.utils.run_setup import init_run
 from nemo_aligner.models.nlp.gpt.text_generation import generate_texts, sentence_logprobs
@@ -54,6 +55,9 @@ def read_prompts(cfg: DictConfig) -> List[Tuple[str, Optional[str]]]:
     given = cfg.get("prompts") or []
     if isinstance(given, str):  # prompts='one prompt': one prompt, not one per character
         given = [given]
+    for i, p in enumerate(given):
+        if not isinstance(p, (str, int, float)) or isinstance(p, bool):
+            raise ConfigError(f"prompts[{i}]={p!r} must be text (prompts: a list of strings)")
     prompts = [(str(p), default) for p in given]
     if cfg.get("prompts_file"):
         for record in read_jsonl(cfg.prompts_file):
@@ -142,7 +146,7 @@ def run_generate(cfg: DictConfig) -> List[dict]:
                   for p, attrs in prompts]
     sampling = SamplingParams(use_greedy=bool(inf.greedy), temperature=float(inf.temperature), top_k=int(inf.top_k),
                               top_p=float(inf.top_p),
-                              end_strings=[unescape(str(s)) for s in inf.get("end_strings") or []])
+                              end_strings=[unescape(s) for s in string_list(inf.get("end_strings"))])
     length = LengthParams(max_length=int(inf.tokens_to_generate), min_length=int(inf.min_tokens_to_generate))
     responses = generate_texts(model, prompts_in, sampling, length, seed=inf.get("seed"),
                                batch_size=int(cfg.get("batch_size", 16)))

@@ -232,7 +232,7 @@ def check_config_values(cfg: DictConfig) -> None:
                                   "or null")
         elif isinstance(value, float) and math.isnan(value):  # never a setting: NaN spreads into every weight
             raise ConfigError(f"{path}=nan is not a number")
-    _check_betas(cfg, "")
+    _check_lists(cfg, "")
 
 
 def shown(value) -> str:
@@ -242,8 +242,10 @@ def shown(value) -> str:
     return repr(value)
 
 
-def _check_betas(node, prefix: str) -> None:
-    """``*.optim.betas``: two finite numbers in [0, 1) (Adam's moment decay rates)."""
+def _check_lists(node, prefix: str) -> None:
+    """The list-valued keys: ``*.optim.betas``, two finite numbers in [0, 1) (Adam's moment decay
+    rates); ``end_strings``, a list of strings (one string: a list of one; a dict or a list of lists
+    is an error, where iterating it would make an end string of each key or character)."""
     if not isinstance(node, DictConfig):
         return
     for key in node.keys():
@@ -257,10 +259,14 @@ def _check_betas(node, prefix: str) -> None:
             if (items is None or len(items) != 2 or
                     not all(isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b) and 0 <= b < 1
                             for b in items)):
-                shown = list(items) if items is not None else value
-                raise ConfigError(f"{path}={shown!r} must be two numbers in [0, 1), e.g. [0.9, 0.98]")
+                given = list(items) if items is not None else value
+                raise ConfigError(f"{path}={given!r} must be two numbers in [0, 1), e.g. [0.9, 0.98]")
+        elif key == "end_strings" and value is not None and not isinstance(value, str):
+            if not isinstance(value, ListConfig) or any(isinstance(v, (DictConfig, ListConfig)) or v is None
+                                                        for v in value):
+                raise ConfigError(f"{path}={shown(value)} must be a list of strings, e.g. ['<extra_id_1>']")
         else:
-            _check_betas(value, path)
+            _check_lists(value, path)
 
 
 
