@@ -350,6 +350,8 @@ CONFIG_CASES = {
     "generate-negative-tokens": (generate_config(**{"inference.tokens_to_generate": -1}),
                                  r"inference\.tokens_to_generate=-1 must be >= 0"),
     "generate-zero-batch": (generate_config(batch_size=0), r"batch_size=0 must be > 0"),
+    "generate-text-for-top-p": (generate_config(**{"inference.top_p": "abc"}),
+                                r"inference\.top_p='abc' must be a number, got str"),
     "generate-list-for-a-prompt": (generate_prompts(prompts=[[1], "fine"]),
                                    r"prompts\[0\]=\[1\] must be text \(prompts: a list of strings\)"),
     "dict-for-end-strings": (shipped_config_values("gpt_grpo", **{"model.grpo.sampling_params.end_strings": {"x": 1}}),

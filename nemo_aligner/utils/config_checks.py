@@ -39,7 +39,7 @@ NON_NEGATIVE_NUMBERS = frozenset({
     "ref_policy_kl_penalty", "sft_loss_weight", "preference_loss_weight", "gt_reward_scale", "constant_steps",
     "hold_steps", "warmup_ratio", "entropy_bonus", "ratio_eps", "discount_factor", "gae_lambda",
     "desirable_loss_weight", "undesirable_loss_weight", "kd_loss_weight", "loss_clip_val", "wait_for_server_s",
-    "shutdown_idle_s",
+    "shutdown_idle_s", "top_p",
 })
 # Any finite number (either sign).
 FINITE_NUMBERS = frozenset({"default_chosen_reward", "default_rejected_reward", "mean"})
@@ -59,8 +59,8 @@ CHOICES = {
 }
 # Probabilities that must stay below 1 (a dropout of 1 zeroes every activation).
 UNIT_INTERVAL = frozenset({"hidden_dropout", "attention_dropout", "ffn_dropout"})
-# At most 1: GAE's discount (gamma) and lambda.
-AT_MOST_ONE = frozenset({"discount_factor", "gae_lambda"})
+# At most 1: GAE's discount (gamma) and lambda, nucleus sampling's probability mass.
+AT_MOST_ONE = frozenset({"discount_factor", "gae_lambda", "top_p"})
 # std: the reward model's reward_standardization.std; the scales divide knowledge distillation's logits.
 POSITIVE_NUMBERS = frozenset({"eps", "std", "target_logits_scale", "logits_scale"})
 # TCP ports (null: not served / chosen freely).
