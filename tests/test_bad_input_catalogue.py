@@ -582,3 +582,38 @@ def test_the_catalogue_doc_is_generated_from_the_tests():
     generated = subprocess.run([sys.executable, script], capture_output=True, text=True, check=True).stdout
     with open(os.path.join(os.path.dirname(__file__), "..", "docs", "reliability_catalogue.md"), encoding="utf-8") as f:
         assert f.read() == generated, "docs/reliability_catalogue.md is stale: python tests/reliability/catalogue.py --write"
+
+
+@pytest.mark.parametrize("damage", ["missing", "empty", "garbage", "cut"])
+def test_nemo_with_a_damaged_checkpoint_index(workdir, saved_nemo, damage):
+    """model_weights/.metadata (torch's checkpoint index, a pickle) missing, empty, overwritten or cut short."""
+    import io
+
+    from nemo_aligner.utils import nemo_file
+    from nemo_aligner.utils.checkpoint_io import checkpoint_shapes
+
+    broken = repack(saved_nemo, workdir / "damaged.nemo", drop="model_weights/.metadata")
+    if damage != "missing":
+        with tarfile.open(saved_nemo) as tar:
+            good = tar.extractfile("./model_weights/.metadata").read()
+        data = {"empty": b"", "garbage": os.urandom(len(good)), "cut": good[: len(good) // 2]}[damage]
+        with tarfile.open(broken, "a") as tar:
+            info = tarfile.TarInfo("./model_weights/.metadata")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with nemo_file.extracted(broken) as directory:
+        check(workdir, CheckpointError, r"model\.restore_from_path=.*damaged\.nemo .*model_weights: its index "
+                                        r"\(\.metadata\) cannot be read \(.+\); the checkpoint is damaged or incomplete",
+              lambda: checkpoint_shapes(nemo_file.weights_dir(directory), f"model.restore_from_path={broken}"))
+
+
+def test_checkpoint_with_a_damaged_common_file(workdir, saved_nemo):
+    from nemo_aligner.utils import nemo_file
+    from nemo_aligner.utils.checkpoint_io import load_common
+
+    with nemo_file.extracted(saved_nemo) as directory:
+        weights = nemo_file.weights_dir(directory)
+        with open(os.path.join(weights, "common.pt"), "wb") as f:
+            f.write(os.urandom(512))
+        check(workdir, CheckpointError, r"checkpoint .*model_weights: common\.pt cannot be read \(.+\); the checkpoint "
+                                        r"is damaged or incomplete", lambda: load_common(weights))

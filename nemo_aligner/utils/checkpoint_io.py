@@ -163,12 +163,12 @@ def non_finite_tensor(module: torch.nn.Module) -> Optional[str]:
     return found
 
 
-def checkpoint_shapes(directory: str) -> Dict[str, Tuple[int, ...]]:
+def checkpoint_shapes(directory: str, what: str = "checkpoint") -> Dict[str, Tuple[int, ...]]:
     """Global shape of every tensor stored in a torch_dist checkpoint."""
-    return checkpoint_contents(directory)[0]
+    return checkpoint_contents(directory, what)[0]
 
 
-def checkpoint_contents(directory: str) -> Tuple[Dict[str, Tuple[int, ...]], set]:
+def checkpoint_contents(directory: str, what: str = "checkpoint") -> Tuple[Dict[str, Tuple[int, ...]], set]:
     """What a torch_dist checkpoint stores, from one read of its metadata: the global shape of every
     tensor, and the keys of its non-tensor entries (megatron-core's ``ShardedObject``s, such as a
     layer's ``_extra_state``) without their ``/shard_...`` suffix.
@@ -178,7 +178,11 @@ def checkpoint_contents(directory: str) -> Tuple[Dict[str, Tuple[int, ...]], set
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    entries = FileSystemReader(directory).read_metadata().state_dict_metadata
+    try:
+        entries = FileSystemReader(directory).read_metadata().state_dict_metadata
+    except (Exception, _dcp_exception()) as err:  # missing, empty, cut short or damaged .metadata (a pickle)
+        raise CheckpointError(f"{what} {directory}: its index (.metadata) cannot be read ({type(err).__name__}: "
+                              f"{_short(err)}); the checkpoint is damaged or incomplete") from None
     shapes = {key: tuple(meta.size) for key, meta in entries.items() if isinstance(meta, TensorStorageMetadata)}
     objects = {key.split("/shard_")[0] for key, meta in entries.items() if isinstance(meta, BytesStorageMetadata)}
     return shapes, objects
@@ -206,7 +210,7 @@ def load_sharded(
 
     if not is_sharded_checkpoint(directory):
         raise CheckpointError(f"{what} {directory}: not a torch_dist checkpoint (no metadata.json)")
-    stored, stored_objects = checkpoint_contents(directory)
+    stored, stored_objects = checkpoint_contents(directory, what)
     missing, mismatched = [], []
 
     def prune(tree: dict, prefix: str = "") -> dict:
@@ -301,7 +305,11 @@ def load_common(directory: str) -> dict:
         except (Exception, _dcp_exception()):
             raise CheckpointError(f"checkpoint {directory}: common.pt is missing; the checkpoint is damaged or "
                                   "incomplete: move it aside to resume from an earlier one") from None
-    return dist_checkpointing.load_common_state_dict(directory)
+    try:
+        return dist_checkpointing.load_common_state_dict(directory)
+    except (Exception, _dcp_exception()) as err:
+        raise CheckpointError(f"checkpoint {directory}: common.pt cannot be read ({_short(err)}); the checkpoint is "
+                              "damaged or incomplete: move it aside to resume from an earlier one") from None
 
 
 def copy_into_model(module: torch.nn.Module, loaded: dict, prefix: str = "model.") -> None:

@@ -55,7 +55,7 @@ class CheckpointWeights:
         if self.kind == "torch_dist":
             from nemo_aligner.utils.checkpoint_io import checkpoint_shapes
 
-            shapes = checkpoint_shapes(self.directory)
+            shapes = checkpoint_shapes(self.directory, self.what)
             shape = shapes.get("model.embedding.word_embeddings.weight") or shapes.get("model.output_layer.weight")
             return None if shape is None else int(shape[0])
         from nemo_aligner.utils.legacy_checkpoint import vocab_rows
