@@ -522,6 +522,9 @@ ARCHITECTURE_CASES = {
     "learned-positions-shorter-than-the-sequence": (
         dict(max_position_embeddings=16, encoder_seq_length=32, position_embedding_type="learned_absolute"),
         r"model\.max_position_embeddings=16 is shorter than model\.encoder_seq_length=32"),
+    "negative-ffn-size": (dict(ffn_hidden_size=-1), r"model\.ffn_hidden_size=-1 must be > 0 \(when restoring, "
+                                                    r"architecture values come from the checkpoint's model_config\.yaml\)"),
+    "text-for-hidden-size": (dict(hidden_size="abc"), r"model\.hidden_size='abc' must be an integer, got str"),
 }
 
 

@@ -120,11 +120,30 @@ def check_supported_architecture(cfg) -> None:
                               f"{', '.join(repr(a) for a in allowed)})")
 
 
+def check_architecture_values(cfg) -> None:
+    """The architecture keys' types and ranges (``model.ffn_hidden_size=-1`` names the key rather than
+    failing inside megatron-core). These come from the checkpoint's model_config.yaml when restoring,
+    after the run config's own checks."""
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.utils.config_checks import check_config_values
+    from nemo_aligner.utils.model_config import ARCHITECTURE_KEYS
+
+    values = {key: _get(cfg, key) for key in ARCHITECTURE_KEYS if key != "tokenizer" and _get(cfg, key) is not None}
+    values = {k: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for k, v in values.items()}
+    try:
+        check_config_values(OmegaConf.create({"model": values}))
+    except ConfigError as err:
+        raise ConfigError(f"{err} (when restoring, architecture values come from the checkpoint's "
+                          "model_config.yaml)") from None
+
+
 def transformer_config_from_cfg(cfg, precision="32"):
     """A ``TransformerConfig`` from a NeMo model config (``cfg.model``)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_supported_architecture(cfg)
+    check_architecture_values(cfg)
 
     pos = str(_get(cfg, "position_embedding_type", "learned_absolute"))
     if pos not in _POSITION_EMBEDDINGS:
