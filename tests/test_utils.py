@@ -105,6 +105,12 @@ def test_cosine_schedule_matches_nemo_shape():
     assert lrs[12:] == pytest.approx([0.1, 0.1, 0.1])
     constant = build_scheduler(torch.optim.SGD([param], lr=1.0), OmegaConf.create({"lr": 0.5}), max_steps=3)
     assert constant.get_lr({"lr_mult": 1.0}) == 0.5
+    from nemo_aligner.utils.errors import ConfigError
+
+    upwards = OmegaConf.create({"lr": 1e-4, "sched": {"name": "CosineAnnealing", "min_lr": 1e-3}})
+    with pytest.raises(ConfigError, match=r"model\.optim\.sched\.min_lr=0\.001 is above model\.optim\.lr=0\.0001: "
+                                          r"CosineAnnealing decays from lr down to min_lr"):
+        build_scheduler(torch.optim.SGD([param], lr=1.0), upwards, max_steps=10)
 
 
 def test_optimizer_config_reads_nemos_keys_and_null_means_the_default():

@@ -135,6 +135,9 @@ def build_scheduler(optimizer, optim_cfg, max_steps: int):
     if style != "constant" and decay_steps <= warmup:
         logger.warning("model.optim.sched: no steps left to decay after warm-up; using a constant LR")
         style, min_lr = "constant", lr
+    if min_lr > lr:  # megatron-core asserts it; a schedule that "decays" upwards is a typo
+        raise ConfigError(f"model.optim.sched.min_lr={min_lr:g} is above model.optim.lr={lr:g}: "
+                          f"{sched.get('name')} decays from lr down to min_lr")
     weight_decay = float(optim_cfg.get("weight_decay", 0.0) or 0.0)
     # megatron-core requires warm-up to end before decay does, even for a constant schedule.
     decay_steps = max(decay_steps, warmup + 1)
