@@ -183,6 +183,10 @@ def test_builtin_task_is_deterministic_and_scored():
     assert task.score("reverse abcd = ", "dcbx") == 0.75
     assert task.score("sort dcba = ", "abcdzz") == pytest.approx(4 / 6)
     assert task.score("sort dcba = ", "") == 0.0
+    for foreign in ("\x00", "flip abc = ", "sort = ", ""):  # a reward_fn run on another data set's prompts
+        with pytest.raises(DataError, match=r"is not a built-in task prompt \('reverse\|sort <word> = '\): its "
+                                            r"reward scores only its own prompts"):
+            task.score(foreign, "abc")
     import random
 
     rng = random.Random(0)

@@ -59,8 +59,11 @@ class BuiltinTask:
     @staticmethod
     def operands(prompt: str) -> Tuple[str, str]:
         """``(operation, word)`` of a prompt or task input (with or without the trailing space)."""
-        op, word = prompt.strip().removesuffix(PROMPT_END.strip()).split()[:2]
-        return op, word
+        parts = prompt.strip().removesuffix(PROMPT_END.strip()).split()
+        if len(parts) < 2 or parts[0] not in OPERATIONS:  # a reward_fn run on another data set's prompts
+            raise DataError(f"prompt {prompt[:80]!r} is not a built-in task prompt ('{'|'.join(OPERATIONS)} "
+                            f"<word>{PROMPT_END} '): its reward scores only its own prompts")
+        return parts[0], parts[1]
 
     @classmethod
     def target(cls, prompt: str) -> str:
@@ -241,9 +244,8 @@ class BuiltinTask:
                 raise DataError(f"{where}: needs string fields 'prompt' and 'response'")
             try:
                 cls.target(record["prompt"])
-            except (ValueError, KeyError) as err:
-                raise DataError(f"{where}: prompt {record['prompt']!r} is not a built-in task prompt "
-                                f"('reverse|sort <word> = ')") from err
+            except DataError as err:
+                raise DataError(f"{where}: {err}") from None
             by_prompt.setdefault(record["prompt"], []).append(record["response"])
         return by_prompt
 
