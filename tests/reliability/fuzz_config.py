@@ -3,7 +3,7 @@ for a number, -1, NaN, 1e18, null, a list or a dict where one value belongs, ...
 at random from their shipped configs, on the built-in data and a tiny model, and report every run
 that ended in a traceback or a hang instead of a one-line refusal or a finished run.
 
-    python tests/reliability/fuzz_config.py                     # 200 runs, seed 0, every script (~30 min on 2 cores)
+    python tests/reliability/fuzz_config.py                     # 200 runs, seed 0, every script (~10 min on 2 cores)
     python tests/reliability/fuzz_config.py --runs 50 --seed 3 --targets dpo rm grpo
 
 Prints each traceback's key, value and last lines, then the count of each outcome (``refused``:
