@@ -57,21 +57,23 @@ stage() {
   rm -f "$part"
 }
 
-bench_json() {  # the benchmarks' JSON files of this device, next to the log
-  "$PY" - "$OUT_DIR" <<'EOF'
+bench_json() {  # the JSON files this run's benchmarks wrote, next to the log
+  "$PY" - "$OUT_DIR" "$START" <<'EOF'
 import glob, os, shutil, sys
 sys.path.insert(0, "benchmarks")
 from common import device_slug
 for path in glob.glob(os.path.join("benchmarks", "results", device_slug(), "*.json")):
-    shutil.copy(path, sys.argv[1])
+    if os.path.getmtime(path) >= float(sys.argv[2]):
+        shutil.copy(path, sys.argv[1])
 EOF
 }
 
-STAGES=${*:-env tests learning generation sft ppo}
+ALL_STAGES="env tests learning generation sft ppo"
+STAGES=${*:-$ALL_STAGES}
 for s in $STAGES; do
-  case " env tests learning generation sft ppo " in
+  case " $ALL_STAGES " in
     *" $s "*) ;;
-    *) echo "gpu_checks.sh: unknown stage $s (env tests learning generation sft ppo)" >&2; exit 2 ;;
+    *) echo "gpu_checks.sh: unknown stage $s ($ALL_STAGES)" >&2; exit 2 ;;
   esac
 done
 PYTEST="$PY -m pytest -q -p no:cacheprovider"

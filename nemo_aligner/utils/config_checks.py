@@ -218,9 +218,8 @@ def check_config_values(cfg: DictConfig) -> None:
                 raise ConfigError(f"{path}={shown(value)} must be text, got {type_name(value)}")
         elif name in PATHS:
             if not isinstance(value, str):
-                raise ConfigError(f"{path}={shown(value)} must be one path, got {type_name(value)} (quote a name "
-                                  f"made of digits: {name}='{value}')" if _is_number(value) else
-                                  f"{path}={shown(value)} must be one path, got {type_name(value)}")
+                hint = f" (quote a name made of digits: {name}='{value}')" if _is_number(value) else ""
+                raise ConfigError(f"{path}={shown(value)} must be one path, got {type_name(value)}{hint}")
         elif name in CHOICES:
             if isinstance(value, (DictConfig, ListConfig)) or value not in CHOICES[name]:
                 raise ConfigError(f"{path}={shown(value)} must be one of "

@@ -53,60 +53,61 @@ class Targets:
                "grpo": ("train_gpt_grpo.py", "gpt_grpo"), "reinforce": ("train_gpt_reinforce_actor.py", "gpt_reinforce_actor"),
                "rs": ("train_gpt_rs_actor.py", "gpt_rs_actor"), "generate": ("generate_gpt.py", "gpt_generate")}
 
+    # The data files each script reads: (training, validation) keys of ``BuiltinTask.write_all``'s paths.
+    DATA_FILES = {"sft": ("sft_train", "sft_val"), "spin": ("sft_train", "sft_val"),
+                  "steerlm": ("steerlm_train", "steerlm_val"), "dpo": ("dpo_train", "dpo_val"),
+                  "rm": ("rm_train", "rm_val"), "kto": ("kto_train", "kto_val"),
+                  "grpo": ("prompts_train", "prompts_val"), "reinforce": ("prompts_train", "prompts_val"),
+                  "rs": ("prompts_train", "prompts_val"), "generate": ("prompts_val", "prompts_val")}
+
     def __init__(self, work: str, timeout_s: float):
         self.work, self.timeout_s = work, timeout_s
         self.data = BuiltinTask(seed=0).write_all(os.path.join(work, "data"), n_train=64, n_val=16)
-        self.sft_nemo = os.path.join(work, "sft", "checkpoints", "megatron_gpt_sft.nemo")
-        rc, out = run(self.command("sft", os.path.join(work, "sft")), work, timeout_s)
-        if rc != 0:
-            raise SystemExit(f"the base SFT run failed:\n{out[-3000:]}")
+        self.checked = set()
+        self.sft_nemo = os.path.join(work, "base", "sft", "checkpoints", "megatron_gpt_sft.nemo")
+        self.check_bases(["sft"])  # its .nemo is the others' starting point
 
     def check_bases(self, targets) -> None:
-        """Run each target's base command: one that fails would make every fuzzed run look "refused"."""
+        """Run each target's base command once: one that fails would make every fuzzed run look "refused"."""
         for target in targets:
+            if target in self.checked:
+                continue
             rc, out = run(self.command(target, os.path.join(self.work, "base", target)), self.work, self.timeout_s)
             if rc != 0:
                 raise SystemExit(f"the base {target} run failed:\n{out[-3000:]}")
+            self.checked.add(target)
 
     def command(self, target: str, log_dir: str) -> list:
-        d, nemo = self.data, self.sft_nemo
+        train, val = (self.data[key] for key in self.DATA_FILES[target])
+        nemo = self.sft_nemo
         script = os.path.join(SCRIPTS, self.CONFIGS[target][0])
         if target == "generate":
-            return [sys.executable, script, f"gpt_model_file={nemo}", f"prompts_file={d['prompts_val']}",
+            return [sys.executable, script, f"gpt_model_file={nemo}", f"prompts_file={val}",
                     f"output_file={os.path.join(log_dir, 'out.jsonl')}", "inference.tokens_to_generate=4",
                     "batch_size=8"]
-        common = [f"exp_manager.explicit_log_dir={log_dir}", "exp_manager.resume_if_exists=False"]
         section = "sft" if target == "steerlm" else target
-        steps = [f"trainer.{section}.max_steps=2", f"trainer.{section}.val_check_interval=2"]
+        common = [f"exp_manager.explicit_log_dir={log_dir}", "exp_manager.resume_if_exists=False",
+                  f"trainer.{section}.max_steps=2", f"trainer.{section}.val_check_interval=2"]
         if target not in ("grpo", "reinforce", "rs"):  # these validate on num_val_samples prompts
-            steps.append(f"trainer.{section}.limit_val_batches=1")
+            common.append(f"trainer.{section}.limit_val_batches=1")
         if target in ("sft", "spin", "steerlm"):
-            files = {"sft": ("sft_train", "sft_val"), "spin": ("sft_train", "sft_val"),
-                     "steerlm": ("steerlm_train", "steerlm_val")}[target]
-            base = [f"model.data.train_ds.file_path={d[files[0]]}", f"model.data.validation_ds.file_path={d[files[1]]}"]
-            if target == "sft":
-                return [sys.executable, script] + base + steps + common
-            if target == "steerlm":
-                return [sys.executable, script, f"model.restore_from_path={nemo}"] + base + steps + common
-            return [sys.executable, script, f"pretrained_checkpoint.restore_from_path={nemo}"] + base + steps + [
-                "trainer.spin.max_iterations=1", "model.global_batch_size=8", "model.micro_batch_size=4",
-                "model.spin.rollout_micro_batch_size=8", "model.spin.length_params.max_length=4"] + common
-        split = {"dpo": ("dpo_train", "dpo_val"), "rm": ("rm_train", "rm_val"),
-                 "kto": ("kto_train", "kto_val")}.get(target, ("prompts_train", "prompts_val"))
-        prefix = f"{{train: [{d[split[0]]}], validation: [{d[split[1]]}], test: [{d[split[1]]}]}}"
+            files = [f"model.data.train_ds.file_path={train}", f"model.data.validation_ds.file_path={val}"]
+            restore = {"sft": [], "steerlm": [f"model.restore_from_path={nemo}"],
+                       "spin": [f"pretrained_checkpoint.restore_from_path={nemo}", "trainer.spin.max_iterations=1",
+                                "model.global_batch_size=8", "model.micro_batch_size=4",
+                                "model.spin.rollout_micro_batch_size=8", "model.spin.length_params.max_length=4"]}
+            return [sys.executable, script] + restore[target] + files + common
+        prefix = f"{{train: [{train}], validation: [{val}], test: [{val}]}}"
         base = [sys.executable, script, f"pretrained_checkpoint.restore_from_path={nemo}",
-                f"++model.data.data_prefix={prefix}"] + steps + common
+                f"++model.data.data_prefix={prefix}"] + common
         if target in ("dpo", "rm", "kto"):
             return base + ["model.global_batch_size=4", "model.micro_batch_size=1"]
-        rollout = {"grpo": ["model.grpo.num_rollout_samples=4", "model.grpo.num_responses_per_prompt=2",
-                            "model.grpo.num_val_samples=4"],
-                   "reinforce": ["model.reinforce.num_rollout_samples=4", "model.reinforce.num_responses_per_prompt=2",
-                                 "model.reinforce.rollout_micro_batch_size=4", "model.reinforce.num_val_samples=4"],
-                   "rs": ["model.rs.num_rollout_samples=4", "model.rs.num_rollouts_per_prompt=2",
-                          "model.rs.top_n_rollouts=1", "model.rs.rollout_micro_batch_size=4",
-                          "model.rs.num_val_samples=4"]}[target]
-        return base + rollout + ["reward_fn=nemo_aligner.data.nlp.builtin_task:reward",
-                                 f"model.{target}.length_params.max_length=4", "model.global_batch_size=4",
+        counts = {"grpo": ["num_responses_per_prompt=2"],
+                  "reinforce": ["num_responses_per_prompt=2", "rollout_micro_batch_size=4"],
+                  "rs": ["num_rollouts_per_prompt=2", "top_n_rollouts=1", "rollout_micro_batch_size=4"]}[target]
+        rollout = [f"model.{target}.{s}" for s in ["num_rollout_samples=4", "num_val_samples=4",
+                                                   "length_params.max_length=4"] + counts]
+        return base + rollout + ["reward_fn=nemo_aligner.data.nlp.builtin_task:reward", "model.global_batch_size=4",
                                  "model.micro_batch_size=2"]
 
 

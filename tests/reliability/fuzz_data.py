@@ -18,13 +18,8 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fuzz_config import arguments, outcome, prepared, run, run_all  # noqa: E402
+from fuzz_config import Targets, arguments, outcome, prepared, run, run_all  # noqa: E402
 
-# The data files each script reads: (training, validation) keys of Targets.data.
-FILES = {"sft": ("sft_train", "sft_val"), "spin": ("sft_train", "sft_val"), "steerlm": ("steerlm_train", "steerlm_val"),
-         "dpo": ("dpo_train", "dpo_val"), "rm": ("rm_train", "rm_val"), "kto": ("kto_train", "kto_val"),
-         "grpo": ("prompts_train", "prompts_val"), "reinforce": ("prompts_train", "prompts_val"),
-         "rs": ("prompts_train", "prompts_val"), "generate": ("prompts_val", "prompts_val")}
 HOSTILE_VALUES = [None, 0, -1, 1.5, True, [], ["a"], {}, {"x": 1}, "", " ", "\u0000", "x" * 20000, "\ud800"]
 LINE_MUTATIONS = ["cut", "not-json", "empty-object", "array", "bom", "latin1", "nan", "blank-lines", "duplicate-key"]
 
@@ -68,13 +63,13 @@ def mutate(line: str, rng: random.Random):
 
 
 def main(argv=None) -> int:
-    args = arguments(__doc__, 150, list(FILES)).parse_args(argv)
+    args = arguments(__doc__, 150, list(Targets.DATA_FILES)).parse_args(argv)
     work, targets = prepared(args, "fuzz_data_")
     rng = random.Random(args.seed)
     cases = []
     for i in range(args.runs):
         target = rng.choice(args.targets)
-        key = rng.choice(FILES[target])
+        key = rng.choice(Targets.DATA_FILES[target])
         original = targets.data[key]
         with open(original, encoding="utf-8") as f:
             lines = f.read().splitlines()
