@@ -537,6 +537,20 @@ def test_architecture_values_that_cannot_build_a_model_are_refused(case):
         transformer_config_from_cfg(OmegaConf.create(dict(TINY_ARCH, **extra)))
 
 
+def test_a_bad_checkpoint_value_the_run_leaves_null_is_named_as_the_checkpoints():
+    """Keys the checkpoint decides unless the run sets them (``attention_dropout: null``): a bad value
+    in model_config.yaml is refused as the checkpoint's; a run value replaces it without complaint."""
+    from nemo_aligner.utils.model_config import merge_checkpoint_config
+
+    ckpt = OmegaConf.create(dict(TINY_ARCH, attention_dropout={"x": 1}, encoder_seq_length=32))
+    with pytest.raises(ConfigError, match=r"^model\.attention_dropout=\{'x': 1\} must be a number, got a dict \(the "
+                                          r"checkpoint's model_config\.yaml value: set model\.attention_dropout to "
+                                          r"override it\)$"):
+        merge_checkpoint_config(ckpt, OmegaConf.create({"attention_dropout": None}))
+    merged = merge_checkpoint_config(ckpt, OmegaConf.create({"attention_dropout": 0.1}))
+    assert merged.attention_dropout == 0.1 and merged.encoder_seq_length == 32
+
+
 def test_nemo_that_is_not_a_tar(workdir):
     from nemo_aligner.utils.nemo_file import check_exists
 

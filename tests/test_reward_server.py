@@ -232,19 +232,66 @@ def test_port_in_use_is_named(tmp_path, rm_nemo_and_rewards, server):
 
 
 def test_shutdown_leaves_nothing_behind(tmp_path, rm_nemo_and_rewards):
+    """SIGTERM, then more stop signals while the server shuts down (Ctrl-C pressed again, a launcher
+    signalling twice): the shutdown finishes, exits 0, prints no traceback and leaves nothing behind."""
+    import signal
+
     nemo, expected = rm_nemo_and_rewards
     srv = Server(tmp_path, nemo)
     try:
         srv.wait_ready()
         assert any("tritonserver" in " ".join(p.cmdline()) for p in srv.children if p.is_running())
         assert os.listdir(srv.workspace)  # the workspace lives where it was told to
+        os.kill(srv.proc.pid, signal.SIGTERM)
+        # tritonserver takes seconds to stop: these arrive during the shutdown's clean-up
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM, signal.SIGINT):
+            time.sleep(0.3)
+            if "server stopped" in srv.text() or srv.proc.poll() is not None:
+                break
+            os.kill(srv.proc.pid, sig)
+        srv.proc.wait(timeout=60)
     finally:
         srv.stop()
     assert srv.proc.returncode == 0, srv.text()[-3000:]
+    assert "Traceback" not in srv.text() and "KeyboardInterrupt" not in srv.text(), srv.text()[-3000:]
     time.sleep(1)
     assert not [p for p in srv.children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert os.listdir(srv.workspace) == []
     srv.cleanup()
+
+
+def test_stop_signals_raise_only_before_serving():
+    """Before serving, a stop signal stops the start-up (KeyboardInterrupt); while serving, signals are
+    only noted: one the caller defers (the critic's drain) keeps serving, the next ends it, later ones
+    change nothing and raise nothing (they would land in the shutdown's clean-up)."""
+    import signal
+
+    from nemo_aligner.servers.triton_host import serve_until_stopped, stop_on_signals
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        with stop_on_signals():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+    decisions = [False, True]
+
+    class Triton:
+        polls = 0
+
+        def is_alive(self):
+            self.polls += 1
+            if self.polls in (2, 4):  # the deferred SIGTERM, then the one that stops
+                os.kill(os.getpid(), signal.SIGTERM)
+            return True
+
+    triton = Triton()
+    with stop_on_signals(stop_on_sigterm=lambda: decisions.pop(0)) as stop:
+        serve_until_stopped(triton, stop, poll_s=0.01)
+        assert stop.received and triton.polls == 4 and decisions == []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            os.kill(os.getpid(), sig)
+            time.sleep(0.05)
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_a_dead_triton_process_makes_the_server_exit_non_zero(tmp_path, rm_nemo_and_rewards):

@@ -147,34 +147,50 @@ def _guarded(address: ServerAddress, backend_port: int, limits: Dict[str, ModelL
 
 @dataclass
 class StopSignal:
-    """Whether a stop signal arrived (as opposed to ``serve()`` returning because Triton died)."""
+    """Whether a stop signal arrived (as opposed to serving ending because Triton died), and
+    whether serving has begun (from then on a signal only sets ``received``)."""
 
     received: bool = False
+    serving: bool = False
 
 
 @contextmanager
 def stop_on_signals(stop_on_sigterm: Optional[Callable[[], bool]] = None) -> Iterator[StopSignal]:
-    """Turn SIGTERM and SIGINT into ``KeyboardInterrupt`` so ``Triton.serve()`` returns.
+    """Note SIGTERM and SIGINT in the returned :class:`StopSignal`, which ends :func:`serve_until_stopped`.
 
-    A server started in the background ignores SIGINT otherwise, and ``serve()`` only
-    stops on ``KeyboardInterrupt``. ``stop_on_sigterm``: asked on SIGTERM whether to stop now;
-    False leaves the stop to the caller (which then sends SIGINT). SIGINT always stops.
+    Before serving begins, the first signal also raises ``KeyboardInterrupt``, so a start-up stops at
+    once. Once serving, nothing is raised: an exception raised from a signal handler lands in
+    whatever runs at that moment (a finalizer, the shutdown's clean-up), where it is lost or cuts
+    the clean-up short. Signals after the first are ignored for the same reason (the shutdown is
+    under way). ``stop_on_sigterm``: asked on SIGTERM whether to stop now; False leaves the stop to
+    the caller (which then sends SIGINT).
     """
 
     state = StopSignal()
 
-    def interrupt(signum, frame):
+    def note(signum, frame):
+        if state.received:
+            return
         if signum == signal.SIGTERM and stop_on_sigterm is not None and not stop_on_sigterm():
             return
         state.received = True
-        raise KeyboardInterrupt(f"signal {signum}")
+        if not state.serving:
+            raise KeyboardInterrupt(f"signal {signum}")
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield state
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def serve_until_stopped(triton, stop: StopSignal, poll_s: float = 0.2) -> None:
+    """Serve until ``stop`` notes a signal or tritonserver or a model proxy dies (what
+    ``Triton.serve()`` waits for, without its need of a ``KeyboardInterrupt`` to return)."""
+    stop.serving = True
+    while not stop.received and triton.is_alive():
+        time.sleep(poll_s)
 
 
 # The modules whose ``wait_for_server_ready`` PyTriton 0.7 calls (waiting up to 120 s for tritonserver
@@ -299,11 +315,7 @@ def serve_forever(address: ServerAddress, bind, description: str, key: str, limi
                 bind(triton)
             print(f"{description} ready on {address.url} (grpc {address.grpc_port}, metrics {address.metrics_port})",
                   flush=True)
-            stop.received = False
-            try:
-                triton.serve()  # returns on SIGINT/SIGTERM, or when tritonserver or a model proxy died
-            except KeyboardInterrupt:
-                pass
+            serve_until_stopped(triton, stop)
             if not stop.received:
                 raise ServerError(f"{description} on {address.url}: Triton stopped serving without a stop signal "
                                   f"(its process died){log_note}"

@@ -7,6 +7,9 @@ from typing import Iterable
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from nemo_aligner.utils.config_checks import check_config_values
+from nemo_aligner.utils.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 # Keys that fix the shape of the weights: a restored checkpoint's values win over the run config.
@@ -41,6 +44,7 @@ def merge_checkpoint_config(ckpt_cfg: DictConfig, run_cfg: DictConfig,
         base.pop(key, None)
     for key in CHECKPOINT_UNLESS_SET:
         if run_cfg.get(key) is None and base.get(key) is not None:
+            check_checkpoint_value(key, base[key])
             # the checkpoint's value, before the run's interpolations resolve (``length_params.max_length:
             # ${int_div:${model.encoder_seq_length}, 2}`` with ``encoder_seq_length: null``)
             with open_dict(run_cfg):
@@ -62,6 +66,15 @@ def merge_checkpoint_config(ckpt_cfg: DictConfig, run_cfg: DictConfig,
     warn_head_keys(base, run)
     merged = OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(run))
     return merged
+
+
+def check_checkpoint_value(key: str, value) -> None:
+    """Refuse a checkpoint's bad ``key`` value as the checkpoint's (it is copied into the run config,
+    whose checks would otherwise name it as the run's ``model.<key>``)."""
+    try:
+        check_config_values(OmegaConf.create({"model": {key: value}}))
+    except ConfigError as err:
+        raise ConfigError(f"{err} (the checkpoint's model_config.yaml value: set model.{key} to override it)") from None
 
 
 def warn_head_keys(base: dict, run: dict) -> None:
