@@ -207,6 +207,29 @@ def config_values(**overrides):
     return lambda: check_config_values(sft_config(**overrides))
 
 
+def server_config_values(section: str, **values):
+    """The value checks on a server config's ``section`` (``inference``, ``trainer.ppo``) holding ``values``."""
+    from nemo_aligner.utils.config_checks import check_config_values
+
+    cfg = OmegaConf.create()
+    OmegaConf.update(cfg, section, values, force_add=True)
+    return lambda: check_config_values(cfg)
+
+
+def reward_model_with(**values):
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import MegatronGPTRewardModel
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    return lambda: MegatronGPTRewardModel(OmegaConf.create(dict(TINY_ARCH, **values)), ByteTokenizer())
+
+
+def copied_value():
+    from nemo_aligner.utils.config_checks import check_config_values
+
+    cfg = OmegaConf.create({"trainer": {"ppo": {"trt_llm": {"seed": "${model.seed}"}}}, "model": {"seed": "abc"}})
+    return lambda: check_config_values(cfg)
+
+
 def value_shapes(**overrides):
     from nemo_aligner.utils.config_keys import check_value_shapes
 
@@ -419,6 +442,15 @@ CONFIG_CASES = {
                             r"trainer\.limit_train_batches=0 leaves no training batches"),
     "dropout-of-one": (config_values(**{"model.attention_dropout": 1.0}),
                        r"model\.attention_dropout=1\.0 must be < 1"),
+    "server-sequence-multiple-as-a-list": (server_config_values("inference", strip_sequence_length_to_multiple=[1]),
+                                           r"inference\.strip_sequence_length_to_multiple=\[1\] must be an integer, "
+                                           r"got a list"),
+    "server-log-file-as-a-list": (server_config_values("trainer.ppo", triton_log_file=[1]),
+                                  r"trainer\.ppo\.triton_log_file=\[1\] must be one path, got a list"),
+    # trainer.ppo.trt_llm.seed: ${model.seed} (comes first in the file): the message names model.seed
+    "copied-value-named-at-its-source": (copied_value(), r"^model\.seed='abc' must be an integer, got str$"),
+    "reward-head-dtype": (reward_model_with(force_head_dtype={"x": 1}),
+                          r"^model\.force_head_dtype=\{'x': 1\} is not one of 32, bf16, 16$"),
     "negative-interval": (config_values(**{"trainer.sft.save_interval": -5}),
                           r"trainer\.sft\.save_interval=-5 must be >= 0"),
     "max-steps-not-an-integer": (config_values(**{"trainer.sft.max_steps": "abc"}),

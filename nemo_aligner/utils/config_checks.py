@@ -26,7 +26,7 @@ POSITIVE_INTS = frozenset({
     "max_sequence_length", "max_train_rows", "log_prob_forward_micro_batch_size", "pad_to_multiple_of",
     "pad_length_to_multiple_of", "num_query_groups", "kv_channels", "activations_checkpoint_num_layers",
     "max_length", "max_rollout_turns", "num_rollouts_per_prompt", "top_n_rollouts", "num_attributes",
-    "max_iterations", "dist_timeout_minutes",
+    "max_iterations", "dist_timeout_minutes", "strip_sequence_length_to_multiple",
 })
 NON_NEGATIVE_INTS = frozenset({
     "critic_warmup_steps", "num_workers",
@@ -51,7 +51,8 @@ NOT_NULL = frozenset({"seed", "global_batch_size", "micro_batch_size", "gt_rewar
 # Text values (record field names, templates).
 STRINGS = frozenset({"prompt_template", "label_key", "truncation_field"})
 # One path each (a list or a number there would reach os.path as a list or a file descriptor).
-PATHS = frozenset({"prompts_file", "output_file", "gpt_model_file", "explicit_log_dir", "restore_from_path"})
+PATHS = frozenset({"prompts_file", "output_file", "gpt_model_file", "explicit_log_dir", "restore_from_path",
+                   "workspace_dir", "triton_log_file"})
 # One of a few values (null: off).
 CHOICES = {
     "activations_checkpoint_granularity": ("full", "selective", None),
@@ -115,9 +116,10 @@ SINGLE_VALUED = (POSITIVE_INTS | NON_NEGATIVE_INTS | NON_NEGATIVE_NUMBERS | POSI
                  | {"attribute_weights"}) - VALUE_OR_LIST
 
 
-def _leaves(node, prefix: str) -> Iterator[Tuple[str, object]]:
-    """``(dotted path, value)`` of every scalar, and of a list or dict given where a checked key
-    takes a single value (``model.micro_batch_size=[1]`` is an error naming it, not a skipped leaf)."""
+def _leaves(node, prefix: str, interpolated: bool = False) -> Iterator[Tuple[str, object, bool]]:
+    """``(dotted path, value, whether an interpolation gave it)`` of every scalar, and of a list or
+    dict given where a checked key takes a single value (``model.micro_batch_size=[1]`` is an error
+    naming it, not a skipped leaf)."""
     if isinstance(node, DictConfig):
         for key in node.keys():
             path = f"{prefix}.{key}" if prefix else str(key)
@@ -125,12 +127,13 @@ def _leaves(node, prefix: str) -> Iterator[Tuple[str, object]]:
                 value = node[key]
             except Exception:  # a missing value ('???') or an interpolation that cannot resolve yet
                 continue
+            from_interpolation = interpolated or OmegaConf.is_interpolation(node, key)
             if isinstance(value, (DictConfig, ListConfig)) and str(key) in SINGLE_VALUED:
-                yield path, value
+                yield path, value, from_interpolation
             else:
-                yield from _leaves(value, path)
+                yield from _leaves(value, path, from_interpolation)
     elif not isinstance(node, ListConfig):
-        yield prefix, node
+        yield prefix, node, interpolated
 
 
 def type_name(value) -> str:
@@ -156,7 +159,9 @@ def _is_off(value, allowed) -> bool:
 
 def check_config_values(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` naming the first key whose value has the wrong type or range."""
-    for path, value in _leaves(cfg, ""):
+    # Values set directly first: a bad ``model.seed`` is named as itself, not as the key that copies
+    # it (``trainer.ppo.trt_llm.seed: ${model.seed}``).
+    for path, value, _ in sorted(_leaves(cfg, ""), key=lambda leaf: leaf[2]):
         name = path.rsplit(".", 1)[-1]
         refused = next((suffix for suffix in REFUSED_UNLESS if path == suffix or path.endswith("." + suffix)), None)
         if refused is not None:

@@ -140,22 +140,22 @@ def outcome(rc, out: str) -> dict:
     return {"verdict": verdict, "last_lines": lines[-12:] if verdict in ("TRACEBACK", "timeout") else lines[-1:]}
 
 
-def run_all(cases, one, workers: int, json_path, title) -> int:
-    """``one(case)`` for every case on ``workers`` threads; prints each traceback or hang (``title(result)``
-    names it), then the count of each outcome; writes them all to ``json_path``. Exit status 1 if any
-    run ended in a traceback or a hang."""
+def run_all(cases, one, workers: int, json_path, title, failures=("TRACEBACK", "timeout")) -> int:
+    """``one(case)`` for every case on ``workers`` threads; prints each run whose verdict is one of
+    ``failures`` (``title(result)`` names it), then the count of each outcome; writes them all to
+    ``json_path``. Exit status 1 if any run's verdict is one of ``failures``."""
     results = []
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         for result in pool.map(one, cases):
             results.append(result)
-            if result["verdict"] in ("TRACEBACK", "timeout"):
+            if result["verdict"] in failures:
                 print(f"== {result['verdict']}: {title(result)}\n" + "\n".join(result["last_lines"]) + "\n", flush=True)
     counts = Counter(r["verdict"] for r in results)
     print(", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
     if json_path:
         with open(json_path, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)
-    return 1 if counts["TRACEBACK"] or counts["timeout"] else 0
+    return 1 if any(counts[f] for f in failures) else 0
 
 
 def leaves(cfg) -> list:

@@ -62,8 +62,9 @@ def zero_centered_gamma(cfg) -> bool:
         bool(_get(cfg, "layernorm_zero_centered_gamma", False))
 
 
-def precision_dtype(precision) -> torch.dtype:
-    """NeMo/Lightning precision values (32, 16, bf16, bf16-mixed, ...) to a dtype."""
+def precision_dtype(precision, key: str = "trainer.precision") -> torch.dtype:
+    """NeMo/Lightning precision values (32, 16, bf16, bf16-mixed, float32, ...) to a dtype; ``key``
+    names the setting in the error."""
     p = str(precision).lower()
     if p in ("32", "32-true", "fp32", "float32"):
         return torch.float32
@@ -71,7 +72,7 @@ def precision_dtype(precision) -> torch.dtype:
         return torch.bfloat16
     if p in ("16", "16-mixed", "fp16", "float16"):
         return torch.float16
-    raise ConfigError(f"trainer.precision={precision!r} is not one of 32, bf16, 16")
+    raise ConfigError(f"{key}={precision!r} is not one of 32, bf16, 16")
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:

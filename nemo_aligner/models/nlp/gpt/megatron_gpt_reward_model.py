@@ -74,7 +74,7 @@ class MegatronGPTRewardModel(MegatronGPTModel, SupervisedInterface, Inferrable):
         self.loss_mask_val = float(regression.get("loss_mask_val", -100.0))
         head = cfg.get("force_head_dtype", "float32")
         self.head_dtype = precision_dtype(precision) if head in (None, "null") else precision_dtype(
-            {"float32": "32", "fp32": "32", "bfloat16": "bf16", "float16": "16"}.get(str(head), str(head)))
+            head, key="model.force_head_dtype")
         super().__init__(cfg, tokenizer, precision, trainable)
         self.micro_batch_size = int(cfg.get("micro_batch_size", 1))
         std = cfg.get("reward_standardization") or {}
