@@ -231,6 +231,14 @@ def test_top_k_larger_than_the_records_is_refused_by_the_script(tmp_path, kd_rec
                      proc.stderr), proc.stderr[-2000:]
 
 
+def test_topk_scripts_own_config_checks_its_values(tmp_path):
+    """compute_topk_logits.py's config lives outside examples/nlp/gpt/conf: its true/false keys are still
+    checked against it (``data.chat=2`` read as true, then a missing-field error on the first record)."""
+    proc = _compute(tmp_path / "missing.nemo", tmp_path / "data.jsonl", tmp_path / "out.jsonl", "data.chat=2", check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "error: data.chat=2 must be true or false", proc.stderr[-2000:]
+
+
 def test_python_api_distils(tmp_path, kd_records, base_nemo):
     from nemo_aligner.api import create_trainer, list_algorithms
     from nemo_aligner.utils.errors import ConfigError

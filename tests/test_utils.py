@@ -336,3 +336,25 @@ def test_a_run_head_setting_that_differs_from_a_reward_models_is_warned(caplog):
         merge_checkpoint_config(OmegaConf.create({"num_layers": 2, "use_avg_pool": True}),
                                 OmegaConf.create({"use_avg_pool": False}))
     assert caplog.records == []
+
+
+def test_a_model_precision_other_than_the_trainers_is_warned(caplog):
+    """``model.precision`` is ``${trainer.precision}`` in NeMo-Aligner's configs and read by nothing: set to
+    another precision it is named in a warning; other spellings of the same precision are not."""
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.utils.config_keys import warn_model_precision
+
+    with caplog.at_level(logging.WARNING, logger="nemo_aligner.utils.config_keys"):
+        warn_model_precision(OmegaConf.create({"trainer": {"precision": 32}, "model": {"precision": "bf16"}}))
+        warn_model_precision(OmegaConf.create({"trainer": {"precision": "bf16-mixed"}, "model": {"precision": -5}}))
+    assert [r.getMessage() for r in caplog.records] == [
+        "model.precision=bf16 is not read: the run's precision is trainer.precision=32",
+        "model.precision=-5 is not read: the run's precision is trainer.precision=bf16-mixed"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nemo_aligner.utils.config_keys"):
+        for model, trainer in (("bf16", "bf16-mixed"), ("${trainer.precision}", 16), (32, "32"), (None, "bf16")):
+            warn_model_precision(OmegaConf.create({"trainer": {"precision": trainer}, "model": {"precision": model}}))
+    assert caplog.records == []

@@ -10,7 +10,7 @@ wherever they sit in the tree (``model.micro_batch_size``, ``model.data.train_ds
 from __future__ import annotations
 
 import math
-from typing import Iterator, Tuple
+from typing import Iterator, Optional, Tuple
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -114,6 +114,17 @@ VALUE_OR_LIST = frozenset({"ref_policy_kl_penalty"})
 SINGLE_VALUED = (POSITIVE_INTS | NON_NEGATIVE_INTS | NON_NEGATIVE_NUMBERS | POSITIVE_NUMBERS | FINITE_NUMBERS
                  | INTS_OR_UNLIMITED | BATCH_LIMITS | STRINGS | PATHS | PORTS | frozenset(CHOICES) | frozenset(UNSUPPORTED_UNLESS)
                  | {"attribute_weights"}) - VALUE_OR_LIST
+
+
+# NeMo/Lightning spellings of each precision.
+PRECISIONS = {"32": ("32", "32-true", "fp32", "float32"), "bf16": ("bf16", "bf16-mixed", "bf16-true", "bfloat16"),
+              "16": ("16", "16-mixed", "fp16", "float16")}
+
+
+def precision_name(value) -> Optional[str]:
+    """A precision value (32, 16, bf16, bf16-mixed, float32, ...) as "32", "bf16" or "16"; None for others."""
+    text = str(value).lower()
+    return next((name for name, spellings in PRECISIONS.items() if text in spellings), None)
 
 
 def _leaves(node, prefix: str, interpolated: bool = False) -> Iterator[Tuple[str, object, bool]]:

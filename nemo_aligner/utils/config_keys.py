@@ -20,7 +20,8 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from nemo_aligner.utils.config_checks import REFUSED_UNLESS, VALUE_OR_LIST, check_config_values, shown, type_name
+from nemo_aligner.utils.config_checks import (REFUSED_UNLESS, VALUE_OR_LIST, check_config_values, precision_name, shown,
+                                              type_name)
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.model_config import ARCHITECTURE_KEYS, CHECKPOINT_UNLESS_SET
 
@@ -253,6 +254,14 @@ def resolve_aliases(cfg: DictConfig) -> None:
                               f"of it); set {other} instead")
 
 
+def warn_model_precision(cfg: DictConfig) -> None:
+    """``model.precision`` (``${trainer.precision}`` in the shipped configs) is read by nothing: warn when
+    it is set to another precision than ``trainer.precision``, the one the run uses."""
+    model, trainer = OmegaConf.select(cfg, "model.precision"), OmegaConf.select(cfg, "trainer.precision")
+    if model is not None and trainer is not None and precision_name(model) != precision_name(trainer):
+        logger.warning("model.precision=%s is not read: the run's precision is trainer.precision=%s", model, trainer)
+
+
 def check_keys(cfg: DictConfig, config_name: str, overrides: Iterable[str] = (), warn: bool = True,
                shipped: Optional[DictConfig] = None, extra_keys: Iterable[str] = ()) -> None:
     """Refuse near misses of real keys; warn about keys nothing reads. ``cfg`` is the composed run config;
@@ -275,6 +284,7 @@ def check_keys(cfg: DictConfig, config_name: str, overrides: Iterable[str] = (),
         return
     for path in unknown:
         logger.warning("%s is not read by nemo-aligner (%s.yaml has no such key); it is ignored", path, config_name)
+    warn_model_precision(cfg)
     script = os.path.basename(sys.argv[0]) if sys.argv else ""
     for key in override_keys(overrides):
         suffix = _suffix_match(key, UNREAD)

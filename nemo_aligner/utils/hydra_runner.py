@@ -74,11 +74,13 @@ def split_hydra_flags(args: List[str]) -> Tuple[List[str], List[str]]:
     return flags, overrides
 
 
-def prepare_config(cfg: DictConfig, config_name: str, args: List[str], extra_keys=()) -> DictConfig:
+def prepare_config(cfg: DictConfig, config_name: str, args: List[str], extra_keys=(),
+                   config_dir: Optional[str] = None) -> DictConfig:
     """NeMo-Aligner's keys on the composed config: a user's own config file gets this project's
     shipped config of the same script underneath (keys it lacks take our defaults); aliases are
     resolved; near misses of real keys are refused and keys nothing reads are warned about (once:
-    rank 0, and not again in the ranks ``trainer.devices`` starts)."""
+    rank 0, and not again in the ranks ``trainer.devices`` starts). ``config_dir``: the script's config
+    directory (default: examples/nlp/gpt/conf)."""
     from nemo_aligner.utils import config_keys, cpu_gemm, cpu_kernels
     from nemo_aligner.utils.exp_manager import setup_console_logging
 
@@ -87,9 +89,12 @@ def prepare_config(cfg: DictConfig, config_name: str, args: List[str], extra_key
     cpu_kernels.mode()
     cpu_gemm.requested_backend()
     flags, overrides = split_hydra_flags(args)
-    shipped = None
-    if any(f.split("=")[0] in ("--config-path", "-cp", "--config-dir", "-cd", "--config-name", "-cn") for f in flags):
-        shipped = config_keys.load_shipped(config_name)
+    try:
+        shipped = config_keys.load_shipped(config_name, config_dir)
+    except (OSError, ValueError):  # no shipped config of that name (an installed copy without examples)
+        shipped = None
+    if shipped is not None and any(f.split("=")[0] in ("--config-path", "-cp", "--config-dir", "-cd", "--config-name",
+                                                       "-cn") for f in flags):
         OmegaConf.set_struct(shipped, False)
         OmegaConf.set_struct(cfg, False)
         cfg = OmegaConf.merge(shipped, cfg)
@@ -109,10 +114,13 @@ def hydra_runner(config_path: str, config_name: str, extra_keys=()) -> Callable:
 
     def decorator(task: Callable[[DictConfig], object]) -> Callable:
         command_line: List[str] = []  # the arguments as given, for the ranks started by trainer.devices
+        caller_dir = os.path.dirname(os.path.abspath(sys.modules[task.__module__].__file__))
+        path = config_path if os.path.isabs(config_path) else os.path.join(caller_dir, config_path)
+
         @functools.wraps(task)
         def guarded(cfg: DictConfig):
             try:
-                cfg = prepare_config(cfg, config_name, command_line[1:], extra_keys)
+                cfg = prepare_config(cfg, config_name, command_line[1:], extra_keys, path)
                 spawned = maybe_spawn(cfg.get("trainer"), argv=command_line)
                 if spawned is not None:  # this process started the ranks and waited for them
                     sys.exit(spawned)
@@ -135,8 +143,6 @@ def hydra_runner(config_path: str, config_name: str, extra_keys=()) -> Callable:
             # Hydra's flags first, then every override: argparse refuses overrides on both sides of a
             # flag, and NeMo-Aligner's commands put --config-path/--config-name first.
             sys.argv = [sys.argv[0]] + flags + extra + overrides
-            caller_dir = os.path.dirname(os.path.abspath(sys.modules[task.__module__].__file__))
-            path = config_path if os.path.isabs(config_path) else os.path.join(caller_dir, config_path)
             return hydra.main(config_path=path, config_name=config_name, version_base=None)(guarded)()
 
         return wrapper

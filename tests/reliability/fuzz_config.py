@@ -1,4 +1,4 @@
-"""Config fuzzing: run the training and generation scripts with one hostile value per run (text
+"""Config fuzzing: run the training, generation and top-k logits scripts with one hostile value per run (text
 for a number, -1, NaN, 1e18, null, a list or a dict where one value belongs, ...) for keys drawn
 at random from their shipped configs, on the built-in data and a tiny model, and report every run
 that ended in a traceback or a hang instead of a one-line refusal or a finished run.
@@ -51,14 +51,17 @@ class Targets:
                "rm": ("train_reward_model.py", "training_rm"), "kto": ("train_gpt_kto.py", "gpt_kto"),
                "spin": ("train_gpt_spin.py", "gpt_spin"), "steerlm": ("train_steerlm_model.py", "gpt_steerlm"),
                "grpo": ("train_gpt_grpo.py", "gpt_grpo"), "reinforce": ("train_gpt_reinforce_actor.py", "gpt_reinforce_actor"),
-               "rs": ("train_gpt_rs_actor.py", "gpt_rs_actor"), "generate": ("generate_gpt.py", "gpt_generate")}
+               "rs": ("train_gpt_rs_actor.py", "gpt_rs_actor"), "generate": ("generate_gpt.py", "gpt_generate"),
+               "kd": ("train_gpt_knowledge_distillation.py", "gpt_knowledge_distillation"),
+               "topk": ("../synthetic_data_gen/compute_topk_logits.py", "../../synthetic_data_gen/conf/compute_topk_logits")}
 
     # The data files each script reads: (training, validation) keys of ``BuiltinTask.write_all``'s paths.
     DATA_FILES = {"sft": ("sft_train", "sft_val"), "spin": ("sft_train", "sft_val"),
                   "steerlm": ("steerlm_train", "steerlm_val"), "dpo": ("dpo_train", "dpo_val"),
                   "rm": ("rm_train", "rm_val"), "kto": ("kto_train", "kto_val"),
                   "grpo": ("prompts_train", "prompts_val"), "reinforce": ("prompts_train", "prompts_val"),
-                  "rs": ("prompts_train", "prompts_val"), "generate": ("prompts_val", "prompts_val")}
+                  "rs": ("prompts_train", "prompts_val"), "generate": ("prompts_val", "prompts_val"),
+                  "kd": ("kd_train", "kd_val"), "topk": ("sft_val", "sft_val")}
 
     def __init__(self, work: str, timeout_s: float):
         self.work, self.timeout_s = work, timeout_s
@@ -67,11 +70,30 @@ class Targets:
         self.sft_nemo = os.path.join(work, "base", "sft", "checkpoints", "megatron_gpt_sft.nemo")
         self.check_bases(["sft"])  # its .nemo is the others' starting point
 
+    def teacher_records(self) -> None:
+        """Knowledge distillation's data: the SFT model's top-4 logits over the SFT data."""
+        if "kd_train" in self.data:
+            return
+        for split in ("train", "val"):
+            out = os.path.join(self.work, "data", f"kd_{split}.jsonl")
+            cmd = self.topk_command(self.data[f"sft_{split}"], out)
+            rc, text = run(cmd, self.work, self.timeout_s)
+            if rc != 0:
+                raise SystemExit(f"computing the teacher's top-k logits failed:\n{text[-3000:]}")
+            self.data[f"kd_{split}"] = out
+
+    def topk_command(self, data_file: str, output: str) -> list:
+        return [sys.executable, os.path.join(SCRIPTS, self.CONFIGS["topk"][0]),
+                f"pretrained_checkpoint.restore_from_path={self.sft_nemo}", f"data.data.file_path={data_file}",
+                f"output_path={output}", "top_k=4", "model.global_batch_size=16", "model.micro_batch_size=8"]
+
     def check_bases(self, targets) -> None:
         """Run each target's base command once: one that fails would make every fuzzed run look "refused"."""
         for target in targets:
             if target in self.checked:
                 continue
+            if target == "kd":
+                self.teacher_records()
             rc, out = run(self.command(target, os.path.join(self.work, "base", target)), self.work, self.timeout_s)
             if rc != 0:
                 raise SystemExit(f"the base {target} run failed:\n{out[-3000:]}")
@@ -81,11 +103,14 @@ class Targets:
         train, val = (self.data[key] for key in self.DATA_FILES[target])
         nemo = self.sft_nemo
         script = os.path.join(SCRIPTS, self.CONFIGS[target][0])
+        if target == "topk":
+            os.makedirs(log_dir, exist_ok=True)
+            return self.topk_command(val, os.path.join(log_dir, "topk.jsonl"))
         if target == "generate":
             return [sys.executable, script, f"gpt_model_file={nemo}", f"prompts_file={val}",
                     f"output_file={os.path.join(log_dir, 'out.jsonl')}", "inference.tokens_to_generate=4",
                     "batch_size=8"]
-        section = "sft" if target == "steerlm" else target
+        section = {"steerlm": "sft", "kd": "knowledge_distillation"}.get(target, target)
         common = [f"exp_manager.explicit_log_dir={log_dir}", "exp_manager.resume_if_exists=False",
                   f"trainer.{section}.max_steps=2", f"trainer.{section}.val_check_interval=2"]
         if target not in ("grpo", "reinforce", "rs"):  # these validate on num_val_samples prompts
@@ -100,6 +125,8 @@ class Targets:
         prefix = f"{{train: [{train}], validation: [{val}], test: [{val}]}}"
         base = [sys.executable, script, f"pretrained_checkpoint.restore_from_path={nemo}",
                 f"++model.data.data_prefix={prefix}"] + common
+        if target == "kd":
+            return base + ["model.global_batch_size=8", "model.micro_batch_size=4"]
         if target in ("dpo", "rm", "kto"):
             return base + ["model.global_batch_size=4", "model.micro_batch_size=1"]
         counts = {"grpo": ["num_responses_per_prompt=2"],

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,7 +50,8 @@ class Server:
         os.makedirs(run_dir, exist_ok=True)
         self.target, self.run_dir = target, run_dir
         ports = [f"port={free_port()}", f"grpc_port={free_port()}", f"metrics_port={free_port()}"]
-        workspace = f"workspace_dir={tempfile.mkdtemp(prefix='ws_', dir='/tmp')}"  # short: a socket path
+        self.workspace = tempfile.mkdtemp(prefix="ws_", dir="/tmp")  # short: PyTriton's socket paths
+        workspace = f"workspace_dir={self.workspace}"
         if target == "critic":
             cmd = [os.path.join(SCRIPTS, "serve_ppo_critic.py"), f"pretrained_checkpoint.restore_from_path={models['rm']}",
                    f"exp_manager.explicit_log_dir={os.path.join(run_dir, 'critic')}",
@@ -87,13 +89,14 @@ class Server:
                 time.sleep(0.2)
         try:
             proc.wait(timeout=STOP_GRACE_S)
+            return proc.returncode
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            self.proc.log.close()
             return "timeout"
-        self.proc.log.close()
-        return proc.returncode
+        finally:
+            self.proc.log.close()
+            shutil.rmtree(self.workspace, ignore_errors=True)
 
 
 def actor_command(run_dir: str, data: dict, models: dict, critic_port: int) -> list:

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from nemo_aligner.utils.config_checks import precision_name
 from nemo_aligner.utils.errors import ConfigError
 
 _POSITION_EMBEDDINGS = {"rope", "learned_absolute"}
@@ -65,13 +66,9 @@ def zero_centered_gamma(cfg) -> bool:
 def precision_dtype(precision, key: str = "trainer.precision") -> torch.dtype:
     """NeMo/Lightning precision values (32, 16, bf16, bf16-mixed, float32, ...) to a dtype; ``key``
     names the setting in the error."""
-    p = str(precision).lower()
-    if p in ("32", "32-true", "fp32", "float32"):
-        return torch.float32
-    if p in ("bf16", "bf16-mixed", "bf16-true", "bfloat16"):
-        return torch.bfloat16
-    if p in ("16", "16-mixed", "fp16", "float16"):
-        return torch.float16
+    name = precision_name(precision)
+    if name is not None:
+        return {"32": torch.float32, "bf16": torch.bfloat16, "16": torch.float16}[name]
     raise ConfigError(f"{key}={precision!r} is not one of 32, bf16, 16")
 
 
