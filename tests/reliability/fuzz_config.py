@@ -1,6 +1,6 @@
-"""Config fuzzing: run the training, generation and top-k logits scripts with one hostile value per run (text
-for a number, -1, NaN, 1e18, null, a list or a dict where one value belongs, ...) for keys drawn
-at random from their shipped configs, on the built-in data and a tiny model, and report every run
+"""Config fuzzing: run the training, generation and top-k logits scripts with one hostile value per
+run (text for a number, -1, NaN, 1e18, null, a list or a dict where one value belongs, ...) for keys
+drawn at random from their shipped configs, on the built-in data and a tiny model, and report every run
 that ended in a traceback or a hang instead of a one-line refusal or a finished run.
 
     python tests/reliability/fuzz_config.py                     # 200 runs, seed 0, every script (~10 min on 2 cores)
