@@ -207,8 +207,8 @@ def config_values(**overrides):
     return lambda: check_config_values(sft_config(**overrides))
 
 
-def server_config_values(section: str, **values):
-    """The value checks on a server config's ``section`` (``inference``, ``trainer.ppo``) holding ``values``."""
+def section_values(section: str, **values):
+    """The value checks on a config holding ``values`` under ``section`` (``inference``, ``trainer.ppo``)."""
     from nemo_aligner.utils.config_checks import check_config_values
 
     cfg = OmegaConf.create()
@@ -442,15 +442,18 @@ CONFIG_CASES = {
                             r"trainer\.limit_train_batches=0 leaves no training batches"),
     "dropout-of-one": (config_values(**{"model.attention_dropout": 1.0}),
                        r"model\.attention_dropout=1\.0 must be < 1"),
-    "server-sequence-multiple-as-a-list": (server_config_values("inference", strip_sequence_length_to_multiple=[1]),
+    "server-sequence-multiple-as-a-list": (section_values("inference", strip_sequence_length_to_multiple=[1]),
                                            r"inference\.strip_sequence_length_to_multiple=\[1\] must be an integer, "
                                            r"got a list"),
-    "server-log-file-as-a-list": (server_config_values("trainer.ppo", triton_log_file=[1]),
+    "server-log-file-as-a-list": (section_values("trainer.ppo", triton_log_file=[1]),
                                   r"trainer\.ppo\.triton_log_file=\[1\] must be one path, got a list"),
     # trainer.ppo.trt_llm.seed: ${model.seed} (comes first in the file): the message names model.seed
     "copied-value-named-at-its-source": (copied_value(), r"^model\.seed='abc' must be an integer, got str$"),
     "reward-head-dtype": (reward_model_with(force_head_dtype={"x": 1}),
                           r"^model\.force_head_dtype=\{'x': 1\} is not one of 32, bf16, 16$"),
+    "beta-list-outside-spin": (section_values("model.dpo", ref_policy_kl_penalty=[0.1, 0.2]),
+                               r"^model\.dpo\.ref_policy_kl_penalty=\[0\.1, 0\.2\] must be one number, got a list "
+                               r"\(a list, one value per iteration, is for SPIN\)$"),
     "negative-interval": (config_values(**{"trainer.sft.save_interval": -5}),
                           r"trainer\.sft\.save_interval=-5 must be >= 0"),
     "max-steps-not-an-integer": (config_values(**{"trainer.sft.max_steps": "abc"}),

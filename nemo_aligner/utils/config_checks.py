@@ -108,7 +108,7 @@ REFUSED_UNLESS = {
 INTS_OR_UNLIMITED = frozenset({"max_steps", "max_epochs"})
 # Lightning's ``limit_*_batches``: a fraction (float <= 1.0) or a count (int; -1 or null: all).
 BATCH_LIMITS = frozenset({"limit_train_batches", "limit_val_batches", "limit_test_batches"})
-# One value or a list (SPIN's KL penalty: one per iteration, checked by its trainer).
+# One value, or in SPIN's section a list (its KL penalty: one per iteration, checked by its model).
 VALUE_OR_LIST = frozenset({"ref_policy_kl_penalty"})
 # Keys checked above that take one value: a list or dict there is an error, not a subtree.
 SINGLE_VALUED = (POSITIVE_INTS | NON_NEGATIVE_INTS | NON_NEGATIVE_NUMBERS | POSITIVE_NUMBERS | FINITE_NUMBERS
@@ -139,7 +139,7 @@ def _leaves(node, prefix: str, interpolated: bool = False) -> Iterator[Tuple[str
             except Exception:  # a missing value ('???') or an interpolation that cannot resolve yet
                 continue
             from_interpolation = interpolated or OmegaConf.is_interpolation(node, key)
-            if isinstance(value, (DictConfig, ListConfig)) and str(key) in SINGLE_VALUED:
+            if isinstance(value, (DictConfig, ListConfig)) and str(key) in SINGLE_VALUED | VALUE_OR_LIST:
                 yield path, value, from_interpolation
             else:
                 yield from _leaves(value, path, from_interpolation)
@@ -180,6 +180,11 @@ def check_config_values(cfg: DictConfig) -> None:
             if not _is_off(value, allowed):
                 raise ConfigError(f"{path}={value!r} is not supported: {instead}")
             continue
+        if name in VALUE_OR_LIST and isinstance(value, (DictConfig, ListConfig)):
+            if isinstance(value, ListConfig) and (path.startswith("spin.") or ".spin." in path):
+                continue  # SPIN's one beta per iteration: checked by its model
+            raise ConfigError(f"{path}={shown(value)} must be one number, got {type_name(value)} (a list, one value "
+                              "per iteration, is for SPIN)")
         if path == "model.global_batch_size" and value == 0 and "inference" in cfg:
             continue  # NeMo-Aligner's inference_rm.yaml: 0 turns off NeMo's micro-batch calculator
         if name in UNSUPPORTED_UNLESS:

@@ -53,7 +53,8 @@ class Targets:
                "grpo": ("train_gpt_grpo.py", "gpt_grpo"), "reinforce": ("train_gpt_reinforce_actor.py", "gpt_reinforce_actor"),
                "rs": ("train_gpt_rs_actor.py", "gpt_rs_actor"), "generate": ("generate_gpt.py", "gpt_generate"),
                "kd": ("train_gpt_knowledge_distillation.py", "gpt_knowledge_distillation"),
-               "topk": ("../synthetic_data_gen/compute_topk_logits.py", "../../synthetic_data_gen/conf/compute_topk_logits")}
+               "topk": ("../synthetic_data_gen/compute_topk_logits.py",
+                        "../../synthetic_data_gen/conf/compute_topk_logits")}
 
     # The data files each script reads: (training, validation) keys of ``BuiltinTask.write_all``'s paths.
     DATA_FILES = {"sft": ("sft_train", "sft_val"), "spin": ("sft_train", "sft_val"),

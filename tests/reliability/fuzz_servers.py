@@ -1,13 +1,15 @@
 """Server fuzzing: the PPO critic server (``serve_ppo_critic.py``), the PPO actor that talks to it
-(``train_gpt_ppo_actor.py``) and the reward-model server (``serve_reward_model.py``), each run with one
-hostile value for a key drawn from its shipped config, on tiny models and the built-in prompts.
+(``train_gpt_ppo_actor.py``), the reward-model server (``serve_reward_model.py``) and the text
+generation server (``generate_gpt.py server=True``), each run with one hostile value for a key drawn
+from its shipped config, on tiny models and the built-in prompts.
 
 A run of a server target starts the fuzzed server and, once it says it is ready, uses it as a user
 would: the PPO actor trains 2 steps against the critic; a client scores three texts on the reward
-model server. Then the server gets SIGTERM (a second one if the critic keeps serving an actor it
-takes to be mid-step) and must exit 0 within a minute. A run of ``ppo`` fuzzes the actor against a fresh base critic.
+model server; a client asks the text generation server for two responses. Then the server gets
+SIGTERM (a second one if the critic keeps serving an actor it takes to be mid-step) and must exit 0
+within a minute. A run of ``ppo`` fuzzes the actor against a fresh base critic.
 
-    python tests/reliability/fuzz_servers.py                    # 80 runs, seed 0, all three (~25 min on 2 cores)
+    python tests/reliability/fuzz_servers.py                    # 80 runs, seed 0, all four (~17 min on 2 cores)
     python tests/reliability/fuzz_servers.py --runs 20 --seed 3 --targets rm_server
 
 Outcomes as ``fuzz_config.py``, plus ``BROKEN``: the server said it was ready but did not serve
@@ -36,8 +38,9 @@ from omegaconf import OmegaConf  # noqa: E402
 from nemo_aligner.data.nlp.builtin_task import BuiltinTask  # noqa: E402
 from nemo_aligner.utils.ports import free_port  # noqa: E402
 
-CONFIGS = {"critic": "gpt_ppo_critic", "ppo": "gpt_ppo_actor", "rm_server": "inference_rm"}
-READY = {"critic": "critic server ready", "rm_server": "reward model server ready"}
+CONFIGS = {"critic": "gpt_ppo_critic", "ppo": "gpt_ppo_actor", "rm_server": "inference_rm",
+           "text_server": "gpt_generate"}
+READY = {"critic": "critic server ready", "rm_server": "reward model server ready", "text_server": "serving "}
 TEXTS = ["What is 2+3? 5", "What is 7-4? 2", "hello"]
 STOP_GRACE_S = 60.0
 READY_S = 180.0
@@ -53,13 +56,17 @@ class Server:
         self.workspace = tempfile.mkdtemp(prefix="ws_", dir="/tmp")  # short: PyTriton's socket paths
         workspace = f"workspace_dir={self.workspace}"
         if target == "critic":
-            cmd = [os.path.join(SCRIPTS, "serve_ppo_critic.py"), f"pretrained_checkpoint.restore_from_path={models['rm']}",
+            cmd = [os.path.join(SCRIPTS, "serve_ppo_critic.py"),
+                   f"pretrained_checkpoint.restore_from_path={models['rm']}",
                    f"exp_manager.explicit_log_dir={os.path.join(run_dir, 'critic')}",
                    *[f"trainer.ppo.{p}" for p in ports + [workspace]],
                    "model.global_batch_size=4", "model.micro_batch_size=2", "model.forward_micro_batch_size=4"]
-        else:
+        elif target == "rm_server":
             cmd = [os.path.join(SCRIPTS, "serve_reward_model.py"), f"rm_model_file={models['rm']}",
                    *[f"inference.{p}" for p in ports + [workspace]], "inference.micro_batch_size=2"]
+        else:
+            cmd = [os.path.join(SCRIPTS, "generate_gpt.py"), f"gpt_model_file={models['actor']}", "server=True",
+                   ports[0]]
         self.proc = Proc([sys.executable] + cmd + extra, os.path.join(run_dir, f"{target}.log"))
 
     def wait_ready(self):
@@ -68,7 +75,7 @@ class Server:
         while time.monotonic() < deadline:
             text = self.proc.text()
             if READY[self.target] in text:
-                found = re.search(r"ready on (?:https?://)?\[?([^\]\s/]+?)\]?:(\d+)", text)
+                found = re.search(r" on (?:https?://)?\[?([^\]\s/]+?)\]?:(\d+)", text.split(READY[self.target], 1)[1])
                 return (found.group(1), int(found.group(2))) if found else ("127.0.0.1", None)
             if not self.proc.alive():
                 return None
@@ -123,6 +130,22 @@ def score_texts(host: str, port: int) -> str:
     return "" if rc == 0 else f"client: exit {rc}\n{out}"
 
 
+def generate_text(host: str, port: int) -> str:
+    """A PUT /generate for two prompts: "" if it answered with two sentences, else why not."""
+    import json
+    import urllib.request
+
+    body = json.dumps({"sentences": TEXTS[:2], "tokens_to_generate": 4}).encode()
+    request = urllib.request.Request(f"http://{host}:{port}/generate", data=body, method="PUT",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            sentences = json.loads(answer.read())["sentences"]
+        return "" if len(sentences) == 2 and all(isinstance(x, str) for x in sentences) else f"answered {sentences!r}"
+    except Exception as err:  # any failure to be served is what this check reports
+        return f"client: {type(err).__name__}: {err}"
+
+
 def serve_and_use(target: str, server_extra: list, actor_extra: list, run_dir: str, data: dict, models: dict,
                   timeout_s: float) -> dict:
     """One run: start the server, use it, stop it; the verdict over both sides."""
@@ -135,11 +158,12 @@ def serve_and_use(target: str, server_extra: list, actor_extra: list, run_dir: s
             rc = server.stop()
             text = server.proc.text()
             if target == "ppo":  # the base server must start
-                return {"verdict": "BROKEN", "last_lines": ["the base critic server did not start"] + text.splitlines()[-10:]}
+                return {"verdict": "BROKEN",
+                        "last_lines": ["the base critic server did not start"] + text.splitlines()[-10:]}
             return outcome("timeout" if alive else rc, text)
         host, port = address
-        if target == "rm_server":
-            problem = score_texts(host, port)
+        if target in ("rm_server", "text_server"):
+            problem = (score_texts if target == "rm_server" else generate_text)(host, port)
             client_rc, client_out = (0, "") if not problem else (1, problem)
         else:
             client_rc, client_out = run(actor_command(run_dir, data, models, port) + actor_extra, run_dir, timeout_s)
@@ -150,10 +174,11 @@ def serve_and_use(target: str, server_extra: list, actor_extra: list, run_dir: s
     if "Traceback (most recent call last)" in text:
         return {"verdict": "TRACEBACK", "last_lines": ["(server)"] + text.strip().splitlines()[-12:]}
     if rc != 0:
-        return {"verdict": "BROKEN", "last_lines": [f"(server exit {rc} after SIGTERM)"] + text.strip().splitlines()[-8:]}
+        return {"verdict": "BROKEN",
+                "last_lines": [f"(server exit {rc} after SIGTERM)"] + text.strip().splitlines()[-8:]}
     if target != "ppo" and client["verdict"] != "accepted":
         # the fuzzed server said it was ready: its user must be served (or refused in one line)
-        verdict = "BROKEN" if client["verdict"] in ("TRACEBACK", "timeout") or target == "rm_server" else "refused"
+        verdict = "BROKEN" if client["verdict"] in ("TRACEBACK", "timeout") or target != "critic" else "refused"
         return {"verdict": verdict, "last_lines": ["(client)"] + client["last_lines"]}
     return client
 
@@ -166,15 +191,15 @@ def main(argv=None) -> int:
     base = serve_and_use("critic", [], [], os.path.join(work, "base", "critic"), data, models, args.timeout_s)
     if base["verdict"] != "accepted":
         raise SystemExit("the base PPO run failed:\n" + "\n".join(base["last_lines"]))
-    if "rm_server" in args.targets:
-        base = serve_and_use("rm_server", [], [], os.path.join(work, "base", "rm_server"), data, models, args.timeout_s)
+    for target in {"rm_server", "text_server"} & set(args.targets):
+        base = serve_and_use(target, [], [], os.path.join(work, "base", target), data, models, args.timeout_s)
         if base["verdict"] != "accepted":
-            raise SystemExit("the base reward-model server run failed:\n" + "\n".join(base["last_lines"]))
+            raise SystemExit(f"the base {target} run failed:\n" + "\n".join(base["last_lines"]))
     cases = []
     for target in args.targets:
         shipped = OmegaConf.load(os.path.join(SCRIPTS, "conf", CONFIGS[target] + ".yaml"))
         for key, default in leaves(shipped):
-            if not any(s in key for s in SKIPPED + ("rm_model_file",)):
+            if not any(s in key for s in SKIPPED + ("rm_model_file", "gpt_model_file", "prompts_file", "output_file")):
                 cases += [(target, key, value) for value in hostile_values(default)]
     random.Random(args.seed).shuffle(cases)
     cases = list(enumerate(cases[: args.runs]))
