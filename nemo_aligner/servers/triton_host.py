@@ -313,6 +313,7 @@ def serve_forever(address: ServerAddress, bind, description: str, key: str, limi
                 triton.__enter__()  # starts tritonserver
                 stack.enter_context(_guarded(address, backend_port, limits, key))
                 bind(triton)
+            stop.serving = True  # from here a signal only ends serving (no KeyboardInterrupt)
             print(f"{description} ready on {address.url} (grpc {address.grpc_port}, metrics {address.metrics_port})",
                   flush=True)
             serve_until_stopped(triton, stop)
