@@ -223,6 +223,12 @@ def reward_model_with(**values):
     return lambda: MegatronGPTRewardModel(OmegaConf.create(dict(TINY_ARCH, **values)), ByteTokenizer())
 
 
+def group_sampling(**values):
+    from nemo_aligner.algorithms.reinforce import check_group_sampling
+
+    return lambda: check_group_sampling(OmegaConf.create(values), "grpo")
+
+
 def copied_value():
     from nemo_aligner.utils.config_checks import check_config_values
 
@@ -454,6 +460,12 @@ CONFIG_CASES = {
     "beta-list-outside-spin": (section_values("model.dpo", ref_policy_kl_penalty=[0.1, 0.2]),
                                r"^model\.dpo\.ref_policy_kl_penalty=\[0\.1, 0\.2\] must be one number, got a list "
                                r"\(a list, one value per iteration, is for SPIN\)$"),
+    "negative-init-std": (config_values(**{"model.init_method_std": -1}), r"^model\.init_method_std=-1 must be > 0$"),
+    "sample-range-as-a-list": (section_values("", end_at_idx=[1]), r"^end_at_idx=\[1\] must be an integer, got a list$"),
+    "group-size-null": (group_sampling(num_responses_per_prompt=None),
+                        r"^model\.grpo\.num_responses_per_prompt=null: this key needs a value \(the group size\)$"),
+    "rollout-prompts-null": (section_values("model.ppo", num_rollout_samples=None),
+                             r"^model\.ppo\.num_rollout_samples=null: this key needs a value$"),
     "negative-interval": (config_values(**{"trainer.sft.save_interval": -5}),
                           r"trainer\.sft\.save_interval=-5 must be >= 0"),
     "max-steps-not-an-integer": (config_values(**{"trainer.sft.max_steps": "abc"}),

@@ -61,7 +61,10 @@ def check_group_sampling(rl_cfg, name: str, refuse_greedy: bool = True) -> int:
     """``num_responses_per_prompt`` of a group-baseline method, checked: at least 2, and sampled (greedy
     or temperature 0 would give identical responses, so every advantage would be 0). REINFORCE only
     warns about greedy sampling: NeMo-Aligner runs it (its CI does) and the KL term still trains."""
-    n = int(rl_cfg.get("num_responses_per_prompt", 4))
+    n = rl_cfg.get("num_responses_per_prompt", 4)
+    if n is None:
+        raise ConfigError(f"model.{name}.num_responses_per_prompt=null: this key needs a value (the group size)")
+    n = int(n)
     if n < 2:  # the baseline is the other responses' (or the group's) mean: with one, every advantage is 0
         raise ConfigError(f"model.{name}.num_responses_per_prompt={n}: the baseline comes from the other responses "
                           "to the same prompt, so it needs >= 2 (with 1 every advantage is 0)")

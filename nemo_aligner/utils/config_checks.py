@@ -31,7 +31,7 @@ POSITIVE_INTS = frozenset({
 NON_NEGATIVE_INTS = frozenset({
     "critic_warmup_steps", "num_workers",
     "max_consecutive_nonfinite_steps", "min_length", "top_k", "max_retries", "tokens_to_generate",
-    "min_tokens_to_generate", "seed", "max_queue_delay_microseconds",
+    "min_tokens_to_generate", "seed", "max_queue_delay_microseconds", "start_from_idx", "end_at_idx",
 })
 NON_NEGATIVE_NUMBERS = frozenset({
     "val_check_interval", "save_interval", "lr", "min_lr", "weight_decay", "gradient_clip_val", "temperature", "warmup_steps", "timeout_s",
@@ -47,7 +47,8 @@ FINITE_NUMBERS = frozenset({"default_chosen_reward", "default_rejected_reward", 
 NOT_NULL = frozenset({"seed", "global_batch_size", "micro_batch_size", "gt_reward_scale", "sft_loss_weight", "preference_loss_weight",
                       "prompt_template", "label_key", "ratio_eps", "discount_factor", "gae_lambda", "max_length",
                       "num_rollouts_per_prompt", "top_n_rollouts", "desirable_loss_weight", "undesirable_loss_weight",
-                      "kd_loss_weight", "target_logits_scale", "logits_scale", "loss_clip_val", "shutdown_idle_s"})
+                      "kd_loss_weight", "target_logits_scale", "logits_scale", "loss_clip_val", "shutdown_idle_s",
+                      "num_rollout_samples"})
 # Text values (record field names, templates).
 STRINGS = frozenset({"prompt_template", "label_key", "truncation_field"})
 # One path each (a list or a number there would reach os.path as a list or a file descriptor).
@@ -62,8 +63,9 @@ CHOICES = {
 UNIT_INTERVAL = frozenset({"hidden_dropout", "attention_dropout", "ffn_dropout"})
 # At most 1: GAE's discount (gamma) and lambda, nucleus sampling's probability mass.
 AT_MOST_ONE = frozenset({"discount_factor", "gae_lambda", "top_p"})
-# std: the reward model's reward_standardization.std; the scales divide knowledge distillation's logits.
-POSITIVE_NUMBERS = frozenset({"eps", "std", "target_logits_scale", "logits_scale"})
+# std: the reward model's reward_standardization.std; the scales divide knowledge distillation's logits;
+# init_method_std: the spread of newly initialised weights (a reward head, a model built from scratch).
+POSITIVE_NUMBERS = frozenset({"eps", "std", "target_logits_scale", "logits_scale", "init_method_std"})
 # TCP ports (null: not served / chosen freely).
 PORTS = frozenset({"port", "grpc_port", "metrics_port"})
 # Keys NeMo-Aligner's configs carry that this project does not implement: accepted at the value that
