@@ -426,8 +426,8 @@ CONFIG_CASES = {
                                 r"model\.knowledge_distillation\.logits_scale=0\.0 must be > 0"),
     "null-prompt-template": (config_values(**{"model.data.train_ds.prompt_template": None}),
                              r"model\.data\.train_ds\.prompt_template=null: this key needs a value"),
-    "nan-anywhere": (config_values(**{"model.init_method_std": float("nan")}),
-                     r"model\.init_method_std=nan is not a number"),
+    "nan-anywhere": (config_values(**{"model.data.train_ds.min_seq_length": float("nan")}),
+                     r"model\.data\.train_ds\.min_seq_length=nan is not a number"),
     "unknown-recompute-granularity": (config_values(**{"model.activations_checkpoint_granularity": "some"}),
                                       r"model\.activations_checkpoint_granularity='some' must be one of full, "
                                       r"selective, null"),

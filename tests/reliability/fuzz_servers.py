@@ -186,6 +186,7 @@ def serve_and_use(target: str, server_extra: list, actor_extra: list, run_dir: s
 def main(argv=None) -> int:
     args = arguments(__doc__, 80, list(CONFIGS)).parse_args(argv)
     work = tempfile.mkdtemp(prefix="fuzz_servers_")
+    os.chdir(work)  # relative paths a fuzzed value names (workspace_dir=abc) land here
     data = BuiltinTask(seed=0).write_all(os.path.join(work, "data"), n_train=64, n_val=16)
     models = make_ppo_models(work)
     base = serve_and_use("critic", [], [], os.path.join(work, "base", "critic"), data, models, args.timeout_s)
