@@ -183,7 +183,7 @@ def check_config_values(cfg: DictConfig) -> None:
                 raise ConfigError(f"{path}={value!r} is not supported: {instead}")
             continue
         if name in VALUE_OR_LIST and isinstance(value, (DictConfig, ListConfig)):
-            if isinstance(value, ListConfig) and (path.startswith("spin.") or ".spin." in path):
+            if isinstance(value, ListConfig) and ".spin." in f".{path}":
                 continue  # SPIN's one beta per iteration: checked by its model
             raise ConfigError(f"{path}={shown(value)} must be one number, got {type_name(value)} (a list, one value "
                               "per iteration, is for SPIN)")

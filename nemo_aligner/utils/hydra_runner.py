@@ -114,13 +114,16 @@ def hydra_runner(config_path: str, config_name: str, extra_keys=()) -> Callable:
 
     def decorator(task: Callable[[DictConfig], object]) -> Callable:
         command_line: List[str] = []  # the arguments as given, for the ranks started by trainer.devices
-        caller_dir = os.path.dirname(os.path.abspath(sys.modules[task.__module__].__file__))
-        path = config_path if os.path.isabs(config_path) else os.path.join(caller_dir, config_path)
+
+        def config_dir() -> str:
+            """``config_path`` next to the script (read when a command line is parsed, not at import)."""
+            caller_dir = os.path.dirname(os.path.abspath(sys.modules[task.__module__].__file__))
+            return config_path if os.path.isabs(config_path) else os.path.join(caller_dir, config_path)
 
         @functools.wraps(task)
         def guarded(cfg: DictConfig):
             try:
-                cfg = prepare_config(cfg, config_name, command_line[1:], extra_keys, path)
+                cfg = prepare_config(cfg, config_name, command_line[1:], extra_keys, config_dir())
                 spawned = maybe_spawn(cfg.get("trainer"), argv=command_line)
                 if spawned is not None:  # this process started the ranks and waited for them
                     sys.exit(spawned)
@@ -143,7 +146,7 @@ def hydra_runner(config_path: str, config_name: str, extra_keys=()) -> Callable:
             # Hydra's flags first, then every override: argparse refuses overrides on both sides of a
             # flag, and NeMo-Aligner's commands put --config-path/--config-name first.
             sys.argv = [sys.argv[0]] + flags + extra + overrides
-            return hydra.main(config_path=path, config_name=config_name, version_base=None)(guarded)()
+            return hydra.main(config_path=config_dir(), config_name=config_name, version_base=None)(guarded)()
 
         return wrapper
 

@@ -150,26 +150,26 @@ def serve_and_use(target: str, server_extra: list, actor_extra: list, run_dir: s
                   timeout_s: float) -> dict:
     """One run: start the server, use it, stop it; the verdict over both sides."""
     server = Server(target if target != "ppo" else "critic", server_extra, run_dir, models)
-    address = None
+    address, hung = None, False
     try:
         address = server.wait_ready()
-        if address is None:
-            alive = server.proc.alive()
-            rc = server.stop()
-            text = server.proc.text()
-            if target == "ppo":  # the base server must start
-                return {"verdict": "BROKEN",
-                        "last_lines": ["the base critic server did not start"] + text.splitlines()[-10:]}
-            return outcome("timeout" if alive else rc, text)
-        host, port = address
-        if target in ("rm_server", "text_server"):
-            problem = (score_texts if target == "rm_server" else generate_text)(host, port)
-            client_rc, client_out = (0, "") if not problem else (1, problem)
-        else:
-            client_rc, client_out = run(actor_command(run_dir, data, models, port) + actor_extra, run_dir, timeout_s)
+        hung = address is None and server.proc.alive()
+        if address is not None:
+            host, port = address
+            if target in ("rm_server", "text_server"):
+                problem = (score_texts if target == "rm_server" else generate_text)(host, port)
+                client_rc, client_out = (0, "") if not problem else (1, problem)
+            else:
+                client_rc, client_out = run(actor_command(run_dir, data, models, port) + actor_extra, run_dir,
+                                            timeout_s)
     finally:
-        rc = server.stop() if address is not None else None
+        rc = server.stop()
     text = server.proc.text()
+    if address is None:
+        if target == "ppo":  # the base server must start
+            return {"verdict": "BROKEN",
+                    "last_lines": ["the base critic server did not start"] + text.splitlines()[-10:]}
+        return outcome("timeout" if hung else rc, text)
     client = outcome(client_rc, client_out)
     if "Traceback (most recent call last)" in text:
         return {"verdict": "TRACEBACK", "last_lines": ["(server)"] + text.strip().splitlines()[-12:]}
