@@ -139,6 +139,9 @@ def test_every_socket_of_a_one_machine_job_listens_on_loopback_only(tmp_path, ho
     seen = json.loads(out.read_text())
     assert seen["processes"] == 3 and seen["listening"], seen  # the supervisor and both ranks; a store listens
     assert all(ip == "127.0.0.1" for ip, _ in seen["listening"]), seen
+    # trainer.devices=2: the ranks' store is the agent's, listening before any rank starts (a port
+    # chosen, released and bound again by rank 0 may be taken in between by another process)
+    assert seen["master_port_listener"] == ("supervisor" if how == "devices" else "rank 0"), seen
 
 
 def test_started_ranks_report_an_error_once_and_exit_1(tmp_path, builtin_data):
@@ -188,3 +191,30 @@ def test_nemo_extraction_knows_the_local_rank_under_mpirun(monkeypatch):
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2")
     assert _local_rank() == 1
+
+
+@pytest.mark.parametrize("form", ["addr_port", "bootstrap_info"])
+def test_agent_shared_store_listens_on_its_address_only(form):
+    """The store the elastic agent shares with its ranks, in both call forms torch has used."""
+    import socket
+    from types import SimpleNamespace
+
+    import psutil
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    from nemo_aligner.utils.patches.rendezvous_store import stores_bound_to_their_host
+
+    with stores_bound_to_their_host() as shared:
+        assert shared
+        args = ("127.0.0.1", 0) if form == "addr_port" else (SimpleNamespace(master_addr="127.0.0.1", master_port=0),)
+        store = DynamicRendezvousHandler._create_tcp_store_server(None, *args)
+    assert store.port > 0
+    mine = [c.laddr for c in psutil.Process().net_connections("inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port]
+    assert [a.ip for a in mine] == ["127.0.0.1"], mine
+    store.set("k", "v")
+    client = __import__("torch").distributed.TCPStore("127.0.0.1", store.port, is_master=False)
+    assert client.get("k") == b"v"
+    with pytest.raises(OSError):  # still bound: nobody else can take the port
+        socket.create_server(("127.0.0.1", store.port))
+    assert DynamicRendezvousHandler._create_tcp_store_server.__name__ == "_create_tcp_store_server"

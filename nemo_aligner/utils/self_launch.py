@@ -81,9 +81,6 @@ def spawn_ranks(nproc: int, argv: Optional[List[str]] = None) -> int:
         # that fails has already printed its one-line error.
         logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ["NEMO_ALIGNER_SPAWNED"] = "1"  # the ranks: start-up warnings were printed here already
-    # Rank 0 hosts the ranks' store (listening on 127.0.0.1 only, see distributed.init_distributed)
-    # instead of a second store in this agent that torch binds to every interface.
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     extra = {"local_addr": "127.0.0.1"} if "local_addr" in LaunchConfig.__dataclass_fields__ else {}
     config = LaunchConfig(
         **extra,  # the ranks reach the agent's store on 127.0.0.1, where it listens (not this host's name)
@@ -98,7 +95,11 @@ def spawn_ranks(nproc: int, argv: Optional[List[str]] = None) -> int:
         monitor_interval=0.2,
     )
     try:
-        with stores_bound_to_their_host():
+        with stores_bound_to_their_host() as shared:
+            # The agent's store, already listening, is the ranks' MASTER_PORT: no port is chosen,
+            # released and bound again later (another process may take it in between).
+            if not shared:
+                os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
             elastic_launch(config, entrypoint=sys.executable)(*worker_command(argv))
     except ChildFailedError as err:
         codes = [failure.exitcode for _, failure in sorted(err.failures.items())]

@@ -1,5 +1,6 @@
 """Rank 0 writes every listening inet socket of the job's processes (the supervising one, if any,
-and all ranks) to ``argv[1]`` as JSON, while all ranks are alive. Without RANK in the environment
+and all ranks), and which process listens on MASTER_PORT, to ``argv[1]`` as JSON, while all ranks
+are alive. Without RANK in the environment
 this process starts 2 ranks itself, as ``trainer.devices=2`` does (``argv[2] == "env"``: as an
 external launcher does, only RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT telling each its place)."""
 
@@ -32,10 +33,13 @@ def main():
     if info.rank == 0:
         root = psutil.Process(int(os.environ.get("JOB_ROOT_PID") or os.getppid()))
         processes = [root, *root.children(recursive=True)]
-        listening = sorted({(c.laddr.ip, c.laddr.port) for p in processes for c in p.net_connections("inet")
-                            if c.status == psutil.CONN_LISTEN})
+        listeners = {(c.laddr.ip, c.laddr.port): p.pid for p in processes for c in p.net_connections("inet")
+                     if c.status == psutil.CONN_LISTEN}
+        master = [pid for (_, port), pid in listeners.items() if port == int(os.environ["MASTER_PORT"])]
         with open(sys.argv[1], "w") as out:
-            json.dump({"processes": len(processes), "listening": listening}, out)
+            json.dump({"processes": len(processes), "listening": sorted(listeners),
+                       "master_port_listener": ("supervisor" if master == [root.pid] else
+                                                "rank 0" if master == [os.getpid()] else master)}, out)
     barrier()
 
 
