@@ -283,6 +283,8 @@ class ServerProcess:
     """A server script (python or torchrun) in its own session, whose output goes to a log; always stopped."""
 
     def __init__(self, tmp_path, script: str, ready_text: str, nproc: int = 1, like_nproc: int = None):
+        import atexit
+        import shutil
         import tempfile
         from pathlib import Path
 
@@ -293,6 +295,7 @@ class ServerProcess:
         self.port = free_port()
         # Short: PyTriton's unix sockets live in the workspace (paths under ~108 bytes).
         self.workspace = Path(tempfile.mkdtemp(prefix="ws_", dir="/tmp"))
+        atexit.register(shutil.rmtree, self.workspace, True)  # also for a test that never calls cleanup()
         self.log = open(tmp_path / f"{os.path.basename(script)}.{self.port}.log", "w+")
         self.proc = None
         self.children = []

@@ -133,9 +133,12 @@ def test_every_socket_of_a_one_machine_job_listens_on_loopback_only(tmp_path, ho
 
     out = tmp_path / "listening.json"
     worker = os.path.join(os.path.dirname(__file__), "workers", "listening_sockets.py")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
     proc = subprocess.run([sys.executable, worker, str(out), *(["env"] if how == "env" else [])],
-                          env=subprocess_env(2), capture_output=True, text=True, timeout=180)
+                          env=dict(subprocess_env(2), TMPDIR=str(temp)), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    assert os.listdir(temp) == []  # the elastic agent's log directories are gone with the job
     seen = json.loads(out.read_text())
     assert seen["processes"] == 3 and seen["listening"], seen  # the supervisor and both ranks; a store listens
     assert all(ip == "127.0.0.1" for ip, _ in seen["listening"]), seen

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tempfile
 import uuid
 from typing import List, Optional
 
@@ -82,6 +83,13 @@ def spawn_ranks(nproc: int, argv: Optional[List[str]] = None) -> int:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ["NEMO_ALIGNER_SPAWNED"] = "1"  # the ranks: start-up warnings were printed here already
     extra = {"local_addr": "127.0.0.1"} if "local_addr" in LaunchConfig.__dataclass_fields__ else {}
+    # The agent's per-rank error files go to a directory removed afterwards (torch's default leaves
+    # a /tmp/torchelastic_* directory behind per run); a failed rank has printed its error already.
+    logs = tempfile.TemporaryDirectory(prefix="nemo_aligner_ranks_")
+    if "logs_specs" in LaunchConfig.__dataclass_fields__:
+        from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+
+        extra["logs_specs"] = DefaultLogsSpecs(log_dir=logs.name)
     config = LaunchConfig(
         **extra,  # the ranks reach the agent's store on 127.0.0.1, where it listens (not this host's name)
         min_nodes=1,
@@ -109,6 +117,8 @@ def spawn_ranks(nproc: int, argv: Optional[List[str]] = None) -> int:
         return 128 + int(err.sigval)
     except KeyboardInterrupt:
         return 130
+    finally:
+        logs.cleanup()
     return 0
 
 

@@ -18,10 +18,12 @@ status 1 if any kill was not resumed, a checkpoint was lost, or the losses diffe
 from __future__ import annotations
 
 import argparse
+import atexit
 import glob
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -287,12 +289,15 @@ class PPORun:
         self.port = free_port()
 
     def critic_command(self) -> List[str]:
+        # a fresh workspace per start (a killed critic leaves its own behind), short for PyTriton's socket paths
+        workspace = tempfile.mkdtemp(prefix="ws_", dir="/tmp")
+        atexit.register(shutil.rmtree, workspace, True)
         return [sys.executable, os.path.join(SCRIPTS, "serve_ppo_critic.py"),
                 f"pretrained_checkpoint.restore_from_path={self.models['rm']}",
                 f"exp_manager.explicit_log_dir={self.critic_dir}", "exp_manager.resume_if_exists=True",
                 "exp_manager.resume_ignore_no_checkpoint=True", f"trainer.ppo.port={self.port}",
                 f"trainer.ppo.grpc_port={free_port()}", f"trainer.ppo.metrics_port={free_port()}",
-                f"trainer.ppo.workspace_dir={tempfile.mkdtemp(prefix='ws_', dir='/tmp')}",
+                f"trainer.ppo.workspace_dir={workspace}",
                 "model.global_batch_size=16", "model.micro_batch_size=8", "model.forward_micro_batch_size=8"]
 
     def actor_command(self) -> List[str]:
