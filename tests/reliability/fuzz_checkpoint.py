@@ -23,7 +23,7 @@ import tarfile
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fuzz_config import Targets, arguments, hostile_values, outcome, prepared, run, run_all  # noqa: E402
+from fuzz_config import Targets, arguments, finished, hostile_values, outcome, prepared, run, run_all  # noqa: E402
 
 TARGETS = [t for t in Targets.CONFIGS if t != "sft"]  # SFT here starts from random weights
 DAMAGE = ["cut", "drop", "empty", "garbage", "flip", "config"]
@@ -99,7 +99,8 @@ def main(argv=None) -> int:
         rc, out = run(cmd, work, args.timeout_s)
         return {"target": target, "damage": what, **outcome(rc, out)}
 
-    return run_all(cases, one, args.workers, args.json, lambda r: f"{r['target']} {r['damage']}")
+    return finished(work, run_all(cases, one, args.workers, args.json, lambda r: f"{r['target']} {r['damage']}"),
+                    args.keep)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import concurrent.futures
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -148,7 +149,19 @@ def arguments(doc: str, runs: int, targets: list) -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--timeout-s", type=float, default=300)
     parser.add_argument("--json", help="write every run's outcome here")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the work directory (kept anyway when a run failed)")
     return parser
+
+
+def finished(work: str, status: int, keep: bool) -> int:
+    """Remove the work directory (hundreds of MB) unless asked to keep it or a run failed; returns
+    ``status``."""
+    if status or keep:
+        print(f"work directory: {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    return status
 
 
 def prepared(args, prefix: str):
@@ -232,7 +245,8 @@ def main(argv=None) -> int:
                       args.timeout_s)
         return {"target": target, "key": key, "value": value, **outcome(rc, out)}
 
-    return run_all(cases, one, args.workers, args.json, lambda r: f"{r['target']} {r['key']}={r['value']}")
+    return finished(work, run_all(cases, one, args.workers, args.json,
+                                  lambda r: f"{r['target']} {r['key']}={r['value']}"), args.keep)
 
 if __name__ == "__main__":
     sys.exit(main())

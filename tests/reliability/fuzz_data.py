@@ -18,7 +18,7 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fuzz_config import Targets, arguments, outcome, prepared, run, run_all  # noqa: E402
+from fuzz_config import Targets, arguments, finished, outcome, prepared, run, run_all  # noqa: E402
 
 HOSTILE_VALUES = [None, 0, -1, 1.5, True, [], ["a"], {}, {"x": 1}, "", " ", "\u0000", "x" * 20000, "\ud800"]
 LINE_MUTATIONS = ["cut", "not-json", "empty-object", "array", "bom", "latin1", "nan", "blank-lines", "duplicate-key"]
@@ -87,8 +87,8 @@ def main(argv=None) -> int:
         rc, out = run(cmd, work, args.timeout_s)
         return {"target": target, "file": key, "line": line, "mutation": what, **outcome(rc, out)}
 
-    return run_all(cases, one, args.workers, args.json,
-                   lambda r: f"{r['target']} {r['file']}:{r['line']} {r['mutation']}")
+    return finished(work, run_all(cases, one, args.workers, args.json,
+                                  lambda r: f"{r['target']} {r['file']}:{r['line']} {r['mutation']}"), args.keep)
 
 if __name__ == "__main__":
     sys.exit(main())

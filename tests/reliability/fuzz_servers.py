@@ -32,7 +32,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from chaos import Proc, make_ppo_models  # noqa: E402
-from fuzz_config import SCRIPTS, SKIPPED, arguments, hostile_values, leaves, outcome, run, run_all  # noqa: E402
+from fuzz_config import SCRIPTS, SKIPPED, arguments, finished, hostile_values, leaves, outcome, run, run_all  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from nemo_aligner.data.nlp.builtin_task import BuiltinTask  # noqa: E402
@@ -213,8 +213,8 @@ def main(argv=None) -> int:
                                args.timeout_s)
         return {"target": target, "key": key, "value": value, **result}
 
-    return run_all(cases, one, args.workers, args.json, lambda r: f"{r['target']} {r['key']}={r['value']}",
-                   failures=("TRACEBACK", "timeout", "BROKEN"))
+    return finished(work, run_all(cases, one, args.workers, args.json, lambda r: f"{r['target']} {r['key']}={r['value']}",
+                                  failures=("TRACEBACK", "timeout", "BROKEN")), args.keep)
 
 
 if __name__ == "__main__":
