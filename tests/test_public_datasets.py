@@ -105,6 +105,81 @@ def test_hh_errors_name_file_and_line(tmp_path):
     assert not (tmp_path / "out" / "test_dpo.jsonl").exists()  # nothing half-written
 
 
+CAI_HH = os.path.join(REPO, "examples", "nlp", "cai", "process_anthropic_hh_using_chat_prompt.py")
+
+
+def run_cai_hh(*args):
+    return subprocess.run([sys.executable, CAI_HH, *map(str, args)], env=subprocess_env(), capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_anthropic_hh_in_a_chat_template_for_cai(tmp_path):
+    """NeMo-Aligner's CAI preparation of HH: its default <extra_id_*> template (with the empty system
+    turn), the whole history, eos appended; pairs that do not parse are dropped."""
+    from nemo_aligner.data.nlp.dpo_dataset import DPOPairDataset
+    from nemo_aligner.data.nlp.reward_datasets import RewardComparisonDataset
+
+    hh = tmp_path / "hh-rlhf"
+    odd = [  # an empty answer, two answers to one turn, a trailing "Human:" (cut off) and a differing history
+        {"chosen": "\n\nHuman: Q\n\nAssistant: ", "rejected": "\n\nHuman: Q\n\nAssistant: no"},
+        {"chosen": "\n\nHuman: Q\n\nAssistant: a\n\nAssistant: b", "rejected": "\n\nHuman: Q\n\nAssistant: c"},
+        {"chosen": "\n\nHuman: Hey\n\nAssistant: Hi.\n\nHuman:", "rejected": "\n\nHuman: Hey\n\nAssistant: Go.\n\nHuman:"},
+    ]
+    for subset, rows in (("helpful-base", HH + odd), ("helpful-online", HH[1:2])):
+        (hh / subset).mkdir(parents=True)
+        write_jsonl(hh / subset / "train.jsonl.gz", rows, gz=True)
+        write_jsonl(hh / subset / "test.jsonl.gz", HH[:1], gz=True)
+    out = tmp_path / "out"
+    proc = run_cai_hh("--input-dir", hh, "--output-dir", out, "--dataset-dir-name", "helpful-base", "helpful-online",
+                      "--output-file-name-prefix", "helpful")
+    assert proc.returncode == 0, proc.stderr
+    assert "train: 3 pairs dropped" in proc.stdout
+    sys_turn, user, eos = "<extra_id_0>System\n\n", "<extra_id_1>User\n{}\n<extra_id_1>Assistant\n", "<extra_id_1>"
+    prompt = sys_turn + user.format("Hi there") + "Hello!\n" + user.format("What is 2+2?")
+    prompts = [r["text"] for r in read_jsonl(str(out / "helpful_train_prompts_with_chat_prompt.jsonl"))]
+    assert prompts == [prompt, sys_turn + user.format("Name a colour."), sys_turn + user.format("Hey"),
+                       sys_turn + user.format("Name a colour.")]
+    comparisons = [r["text"] for r in read_jsonl(str(out / "helpful_train_comparisons_with_chat_prompt.jsonl"))]
+    assert comparisons[:2] == [prompt + "4.\n" + eos, prompt + "5.\n" + eos]
+    assert comparisons[4:6] == [prompts[2] + "Hi.\n" + eos, prompts[2] + "Go.\n" + eos]
+    assert len(comparisons) == 8
+    dpo = read_jsonl(str(out / "helpful_test_dpo_with_chat_prompt.jsonl"))
+    assert (dpo[0]["prompt"], dpo[0]["chosen_response"], dpo[0]["rejected_response"]) == (prompt, "4.\n" + eos, "5.\n" + eos)
+    assert len(RewardComparisonDataset(str(out / "helpful_train_comparisons_with_chat_prompt.jsonl"), TOK, 512)) == 4
+    assert len(DPOPairDataset(str(out / "helpful_test_dpo_with_chat_prompt.jsonl"), TOK, 512)) == 2  # one per subset
+
+    # NeMo-Aligner's --add-eos False names, and a template of the user's (Mistral's, no system turn)
+    plain = run_cai_hh("--input-dir", hh, "--output-dir", out, "--dataset-dir-name", "helpful-online",
+                       "--add-eos", "False", "--user_format", "[INST] {MESSAGE} [/INST]", "--assistant_format",
+                       "{MESSAGE}</s> ", "--system_format", "", "--bos_token", "<s>", "--eos_token", "</s>")
+    assert plain.returncode == 0, plain.stderr
+    rows = read_jsonl(str(out / "train_comparisons_with_chat_prompt_no_extra_id_eos.jsonl"))
+    assert [r["text"] for r in rows] == ["<s>[INST] Name a colour. [/INST]Blue.</s> ",
+                                         "<s>[INST] Name a colour. [/INST]I will not.</s> "]
+
+
+def test_cai_hh_refusals_are_one_line(tmp_path):
+    hh = tmp_path / "hh-rlhf"
+    (hh / "helpful-base").mkdir(parents=True)
+    write_jsonl(hh / "helpful-base" / "train.jsonl", HH)  # no test split
+    cases = [(["--dataset-dir-name", "helpful-base"], "no test.jsonl or test.jsonl.gz"),
+             (["--dataset-dir-name", "red-team"], "--dataset-dir-name 'red-team' is not one of"),
+             (["--dataset-dir-name", "helpful-base", "helpful-base"], "names a subset twice"),
+             (["--dataset-dir-name", "helpful-base", "--user_format", "User:"], "--user_format='User:' must contain")]
+    for extra, message in cases:
+        proc = run_cai_hh("--input-dir", hh, "--output-dir", tmp_path / "out", *extra)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert message in proc.stderr, (extra, proc.stderr)
+    assert not (tmp_path / "out").exists()  # the train split is not written when the test split is missing
+    env = subprocess_env()
+    env["PYTHONPATH"] = str(tmp_path / "no_datasets") + os.pathsep + env.get("PYTHONPATH", "")
+    (tmp_path / "no_datasets").mkdir()
+    (tmp_path / "no_datasets" / "datasets.py").write_text("raise ImportError('not installed')\n")
+    proc = subprocess.run([sys.executable, CAI_HH, "--output-dir", str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "--input-dir is not set and Hugging Face datasets is not installed" in proc.stderr
+
+
 def test_helpsteer_and_helpsteer2_to_steerlm(tmp_path):
     from nemo_aligner.data.nlp.sft_dataset import GPTSFTChatDataset
 

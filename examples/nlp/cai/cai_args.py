@@ -49,7 +49,9 @@ def template(args):
     fields = {k: unescape(getattr(args, k)) for k in ("user_format", "assistant_format", "system_format",
                                                       "system_default_message", "bos_token", "eos_token",
                                                       "response_extract_pattern")}
-    return ChatTemplate(**{k: v for k, v in fields.items() if v})  # an empty format: that part is absent
+    # An empty format or token: that part is absent. An empty system_default_message still writes the
+    # system turn (its header with no text), as NeMo-Aligner's template does.
+    return ChatTemplate(**{k: v for k, v in fields.items() if v or (k == "system_default_message" and v is not None)})
 
 
 def literal(value, name):

@@ -6,7 +6,7 @@ data. The scripts in ``examples/nlp/data/`` are thin command lines over these fu
 from __future__ import annotations
 
 import random
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from nemo_aligner.data.nlp.jsonl import require_fields
 from nemo_aligner.data.nlp.steerlm_labels import NEMO_ATTRIBUTES, assistant_turn_texts
@@ -98,6 +98,48 @@ def hh_to_rlhf(records: Iterable[Dict], path: str) -> Dict[str, List[Dict]]:
         out["kto"] += [{"prompt": prompt + " ", "response": good, "preference": "chosen"},
                        {"prompt": prompt + " ", "response": bad, "preference": "rejected"}]
     return out
+
+
+def hh_chat_messages(transcript: str) -> Optional[List[Dict]]:
+    """An HH transcript as chat messages (``{"role": "User"|"Assistant", "content"}``), read as NeMo-Aligner's
+    Constitutional AI preparation reads it: each human turn must have exactly one answer and neither
+    may be empty, else None (the record is dropped)."""
+    messages: List[Dict] = []
+    for segment in (s.strip() for s in transcript.split("\n\nHuman: ")):
+        if not segment:
+            continue
+        parts = segment.split("\n\nAssistant: ")
+        if len(parts) != 2:
+            return None
+        body, response = parts
+        for tail in ("\n\nHuman", "\n\nHuman:", "\n\nHuman: "):
+            if response.endswith(tail):
+                response = response[: -len(tail)]
+                break
+        body, response = body.strip(), response.strip()
+        if not body or not response:
+            return None
+        messages += [{"role": "User", "content": body}, {"role": "Assistant", "content": response}]
+    return messages or None
+
+
+def hh_to_chat_comparisons(records: Iterable[Dict], path: str, format_messages: Callable[[List[Dict]], str],
+                           eos: str = "") -> Tuple[List[Dict], int]:
+    """Anthropic HH rows to ``{"prompt", "chosen", "rejected"}`` in a chat template: ``prompt`` is every
+    turn before the last answer, formatted; ``chosen``/``rejected`` the whole conversation, formatted,
+    plus ``eos``. Rows that do not parse or whose two prompts differ are dropped; returns the pairs and
+    the count dropped."""
+    pairs, dropped = [], 0
+    for record in records:
+        require_fields(record, ["chosen", "rejected"], path, types=(str,))
+        chosen, rejected = hh_chat_messages(record["chosen"]), hh_chat_messages(record["rejected"])
+        prompt = format_messages(chosen[:-1]) if chosen else ""
+        if not chosen or not rejected or not prompt or prompt != format_messages(rejected[:-1]):
+            dropped += 1
+            continue
+        pairs.append({"prompt": prompt, "chosen": format_messages(chosen) + eos,
+                      "rejected": format_messages(rejected) + eos})
+    return pairs, dropped
 
 
 # ------------------------------------------------------------------------------- SteerLM sources
