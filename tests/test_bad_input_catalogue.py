@@ -361,6 +361,12 @@ def generate_prompts(**overrides):
     return lambda: read_prompts(shipped_config("gpt_generate", **overrides))
 
 
+def eval_parallel_sizes(**overrides):
+    from nemo_aligner.recipes.generate import apply_eval_parallel_sizes
+
+    return lambda: apply_eval_parallel_sizes(shipped_config("gpt_generate", **overrides))
+
+
 CONFIG_CASES = {
     "peft-ptuning": (lora_config(**{"model.peft.peft_scheme": "ptuning"}),
                      r"model\.peft\.peft_scheme='ptuning' is not supported \(supported: lora, none\)"),
@@ -466,6 +472,23 @@ CONFIG_CASES = {
                         r"^model\.grpo\.num_responses_per_prompt=null: this key needs a value \(the group size\)$"),
     "rollout-prompts-null": (section_values("model.ppo", num_rollout_samples=None),
                              r"^model\.ppo\.num_rollout_samples=null: this key needs a value$"),
+    "parallel-size-null": (config_values(**{"model.tensor_model_parallel_size": None}),
+                           r"^model\.tensor_model_parallel_size=null: this key needs a value$"),
+    "rope-scaling-as-a-dict": (config_values(**{"model.seq_len_interpolation_factor": {"x": 1}}),
+                               r"^model\.seq_len_interpolation_factor=\{'x': 1\} must be a number, got a dict$"),
+    "generate-length-null": (generate_config(**{"inference.tokens_to_generate": None}),
+                             r"^inference\.tokens_to_generate=null: this key needs a value$"),
+    "output-path-as-a-dict": (section_values("", output_path={"x": 1}),
+                              r"^output_path=\{'x': 1\} must be one path, got a dict$"),
+    "eval-web-server": (generate_config(web_server=True), r"^web_server=True is not supported: NeMo's Gradio web page"),
+    "eval-split-rank": (generate_config(pipeline_model_parallel_split_rank=2),
+                        r"^pipeline_model_parallel_split_rank=2 is not supported: it splits encoder-decoder models"),
+    "eval-parallel-size-zero": (generate_config(tensor_model_parallel_size=0),
+                                r"^tensor_model_parallel_size=0 must be > 0 \(or -1: keep model\.\*\)$"),
+    "eval-parallel-sizes-disagree": (eval_parallel_sizes(tensor_model_parallel_size=2,
+                                                         **{"model.tensor_model_parallel_size": 4}),
+                                     r"^tensor_model_parallel_size=2 and model\.tensor_model_parallel_size=4 disagree; "
+                                     r"set one of them$"),
     "negative-interval": (config_values(**{"trainer.sft.save_interval": -5}),
                           r"trainer\.sft\.save_interval=-5 must be >= 0"),
     "max-steps-not-an-integer": (config_values(**{"trainer.sft.max_steps": "abc"}),

@@ -75,9 +75,26 @@ def test_generation_requests_are_checked(body, message):
     assert ok["sentences"] == ["one"] and ok["end_strings"] == ["<e>"] and ok["tokens_to_generate"] == 64
 
 
+def test_megatron_gpt_eval_parallel_keys_set_the_layout():
+    """NeMo's megatron_gpt_eval.py keys (the tutorials' serving command) on generate_gpt.py."""
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.recipes.generate import apply_eval_parallel_sizes
+
+    cfg = OmegaConf.load(os.path.join(SCRIPTS, "conf", "gpt_generate.yaml"))
+    apply_eval_parallel_sizes(cfg)  # -1: model.* as it is
+    assert (cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size) == (1, 1)
+    cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size = 8, 2
+    apply_eval_parallel_sizes(cfg)
+    assert (cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size) == (8, 2)
+
+
 def _server(model: str, port: int, log):
-    cmd = [sys.executable, os.path.join(SCRIPTS, "generate_gpt.py"), f"gpt_model_file={model}", "server=True",
-           f"port={port}", "++model.encoder_seq_length=256"]
+    # NeMo-Aligner's tutorial command for NeMo's megatron_gpt_eval.py, with this script's path
+    cmd = [sys.executable, os.path.join(SCRIPTS, "generate_gpt.py"), f"gpt_model_file={model}",
+           "pipeline_model_parallel_split_rank=0", "server=True", "tensor_model_parallel_size=1",
+           "pipeline_model_parallel_size=1", "trainer.precision=32", "trainer.devices=1", "trainer.num_nodes=1",
+           f"port={port}", "web_server=False", "++model.encoder_seq_length=256"]
     return subprocess.Popen(cmd, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT, cwd=SCRIPTS)
 
 

@@ -258,3 +258,60 @@ def test_chat_to_regression_format(tmp_path):
     bad = run("steerlm/process_to_regression_format.py", "--input-file", src, "--output-file", tmp_path / "x.jsonl",
               "--attributes", "quality")
     assert bad.returncode == 1 and "outside --attributes quality" in bad.stderr
+
+
+def _chat(turns, **extra):
+    return {"system": "", "mask": "User", "conversations": [{"from": who, "value": text} for who, text in turns], **extra}
+
+
+def test_remove_long_dialogues_keeps_what_trains(tmp_path, base_nemo):
+    """NeMo-Aligner's remove_long_dialogues.py: records left with no trained token at --seq_len go,
+    the rest are written with its fields (plus the chat type); the tokenizer from a SentencePiece
+    model or a .nemo."""
+    import sentencepiece as spm
+
+    from nemo_aligner.data.nlp.sft_dataset import GPTSFTChatDataset
+    from nemo_aligner.utils.nemo_file import tokenizer_from_path
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(["the quick brown fox jumps over the lazy dog", "hello there how are you",
+                                 "User Assistant System extra_id"] * 50))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=80,
+                                   model_type="bpe", character_coverage=1.0, minloglevel=2)
+    records = [
+        _chat([("User", "hello there"), ("Assistant", "how are you")], dataset="mine", extra="dropped key"),
+        _chat([("User", "the quick brown fox " * 40), ("Assistant", "over the lazy dog")]),  # the answer is cut off
+        _chat([("User", "hello"), ("User", "there")]),  # nothing to train on at any length
+        {"conversations": [{"from": "User"}]},  # not a chat record
+        _chat([("User", "hello"), ("Assistant", "fox")], type="VALUE_TO_TEXT"),
+    ]
+    records[4]["conversations"][1]["label"] = "quality:4"
+    src = write_jsonl(tmp_path / "chat.jsonl", records)
+    script = os.path.join(DATA, "sft", "remove_long_dialogues.py")
+    for tokenizer in (str(tmp_path / "sp.model"), base_nemo[0]):
+        out = tmp_path / f"fits_{os.path.basename(tokenizer)}.jsonl"
+        proc = subprocess.run([sys.executable, script, "--tokenizer_path", tokenizer, "--dataset_file", src,
+                               "--output_file", str(out), "--seq_len", "64"], env=subprocess_env(),
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert "removed 3/5 records" in proc.stdout
+        assert f"{src}:2: no trained token in its first 65 tokens" in proc.stdout
+        assert f"{src}:3: no trained token" in proc.stdout and f"{src}:4: conversations[0]" in proc.stdout
+        kept = [{k: v for k, v in r.items() if k != "__line__"} for r in read_jsonl(str(out))]
+        assert kept[0] == {"system": "", "mask": "User", "dataset": "mine", "conversations": [
+            {"from": "User", "value": "hello there", "canoncial_form": "", "label": None},
+            {"from": "Assistant", "value": "how are you", "canoncial_form": "", "label": None}]}
+        assert kept[1]["type"] == "VALUE_TO_TEXT" and kept[1]["conversations"][1]["label"] == "quality:4"
+        tok = tokenizer_from_path(tokenizer)
+        dataset = GPTSFTChatDataset(str(out), tok, 64)
+        assert all(dataset.trained_tokens(dataset[i]) > 0 for i in range(len(dataset)))
+        long_one = GPTSFTChatDataset(src, tok, 4096, records=[read_jsonl(src)[1]])
+        assert long_one.trained_tokens(long_one[0]) > 0  # removed for its length only
+
+    none_fit = subprocess.run([sys.executable, script, "--tokenizer_path", str(tmp_path / "sp.model"), "--dataset_file",
+                               write_jsonl(tmp_path / "long.jsonl", records[1:3]), "--output_file",
+                               str(tmp_path / "none.jsonl"), "--seq_len", "64"], env=subprocess_env(),
+                              capture_output=True, text=True, timeout=120)
+    assert none_fit.returncode == 1 and "Traceback" not in none_fit.stderr
+    assert "every one of its 2 records would train on nothing at --seq_len=64" in none_fit.stderr
+    assert not (tmp_path / "none.jsonl").exists()

@@ -7,7 +7,7 @@ import os
 import re
 from typing import List, Optional, Tuple
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from nemo_aligner.data.nlp.jsonl import read_jsonl, write_jsonl
 from nemo_aligner.data.nlp.steerlm_labels import format_label, model_chat_tokens, parse_label, steer_prompt
@@ -117,11 +117,26 @@ def serve(cfg: DictConfig, model) -> None:
                                               flush=True))
 
 
+def apply_eval_parallel_sizes(cfg: DictConfig) -> None:
+    """NeMo's ``megatron_gpt_eval.py`` sets the parallel sizes at the top level
+    (``tensor_model_parallel_size=8``); a value other than -1 there sets ``model.*``."""
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        value = cfg.get(key, -1)
+        if value is None or value == -1:
+            continue
+        ours = OmegaConf.select(cfg, f"model.{key}")
+        if ours not in (None, 1, value):
+            raise ConfigError(f"{key}={value} and model.{key}={ours} disagree; set one of them")
+        with open_dict(cfg):
+            cfg.model[key] = value
+
+
 def run_generate(cfg: DictConfig) -> List[dict]:
     """Load ``gpt_model_file`` at the configured TP/PP and answer every prompt (or, with ``server=True``,
     serve NeMo's text generation REST API)."""
     if not cfg.get("gpt_model_file"):
         raise ConfigError("gpt_model_file is required: the .nemo to generate with")
+    apply_eval_parallel_sizes(cfg)
     init_run(cfg, cfg.gpt_model_file, "gpt_model_file")
     if bool(cfg.get("server", False)):
         model = load_model(GPTSFTModel, cfg.model, cfg.trainer.precision, cfg.gpt_model_file, key="gpt_model_file",

@@ -39,15 +39,7 @@ def _tokenizer(cfg: DictConfig):
 
     path = cfg.get("tokenizer_path")
     if path:
-        path = str(path)
-        if path.endswith(".nemo") or os.path.isfile(os.path.join(path, nemo_file.MODEL_CONFIG)):
-            return nemo_file.load_tokenizer(path, "tokenizer_path")
-        kind = str(cfg.get("tokenizer_type") or ("sentencepiece" if path.endswith(".model") else "huggingface"))
-        if kind == "sentencepiece":
-            return build_tokenizer({"library": "sentencepiece", "model": path})
-        if kind == "huggingface":
-            return build_tokenizer({"library": "huggingface", "type": path})
-        raise ConfigError(f"tokenizer_type={kind!r} must be sentencepiece or huggingface")
+        return nemo_file.tokenizer_from_path(path, cfg.get("tokenizer_type"))
     restore = cfg.model.get("restore_from_path")
     if restore:
         return nemo_file.load_tokenizer(str(restore), "model.restore_from_path")

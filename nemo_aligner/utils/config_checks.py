@@ -48,12 +48,13 @@ NOT_NULL = frozenset({"seed", "global_batch_size", "micro_batch_size", "gt_rewar
                       "prompt_template", "label_key", "ratio_eps", "discount_factor", "gae_lambda", "max_length",
                       "num_rollouts_per_prompt", "top_n_rollouts", "desirable_loss_weight", "undesirable_loss_weight",
                       "kd_loss_weight", "target_logits_scale", "logits_scale", "loss_clip_val", "shutdown_idle_s",
-                      "num_rollout_samples"})
+                      "num_rollout_samples", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                      "tokens_to_generate", "min_tokens_to_generate"})
 # Text values (record field names, templates).
 STRINGS = frozenset({"prompt_template", "label_key", "truncation_field"})
 # One path each (a list or a number there would reach os.path as a list or a file descriptor).
-PATHS = frozenset({"prompts_file", "output_file", "gpt_model_file", "explicit_log_dir", "restore_from_path",
-                   "workspace_dir", "triton_log_file"})
+PATHS = frozenset({"prompts_file", "output_file", "output_path", "gpt_model_file", "explicit_log_dir",
+                   "restore_from_path", "workspace_dir", "triton_log_file"})
 # One of a few values (null: off).
 CHOICES = {
     "activations_checkpoint_granularity": ("full", "selective", None),
@@ -64,8 +65,10 @@ UNIT_INTERVAL = frozenset({"hidden_dropout", "attention_dropout", "ffn_dropout"}
 # At most 1: GAE's discount (gamma) and lambda, nucleus sampling's probability mass.
 AT_MOST_ONE = frozenset({"discount_factor", "gae_lambda", "top_p"})
 # std: the reward model's reward_standardization.std; the scales divide knowledge distillation's logits;
-# init_method_std: the spread of newly initialised weights (a reward head, a model built from scratch).
-POSITIVE_NUMBERS = frozenset({"eps", "std", "target_logits_scale", "logits_scale", "init_method_std"})
+# init_method_std: the spread of newly initialised weights (a reward head, a model built from scratch);
+# seq_len_interpolation_factor: RoPE's position scaling (null: none).
+POSITIVE_NUMBERS = frozenset({"eps", "std", "target_logits_scale", "logits_scale", "init_method_std",
+                              "seq_len_interpolation_factor"})
 # TCP ports (null: not served / chosen freely).
 PORTS = frozenset({"port", "grpc_port", "metrics_port"})
 # Keys NeMo-Aligner's configs carry that this project does not implement: accepted at the value that
@@ -105,7 +108,13 @@ REFUSED_UNLESS = {
     "kto.preference_loss_weight": ((1, None), "the KTO loss is not weighted (NeMo-Aligner reads the key but does "
                                               "not apply it either)"),
     "inference.model_name": (("reward_model",), "the reward-model server's PyTriton model is named reward_model"),
+    "web_server": ((False,), "NeMo's Gradio web page is not available; server=True serves the REST API "
+                             "(PUT /generate)"),
+    "pipeline_model_parallel_split_rank": ((-1, 0, None), "it splits encoder-decoder models; a GPT model has no "
+                                                          "split (-1 or 0)"),
 }
+# megatron_gpt_eval.py's top-level parallel sizes: -1 means "keep model.*".
+MINUS_ONE_KEEPS = frozenset({"tensor_model_parallel_size", "pipeline_model_parallel_size"})
 # -1 (or null) means "no limit" for these.
 INTS_OR_UNLIMITED = frozenset({"max_steps", "max_epochs"})
 # Lightning's ``limit_*_batches``: a fraction (float <= 1.0) or a count (int; -1 or null: all).
@@ -200,11 +209,13 @@ def check_config_values(cfg: DictConfig) -> None:
             if name in NOT_NULL and not (name in ("global_batch_size", "micro_batch_size") and "inference" in cfg):
                 raise ConfigError(f"{path}=null: this key needs a value")
             continue
+        if path in MINUS_ONE_KEEPS and value == -1 and not isinstance(value, bool):
+            continue
         if name in POSITIVE_INTS or name in NON_NEGATIVE_INTS:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{path}={shown(value)} must be an integer, got {type_name(value)}")
             if name in POSITIVE_INTS and value <= 0:
-                raise ConfigError(f"{path}={value} must be > 0")
+                raise ConfigError(f"{path}={value} must be > 0" + (" (or -1: keep model.*)" if path in MINUS_ONE_KEEPS else ""))
             if name in NON_NEGATIVE_INTS and value < 0:
                 raise ConfigError(f"{path}={value} must be >= 0")
         elif name in INTS_OR_UNLIMITED:

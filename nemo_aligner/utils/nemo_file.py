@@ -375,6 +375,25 @@ def list_members(path: str) -> list:
 
 
 
+def tokenizer_from_path(path: str, kind: Optional[str] = None, key: str = "tokenizer_path",
+                        kind_key: str = "tokenizer_type"):
+    """The tokenizer ``path`` names: a .nemo (file or directory), a SentencePiece model, or a Hugging
+    Face tokenizer directory or name. ``kind`` (``sentencepiece``/``huggingface``) picks between the
+    last two; by default a ``.model`` file is SentencePiece."""
+    from nemo_aligner.utils.errors import ConfigError
+    from nemo_aligner.utils.tokenizers import build_tokenizer
+
+    path = str(path)
+    if path.endswith(".nemo") or os.path.isfile(os.path.join(path, MODEL_CONFIG)):
+        return load_tokenizer(path, key)
+    kind = str(kind or ("sentencepiece" if path.endswith(".model") else "huggingface"))
+    if kind == "sentencepiece":
+        return build_tokenizer({"library": "sentencepiece", "model": path})
+    if kind == "huggingface":
+        return build_tokenizer({"library": "huggingface", "type": path})
+    raise ConfigError(f"{kind_key}={kind!r} must be sentencepiece or huggingface")
+
+
 def load_tokenizer(path: str, key: str = "restore_from_path"):
     """The tokenizer a ``.nemo`` file was saved with (its files kept in a temp dir while in use)."""
     from nemo_aligner.utils.tokenizers import build_tokenizer

@@ -185,6 +185,31 @@ class GPTSFTChatDataset(torch.utils.data.Dataset):
         return {"input_ids": ids, "answer_start": 0, "target_mask": mask}, cut
 
 
+def chat_records_with_loss(records: Sequence[Dict], path: str, tokenizer, max_seq_length: int,
+                           chat_prompt_tokens: Optional[dict] = None):
+    """``(kept, dropped)``: the chat records that keep a trained token after truncation to
+    ``max_seq_length`` (as :class:`GPTSFTChatDataset` cuts them), and one ``file:line: why`` line for
+    each other record (too long, nothing to train on, or not a valid chat record)."""
+    tokens = chat_tokens(chat_prompt_tokens)
+    kept, dropped = [], []
+    for record in records:
+        where = f"{record.get('__file__', path)}:{record.get('__line__', '?')}"
+        problem = validate_chat_record(record, where)
+        if problem:
+            dropped.append(problem)
+            continue
+        try:
+            _, mask = chat_ids_and_mask(record, tokenizer, tokens)
+        except DataError as err:
+            dropped.append(str(err))
+            continue
+        if any(mask[1 : max_seq_length + 1]):
+            kept.append(record)
+        else:
+            dropped.append(f"{where}: no trained token" + (f" in its first {max_seq_length + 1} tokens" if any(mask[1:]) else ""))
+    return kept, dropped
+
+
 def report_lengths(dataset, key: str) -> None:
     """Tokenize every sample once: log how many are longer than the sequence length (with the first
     file:line), and refuse a dataset in which no sample keeps a trained token."""
