@@ -158,7 +158,23 @@ def test_anthropic_hh_in_a_chat_template_for_cai(tmp_path):
                                          "<s>[INST] Name a colour. [/INST]I will not.</s> "]
 
 
-def test_cai_hh_refusals_are_one_line(tmp_path):
+def test_cai_hh_refusals_are_one_line(tmp_path, capsys, monkeypatch):
+    """In process: each refusal leaves by SystemExit(1) with one ``error:`` line (any other exception
+    fails the test)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("process_hh_chat", CAI_HH)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def refusal(*args):
+        with pytest.raises(SystemExit) as leave:
+            script.main([*map(str, args)])
+        text = capsys.readouterr().err + (leave.value.code if isinstance(leave.value.code, str) else "")
+        assert leave.value.code in (1,) or str(leave.value.code).startswith("error: "), leave.value.code
+        assert len(text.strip().splitlines()) == 1, text
+        return text
+
     hh = tmp_path / "hh-rlhf"
     (hh / "helpful-base").mkdir(parents=True)
     write_jsonl(hh / "helpful-base" / "train.jsonl", HH)  # no test split
@@ -167,17 +183,10 @@ def test_cai_hh_refusals_are_one_line(tmp_path):
              (["--dataset-dir-name", "helpful-base", "helpful-base"], "names a subset twice"),
              (["--dataset-dir-name", "helpful-base", "--user_format", "User:"], "--user_format='User:' must contain")]
     for extra, message in cases:
-        proc = run_cai_hh("--input-dir", hh, "--output-dir", tmp_path / "out", *extra)
-        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
-        assert message in proc.stderr, (extra, proc.stderr)
+        assert message in refusal("--input-dir", hh, "--output-dir", tmp_path / "out", *extra)
     assert not (tmp_path / "out").exists()  # the train split is not written when the test split is missing
-    env = subprocess_env()
-    env["PYTHONPATH"] = str(tmp_path / "no_datasets") + os.pathsep + env.get("PYTHONPATH", "")
-    (tmp_path / "no_datasets").mkdir()
-    (tmp_path / "no_datasets" / "datasets.py").write_text("raise ImportError('not installed')\n")
-    proc = subprocess.run([sys.executable, CAI_HH, "--output-dir", str(tmp_path / "out")], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and "--input-dir is not set and Hugging Face datasets is not installed" in proc.stderr
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
+    assert "--input-dir is not set and Hugging Face datasets is not installed" in refusal("--output-dir", tmp_path / "out")
 
 
 def test_helpsteer_and_helpsteer2_to_steerlm(tmp_path):
@@ -264,7 +273,7 @@ def _chat(turns, **extra):
     return {"system": "", "mask": "User", "conversations": [{"from": who, "value": text} for who, text in turns], **extra}
 
 
-def test_remove_long_dialogues_keeps_what_trains(tmp_path, base_nemo):
+def test_remove_long_dialogues_keeps_what_trains(tmp_path, base_nemo, capsys):
     """NeMo-Aligner's remove_long_dialogues.py: records left with no trained token at --seq_len go,
     the rest are written with its fields (plus the chat type); the tokenizer from a SentencePiece
     model or a .nemo."""
@@ -287,16 +296,19 @@ def test_remove_long_dialogues_keeps_what_trains(tmp_path, base_nemo):
     ]
     records[4]["conversations"][1]["label"] = "quality:4"
     src = write_jsonl(tmp_path / "chat.jsonl", records)
-    script = os.path.join(DATA, "sft", "remove_long_dialogues.py")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("remove_long_dialogues", os.path.join(DATA, "sft",
+                                                                                       "remove_long_dialogues.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
     for tokenizer in (str(tmp_path / "sp.model"), base_nemo[0]):
         out = tmp_path / f"fits_{os.path.basename(tokenizer)}.jsonl"
-        proc = subprocess.run([sys.executable, script, "--tokenizer_path", tokenizer, "--dataset_file", src,
-                               "--output_file", str(out), "--seq_len", "64"], env=subprocess_env(),
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr
-        assert "removed 3/5 records" in proc.stdout
-        assert f"{src}:2: no trained token in its first 65 tokens" in proc.stdout
-        assert f"{src}:3: no trained token" in proc.stdout and f"{src}:4: conversations[0]" in proc.stdout
+        script.main(["--tokenizer_path", tokenizer, "--dataset_file", src, "--output_file", str(out), "--seq_len", "64"])
+        printed = capsys.readouterr().out
+        assert "removed 3/5 records" in printed
+        assert f"{src}:2: no trained token in its first 65 tokens" in printed
+        assert f"{src}:3: no trained token" in printed and f"{src}:4: conversations[0]" in printed
         kept = [{k: v for k, v in r.items() if k != "__line__"} for r in read_jsonl(str(out))]
         assert kept[0] == {"system": "", "mask": "User", "dataset": "mine", "conversations": [
             {"from": "User", "value": "hello there", "canoncial_form": "", "label": None},
@@ -308,10 +320,10 @@ def test_remove_long_dialogues_keeps_what_trains(tmp_path, base_nemo):
         long_one = GPTSFTChatDataset(src, tok, 4096, records=[read_jsonl(src)[1]])
         assert long_one.trained_tokens(long_one[0]) > 0  # removed for its length only
 
-    none_fit = subprocess.run([sys.executable, script, "--tokenizer_path", str(tmp_path / "sp.model"), "--dataset_file",
-                               write_jsonl(tmp_path / "long.jsonl", records[1:3]), "--output_file",
-                               str(tmp_path / "none.jsonl"), "--seq_len", "64"], env=subprocess_env(),
-                              capture_output=True, text=True, timeout=120)
-    assert none_fit.returncode == 1 and "Traceback" not in none_fit.stderr
-    assert "every one of its 2 records would train on nothing at --seq_len=64" in none_fit.stderr
+    with pytest.raises(SystemExit) as leave:  # one error line, exit 1
+        script.main(["--tokenizer_path", str(tmp_path / "sp.model"), "--dataset_file",
+                     write_jsonl(tmp_path / "long.jsonl", records[1:3]), "--output_file", str(tmp_path / "none.jsonl"),
+                     "--seq_len", "64"])
+    assert leave.value.code == 1
+    assert "every one of its 2 records would train on nothing at --seq_len=64" in capsys.readouterr().err
     assert not (tmp_path / "none.jsonl").exists()
