@@ -22,6 +22,11 @@ def tiny_hf(arch: str, tie: bool = False):
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                              rope_theta=5000.0, rms_norm_eps=1e-5, tie_word_embeddings=tie)
         model = tf.LlamaForCausalLM(cfg)
+    elif arch == "mistral":  # imported as Llama; its sliding window reaches past the positions used here
+        cfg = tf.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                               sliding_window=32, rope_theta=1e4, rms_norm_eps=1e-5, tie_word_embeddings=tie)
+        model = tf.MistralForCausalLM(cfg)
     elif arch == "qwen2":
         cfg = tf.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64,
@@ -49,7 +54,7 @@ def our_logits(nemo_path, tokens):
     return forward_logits(model, tokens)[..., :VOCAB]
 
 
-@pytest.mark.parametrize("arch,tie", [("llama", False), ("qwen2", True), ("gpt2", True)])
+@pytest.mark.parametrize("arch,tie", [("llama", False), ("qwen2", True), ("gpt2", True), ("mistral", False)])
 def test_import_export_logits_match(tmp_path, mcore_single, arch, tie):
     import transformers as tf
 
@@ -57,7 +62,7 @@ def test_import_export_logits_match(tmp_path, mcore_single, arch, tie):
 
     hf = tiny_hf(arch, tie)
     hf.save_pretrained(tmp_path / "hf")
-    tokens = torch.randint(0, VOCAB, (2, 17))
+    tokens = torch.randint(0, VOCAB, (2, 32 if arch == "mistral" else 17))  # Mistral: the whole window
     with torch.no_grad():
         expected = hf(tokens).logits
     nemo = import_hf_model(str(tmp_path / "hf"), str(tmp_path / "model.nemo"))
@@ -76,7 +81,9 @@ def test_import_export_logits_match(tmp_path, mcore_single, arch, tie):
     # export -> import round trip: the same weights again
     again = import_hf_model(out, str(tmp_path / "again.nemo"))
     torch.testing.assert_close(our_logits(again, tokens), expected, atol=2e-5, rtol=1e-4)
-    assert json.load(open(os.path.join(out, "config.json")))["model_type"] == arch
+    assert json.load(open(os.path.join(out, "config.json")))["model_type"] == ("llama" if arch == "mistral" else arch)
+    if arch == "mistral":  # kept within the window, where attention is the same
+        assert read_model_config(nemo, "model.restore_from_path")["encoder_seq_length"] == 32
     if arch == "llama":  # exporting again over it: replaced whole, and what a kill left beside it is tidied
         (tmp_path / "exported.old.99").mkdir()
         export_to_hf(nemo, out)
@@ -91,7 +98,7 @@ def test_unsupported_models_are_named(tmp_path, mcore_single):
 
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 300}))
-    with pytest.raises(ConfigError, match=r"config\.json: model_type='bert' is not supported; supported: llama, qwen2, gpt2"):
+    with pytest.raises(ConfigError, match=r"config\.json: model_type='bert' is not supported; supported: llama, qwen2, gpt2, mistral"):
         import_hf_model(str(tmp_path / "m"), str(tmp_path / "x.nemo"))
     with pytest.raises(ConfigError, match="no config.json"):
         import_hf_model(str(tmp_path), str(tmp_path / "x.nemo"))
@@ -286,3 +293,36 @@ def test_export_refuses_configs_hugging_face_cannot_express(tmp_path, mcore_sing
     for key, value in (("qk_layernorm", True), ("rotary_percentage", 0.5), ("seq_len_interpolation_factor", 4)):
         with pytest.raises(ConfigError, match=rf"model\.{key}={value}: Llama, Qwen2 and GPT-2 configs cannot express"):
             hf_config_from_nemo(dict(base, **{key: value}))
+
+
+def test_nemo_converter_command_line_and_bf16_weights(tmp_path, mcore_single, capsys):
+    """NeMo's convert_*_hf_to_nemo.py spellings (--input_name_or_path, --output_path, --precision) on
+    convert_hf_to_nemo.py: bf16 weights in the .nemo, logits within bf16 rounding of Hugging Face's."""
+    import importlib.util
+
+    from conftest import SCRIPTS
+    from nemo_aligner.utils.nemo_file import extracted
+
+    spec = importlib.util.spec_from_file_location("convert_hf_to_nemo", os.path.join(SCRIPTS, "convert_hf_to_nemo.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    hf = tiny_hf("llama")
+    hf.save_pretrained(tmp_path / "hf")
+    nemo = str(tmp_path / "bf16.nemo")
+    script.main(["--input_name_or_path", str(tmp_path / "hf"), "--output_path", nemo, "--precision", "bf16-mixed"])
+    assert ".nemo written to" in capsys.readouterr().out
+    with extracted(nemo, "nemo") as directory:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        metadata = FileSystemReader(os.path.join(directory, "model_weights")).read_metadata()
+        dtypes = {name: m.properties.dtype for name, m in metadata.state_dict_metadata.items()
+                  if hasattr(m, "properties") and "_extra_state" not in name}
+    assert dtypes and set(dtypes.values()) == {torch.bfloat16}, dtypes
+    tokens = torch.randint(0, VOCAB, (2, 17))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    torch.testing.assert_close(our_logits(nemo, tokens), expected, atol=3e-2, rtol=3e-2)  # loaded at fp32
+    with pytest.raises(ConfigError, match=r"precision='fp8' is not one of 32, bf16, 16"):
+        script.main(["--in-file", str(tmp_path / "hf"), "--out-file", str(tmp_path / "x.nemo"), "--precision", "fp8"])
+    with pytest.raises(ConfigError, match=r"mistralai/Mistral-7B-v0\.1: no such directory \(nothing is downloaded"):
+        script.main(["--input_name_or_path", "mistralai/Mistral-7B-v0.1", "--output_path", str(tmp_path / "x.nemo")])

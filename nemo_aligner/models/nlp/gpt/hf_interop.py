@@ -23,15 +23,18 @@ from nemo_aligner.utils.errors import CheckpointError, ConfigError
 logger = logging.getLogger(__name__)
 
 ARCHITECTURES = ("llama", "qwen2", "gpt2")
+# Imported as Llama (the same layers and weight names); exported back as Llama.
+LLAMA_LIKE = ("mistral",)
 
 
 # ----------------------------------------------------------------------------- configs
 def nemo_config_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
     """``(architecture, model config keys)`` for an HF ``config.json``."""
     arch = str(hf.get("model_type", "")).lower()
-    if arch not in ARCHITECTURES:
+    if arch not in ARCHITECTURES + LLAMA_LIKE:
         raise ConfigError(f"{where}: model_type={hf.get('model_type')!r} is not supported; "
-                          f"supported: {', '.join(ARCHITECTURES)}")
+                          f"supported: {', '.join(ARCHITECTURES + LLAMA_LIKE)}")
+    window = hf.get("sliding_window") if arch == "mistral" else None
     heads_of = [a for a in hf.get("architectures") or [] if not (a.endswith("ForCausalLM") or a == "GPT2LMHeadModel")]
     if heads_of:  # a classifier's score head (or another head) would be dropped without a word
         raise ConfigError(f"{where}: architectures={heads_of} is not a causal language model; only *ForCausalLM "
@@ -70,14 +73,25 @@ def nemo_config_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
     hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     head_dim = int(hf.get("head_dim") or hidden // heads)
     qkv_bias = True if arch == "qwen2" else bool(hf.get("attention_bias", False))
-    if arch == "llama" and (hf.get("mlp_bias") or hf.get("attention_bias")):
+    if arch in ("llama",) + LLAMA_LIKE and (hf.get("mlp_bias") or hf.get("attention_bias")):
         raise ConfigError(f"{where}: attention_bias/mlp_bias=True is not supported")
+    seq = min(int(hf.get("max_position_embeddings", 2048)), 4096)
+    if window is not None:
+        # Mistral's sliding window is not applied here: up to `window` tokens it changes nothing, so the
+        # training length stays within it.
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ConfigError(f"{where}: sliding_window={window!r} must be a positive integer or null")
+        if window < int(hf.get("max_position_embeddings", 2048)):
+            logger.warning("%s: sliding_window=%d is not applied here; encoder_seq_length is kept at or below it "
+                           "(%d), where attention is the same", where, window, min(seq, window))
+        seq = min(seq, window)
+    arch = "llama" if arch in LLAMA_LIKE else arch
     return arch, dict(common, num_layers=int(hf["num_hidden_layers"]), hidden_size=hidden,
                       ffn_hidden_size=int(hf["intermediate_size"]), num_attention_heads=heads,
                       num_query_groups=int(hf.get("num_key_value_heads") or heads),
                       kv_channels=head_dim if head_dim * heads != hidden else None,
                       max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-                      encoder_seq_length=min(int(hf.get("max_position_embeddings", 2048)), 4096),
+                      encoder_seq_length=seq,
                       position_embedding_type="rope", rotary_base=int(rope_theta),
                       normalization="rmsnorm", layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
                       activation="swiglu", bias=False, qkv_bias=qkv_bias,
@@ -340,8 +354,9 @@ def _ensure_single_process_parallel_state() -> None:
         D.initialize_model_parallel(1, 1)
 
 
-def import_hf_model(hf_dir: str, nemo_path: str) -> str:
-    """Convert a local HF model directory to a ``.nemo`` (rank 0 writes; every rank waits for it)."""
+def import_hf_model(hf_dir: str, nemo_path: str, precision: str = "32") -> str:
+    """Convert a local HF model directory to a ``.nemo`` (rank 0 writes; every rank waits for it);
+    ``precision`` (32, bf16 or 16, in any of NeMo's spellings): the dtype its weights are stored in."""
     import torch.distributed as dist
     from omegaconf import OmegaConf, open_dict
 
@@ -349,7 +364,15 @@ def import_hf_model(hf_dir: str, nemo_path: str) -> str:
     from nemo_aligner.utils.nemo_file import save_nemo
     from nemo_aligner.utils.tokenizers import ByteTokenizer, HFTokenizer
 
+    from nemo_aligner.utils.config_checks import precision_name
+
+    dtype = precision_name(precision)
+    if dtype is None:
+        raise ConfigError(f"precision={precision!r} is not one of 32, bf16, 16")
     config_path = os.path.join(hf_dir, "config.json")
+    if not os.path.exists(hf_dir):
+        raise ConfigError(f"{hf_dir}: no such directory (nothing is downloaded: fetch the model first, e.g. "
+                          f"`huggingface-cli download {hf_dir} --local-dir <dir>`, and give that directory)")
     if not os.path.isfile(config_path):
         raise ConfigError(f"{hf_dir}: no config.json (not a Hugging Face model directory)")
     try:
@@ -376,7 +399,7 @@ def import_hf_model(hf_dir: str, nemo_path: str) -> str:
     # The local spec's parameter names are the ones converted here (Transformer Engine's fuse the layer
     # norms into the linears); the .nemo's sharded checkpoint loads into either spec.
     model_cfg = OmegaConf.create(dict(cfg, micro_batch_size=1, tokenizer=tok_cfg, force_local_spec=True))
-    model = GPTSFTModel(model_cfg, tokenizer, "32", trainable=False)
+    model = GPTSFTModel(model_cfg, tokenizer, dtype, trainable=False)
     with open_dict(model.cfg):
         model.cfg.pop("force_local_spec", None)
     state = hf_to_mcore({k: v.float() for k, v in read_hf_weights(hf_dir).items()}, arch, cfg, where=hf_dir)
