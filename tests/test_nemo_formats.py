@@ -461,6 +461,36 @@ def test_legacy_tensor_and_pipeline_sharded_files(llama_like):
                                rtol=0, atol=0)
 
 
+def test_convert_gpt_nemo_to_mcore_command(llama_like, tmp_path, capsys, monkeypatch):
+    """NeMo's convert_gpt_nemo_to_mcore.py command line (path changed): an extracted legacy TP=2 x PP=2
+    .nemo becomes a megatron-core .nemo (torch_dist weights, mcore_gpt) with the same logits."""
+    import importlib.util
+
+    from conftest import SCRIPTS
+    from nemo_aligner.utils.nemo_file import MODEL_WEIGHTS, extracted, read_model_config
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", ""))  # restored afterwards
+    spec = importlib.util.spec_from_file_location("convert_gpt_nemo_to_mcore",
+                                                  os.path.join(SCRIPTS, "convert_gpt_nemo_to_mcore.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    tokens, logits = llama_like[3], llama_like[4]
+    source = tmp_path / "model_checkpoint"
+    with tarfile.open(_tp_pp_legacy_nemo(llama_like)) as tar:
+        tar.extractall(source)
+    out = str(tmp_path / "mcore" / "mcore_gpt.nemo")
+    script.main(["--input_name_or_path", str(source), "--output_path", out, "--cpu-only"])
+    assert "megatron-core .nemo written to" in capsys.readouterr().out
+    assert read_model_config(out, "out")["mcore_gpt"] is True
+    with extracted(out, "out") as directory:
+        assert os.path.isfile(os.path.join(directory, MODEL_WEIGHTS, ".metadata"))  # torch_dist
+        assert not [n for n in os.listdir(directory) if n.startswith(("mp_rank", "tp_rank"))]
+    torch.testing.assert_close(forward_logits(_load(out), tokens), logits, rtol=0, atol=0)
+    before = os.path.getmtime(out)
+    script.main(["--in-folder", str(source), "--out-file", out])  # NeMo's default: an existing output is kept
+    assert "already exists; kept" in capsys.readouterr().out and os.path.getmtime(out) == before
+
+
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_legacy_weights_load_at_other_parallel_sizes(llama_like, tmp_path, tp, pp):
     """The merged legacy weights are cut for each rank: the loss at TP=2 or PP=2 (two processes) equals

@@ -523,3 +523,24 @@ def export_to_hf(nemo_path: str, out_dir: str) -> str:
     replace_dir_atomically(tmp, out_dir)  # an earlier export stays whole until the new one is in
     logger.info("exported %s as %s to %s", nemo_path, arch, out_dir)
     return out_dir
+
+
+def resave_as_mcore(nemo_path: str, out_path: str) -> str:
+    """Write any .nemo this project reads (NeMo's pre-megatron-core names, per-rank shards, zarr or
+    torch_dist weights; a file or an extracted directory) as a megatron-core .nemo at TP=1, PP=1, in
+    the checkpoint's own precision: what NeMo's ``convert_gpt_nemo_to_mcore.py`` makes."""
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.models.nlp.gpt.loading import load_model
+    from nemo_aligner.utils.config_checks import precision_name
+    from nemo_aligner.utils.nemo_file import read_model_config, save_nemo
+
+    _refuse_reward_heads(nemo_path)
+    precision = precision_name(read_model_config(nemo_path, "--input-name-or-path").get("precision", 32)) or "32"
+    _ensure_single_process_parallel_state()
+    model = load_model(GPTSFTModel, OmegaConf.create({"micro_batch_size": 1, "tensor_model_parallel_size": 1,
+                                                      "pipeline_model_parallel_size": 1}),
+                       precision, nemo_path, key="--input-name-or-path", trainable=False)
+    return save_nemo(model, out_path)
+
