@@ -19,8 +19,8 @@ from nemo_aligner.data.nlp.reward_datasets import (
     data_prefix_paths,
 )
 from nemo_aligner.models.nlp.gpt.loading import load_model
-from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import MegatronGPTRewardModel
-from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import BT_LOSSES, MegatronGPTRewardModel
+from nemo_aligner.utils.errors import ConfigError, DataError
 from nemo_aligner.utils.exp_manager import exp_manager
 from nemo_aligner.utils.run_control import RunTimer, max_time_of
 from nemo_aligner.utils.run_setup import init_run
@@ -45,6 +45,35 @@ def build_reward_dataset(model, data_cfg, split: str):
     return RegressionRewardDataset(paths, model.tokenizer, seq, model.num_attributes,
                                    attribute_names=regression.get("attribute_names"), key=key,
                                    missing=model.loss_mask_val, add_eos=append_eod)
+
+
+def check_preference_pairs(model, datasets: Dict[str, object]) -> int:
+    """For a regression model trained with a Bradley-Terry loss (``model.regression.loss_func``
+    ``*_bt``): consecutive records are pairs, the first carrying the preference strength as attribute 0
+    (HelpSteer2-Preference's ``quality:<strength>``). Returns the records per group the samplers keep
+    together: 2, or 1 for other losses."""
+    if model.reward_model_type != "regression" or model.regression_loss not in BT_LOSSES:
+        return 1
+    kind = f"model.regression.loss_func={model.regression_loss}"
+    if model.micro_batch_size % 2:
+        raise ConfigError(f"model.micro_batch_size={model.micro_batch_size}: {kind} takes consecutive pairs of "
+                          "records; use an even size (NeMo-Aligner: 2)")
+    index = model.preference_index()
+    if index >= model.num_attributes:
+        raise ConfigError(f"{kind} trains output {index} (helpfulness) but model.regression.num_attributes="
+                          f"{model.num_attributes}; use NeMo's nine SteerLM attributes (num_attributes=9)")
+    for split, dataset in datasets.items():
+        if dataset is None:
+            continue
+        if len(dataset) % 2:
+            raise DataError(f"model.data.data_prefix.{split}: {len(dataset)} records; {kind} reads them as "
+                            "consecutive pairs (an even count)")
+        for i in range(0, len(dataset), 2):
+            strength = dataset.items[i][1][0]
+            if strength == model.loss_mask_val:
+                raise DataError(f"model.data.data_prefix.{split}: record {i + 1} (the first of a pair) has no "
+                                f"attribute 0 ({dataset.attribute_names[0]}), the preference strength {kind} reads")
+    return 2
 
 
 def run_reward_model(cfg: DictConfig) -> Dict[str, float]:
@@ -78,13 +107,18 @@ def run_reward_model(cfg: DictConfig) -> Dict[str, float]:
                                 "micro_batch_size": int(cfg.model.micro_batch_size)})
     seed = int(cfg.model.get("seed", 1234))
     workers = int(data_cfg.get("num_workers", 0) or 0)
-    train_dl = build_dataloader(train_ds, OmegaConf.merge(batches, {"shuffle": True, "drop_last": True}), collate,
-                                info.dp_rank, info.dp, seed, num_workers=workers, train=True,
-                                key="model")
+    group = check_preference_pairs(model, {"train": train_ds, "validation": val_ds})
+    # NeMo-Aligner's trainer.rm.{train,val}_random_sampler; a preference pair is shuffled as one
+    shuffle_train = bool(cfg.trainer.rm.get("train_random_sampler", True))
+    shuffle_val = bool(cfg.trainer.rm.get("val_random_sampler", False))
+    train_dl = build_dataloader(train_ds, OmegaConf.merge(batches, {"shuffle": shuffle_train, "drop_last": True}),
+                                collate, info.dp_rank, info.dp, seed, num_workers=workers, train=True,
+                                key="model", group_size=group)
     val_dl = None
     if val_ds is not None:
-        val_dl = build_dataloader(val_ds, OmegaConf.merge(batches, {"shuffle": False, "drop_last": False}), collate,
-                                  info.dp_rank, info.dp, seed, num_workers=workers, train=False, key="model")
+        val_dl = build_dataloader(val_ds, OmegaConf.merge(batches, {"shuffle": shuffle_val, "drop_last": False}),
+                                  collate, info.dp_rank, info.dp, seed, num_workers=workers, train=False, key="model",
+                                  group_size=group)
 
     rm_cfg = cfg.trainer.rm
     max_steps, _ = plan_max_steps(rm_cfg, train_dl, "rm")

@@ -59,6 +59,7 @@ PATHS = frozenset({"prompts_file", "output_file", "output_path", "gpt_model_file
 CHOICES = {
     "activations_checkpoint_granularity": ("full", "selective", None),
     "activations_checkpoint_method": ("uniform", "block", None),
+    "loss_func": ("regression", "regular_bt", "margin_bt", "scaled_bt"),  # a regression reward model's
 }
 # Probabilities that must stay below 1 (a dropout of 1 zeroes every activation).
 UNIT_INTERVAL = frozenset({"hidden_dropout", "attention_dropout", "ffn_dropout"})
@@ -89,8 +90,6 @@ REFUSED_UNLESS = {
     "peft.restore_from_ckpt.checkpoint_dir": ((None,), "LoRA adapters start from an adapters-only .nemo "
                                                        "(model.peft.restore_from_path); a run resumes from its own "
                                                        "checkpoints (exp_manager.resume_if_exists)"),
-    "regression.loss_func": (("regression",), "regression reward models train with the MSE loss only "
-                                              "(regular_bt/margin_bt/scaled_bt are not implemented)"),
     "data.reset_position_ids": ((False,), "each sample is one document; set it to False"),
     "data.reset_attention_mask": ((False,), "each sample is one document; set it to False"),
     "data.eod_mask_loss": ((False,), "EOD tokens are trained like any other; set it to False"),
@@ -101,8 +100,6 @@ REFUSED_UNLESS = {
                            "trainer.precision=bf16"),
     "checkpoint_callback_params.always_save_nemo": ((False,), "the .nemo is written when training ends "
                                                               "(save_nemo_on_train_end); the checkpoints hold the weights"),
-    "rm.train_random_sampler": ((True,), "training batches are always shuffled"),
-    "rm.val_random_sampler": ((False,), "validation batches are never shuffled"),
     "kto.sft_loss_weight": ((0, None), "KTO has no SFT term here (NeMo-Aligner reads the key but does not apply it "
                                        "either)"),
     "kto.preference_loss_weight": ((1, None), "the KTO loss is not weighted (NeMo-Aligner reads the key but does "

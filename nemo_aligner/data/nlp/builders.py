@@ -52,7 +52,7 @@ def build_sft_dataset(ds_cfg, tokenizer, max_seq_length: int, chat: bool, answer
 
 def build_dataloader(dataset, ds_cfg, collate_fn: Callable, dp_rank: int, dp_size: int, seed: int,
                      consumed_samples: int = 0, num_workers: int = 0, train: bool = True,
-                     key: str = "model.data.train_ds") -> torch.utils.data.DataLoader:
+                     key: str = "model.data.train_ds", group_size: int = 1) -> torch.utils.data.DataLoader:
     """A DataLoader yielding this DP rank's part of each global batch (``global_batch_size``)."""
     gbs = int(ds_cfg.global_batch_size)
     mbs = int(ds_cfg.micro_batch_size)
@@ -65,7 +65,7 @@ def build_dataloader(dataset, ds_cfg, collate_fn: Callable, dp_rank: int, dp_siz
         total_samples=len(dataset), global_batch_size=gbs, dp_rank=dp_rank, dp_size=dp_size,
         shuffle=bool(ds_cfg.get("shuffle", train)), seed=seed,
         drop_last=bool(ds_cfg.get("drop_last", train)),
-        consumed_samples=consumed_samples, key=key,
+        consumed_samples=consumed_samples, key=key, group_size=group_size,
     )
     # A private generator: creating an iterator would otherwise draw from the global torch RNG
     # (worker seeds), so dropout after a resume would see a different random stream.

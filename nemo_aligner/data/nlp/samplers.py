@@ -19,12 +19,13 @@ class GlobalBatchSampler:
 
     One pass over the iterator is one epoch (from the current position to its end).
     With ``drop_last`` the final partial global batch is skipped; without it, it is
-    padded with index ``-1`` (datasets return a sample that carries no loss).
+    padded with index ``-1`` (datasets return a sample that carries no loss). ``group_size``
+    consecutive records are shuffled as one (a preference pair stays together).
     """
 
     def __init__(self, total_samples: int, global_batch_size: int, dp_rank: int, dp_size: int,
                  shuffle: bool = True, seed: int = 1234, drop_last: bool = True, consumed_samples: int = 0,
-                 key: str = "model.data.train_ds"):
+                 key: str = "model.data.train_ds", group_size: int = 1):
         if global_batch_size % dp_size != 0:
             raise ConfigError(
                 f"{key}.global_batch_size={global_batch_size} is not divisible by the data-parallel size {dp_size}"
@@ -44,6 +45,11 @@ class GlobalBatchSampler:
         self.seed = seed
         self.drop_last = drop_last
         self.consumed_samples = consumed_samples
+        # Consecutive records that stay together when shuffled (a preference pair: 2).
+        self.group_size = max(int(group_size), 1)
+        if total_samples % self.group_size:
+            raise ConfigError(f"{key}: {total_samples} records do not split into groups of {self.group_size} "
+                              "consecutive records")
         # limit_train_batches: an epoch may stop early; set by the trainer.
         self.max_batches_per_epoch = None
 
@@ -71,7 +77,10 @@ class GlobalBatchSampler:
         if not self.shuffle:
             return list(range(self.total_samples))
         generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(self.total_samples, generator=generator).tolist()
+        if self.group_size == 1:
+            return torch.randperm(self.total_samples, generator=generator).tolist()
+        groups = torch.randperm(self.total_samples // self.group_size, generator=generator).tolist()
+        return [g * self.group_size + i for g in groups for i in range(self.group_size)]
 
     def __iter__(self) -> Iterator[List[int]]:
         epoch = self.epoch

@@ -39,6 +39,36 @@ def masked_mse(pred: torch.Tensor, labels: torch.Tensor, mask_value: float = -10
     return loss, squared.sum(0), mask.sum(0)
 
 
+# NeMo-Aligner's Bradley-Terry losses for a regression reward model (model.regression.loss_func), trained on
+# HelpSteer2-Preference pairs: two consecutive records, the first carrying the preference strength.
+BT_LOSSES = ("regular_bt", "margin_bt", "scaled_bt")
+REGRESSION_LOSSES = ("regression",) + BT_LOSSES
+HELPFULNESS_INDEX = 4  # the reward a BT loss trains: "helpfulness" among NeMo's nine SteerLM attributes
+
+
+def preference_pair_sums(first: torch.Tensor, second: torch.Tensor, strength: torch.Tensor, kind: str,
+                         weight: Optional[torch.Tensor] = None):
+    """Sums over pairs of NeMo-Aligner's ``regular_bt``/``margin_bt``/``scaled_bt`` loss, ``correct`` and
+    ``pairs``. ``strength`` < 0: the first response is preferred, >= 0: the second; ``|strength|`` is the
+    margin subtracted from the reward difference (margin_bt) or the pair's weight (scaled_bt).
+    ``weight`` (0: a padding pair) multiplies each pair's terms."""
+    chosen = torch.where(strength < 0, first, second)
+    rejected = torch.where(strength < 0, second, first)
+    margin = strength.abs()
+    diff = chosen - rejected
+    if kind == "regular_bt":
+        losses = -F.logsigmoid(diff)
+    elif kind == "margin_bt":
+        losses = -F.logsigmoid(diff - margin)
+    elif kind == "scaled_bt":
+        losses = margin * -F.logsigmoid(diff)
+    else:
+        raise ConfigError(f"model.regression.loss_func={kind!r} is not one of {', '.join(REGRESSION_LOSSES)}")
+    weight = torch.ones_like(diff) if weight is None else weight.to(diff.dtype)
+    return {"loss_sum": (weight * losses).sum(), "correct": (weight * (diff > 0).to(diff.dtype)).sum(),
+            "pairs": weight.sum()}
+
+
 def regression_attribute_names(cfg) -> list:
     """A regression reward model's attribute names from its config: ``model.regression.attribute_names``,
     NeMo's 9 SteerLM attributes for 9 unnamed outputs, else ``attr<i>``."""
@@ -72,6 +102,7 @@ class MegatronGPTRewardModel(MegatronGPTModel, SupervisedInterface, Inferrable):
         regression = cfg.get("regression") or {}
         self.num_attributes = int(regression.get("num_attributes", 1) or 1) if self.reward_model_type == "regression" else 1
         self.loss_mask_val = float(regression.get("loss_mask_val", -100.0))
+        self.regression_loss = str(regression.get("loss_func", "regression") or "regression")
         head = cfg.get("force_head_dtype", "float32")
         self.head_dtype = precision_dtype(precision) if head in (None, "null") else precision_dtype(
             head, key="model.force_head_dtype")
@@ -150,7 +181,28 @@ class MegatronGPTRewardModel(MegatronGPTModel, SupervisedInterface, Inferrable):
             metrics[f"n_{i}"] = per_attr_n[i].detach()
         return loss, metrics
 
+    def preference_index(self) -> int:
+        """The output a Bradley-Terry loss trains: "helpfulness" where the attributes are named, else 4."""
+        names = self.attribute_names()
+        return names.index("helpfulness") if "helpfulness" in names else HELPFULNESS_INDEX
+
+    def _pair_bt_loss(self, mb, output):
+        """Consecutive records (0, 1), (2, 3), ... are pairs; the first's attribute 0 is the strength."""
+        rewards = output.float()[:, self.preference_index()]
+        labels = mb["labels"]
+        strength = labels[0::2, 0]
+        weight = (strength != self.loss_mask_val).to(rewards.dtype)  # padding pairs carry no loss
+        sums = preference_pair_sums(rewards[0::2], rewards[1::2], strength * weight, self.regression_loss, weight)
+        loss = sums["loss_sum"] / sums["pairs"].clamp(min=1.0)
+        return loss, {"loss": loss.detach().clone(), **{k: v.detach() for k, v in sums.items()}}
+
     def get_loss_and_metrics(self, batch: Dict[str, torch.Tensor], forward_only: bool) -> Tuple[float, Dict[str, float]]:
+        if self.reward_model_type == "regression" and self.regression_loss in BT_LOSSES:
+            outputs = self.forward_backward(batch, self._pair_bt_loss, forward_only, self.micro_batch_size,
+                                            forward_fn=self._single_forward)
+            m = self.reduce_metrics(outputs, sum_keys=("loss_sum", "correct", "pairs"), mean_keys=("loss",))
+            pairs = max(m["pairs"], 1.0)
+            return m["loss"], {"loss": m["loss_sum"] / pairs, "accuracy": m["correct"] / pairs, "pairs": m["pairs"]}
         if self.reward_model_type == "binary_ranking":
             outputs = self.forward_backward(
                 batch, self._ranking_loss, forward_only, self.micro_batch_size, forward_fn=self._pairs_forward,
