@@ -358,3 +358,25 @@ def test_a_model_precision_other_than_the_trainers_is_warned(caplog):
         for model, trainer in (("bf16", "bf16-mixed"), ("${trainer.precision}", 16), (32, "32"), (None, "bf16")):
             warn_model_precision(OmegaConf.create({"trainer": {"precision": trainer}, "model": {"precision": model}}))
     assert caplog.records == []
+
+
+def test_an_alias_left_at_its_shipped_interpolation_does_not_disagree(caplog):
+    """inference_rm.yaml: NeMo-Aligner's inference.inference_micro_batch_size defaults to
+    ${model.forward_micro_batch_size}; setting only our inference.micro_batch_size uses it without a
+    warning, while both set to different values warns and uses ours."""
+    import logging
+
+    from nemo_aligner.utils.config_keys import load_shipped, resolve_aliases
+
+    for ours, theirs, warned in ((2, None, False), (None, 8, False), (2, 8, True)):
+        cfg = load_shipped("inference_rm")
+        if ours is not None:
+            cfg.inference.micro_batch_size = ours
+        if theirs is not None:
+            cfg.inference.inference_micro_batch_size = theirs
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            resolve_aliases(cfg)
+        expected = ours if ours is not None else theirs
+        assert cfg.inference.micro_batch_size == expected == cfg.inference.inference_micro_batch_size
+        assert ("name one setting" in caplog.text) == warned, (ours, theirs, caplog.text)

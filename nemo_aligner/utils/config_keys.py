@@ -232,6 +232,12 @@ def override_keys(overrides: Iterable[str]) -> List[str]:
     return keys
 
 
+def _is_interpolation(cfg: DictConfig, key: str) -> bool:
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    return isinstance(node, DictConfig) and leaf in node and OmegaConf.is_interpolation(node, leaf)
+
+
 def resolve_aliases(cfg: DictConfig) -> None:
     """Make each alias pair hold one value: the one the user set (ours default to null)."""
     for aligner_key, our_key in ALIASES:
@@ -240,7 +246,10 @@ def resolve_aliases(cfg: DictConfig) -> None:
             continue
         if isinstance(theirs, (list, ListConfig)) or isinstance(ours, (list, ListConfig)):
             raise ConfigError(f"{aligner_key}: a list of batch sizes is not supported; give one integer")
-        if ours is not None and theirs is not None and ours != theirs:
+        # NeMo-Aligner's key still at its shipped interpolation (inference_micro_batch_size:
+        # ${model.forward_micro_batch_size}) was not set by the user: only a set one disagrees
+        theirs_set = theirs is not None and not _is_interpolation(cfg, aligner_key)
+        if ours is not None and theirs_set and ours != theirs:
             logger.warning("%s=%s and %s=%s name one setting; using %s", aligner_key, theirs, our_key, ours, ours)
         value = ours if ours is not None else theirs
         with open_dict(cfg):
