@@ -380,3 +380,27 @@ def test_an_alias_left_at_its_shipped_interpolation_does_not_disagree(caplog):
         expected = ours if ours is not None else theirs
         assert cfg.inference.micro_batch_size == expected == cfg.inference.inference_micro_batch_size
         assert ("name one setting" in caplog.text) == warned, (ours, theirs, caplog.text)
+
+
+def test_nemo_aligner_tutorial_values_are_accepted(caplog):
+    """Values NeMo-Aligner's tutorials pass: trt_llm.enable=True runs (a warning: rollouts come from
+    this project's engine), and a per-split dict for n_examples_per_chunk (shipped: null) is its value."""
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.utils.config_keys import check_keys, load_shipped
+
+    cfg = load_shipped("gpt_reinforce_actor")
+    OmegaConf.update(cfg, "trainer.reinforce.trt_llm.enable", True, force_add=True)
+    with caplog.at_level(logging.WARNING):
+        check_keys(cfg, "gpt_reinforce_actor", ["trainer.reinforce.trt_llm.enable=True"])
+    assert "trainer.reinforce.trt_llm.enable=True: TensorRT-LLM is not used" in caplog.text
+    caplog.clear()
+    cfg = load_shipped("gpt_knowledge_distillation")
+    OmegaConf.update(cfg, "model.data.n_examples_per_chunk", {"train": 4, "validation": 2}, force_add=True)
+    OmegaConf.update(cfg, "model.data.chunk_count", 3, force_add=True)  # a key nothing reads: still named
+    with caplog.at_level(logging.WARNING):
+        check_keys(cfg, "gpt_knowledge_distillation", [])
+    assert "model.data.chunk_count is not read by nemo-aligner" in caplog.text
+    assert "n_examples_per_chunk" not in caplog.text

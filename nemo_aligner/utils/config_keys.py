@@ -176,11 +176,16 @@ def check_value_shapes(cfg: DictConfig, shipped: DictConfig) -> None:
             raise ConfigError(f"{path}={value!r} must be true or false")
 
 
-def unknown_keys(cfg: DictConfig, known: Set[str]) -> List[str]:
-    """Leaf keys of ``cfg`` that nothing reads (outside the open subtrees)."""
+def unknown_keys(cfg: DictConfig, known: Set[str], leaves: Iterable[str] = ()) -> List[str]:
+    """Leaf keys of ``cfg`` that nothing reads (outside the open subtrees). ``leaves``: keys whose
+    shipped value is a single value (often null) that may also be given as a dict, such as NeMo-Aligner's
+    ``n_examples_per_chunk: {train: .., validation: ..}``: what is under them is their value."""
     out = []
+    leaves = set(leaves)
     for path, node in _paths(cfg):
         if isinstance(node, DictConfig) or _in_open_subtree(path) or path in known:
+            continue
+        if any(path.startswith(leaf + ".") for leaf in leaves):
             continue
         if _suffix_match(path, UNREAD) or _suffix_match(path, REFUSED_UNLESS):
             continue  # accepted (refused unless off: config_checks)
@@ -263,6 +268,15 @@ def resolve_aliases(cfg: DictConfig) -> None:
                               f"of it); set {other} instead")
 
 
+def warn_trt_llm(cfg: DictConfig) -> None:
+    """``trainer.<rl>.trt_llm.enable=True`` (NeMo-Aligner's REINFORCE default): the same rollouts come
+    from this project's engine; say so rather than refuse NeMo-Aligner's command."""
+    for path, node in _paths(cfg):
+        if path.endswith("trt_llm.enable") and not isinstance(node, DictConfig) and node._value() is True:
+            logger.warning("%s=True: TensorRT-LLM is not used; rollouts run on nemo-aligner's own generation engine "
+                           "(static KV cache; CUDA graphs on a GPU)", path)
+
+
 def warn_model_precision(cfg: DictConfig) -> None:
     """``model.precision`` (``${trainer.precision}`` in the shipped configs) is read by nothing: warn when
     it is set to another precision than ``trainer.precision``, the one the run uses."""
@@ -284,7 +298,7 @@ def check_keys(cfg: DictConfig, config_name: str, overrides: Iterable[str] = (),
     check_value_shapes(cfg, shipped)
     known = known_paths(shipped)
     known = known | set(extra_keys) if extra_keys else known
-    unknown = unknown_keys(cfg, known)
+    unknown = unknown_keys(cfg, known, {path for path, node in _paths(shipped) if not isinstance(node, DictConfig)})
     for path in unknown:
         guess = near_miss(path, known)
         if guess:
@@ -294,6 +308,7 @@ def check_keys(cfg: DictConfig, config_name: str, overrides: Iterable[str] = (),
     for path in unknown:
         logger.warning("%s is not read by nemo-aligner (%s.yaml has no such key); it is ignored", path, config_name)
     warn_model_precision(cfg)
+    warn_trt_llm(cfg)
     script = os.path.basename(sys.argv[0]) if sys.argv else ""
     for key in override_keys(overrides):
         suffix = _suffix_match(key, UNREAD)
