@@ -361,6 +361,22 @@ def generate_prompts(**overrides):
     return lambda: read_prompts(shipped_config("gpt_generate", **overrides))
 
 
+def text_server_bind(host="127.0.0.1", taken=False):
+    """generate_gpt.py server=True's check of host/port before the model loads (port taken: a socket
+    listens on it meanwhile)."""
+    import socket
+
+    from nemo_aligner.utils.ports import check_bindable
+
+    def run():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(1)
+            check_bindable(host, {"port": sock.getsockname()[1] if taken else 0})
+
+    return run
+
+
 def eval_parallel_sizes(**overrides):
     from nemo_aligner.recipes.generate import apply_eval_parallel_sizes
 
@@ -480,6 +496,8 @@ CONFIG_CASES = {
                              r"^inference\.tokens_to_generate=null: this key needs a value$"),
     "output-path-as-a-dict": (section_values("", output_path={"x": 1}),
                               r"^output_path=\{'x': 1\} must be one path, got a dict$"),
+    "text-server-host": (text_server_bind(host="-5"), r"^host='-5' is not an address of this machine"),
+    "text-server-port-taken": (text_server_bind(taken=True), r"^port=\d+ on 127\.0\.0\.1 is already in use"),
     "eval-web-server": (generate_config(web_server=True), r"^web_server=True is not supported: NeMo's Gradio web page"),
     "eval-split-rank": (generate_config(pipeline_model_parallel_split_rank=2),
                         r"^pipeline_model_parallel_split_rank=2 is not supported: it splits encoder-decoder models"),

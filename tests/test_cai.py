@@ -163,3 +163,11 @@ def test_cai_pipeline_on_the_builtin_task(tmp_path, sft_nemo, builtin_data):
         f"exp_manager.explicit_log_dir={tmp_path / 'dpo'}"])
     for stage, key in (("sft", "train/loss"), ("dpo", "train/loss")):
         assert [r["step"] for r in read_metrics(tmp_path / stage) if key in r] == [1, 2], stage
+
+
+def test_text_server_refuses_a_bad_host_before_loading(sft_nemo):
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "generate_gpt.py"), f"gpt_model_file={sft_nemo}",
+                           "server=True", "host=-5", f"port={free_port()}"], env=subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "error: host='-5' is not an address of this machine" in proc.stderr

@@ -17,6 +17,7 @@ from nemo_aligner.utils.distributed import is_global_rank_zero
 from nemo_aligner.utils.errors import ConfigError, DataError
 from nemo_aligner.models.alignable_interface import string_list
 from nemo_aligner.models.nlp.gpt.generation import LengthParams, SamplingParams
+from nemo_aligner.utils.ports import check_bindable
 from nemo_aligner.utils.run_setup import init_run
 from nemo_aligner.models.nlp.gpt.text_generation import generate_texts, sentence_logprobs
 
@@ -100,6 +101,17 @@ def generation_service(model):
     return compute
 
 
+def server_host(cfg: DictConfig) -> str:
+    return str(cfg.get("host") or "127.0.0.1")
+
+
+def server_port(cfg: DictConfig) -> int:
+    port = cfg.get("port", 5555)
+    if port is None:
+        raise ConfigError("port=null: server=True needs a port")
+    return int(port)
+
+
 def serve(cfg: DictConfig, model) -> None:
     """``server=True``: answer ``PUT http://<host>:<port>/generate`` until SIGTERM/SIGINT."""
     import signal
@@ -111,7 +123,7 @@ def serve(cfg: DictConfig, model) -> None:
     if is_global_rank_zero():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-    host, port = str(cfg.get("host") or "127.0.0.1"), int(cfg.get("port", 5555))
+    host, port = server_host(cfg), server_port(cfg)
     serve_text_generation(generation_service(model), host, port, int(model.cfg.encoder_seq_length), stop,
                           ready=lambda: print(f"serving {cfg.gpt_model_file} on http://{host}:{port}/generate",
                                               flush=True))
@@ -139,6 +151,8 @@ def run_generate(cfg: DictConfig) -> List[dict]:
     apply_eval_parallel_sizes(cfg)
     init_run(cfg, cfg.gpt_model_file, "gpt_model_file")
     if bool(cfg.get("server", False)):
+        if is_global_rank_zero():  # before minutes of loading; rank 0 binds (a failure here ends every rank)
+            check_bindable(server_host(cfg), {"port": server_port(cfg)})
         model = load_model(GPTSFTModel, cfg.model, cfg.trainer.precision, cfg.gpt_model_file, key="gpt_model_file",
                            trainable=False)
         serve(cfg, model)

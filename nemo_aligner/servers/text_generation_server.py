@@ -17,6 +17,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Dict, List, Optional
 
+from nemo_aligner.utils.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 MAX_SENTENCES = 128  # NeMo's limit per request
@@ -161,7 +163,11 @@ def serve_text_generation(compute: Callable[[Dict], Dict], host: str, port: int,
         def log_message(self, fmt, *args):  # requests go to the log, not stderr
             logger.debug("%s %s", self.address_string(), fmt % args)
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as err:  # taken since it was checked, or not this machine's address
+        raise ConfigError(f"cannot serve on {host}:{port} ({getattr(err, 'strerror', None) or err}); choose another "
+                          "host or port") from None
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

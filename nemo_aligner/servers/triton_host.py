@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import sysconfig
 import tempfile
 import time
@@ -19,6 +18,7 @@ from typing import Callable, Dict, Iterator, Optional
 
 from nemo_aligner.servers.request_guard import ModelLimits, RequestGuard
 from nemo_aligner.utils.errors import ConfigError, ServerError
+from nemo_aligner.utils.ports import check_bindable
 
 logger = logging.getLogger(__name__)
 
@@ -56,26 +56,8 @@ def server_address(cfg, key: str) -> ServerAddress:
 
 def check_ports_free(address: ServerAddress, key: str) -> None:
     """Fail at once, naming the port, instead of PyTriton's misleading error ~7 s later."""
-    bind_host = "0.0.0.0" if address.host in ("0.0.0.0", "") else address.host
-    try:
-        socket.getaddrinfo(bind_host, None)
-    except socket.gaierror as err:
-        raise ConfigError(f"{key}.host={address.host!r} is not an address of this machine ({err.strerror}); use "
-                          "127.0.0.1, 0.0.0.0 (every interface) or this machine's name or IP") from None
-    for name, port in (("port", address.http_port), ("grpc_port", address.grpc_port),
-                       ("metrics_port", address.metrics_port)):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((bind_host, port))
-            except OSError as err:
-                import errno
-
-                if err.errno == errno.EADDRNOTAVAIL:
-                    raise ConfigError(f"{key}.host={address.host!r} is not an address of this machine "
-                                      f"({err.strerror}); use 127.0.0.1, 0.0.0.0 or one of its own") from None
-                raise ConfigError(f"{key}.{name}={port} on {address.host} is already in use ({err.strerror}); "
-                                  f"choose another port") from None
+    check_bindable(address.host, {"port": address.http_port, "grpc_port": address.grpc_port,
+                                  "metrics_port": address.metrics_port}, key)
 
 
 def prepare_library_path() -> None:

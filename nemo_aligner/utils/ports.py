@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import random
 import socket
+from typing import Dict
+
+from nemo_aligner.utils.errors import ConfigError
 
 
 # Not the global ``random``: training seeds it (``seed_everything``), so every process seeded alike
@@ -26,3 +30,27 @@ def free_port() -> int:
             except OSError:
                 continue
             return port
+
+
+def check_bindable(host: str, ports: Dict[str, int], key: str = "") -> None:
+    """Refuse, naming the key, a host that is not this machine's or a port already in use, before a
+    server spends minutes loading a model (``ports``: key name -> port; ``key``: their section)."""
+    name_of = lambda name: f"{key}.{name}" if key else name  # noqa: E731
+    bind_host = "0.0.0.0" if host in ("0.0.0.0", "") else host
+    try:
+        socket.getaddrinfo(bind_host, None)
+    except (socket.gaierror, UnicodeError) as err:
+        raise ConfigError(f"{name_of('host')}={host!r} is not an address of this machine "
+                          f"({getattr(err, 'strerror', None) or err}); use 127.0.0.1, 0.0.0.0 (every interface) or "
+                          "this machine's name or IP") from None
+    for name, port in ports.items():
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((bind_host, port))
+            except OSError as err:
+                if err.errno == errno.EADDRNOTAVAIL:
+                    raise ConfigError(f"{name_of('host')}={host!r} is not an address of this machine "
+                                      f"({err.strerror}); use 127.0.0.1, 0.0.0.0 or one of its own") from None
+                raise ConfigError(f"{name_of(name)}={port} on {host} is already in use ({err.strerror}); "
+                                  "choose another port") from None
