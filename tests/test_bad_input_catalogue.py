@@ -407,6 +407,8 @@ CONFIG_CASES = {
                                    r"prompts\[0\]=\[1\] must be text \(prompts: a list of strings\)"),
     "dict-for-end-strings": (shipped_config_values("gpt_grpo", **{"model.grpo.sampling_params.end_strings": {"x": 1}}),
                              r"model\.grpo\.sampling_params\.end_strings=\{'x': 1\} must be a list of strings"),
+    "empty-end-string": (shipped_config_values("gpt_grpo", **{"model.grpo.sampling_params.end_strings": ["</s>", ""]}),
+                         r"^model\.grpo\.sampling_params\.end_strings=\['</s>', ''\] holds an empty string"),
     "dpo-beta-zero": (dpo_beta(0.0, "ipo"), r"model\.dpo\.ref_policy_kl_penalty=0\.0 \(beta\) must be > 0"),
     "dpo-beta-negative": (dpo_beta(-0.1), r"model\.dpo\.ref_policy_kl_penalty=-0\.1 \(beta\) must be > 0"),
     "grpo-greedy-rollouts": (grpo_sampling(**{"model.grpo.sampling_params.use_greedy": True}),

@@ -293,6 +293,9 @@ def _check_lists(node, prefix: str) -> None:
             if not isinstance(value, ListConfig) or any(isinstance(v, (DictConfig, ListConfig)) or v is None
                                                         for v in value):
                 raise ConfigError(f"{path}={shown(value)} must be a list of strings, e.g. ['<extra_id_1>']")
+            if any(isinstance(v, str) and v == "" for v in value):
+                raise ConfigError(f"{path}={shown(value)} holds an empty string, which every text ends with: each "
+                                  "response would stop after its first token")
         else:
             _check_lists(value, path)
 
