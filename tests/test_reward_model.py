@@ -385,6 +385,7 @@ def _helpsteer2_pref_pairs(comparisons: str, out, seed: int):
     return str(out)
 
 
+@pytest.mark.learning
 def test_scaled_bt_regression_model_learns_the_preferences(tmp_path, task_data, sft_nemo):
     """NeMo-Aligner's SteerLM 2.0 reward-model command (scaled_bt on HelpSteer2-Preference pairs,
     micro-batch 2, a 9-attribute regression head): held-out pair accuracy rises well above chance."""
