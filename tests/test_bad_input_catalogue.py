@@ -488,6 +488,8 @@ CONFIG_CASES = {
     "sample-range-as-a-list": (section_values("", end_at_idx=[1]), r"^end_at_idx=\[1\] must be an integer, got a list$"),
     "group-size-null": (group_sampling(num_responses_per_prompt=None),
                         r"^model\.grpo\.num_responses_per_prompt=null: this key needs a value \(the group size\)$"),
+    "rollout-micro-batch-null": (section_values("model.grpo", rollout_micro_batch_size=None),
+                                 r"^model\.grpo\.rollout_micro_batch_size=null: this key needs a value$"),
     "rollout-prompts-null": (section_values("model.ppo", num_rollout_samples=None),
                              r"^model\.ppo\.num_rollout_samples=null: this key needs a value$"),
     "parallel-size-null": (config_values(**{"model.tensor_model_parallel_size": None}),

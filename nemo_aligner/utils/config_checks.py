@@ -49,7 +49,7 @@ NOT_NULL = frozenset({"seed", "global_batch_size", "micro_batch_size", "gt_rewar
                       "num_rollouts_per_prompt", "top_n_rollouts", "desirable_loss_weight", "undesirable_loss_weight",
                       "kd_loss_weight", "target_logits_scale", "logits_scale", "loss_clip_val", "shutdown_idle_s",
                       "num_rollout_samples", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                      "tokens_to_generate", "min_tokens_to_generate"})
+                      "tokens_to_generate", "min_tokens_to_generate", "rollout_micro_batch_size"})
 # Text values (record field names, templates).
 STRINGS = frozenset({"prompt_template", "label_key", "truncation_field"})
 # One path each (a list or a number there would reach os.path as a list or a file descriptor).
