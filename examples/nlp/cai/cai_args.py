@@ -26,6 +26,13 @@ def add_inference_args(parser, greedy, top_k, top_p, end_strings, port):
     group.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for one request")
 
 
+# NeMo's <extra_id_*> chat template: the RL-CAI and HH preparation scripts' defaults, as in NeMo-Aligner.
+EXTRA_ID_TEMPLATE = dict(user_format="<extra_id_1>User\n{MESSAGE}\n<extra_id_1>Assistant\n",
+                         assistant_format="{MESSAGE}\n", system_format="<extra_id_0>System\n{MESSAGE}\n",
+                         system_default_message="", eos_token="<extra_id_1>",
+                         response_extract_pattern="<extra_id_1>Assistant\n")
+
+
 def add_template_args(parser, **defaults):
     group = parser.add_argument_group("prompt_template", "prompt template")
     for name in ("user_format", "assistant_format", "system_format", "system_default_message", "bos_token",

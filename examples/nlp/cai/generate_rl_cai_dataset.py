@@ -19,7 +19,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cai_args import add_inference_args, add_template_args, literal, settings, template  # noqa: E402
+from cai_args import EXTRA_ID_TEMPLATE, add_inference_args, add_template_args, literal, settings, template  # noqa: E402
 
 
 def main(argv=None):
@@ -44,10 +44,7 @@ def main(argv=None):
                                                            "server (default: --host)")
     group.add_argument("--judge-port", type=int, default=None, help="(default: --port)")
     add_inference_args(parser, greedy="False", top_k=50, top_p=0.95, end_strings=["<extra_id_1>"], port=5656)
-    add_template_args(parser, user_format="<extra_id_1>User\n{MESSAGE}\n<extra_id_1>Assistant\n",
-                      assistant_format="{MESSAGE}\n", system_format="<extra_id_0>System\n{MESSAGE}\n",
-                      system_default_message="", eos_token="<extra_id_1>",
-                      response_extract_pattern="<extra_id_1>Assistant\n")
+    add_template_args(parser, **EXTRA_ID_TEMPLATE)
     args = parser.parse_args(argv)
 
     from nemo_aligner.recipes import cai

@@ -18,7 +18,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cai_args import add_template_args, template  # noqa: E402
+from cai_args import EXTRA_ID_TEMPLATE, add_template_args, template  # noqa: E402
 
 SUBSETS = ("harmless-base", "helpful-base", "helpful-online", "helpful-rejection-sampled")
 
@@ -52,10 +52,7 @@ def main(argv=None):
     parser.add_argument("--output-file-name-prefix", default=None)
     parser.add_argument("--add-eos", choices=["False", "True"], default="True",
                         help="add --eos_token at the end of each comparison")
-    add_template_args(parser, user_format="<extra_id_1>User\n{MESSAGE}\n<extra_id_1>Assistant\n",
-                      assistant_format="{MESSAGE}\n", system_format="<extra_id_0>System\n{MESSAGE}\n",
-                      system_default_message="", eos_token="<extra_id_1>",
-                      response_extract_pattern="<extra_id_1>Assistant\n")
+    add_template_args(parser, **EXTRA_ID_TEMPLATE)
     args = parser.parse_args(argv)
 
     from nemo_aligner.data.nlp.public_datasets import hh_to_chat_comparisons, write
