@@ -303,7 +303,7 @@ def test_load_rm_head_weights(reward_model, mcore_single):
 def test_preference_pair_losses_by_hand(kind):
     """NeMo-Aligner's Bradley-Terry losses for HelpSteer2-Preference pairs: strength < 0 prefers the
     first response, >= 0 the second; |strength| is margin_bt's margin and scaled_bt's weight."""
-    from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import preference_pair_sums
+    from nemo_aligner.utils.preference_losses import preference_pair_sums
 
     first = torch.tensor([2.0, -1.0, 0.5, 1.5, 9.0])
     second = torch.tensor([1.0, 0.0, 0.5, -0.5, -9.0])
@@ -346,7 +346,7 @@ def test_bt_logged_loss_equals_the_pair_loss_of_the_models_rewards(mcore_single)
     """A 9-attribute regression model trained with scaled_bt: the loss and accuracy it logs are the
     pair loss of its own helpfulness outputs (attribute 4), a padding pair excluded."""
     from nemo_aligner.data.nlp.reward_datasets import collate_regression
-    from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import preference_pair_sums
+    from nemo_aligner.utils.preference_losses import preference_pair_sums
 
     model = tiny_reward_model(global_batch_size=6, reward_model_type="regression",
                               regression={"num_attributes": 9, "loss_func": "scaled_bt"})

@@ -19,10 +19,11 @@ from nemo_aligner.data.nlp.reward_datasets import (
     data_prefix_paths,
 )
 from nemo_aligner.models.nlp.gpt.loading import load_model
-from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import BT_LOSSES, MegatronGPTRewardModel
+from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import MegatronGPTRewardModel
 from nemo_aligner.utils.errors import ConfigError, DataError
 from nemo_aligner.utils.exp_manager import exp_manager
 from nemo_aligner.utils.run_control import RunTimer, max_time_of
+from nemo_aligner.utils.preference_losses import BT_LOSSES
 from nemo_aligner.utils.run_setup import init_run
 
 logger = logging.getLogger(__name__)

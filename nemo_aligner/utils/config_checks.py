@@ -15,6 +15,7 @@ from typing import Iterator, Optional, Tuple
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.utils.preference_losses import REGRESSION_LOSSES
 
 POSITIVE_INTS = frozenset({
     "micro_batch_size", "global_batch_size", "num_layers", "hidden_size", "ffn_hidden_size",
@@ -59,7 +60,7 @@ PATHS = frozenset({"prompts_file", "output_file", "output_path", "gpt_model_file
 CHOICES = {
     "activations_checkpoint_granularity": ("full", "selective", None),
     "activations_checkpoint_method": ("uniform", "block", None),
-    "loss_func": ("regression", "regular_bt", "margin_bt", "scaled_bt"),  # a regression reward model's
+    "loss_func": REGRESSION_LOSSES,  # a regression reward model's
 }
 # Probabilities that must stay below 1 (a dropout of 1 zeroes every activation).
 UNIT_INTERVAL = frozenset({"hidden_dropout", "attention_dropout", "ffn_dropout"})

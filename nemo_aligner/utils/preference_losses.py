@@ -1,4 +1,5 @@
-"""Preference-optimisation losses on sequence log-prob ratios (pure functions).
+"""Preference losses (pure functions): preference optimisation on sequence log-prob ratios, and the
+Bradley-Terry pair losses of a regression reward model (``preference_pair_sums``).
 
 ``chosen``/``rejected`` are the policy-minus-reference log-prob of each response, summed (or
 averaged) over its tokens; ``beta`` is ``ref_policy_kl_penalty``. Conventions follow
@@ -12,7 +13,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from nemo_aligner.utils.errors import ConfigError
+
 PREFERENCE_LOSSES = ("dpo", "ipo", "rpo_sq", "rpo_bwd_kl", "rpo_fwd_kl")
+# NeMo-Aligner's Bradley-Terry losses for a regression reward model (model.regression.loss_func), trained on
+# HelpSteer2-Preference pairs: two consecutive records, the first carrying the preference strength.
+BT_LOSSES = ("regular_bt", "margin_bt", "scaled_bt")
+REGRESSION_LOSSES = ("regression",) + BT_LOSSES
 
 
 def sequence_logps(logps: torch.Tensor, mask: torch.Tensor, average: bool = False) -> torch.Tensor:
@@ -82,3 +89,26 @@ def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, desirable: tor
     desirable = desirable.to(ratio.dtype)
     return desirable * desirable_weight * (1 - torch.sigmoid(beta * (ratio - z))) + \
         (1 - desirable) * undesirable_weight * (1 - torch.sigmoid(beta * (z - ratio)))
+
+
+def preference_pair_sums(first: torch.Tensor, second: torch.Tensor, strength: torch.Tensor, kind: str,
+                         weight: Optional[torch.Tensor] = None):
+    """Sums over pairs of NeMo-Aligner's ``regular_bt``/``margin_bt``/``scaled_bt`` loss, ``correct`` and
+    ``pairs``. ``strength`` < 0: the first response is preferred, >= 0: the second; ``|strength|`` is the
+    margin subtracted from the reward difference (margin_bt) or the pair's weight (scaled_bt).
+    ``weight`` (0: a padding pair) multiplies each pair's terms."""
+    chosen = torch.where(strength < 0, first, second)
+    rejected = torch.where(strength < 0, second, first)
+    margin = strength.abs()
+    diff = chosen - rejected
+    if kind == "regular_bt":
+        losses = -F.logsigmoid(diff)
+    elif kind == "margin_bt":
+        losses = -F.logsigmoid(diff - margin)
+    elif kind == "scaled_bt":
+        losses = margin * -F.logsigmoid(diff)
+    else:
+        raise ConfigError(f"model.regression.loss_func={kind!r} is not one of {', '.join(REGRESSION_LOSSES)}")
+    weight = torch.ones_like(diff) if weight is None else weight.to(diff.dtype)
+    return {"loss_sum": (weight * losses).sum(), "correct": (weight * (diff > 0).to(diff.dtype)).sum(),
+            "pairs": weight.sum()}

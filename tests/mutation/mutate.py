@@ -42,6 +42,8 @@ T_DPO = ["tests/test_dpo.py::test_dpo_is_minus_log_sigmoid_of_beta_margin", "tes
          "tests/test_dpo.py::test_logged_metrics_equal_an_independent_computation"]
 T_RM = ["tests/test_reward_model.py::test_pairwise_loss_and_accuracy_by_hand",
         "tests/test_reward_model.py::test_logged_loss_equals_the_pairwise_loss_of_the_models_rewards"]
+T_BT = ["tests/test_reward_model.py::test_preference_pair_losses_by_hand",
+        "tests/test_reward_model.py::test_bt_logged_loss_equals_the_pair_loss_of_the_models_rewards"]
 T_KTO = ["tests/test_kto.py::test_kto_loss_by_hand"]
 T_RS = ["tests/test_rs.py::test_top_n_per_group_by_hand"]
 
@@ -95,6 +97,10 @@ MUTATIONS = [
              '{"loss_sum": (weight * F.logsigmoid(chosen - rejected)).sum()', T_RM),
     Mutation("rm_accuracy_reversed", RM, "(weight * (chosen > rejected).to(chosen.dtype)).sum()",
              "(weight * (chosen < rejected).to(chosen.dtype)).sum()", T_RM),
+    # a regression reward model's Bradley-Terry losses (HelpSteer2-Preference pairs)
+    Mutation("bt_preferred_side", PREF, "chosen = torch.where(strength < 0, first, second)",
+             "chosen = torch.where(strength > 0, first, second)", T_BT),
+    Mutation("bt_margin_sign", PREF, "losses = -F.logsigmoid(diff - margin)", "losses = -F.logsigmoid(diff + margin)", T_BT),
 ]
 
 

@@ -75,13 +75,14 @@ def nemo_config_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
     qkv_bias = True if arch == "qwen2" else bool(hf.get("attention_bias", False))
     if arch in ("llama",) + LLAMA_LIKE and (hf.get("mlp_bias") or hf.get("attention_bias")):
         raise ConfigError(f"{where}: attention_bias/mlp_bias=True is not supported")
-    seq = min(int(hf.get("max_position_embeddings", 2048)), 4096)
+    positions = int(hf.get("max_position_embeddings", 2048))
+    seq = min(positions, 4096)
     if window is not None:
         # Mistral's sliding window is not applied here: up to `window` tokens it changes nothing, so the
         # training length stays within it.
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ConfigError(f"{where}: sliding_window={window!r} must be a positive integer or null")
-        if window < int(hf.get("max_position_embeddings", 2048)):
+        if window < positions:
             logger.warning("%s: sliding_window=%d is not applied here; encoder_seq_length is kept at or below it "
                            "(%d), where attention is the same", where, window, min(seq, window))
         seq = min(seq, window)
@@ -90,8 +91,7 @@ def nemo_config_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
                       ffn_hidden_size=int(hf["intermediate_size"]), num_attention_heads=heads,
                       num_query_groups=int(hf.get("num_key_value_heads") or heads),
                       kv_channels=head_dim if head_dim * heads != hidden else None,
-                      max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-                      encoder_seq_length=seq,
+                      max_position_embeddings=positions, encoder_seq_length=seq,
                       position_embedding_type="rope", rotary_base=int(rope_theta),
                       normalization="rmsnorm", layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
                       activation="swiglu", bias=False, qkv_bias=qkv_bias,
@@ -361,10 +361,9 @@ def import_hf_model(hf_dir: str, nemo_path: str, precision: str = "32") -> str:
     from omegaconf import OmegaConf, open_dict
 
     from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.utils.config_checks import precision_name
     from nemo_aligner.utils.nemo_file import save_nemo
     from nemo_aligner.utils.tokenizers import ByteTokenizer, HFTokenizer
-
-    from nemo_aligner.utils.config_checks import precision_name
 
     dtype = precision_name(precision)
     if dtype is None:

@@ -12,6 +12,7 @@ from nemo_aligner.models.nlp.gpt.gpt_builder import build_gpt_model, precision_d
 from nemo_aligner.models.nlp.gpt.gpt_reward_model import GPTRewardModel
 from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
 from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.utils.preference_losses import BT_LOSSES, preference_pair_sums
 
 REWARD_MODEL_TYPES = ("binary_ranking", "regression")
 
@@ -39,34 +40,7 @@ def masked_mse(pred: torch.Tensor, labels: torch.Tensor, mask_value: float = -10
     return loss, squared.sum(0), mask.sum(0)
 
 
-# NeMo-Aligner's Bradley-Terry losses for a regression reward model (model.regression.loss_func), trained on
-# HelpSteer2-Preference pairs: two consecutive records, the first carrying the preference strength.
-BT_LOSSES = ("regular_bt", "margin_bt", "scaled_bt")
-REGRESSION_LOSSES = ("regression",) + BT_LOSSES
 HELPFULNESS_INDEX = 4  # the reward a BT loss trains: "helpfulness" among NeMo's nine SteerLM attributes
-
-
-def preference_pair_sums(first: torch.Tensor, second: torch.Tensor, strength: torch.Tensor, kind: str,
-                         weight: Optional[torch.Tensor] = None):
-    """Sums over pairs of NeMo-Aligner's ``regular_bt``/``margin_bt``/``scaled_bt`` loss, ``correct`` and
-    ``pairs``. ``strength`` < 0: the first response is preferred, >= 0: the second; ``|strength|`` is the
-    margin subtracted from the reward difference (margin_bt) or the pair's weight (scaled_bt).
-    ``weight`` (0: a padding pair) multiplies each pair's terms."""
-    chosen = torch.where(strength < 0, first, second)
-    rejected = torch.where(strength < 0, second, first)
-    margin = strength.abs()
-    diff = chosen - rejected
-    if kind == "regular_bt":
-        losses = -F.logsigmoid(diff)
-    elif kind == "margin_bt":
-        losses = -F.logsigmoid(diff - margin)
-    elif kind == "scaled_bt":
-        losses = margin * -F.logsigmoid(diff)
-    else:
-        raise ConfigError(f"model.regression.loss_func={kind!r} is not one of {', '.join(REGRESSION_LOSSES)}")
-    weight = torch.ones_like(diff) if weight is None else weight.to(diff.dtype)
-    return {"loss_sum": (weight * losses).sum(), "correct": (weight * (diff > 0).to(diff.dtype)).sum(),
-            "pairs": weight.sum()}
 
 
 def regression_attribute_names(cfg) -> list:
