@@ -300,6 +300,11 @@ def split_records(records: Sequence[Dict], splits: Dict[str, float], shuffle: bo
     return out
 
 
+def chat_prompt_path(output_dir: str, prefix: Optional[str], split: str, kind: str, suffix: str = "") -> str:
+    """NeMo-Aligner's file names for chat-template data: ``<prefix>_<split>_<kind>_with_chat_prompt<suffix>.jsonl``."""
+    return os.path.join(output_dir, f"{prefix + '_' if prefix else ''}{split}_{kind}_with_chat_prompt{suffix}.jsonl")
+
+
 def write_rl_cai(records_by_split: Dict[str, List[Dict]], template: ChatTemplate, output_dir: str, prefix: str,
                  blend_with: Optional[Dict] = None, seed: int = 1234) -> Dict[str, Dict[str, str]]:
     """Per split: ``<prefix>_<split>_prompts_with_chat_prompt.jsonl`` (PPO prompts, ``{"text"}``),
@@ -312,8 +317,7 @@ def write_rl_cai(records_by_split: Dict[str, List[Dict]], template: ChatTemplate
     rng = random.Random(seed)
     eos = template.eos_token or ""
     for split, records in records_by_split.items():
-        name = (lambda kind: os.path.join(output_dir, f"{prefix + '_' if prefix else ''}{split}_{kind}_with_chat_prompt.jsonl"))
-        paths = {k: name(k) for k in ("prompts", "comparisons", "dpo")}
+        paths = {k: chat_prompt_path(output_dir, prefix, split, k) for k in ("prompts", "comparisons", "dpo")}
         existing = next((p for p in paths.values() if os.path.exists(p)), None)
         if existing:
             raise ConfigError(f"{existing} already exists; choose another --output-dir or --output-filename-prefix")

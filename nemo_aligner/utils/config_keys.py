@@ -185,7 +185,8 @@ def unknown_keys(cfg: DictConfig, known: Set[str], leaves: Iterable[str] = ()) -
     for path, node in _paths(cfg):
         if isinstance(node, DictConfig) or _in_open_subtree(path) or path in known:
             continue
-        if any(path.startswith(leaf + ".") for leaf in leaves):
+        parts = path.split(".")
+        if any(".".join(parts[:i]) in leaves for i in range(1, len(parts))):
             continue
         if _suffix_match(path, UNREAD) or _suffix_match(path, REFUSED_UNLESS):
             continue  # accepted (refused unless off: config_checks)

@@ -56,6 +56,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     from nemo_aligner.data.nlp.public_datasets import hh_to_chat_comparisons, write
+    from nemo_aligner.recipes.cai import chat_prompt_path
     from nemo_aligner.utils.hydra_runner import run_cli
 
     def run():
@@ -81,8 +82,7 @@ def main(argv=None):
                 dropped += n
             outputs[split] = pairs, dropped
         for split, (pairs, dropped) in outputs.items():
-            name = (lambda kind: os.path.join(args.output_dir,
-                                              f"{prefix + '_' if prefix else ''}{split}_{kind}_with_chat_prompt{suffix}.jsonl"))
+            name = lambda kind: chat_prompt_path(args.output_dir, prefix, split, kind, suffix)  # noqa: E731
             write(name("prompts"), [{"text": p["prompt"]} for p in pairs])
             write(name("comparisons"), [{"text": p[side]} for p in pairs for side in ("chosen", "rejected")])
             write(name("dpo"), [{"prompt": p["prompt"], "chosen_response": p["chosen"][len(p["prompt"]):],
