@@ -24,7 +24,6 @@ import math
 import os
 import statistics
 import tempfile
-import time
 
 import torch
 

@@ -3,10 +3,8 @@ by a live run, a log directory that is a file, checkpoint settings it would misr
 whose package is missing; a run that fails while starting leaves the previous run's hparams.yaml as
 it was."""
 
-import os
 import subprocess
 import sys
-import time
 
 import pytest
 from omegaconf import OmegaConf

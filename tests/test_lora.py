@@ -5,7 +5,6 @@ weights (reference policy, the critic's reward model) copying only the adapters.
 
 import io
 import math
-import os
 import re
 import shutil
 import tarfile

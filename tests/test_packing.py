@@ -2,7 +2,6 @@
 pickled code), and packed batches whose SFT and DPO losses equal the unpacked ones."""
 
 import os
-import pickle
 
 import numpy as np
 import pytest

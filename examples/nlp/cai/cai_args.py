@@ -1,6 +1,5 @@
 """Command-line arguments shared by the Constitutional AI scripts (NeMo-Aligner's names and defaults)."""
 
-import argparse
 import ast
 
 

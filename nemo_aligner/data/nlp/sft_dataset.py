@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from nemo_aligner.data.nlp.chat_template import (DEFAULT_CHAT_TOKENS, chat_ids_and_mask, chat_tokens, mask_roles,
+from nemo_aligner.data.nlp.chat_template import (chat_ids_and_mask, chat_tokens, mask_roles,
                                                  render_conversation, validate_chat_record)
 from nemo_aligner.data.nlp.jsonl import read_jsonl, require_fields
 from nemo_aligner.utils.errors import ConfigError, DataError

@@ -8,7 +8,6 @@ It also computes the shared-prompt layout of ``nemo_aligner.utils.prompt_sharing
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
