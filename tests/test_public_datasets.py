@@ -189,6 +189,37 @@ def test_cai_hh_refusals_are_one_line(tmp_path, capsys, monkeypatch):
     assert "--input-dir is not set and Hugging Face datasets is not installed" in refusal("--output-dir", tmp_path / "out")
 
 
+def test_cai_hh_through_hugging_face_datasets(tmp_path, monkeypatch):
+    """Without --input-dir the subsets come from ``datasets.load_dataset("Anthropic/hh-rlhf", data_dir=,
+    split=)`` (NeMo-Aligner's call), giving the files a local copy gives."""
+    import importlib.util
+    import types
+
+    calls = []
+
+    def load_dataset(name, data_dir, split):
+        calls.append((name, data_dir, split))
+        return list(HH if split == "train" else HH[:1])
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    spec = importlib.util.spec_from_file_location("process_hh_chat_hf", CAI_HH)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(["--output-dir", str(tmp_path / "hub"), "--dataset-dir-name", "helpful-base"])
+    assert calls == [("Anthropic/hh-rlhf", "helpful-base", "train"), ("Anthropic/hh-rlhf", "helpful-base", "test")]
+
+    (tmp_path / "hh" / "helpful-base").mkdir(parents=True)
+    write_jsonl(tmp_path / "hh" / "helpful-base" / "train.jsonl", HH)
+    write_jsonl(tmp_path / "hh" / "helpful-base" / "test.jsonl", HH[:1])
+    script.main(["--input-dir", str(tmp_path / "hh"), "--output-dir", str(tmp_path / "local"),
+                 "--dataset-dir-name", "helpful-base"])
+    names = sorted(os.listdir(tmp_path / "local"))
+    assert len(names) == 6 and sorted(os.listdir(tmp_path / "hub")) == names
+    for name in names:
+        assert (tmp_path / "hub" / name).read_text() == (tmp_path / "local" / name).read_text(), name
+    assert read_jsonl(str(tmp_path / "hub" / "train_prompts_with_chat_prompt.jsonl"))
+
+
 def test_helpsteer_and_helpsteer2_to_steerlm(tmp_path):
     from nemo_aligner.data.nlp.sft_dataset import GPTSFTChatDataset
 
