@@ -83,10 +83,12 @@ class ScriptedPolicy:
 
 
 class SecondTurnDecides:
-    """Turn 1: reward 0 and the observation " then: "; turn 2: reward = the second answer's length / 10."""
+    """Turn 1: reward ``first_turn_pays`` x the first answer's length (0 by default) and the observation
+    " then: "; turn 2: reward = the second answer's length / 10."""
 
-    def __init__(self):
+    def __init__(self, first_turn_pays=0.0):
         self.calls = []
+        self.first_turn_pays = first_turn_pays
 
     def step(self, conversations, metadata=None):
         from nemo_aligner.environments import EnvironmentReturn
@@ -95,7 +97,8 @@ class SecondTurnDecides:
         rewards, done, observations = [], [], []
         for c in conversations:
             if sum(m["role"] == "assistant" for m in c) == 1:
-                rewards.append(0.0), done.append(False), observations.append({"role": "user", "content": " then: "})
+                rewards.append(self.first_turn_pays * len(c[-1]["content"]))
+                done.append(False), observations.append({"role": "user", "content": " then: "})
             else:
                 rewards.append(len(c[-1]["content"]) / 10), done.append(True), observations.append(None)
         return EnvironmentReturn(rewards, done, observations)
@@ -143,6 +146,23 @@ def test_every_turn_of_a_two_step_environment_counts(mcore_single):
         trained = batch["advantages"][row][batch["mask"][row].bool()].tolist()
         assert trained == pytest.approx([expected] * int(batch["mask"][row].sum()))
     assert metrics["turns"] == pytest.approx(7 / 4)
+
+
+def test_an_episodes_reward_is_the_sum_of_its_turns():
+    """Where both turns pay, the episode's reward is turn 1's plus turn 2's; an episode stopped after
+    turn 1 keeps turn 1's reward."""
+    from nemo_aligner.algorithms.multi_turn import EpisodeStats, play_episodes
+    from nemo_aligner.algorithms.ppo import Timer
+    from nemo_aligner.environments.reward_sources import EnvironmentRewardSource
+
+    policy = ScriptedPolicy({0: ["ab", "xyz"], 1: ["abcd", "x"], 2: ["abc", "never asked"]}, unended={(2, 0)})
+    tok = policy.tokenizer
+    prompts = [tok.text_to_ids(f"#{i} q =") for i in range(3)]
+    batch = play_episodes(policy, EnvironmentRewardSource(SecondTurnDecides(first_turn_pays=0.01), tok), prompts, None,
+                          micro_batch_size=3, seed=0, sampling=None, max_turns=2, timer=Timer(), stats=EpisodeStats(),
+                          key="model.grpo.max_rollout_turns")
+    rewards = batch.pop("_futures")[0].result()
+    assert rewards.tolist() == pytest.approx([0.02 + 0.3, 0.04 + 0.1, 0.03])
 
 
 def test_max_rollout_turns_needs_an_environment_and_cuts_long_episodes(mcore_single, caplog):
