@@ -256,6 +256,69 @@ def test_import_refuses_what_it_would_convert_wrongly(tmp_path, mcore_single):
         import_hf_model(small, str(tmp_path / "x.nemo"))
 
 
+HOSTILE_CONFIG_VALUES = [
+    ("llama", "hidden_size", "abc", "hidden_size='abc' must be a positive integer"),
+    ("llama", "num_hidden_layers", None, "no num_hidden_layers (a positive integer)"),
+    ("llama", "num_attention_heads", 1.5, "num_attention_heads=1.5 must be a positive integer"),
+    ("llama", "num_key_value_heads", 3, "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    ("llama", "vocab_size", 1e18, "tensor 'model.embed_tokens.weight' has shape [300, 64], but config.json's sizes "
+                                  "give [1000000000000000000, 64]"),
+    ("llama", "intermediate_size", 95, "tensor 'model.layers.0.mlp.gate_proj.weight' has shape [96, 64], but "
+                                       "config.json's sizes give [95, 64]"),
+    ("llama", "num_hidden_layers", 10**18, "no tensor 'model.layers.2.self_attn.q_proj.weight'"),
+    ("llama", "rms_norm_eps", float("nan"), "rms_norm_eps=nan must be a positive number"),
+    ("llama", "rope_parameters", [1], "rope_parameters=[1] must be an object"),
+    ("llama", "tie_word_embeddings", "false", "tie_word_embeddings='false' must be true or false"),
+    ("llama", "architectures", 7, "architectures=7 must be a list of class names"),
+    ("gpt2", "n_embd", 48, "tensor 'wte.weight' has shape [300, 64], but config.json's sizes give [300, 48]"),
+    ("gpt2", "n_head", 5, "n_embd=64 is not a multiple of n_head=5"),
+    ("gpt2", "n_positions", {"a": 1}, "n_positions={'a': 1} must be a positive integer"),
+    ("gpt2", "layer_norm_epsilon", -1, "layer_norm_epsilon=-1 must be a positive number"),
+    ("gpt2", "scale_attn_weights", 0, "scale_attn_weights=0 must be true or false"),
+]
+
+
+@pytest.mark.parametrize("arch,key,value,message", HOSTILE_CONFIG_VALUES,
+                         ids=[f"{a}-{k}-{v!r}" for a, k, v, _ in HOSTILE_CONFIG_VALUES])
+def test_config_json_values_are_checked_before_the_model_is_built(tmp_path, arch, key, value, message):
+    """A config.json value of the wrong type or range, or one that disagrees with the weights' shapes, is a
+    one-line error naming it, before any model is built (a size of 1e18 would otherwise be allocated)."""
+    from nemo_aligner.utils.errors import CheckpointError
+    from nemo_aligner.models.nlp.gpt.hf_interop import import_hf_model
+
+    tiny_hf(arch).save_pretrained(tmp_path / "m")
+    path = tmp_path / "m" / "config.json"
+    config = json.load(open(path))
+    config.pop(key) if value is None else config.update({key: value})
+    path.write_text(json.dumps(config))
+    with pytest.raises((ConfigError, CheckpointError)) as refusal:
+        import_hf_model(str(tmp_path / "m"), str(tmp_path / "x.nemo"))
+    assert message in str(refusal.value) and "\n" not in str(refusal.value)
+    assert not (tmp_path / "x.nemo").exists()
+
+
+def test_tied_embeddings_never_drop_a_distinct_output_layer(tmp_path, mcore_single):
+    """tie_word_embeddings=true over a checkpoint whose lm_head differs from its embedding would drop the
+    trained output layer: refused; an lm_head equal to the embedding (a tied model saved with both) imports."""
+    from safetensors.torch import load_file, save_file
+
+    from nemo_aligner.utils.errors import CheckpointError
+    from nemo_aligner.models.nlp.gpt.hf_interop import import_hf_model
+
+    untied = tiny_hf("llama", tie=False)
+    untied.save_pretrained(tmp_path / "m")
+    path = tmp_path / "m" / "config.json"
+    path.write_text(json.dumps(dict(json.load(open(path)), tie_word_embeddings=True)))
+    with pytest.raises(CheckpointError, match=r"tie_word_embeddings is true but lm_head\.weight differs from "
+                                              r"model\.embed_tokens\.weight"):
+        import_hf_model(str(tmp_path / "m"), str(tmp_path / "x.nemo"))
+    weights = tmp_path / "m" / "model.safetensors"
+    state = load_file(weights)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, weights, metadata={"format": "pt"})
+    assert os.path.exists(import_hf_model(str(tmp_path / "m"), str(tmp_path / "x.nemo")))
+
+
 def test_export_carries_special_token_ids_chat_template_and_the_original_tokenizer(tmp_path, mcore_single):
     """generate() on an export stops at the model's EOS: config.json and generation_config.json name
     the tokenizer's ids; the chat template travels; the exported tokenizer is the imported one (no

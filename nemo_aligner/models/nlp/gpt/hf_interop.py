@@ -12,9 +12,10 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import math
 import os
 import shutil
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -28,54 +29,118 @@ LLAMA_LIKE = ("mistral",)
 
 
 # ----------------------------------------------------------------------------- configs
+_REQUIRED = object()
+
+
+def _int_value(hf: dict, key: str, where: str, default=_REQUIRED, name: Optional[str] = None) -> int:
+    """``config.json``'s positive integer ``key`` (null or absent: ``default``); ``name``: the key's
+    name in messages."""
+    value, name = hf.get(key), name or key
+    if value is None:
+        if default is _REQUIRED:
+            raise ConfigError(f"{where}: no {name} (a positive integer)")
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}: {name}={value!r} must be a positive integer")
+    return value
+
+
+def _float_value(hf: dict, key: str, where: str, default: Optional[float], positive: bool = False,
+                 name: Optional[str] = None) -> Optional[float]:
+    """``config.json``'s finite, non-negative (or positive) number ``key`` (null or absent: ``default``)."""
+    value, name = hf.get(key), name or key
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
+            or (positive and value == 0):
+        raise ConfigError(f"{where}: {name}={value!r} must be a {'positive' if positive else 'non-negative'} number")
+    return float(value)
+
+
+def _bool_value(hf: dict, key: str, where: str, default: bool) -> bool:
+    """``config.json``'s boolean ``key`` (null or absent: ``default``); "false" or 0 would otherwise read as true."""
+    value = hf.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: {key}={value!r} must be true or false")
+    return value
+
+
+def _of_type(hf: dict, key: str, where: str, kind: type, what: str):
+    """``config.json``'s ``key`` when it is a ``kind`` (null or absent: None)."""
+    value = hf.get(key)
+    if value is not None and not isinstance(value, kind):
+        raise ConfigError(f"{where}: {key}={value!r} must be {what}")
+    return value
+
+
 def nemo_config_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
-    """``(architecture, model config keys)`` for an HF ``config.json``."""
+    """``(architecture, model config keys)`` for an HF ``config.json``; every value read is checked."""
     arch = str(hf.get("model_type", "")).lower()
     if arch not in ARCHITECTURES + LLAMA_LIKE:
         raise ConfigError(f"{where}: model_type={hf.get('model_type')!r} is not supported; "
                           f"supported: {', '.join(ARCHITECTURES + LLAMA_LIKE)}")
     window = hf.get("sliding_window") if arch == "mistral" else None
-    heads_of = [a for a in hf.get("architectures") or [] if not (a.endswith("ForCausalLM") or a == "GPT2LMHeadModel")]
+    architectures = _of_type(hf, "architectures", where, list, "a list of class names") or []
+    if not all(isinstance(a, str) for a in architectures):
+        raise ConfigError(f"{where}: architectures={architectures!r} must be a list of class names")
+    heads_of = [a for a in architectures if not (a.endswith("ForCausalLM") or a == "GPT2LMHeadModel")]
     if heads_of:  # a classifier's score head (or another head) would be dropped without a word
         raise ConfigError(f"{where}: architectures={heads_of} is not a causal language model; only *ForCausalLM "
                           "(GPT2LMHeadModel) checkpoints are imported")
-    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or []):
+    layer_types = _of_type(hf, "layer_types", where, list, "a list of attention types") or []
+    if _bool_value(hf, "use_sliding_window", where, False) or "sliding_attention" in layer_types:
         raise ConfigError(f"{where}: sliding-window attention (use_sliding_window/layer_types) is not supported")
-    if arch == "gpt2" and (hf.get("scale_attn_by_inverse_layer_idx") or hf.get("scale_attn_weights") is False):
+    if arch == "gpt2" and (_bool_value(hf, "scale_attn_by_inverse_layer_idx", where, False)
+                           or not _bool_value(hf, "scale_attn_weights", where, True)):
         raise ConfigError(f"{where}: scale_attn_by_inverse_layer_idx=True or scale_attn_weights=False is not "
                           "supported (attention would be scaled differently)")
-    vocab = int(hf["vocab_size"])
+    vocab = _int_value(hf, "vocab_size", where)
     common = {"make_vocab_size_divisible_by": 128, "padded_vocab_size": -(-vocab // 128) * 128,
               "hidden_dropout": 0.0, "attention_dropout": 0.0, "ffn_dropout": 0.0,
-              "init_method_std": float(hf.get("initializer_range", 0.02)), "hf_vocab_size": vocab}
+              "init_method_std": _float_value(hf, "initializer_range", where, 0.02), "hf_vocab_size": vocab}
     if arch == "gpt2":
         act = hf.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
             raise ConfigError(f"{where}: activation_function={act!r} is not supported")
-        hidden = int(hf["n_embd"])
-        return arch, dict(common, num_layers=int(hf["n_layer"]), hidden_size=hidden,
-                          ffn_hidden_size=int(hf.get("n_inner") or 4 * hidden), num_attention_heads=int(hf["n_head"]),
-                          num_query_groups=None, max_position_embeddings=int(hf["n_positions"]),
-                          encoder_seq_length=int(hf["n_positions"]), position_embedding_type="learned_absolute",
-                          normalization="layernorm", layernorm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
+        hidden, heads = _int_value(hf, "n_embd", where), _int_value(hf, "n_head", where)
+        if hidden % heads:
+            raise ConfigError(f"{where}: n_embd={hidden} is not a multiple of n_head={heads}")
+        positions = _int_value(hf, "n_positions", where)
+        return arch, dict(common, num_layers=_int_value(hf, "n_layer", where), hidden_size=hidden,
+                          ffn_hidden_size=_int_value(hf, "n_inner", where, 4 * hidden), num_attention_heads=heads,
+                          num_query_groups=None, max_position_embeddings=positions,
+                          encoder_seq_length=positions, position_embedding_type="learned_absolute",
+                          normalization="layernorm",
+                          layernorm_epsilon=_float_value(hf, "layer_norm_epsilon", where, 1e-5, positive=True),
                           # NeMo's name for GPT-2's tanh GELU: gelu with openai_gelu (its approx-gelu is x*sigmoid(1.702x))
                           activation="gelu", openai_gelu=act != "gelu", bias=True, qkv_bias=True,
-                          share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", True)))
+                          share_embeddings_and_output_weights=_bool_value(hf, "tie_word_embeddings", where, True))
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act={hf.get('hidden_act')!r} is not supported (silu only)")
     # transformers < 5: rope_theta / rope_scaling; >= 5: rope_parameters {rope_theta, rope_type}
-    rope = dict(hf.get("rope_parameters") or {})
-    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    rope = dict(_of_type(hf, "rope_parameters", where, dict, "an object") or {})
+    scaling = _of_type(hf, "rope_scaling", where, dict, "an object") or \
+        (rope if rope.get("rope_type", "default") != "default" else None)
     scaled = {}
     if scaling:
         scaled = {"scale_positional_embedding": True, "rope_scaling_factor": _llama3_rope_factor(scaling, where)}
-    rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    head_dim = int(hf.get("head_dim") or hidden // heads)
-    qkv_bias = True if arch == "qwen2" else bool(hf.get("attention_bias", False))
-    if arch in ("llama",) + LLAMA_LIKE and (hf.get("mlp_bias") or hf.get("attention_bias")):
+    rope_theta = _float_value(rope, "rope_theta", where, None, positive=True, name="rope_parameters.rope_theta") or \
+        _float_value(hf, "rope_theta", where, 10000.0, positive=True)
+    hidden, heads = _int_value(hf, "hidden_size", where), _int_value(hf, "num_attention_heads", where)
+    groups = _int_value(hf, "num_key_value_heads", where, heads)
+    if heads % groups:
+        raise ConfigError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}")
+    if "head_dim" not in hf and hidden % heads:
+        raise ConfigError(f"{where}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
+    head_dim = _int_value(hf, "head_dim", where, hidden // heads)
+    qkv_bias = True if arch == "qwen2" else _bool_value(hf, "attention_bias", where, False)
+    if arch in ("llama",) + LLAMA_LIKE and (_bool_value(hf, "mlp_bias", where, False) or qkv_bias):
         raise ConfigError(f"{where}: attention_bias/mlp_bias=True is not supported")
-    positions = int(hf.get("max_position_embeddings", 2048))
+    positions = _int_value(hf, "max_position_embeddings", where, 2048)
     seq = min(positions, 4096)
     if window is not None:
         # Mistral's sliding window is not applied here: up to `window` tokens it changes nothing, so the
@@ -87,15 +152,15 @@ def nemo_config_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
                            "(%d), where attention is the same", where, window, min(seq, window))
         seq = min(seq, window)
     arch = "llama" if arch in LLAMA_LIKE else arch
-    return arch, dict(common, num_layers=int(hf["num_hidden_layers"]), hidden_size=hidden,
-                      ffn_hidden_size=int(hf["intermediate_size"]), num_attention_heads=heads,
-                      num_query_groups=int(hf.get("num_key_value_heads") or heads),
+    return arch, dict(common, num_layers=_int_value(hf, "num_hidden_layers", where), hidden_size=hidden,
+                      ffn_hidden_size=_int_value(hf, "intermediate_size", where), num_attention_heads=heads,
+                      num_query_groups=groups,
                       kv_channels=head_dim if head_dim * heads != hidden else None,
                       max_position_embeddings=positions, encoder_seq_length=seq,
                       position_embedding_type="rope", rotary_base=int(rope_theta),
-                      normalization="rmsnorm", layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+                      normalization="rmsnorm", layernorm_epsilon=_float_value(hf, "rms_norm_eps", where, 1e-6, positive=True),
                       activation="swiglu", bias=False, qkv_bias=qkv_bias,
-                      share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)), **scaled)
+                      share_embeddings_and_output_weights=_bool_value(hf, "tie_word_embeddings", where, False), **scaled)
 
 
 # Llama 3.1/3.2 RoPE scaling as megatron-core implements it (rope_scaling=True): only the factor varies.
@@ -105,11 +170,14 @@ _LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_p
 def _llama3_rope_factor(scaling: dict, where: str) -> float:
     """The factor of Llama 3's RoPE scaling (``rope_type: llama3``), or a ConfigError for any other."""
     kind = scaling.get("rope_type", scaling.get("type"))
-    fixed_ok = all(float(scaling.get(k, v)) == v for k, v in _LLAMA3_ROPE.items())
+    fixed_ok = all(scaling.get(k, v) == v and not isinstance(scaling.get(k), bool) for k, v in _LLAMA3_ROPE.items())
     if kind != "llama3" or not fixed_ok or "factor" not in scaling:
         raise ConfigError(f"{where}: RoPE scaling {scaling} is not supported (only Llama 3's 'llama3' type with "
                           f"{_LLAMA3_ROPE})")
-    return float(scaling["factor"])
+    factor = _float_value(scaling, "factor", where, None, positive=True, name="rope_scaling.factor")
+    if factor is None:
+        raise ConfigError(f"{where}: rope_scaling.factor=None must be a positive number")
+    return factor
 
 
 def hf_config_from_nemo(cfg: dict) -> Tuple[str, dict]:
@@ -223,13 +291,27 @@ class _ReadOnce(dict):
         self.used.add(key)
         return super().__getitem__(key)
 
+    def take(self, key: str, *dims: int) -> torch.Tensor:
+        """Tensor ``key``, which must have the shape ``dims`` that config.json's sizes give."""
+        tensor = self[key]
+        if tuple(tensor.shape) != dims:
+            raise CheckpointError(f"{self.where}: tensor {key!r} has shape {list(tensor.shape)}, but config.json's "
+                                  f"sizes give {list(dims)}")
+        return tensor
+
 
 # Tensors an HF checkpoint may hold that carry no weights: attention-mask buffers, RoPE's inverse
 # frequencies, and a tied model's copy of its embedding.
 _NOT_WEIGHTS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
 
-def _check_all_read(hf: _ReadOnce, tied: bool) -> None:
+def _check_all_read(hf: _ReadOnce, tied: bool, embedding: str) -> None:
+    """Every tensor was used, but for buffers and, where the embeddings are tied, a copy of the embedding."""
+    if tied and "lm_head.weight" in hf and not torch.equal(dict.__getitem__(hf, "lm_head.weight"),
+                                                           dict.__getitem__(hf, embedding)):
+        raise CheckpointError(f"{hf.where}: tie_word_embeddings is true but lm_head.weight differs from {embedding}; "
+                              "refusing to drop it (set tie_word_embeddings to false in config.json if the model "
+                              "has its own output layer)")
     left = sorted(k for k in hf if k not in hf.used and not k.endswith(_NOT_WEIGHTS)
                   and not (tied and k.endswith("lm_head.weight")))
     if left:
@@ -239,7 +321,8 @@ def _check_all_read(hf: _ReadOnce, tied: bool) -> None:
 
 def hf_to_mcore(hf: Dict[str, torch.Tensor], arch: str, cfg: dict, where: str = "weights") -> Dict[str, torch.Tensor]:
     """HF state dict -> megatron-core ``GPTModel`` state dict (local layer spec names). Every HF tensor
-    must find its place (a CheckpointError names any left over or missing)."""
+    must have the shape config.json's sizes give and find its place (a CheckpointError names any
+    misshapen, left over or missing)."""
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     groups = cfg.get("num_query_groups") or heads
     head_dim = cfg.get("kv_channels") or hidden // heads
@@ -249,46 +332,52 @@ def hf_to_mcore(hf: Dict[str, torch.Tensor], arch: str, cfg: dict, where: str = 
     if arch == "gpt2":
         hf = {k[len("transformer."):] if k.startswith("transformer.") else k: v for k, v in hf.items()}
     hf = _ReadOnce(hf, where)
+    vocab, ffn = cfg.get("hf_vocab_size") or padded, cfg["ffn_hidden_size"]
     if arch == "gpt2":
-        out["embedding.word_embeddings.weight"] = _pad_rows(hf["wte.weight"], padded)
-        out["embedding.position_embeddings.weight"] = hf["wpe.weight"]
+        H, F, take = hidden, ffn, hf.take
+        out["embedding.word_embeddings.weight"] = _pad_rows(take("wte.weight", vocab, H), padded)
+        out["embedding.position_embeddings.weight"] = take("wpe.weight", cfg["max_position_embeddings"], H)
         for i in range(cfg["num_layers"]):
             p, o = f"h.{i}.", f"decoder.layers.{i}."
-            w = hf[p + "attn.c_attn.weight"].t()  # Conv1D stores [in, out]
-            b = hf[p + "attn.c_attn.bias"]
+            w = take(p + "attn.c_attn.weight", H, 3 * H).t()  # Conv1D stores [in, out]
+            b = take(p + "attn.c_attn.bias", 3 * H)
             out[o + "self_attention.linear_qkv.weight"] = _fuse_qkv(*w.split(hidden, 0), heads, heads, head_dim)
             out[o + "self_attention.linear_qkv.bias"] = _fuse_qkv(*b.split(hidden, 0), heads, heads, head_dim)
-            out[o + "self_attention.linear_proj.weight"] = hf[p + "attn.c_proj.weight"].t()
-            out[o + "self_attention.linear_proj.bias"] = hf[p + "attn.c_proj.bias"]
-            out[o + "input_layernorm.weight"], out[o + "input_layernorm.bias"] = hf[p + "ln_1.weight"], hf[p + "ln_1.bias"]
-            out[o + "pre_mlp_layernorm.weight"], out[o + "pre_mlp_layernorm.bias"] = hf[p + "ln_2.weight"], hf[p + "ln_2.bias"]
-            out[o + "mlp.linear_fc1.weight"] = hf[p + "mlp.c_fc.weight"].t()
-            out[o + "mlp.linear_fc1.bias"] = hf[p + "mlp.c_fc.bias"]
-            out[o + "mlp.linear_fc2.weight"] = hf[p + "mlp.c_proj.weight"].t()
-            out[o + "mlp.linear_fc2.bias"] = hf[p + "mlp.c_proj.bias"]
-        out["decoder.final_layernorm.weight"], out["decoder.final_layernorm.bias"] = hf["ln_f.weight"], hf["ln_f.bias"]
+            out[o + "self_attention.linear_proj.weight"] = take(p + "attn.c_proj.weight", H, H).t()
+            out[o + "self_attention.linear_proj.bias"] = take(p + "attn.c_proj.bias", H)
+            for ln, name in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
+                out[o + name + ".weight"], out[o + name + ".bias"] = take(p + ln + ".weight", H), take(p + ln + ".bias", H)
+            out[o + "mlp.linear_fc1.weight"] = take(p + "mlp.c_fc.weight", H, F).t()
+            out[o + "mlp.linear_fc1.bias"] = take(p + "mlp.c_fc.bias", F)
+            out[o + "mlp.linear_fc2.weight"] = take(p + "mlp.c_proj.weight", F, H).t()
+            out[o + "mlp.linear_fc2.bias"] = take(p + "mlp.c_proj.bias", H)
+        out["decoder.final_layernorm.weight"], out["decoder.final_layernorm.bias"] = take("ln_f.weight", H), take("ln_f.bias", H)
         if not tied:
-            out["output_layer.weight"] = _pad_rows(hf["lm_head.weight"], padded)
-        _check_all_read(hf, tied)
+            out["output_layer.weight"] = _pad_rows(take("lm_head.weight", vocab, H), padded)
+        _check_all_read(hf, tied, "wte.weight")
         return {k: v.contiguous() for k, v in out.items()}
-    out["embedding.word_embeddings.weight"] = _pad_rows(hf["model.embed_tokens.weight"], padded)
+    H, F, Q, KV, take = hidden, ffn, heads * head_dim, groups * head_dim, hf.take
+    out["embedding.word_embeddings.weight"] = _pad_rows(take("model.embed_tokens.weight", vocab, H), padded)
     for i in range(cfg["num_layers"]):
         p, o = f"model.layers.{i}.", f"decoder.layers.{i}."
         att = p + "self_attn."
         out[o + "self_attention.linear_qkv.weight"] = _fuse_qkv(
-            hf[att + "q_proj.weight"], hf[att + "k_proj.weight"], hf[att + "v_proj.weight"], heads, groups, head_dim)
+            take(att + "q_proj.weight", Q, H), take(att + "k_proj.weight", KV, H), take(att + "v_proj.weight", KV, H),
+            heads, groups, head_dim)
         if cfg.get("qkv_bias"):
             out[o + "self_attention.linear_qkv.bias"] = _fuse_qkv(
-                hf[att + "q_proj.bias"], hf[att + "k_proj.bias"], hf[att + "v_proj.bias"], heads, groups, head_dim)
-        out[o + "self_attention.linear_proj.weight"] = hf[att + "o_proj.weight"]
-        out[o + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
-        out[o + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
-        out[o + "mlp.linear_fc1.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
-        out[o + "mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
-    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+                take(att + "q_proj.bias", Q), take(att + "k_proj.bias", KV), take(att + "v_proj.bias", KV),
+                heads, groups, head_dim)
+        out[o + "self_attention.linear_proj.weight"] = take(att + "o_proj.weight", H, Q)
+        out[o + "input_layernorm.weight"] = take(p + "input_layernorm.weight", H)
+        out[o + "pre_mlp_layernorm.weight"] = take(p + "post_attention_layernorm.weight", H)
+        out[o + "mlp.linear_fc1.weight"] = torch.cat([take(p + "mlp.gate_proj.weight", F, H),
+                                                      take(p + "mlp.up_proj.weight", F, H)])
+        out[o + "mlp.linear_fc2.weight"] = take(p + "mlp.down_proj.weight", H, F)
+    out["decoder.final_layernorm.weight"] = take("model.norm.weight", H)
     if not tied:
-        out["output_layer.weight"] = _pad_rows(hf["lm_head.weight"], padded)
-    _check_all_read(hf, tied)
+        out["output_layer.weight"] = _pad_rows(take("lm_head.weight", vocab, H), padded)
+    _check_all_read(hf, tied, "model.embed_tokens.weight")
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -394,6 +483,8 @@ def import_hf_model(hf_dir: str, nemo_path: str, precision: str = "32") -> str:
     if tokenizer.vocab_size > cfg["hf_vocab_size"]:  # ids past the model's rows: lost again at export
         raise ConfigError(f"{hf_dir}: the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
                           f"vocab_size={cfg['hf_vocab_size']}")
+    # The weights are converted (and their shapes checked against config.json) before the model is built.
+    state = hf_to_mcore({k: v.float() for k, v in read_hf_weights(hf_dir).items()}, arch, cfg, where=hf_dir)
     _ensure_single_process_parallel_state()
     # The local spec's parameter names are the ones converted here (Transformer Engine's fuse the layer
     # norms into the linears); the .nemo's sharded checkpoint loads into either spec.
@@ -401,7 +492,6 @@ def import_hf_model(hf_dir: str, nemo_path: str, precision: str = "32") -> str:
     model = GPTSFTModel(model_cfg, tokenizer, dtype, trainable=False)
     with open_dict(model.cfg):
         model.cfg.pop("force_local_spec", None)
-    state = hf_to_mcore({k: v.float() for k, v in read_hf_weights(hf_dir).items()}, arch, cfg, where=hf_dir)
     result = model.module.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:
