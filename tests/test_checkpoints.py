@@ -190,6 +190,52 @@ def test_hf_tokenizer_travels_inside_the_nemo(tmp_path, mcore_single):
     assert restored.tokenizer.text_to_ids("reverse abc = cba") == ids
     assert restored.tokenizer.eos_id == 2
 
+    # the packed tokenizer.json damaged: one line naming the .nemo and the library's complaint
+    import io
+
+    from nemo_aligner.utils.errors import CheckpointError
+    from nemo_aligner.utils.nemo_file import load_tokenizer
+
+    damaged = str(tmp_path / "damaged.nemo")
+    with tarfile.open(path, "r:") as src, tarfile.open(damaged, "w:") as dst:
+        for member in src.getmembers():
+            data = src.extractfile(member).read() if member.isfile() else None
+            if member.name.endswith("_tokenizer.json"):
+                data = b'{"truncated": '
+                member.size = len(data)
+            dst.addfile(member, io.BytesIO(data) if data is not None else None)
+    for load in (lambda: load_model(GPTSFTModel, OmegaConf.create({"micro_batch_size": 2}), "32", damaged),
+                 lambda: load_tokenizer(damaged)):
+        with pytest.raises(CheckpointError) as refusal:
+            load()
+        message = str(refusal.value)
+        assert damaged in message and "the tokenizer files cannot be read (JSONDecodeError" in message, message
+        assert "\n" not in message
+
+
+def test_tokenizer_files_a_library_cannot_read_are_named(tmp_path):
+    """Damaged SentencePiece, GPT-2 BPE and Hugging Face tokenizer files: a CheckpointError naming the
+    files, not the tokenizer library's traceback."""
+    from nemo_aligner.utils.errors import CheckpointError
+    from nemo_aligner.utils.tokenizers import build_tokenizer
+
+    junk = tmp_path / "junk.model"
+    junk.write_bytes(b"\x00\xffnot a model")
+    merges = tmp_path / "merges.txt"
+    merges.write_text("#version: 0.2\n")
+    hf_dir = make_hf_tokenizer(str(tmp_path / "hf"))
+    (tmp_path / "hf" / "tokenizer.json").write_text("[1, 2]")
+    for cfg, named in (({"library": "sentencepiece", "model": str(junk)}, str(junk)),
+                       ({"library": "megatron", "type": "GPT2BPETokenizer", "vocab_file": str(junk),
+                         "merge_file": str(merges)}, f"{junk}, {merges}"),
+                       ({"library": "huggingface", "type": hf_dir}, hf_dir)):
+        with pytest.raises(CheckpointError) as refusal:
+            build_tokenizer(cfg)
+        message = str(refusal.value)
+        assert message.startswith(f"model.tokenizer (library {cfg['library']!r}, {named}): the tokenizer files "
+                                  "cannot be read ("), message
+        assert "\n" not in message
+
 
 def test_interrupted_saves_are_tidied_before_resuming(tmp_path):
     """A kill mid-save leaves ``<name>.tmp`` (never committed: removed) or, during the final swap,

@@ -401,4 +401,7 @@ def load_tokenizer(path: str, key: str = "restore_from_path"):
     cfg = read_model_config(path, key)
     with extracted(path, key) as directory:
         tokenizer_cfg, packed = restore_tokenizer_files(cfg.get("tokenizer") or OmegaConf.create({}), directory)
-        return build_tokenizer(tokenizer_cfg, padded_vocab_size=cfg.get("padded_vocab_size"), packed_dir=packed)
+        try:
+            return build_tokenizer(tokenizer_cfg, padded_vocab_size=cfg.get("padded_vocab_size"), packed_dir=packed)
+        except CheckpointError as err:  # the files were restored from the .nemo: name it
+            raise CheckpointError(f"{key}={path}: {err}") from None

@@ -23,7 +23,7 @@ from typing import Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.utils.errors import CheckpointError, ConfigError
 from nemo_aligner.utils.tokenizers.byte_tokenizers import (
     BYTE_SPECIAL_TOKENS,
     CHAT_MARKERS,
@@ -67,12 +67,26 @@ def build_tokenizer(tokenizer_cfg, padded_vocab_size: Optional[int] = None, pack
     """Tokenizer from ``model.tokenizer``.
 
     ``padded_vocab_size``: the checkpoint's embedding rows (tells NeMo's two byte-level layouts
-    apart). ``packed_dir``: where a ``.nemo``'s Hugging Face tokenizer files were restored.
+    apart). ``packed_dir``: where a ``.nemo``'s Hugging Face tokenizer files were restored. Files the
+    tokenizer library cannot read (damaged, empty, of another format) are a CheckpointError naming them.
     """
     if tokenizer_cfg is None:
         return ByteTokenizer()
     cfg = {k: _plain(v) for k, v in (tokenizer_cfg.items() if hasattr(tokenizer_cfg, "items") else [])}
     library = str(cfg.get("library") or "byte-level").lower()
+    try:
+        return _build(cfg, library, padded_vocab_size, packed_dir)
+    except (ConfigError, CheckpointError):
+        raise
+    except Exception as err:  # the tokenizer library's own error (sentencepiece, tokenizers, json, ...)
+        files = [str(cfg[k]) for k in ("model", "vocab_file", "merge_file") if cfg.get(k)] or \
+            [str(packed_dir or cfg.get("type"))]
+        detail = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+        raise CheckpointError(f"model.tokenizer (library {library!r}, {', '.join(files)}): the tokenizer files cannot "
+                              f"be read ({type(err).__name__}{': ' + detail if detail else ''})") from None
+
+
+def _build(cfg: dict, library: str, padded_vocab_size: Optional[int], packed_dir: Optional[str]):
     if library == "byte-level":
         return byte_level_tokenizer(cfg, padded_vocab_size)
     if library == "byte":  # this project's earlier layout

@@ -452,7 +452,7 @@ def import_hf_model(hf_dir: str, nemo_path: str, precision: str = "32") -> str:
     from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
     from nemo_aligner.utils.config_checks import precision_name
     from nemo_aligner.utils.nemo_file import save_nemo
-    from nemo_aligner.utils.tokenizers import ByteTokenizer, HFTokenizer
+    from nemo_aligner.utils.tokenizers import ByteTokenizer, build_tokenizer
 
     dtype = precision_name(precision)
     if dtype is None:
@@ -472,7 +472,8 @@ def import_hf_model(hf_dir: str, nemo_path: str, precision: str = "32") -> str:
         raise ConfigError(f"{config_path}: must hold a JSON object, got {type(hf_cfg).__name__}")
     arch, cfg = nemo_config_from_hf(hf_cfg, config_path)
     if any(os.path.isfile(os.path.join(hf_dir, n)) for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        tokenizer, tok_cfg = HFTokenizer(hf_dir), {"library": "huggingface", "type": os.path.abspath(hf_dir)}
+        tok_cfg = {"library": "huggingface", "type": os.path.abspath(hf_dir)}
+        tokenizer = build_tokenizer(tok_cfg)
     else:
         tokenizer = ByteTokenizer()
         tok_cfg = tokenizer.config()

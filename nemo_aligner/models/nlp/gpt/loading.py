@@ -95,8 +95,11 @@ def load_model(model_cls: Type, cfg: DictConfig, precision, restore_path: Option
                 merged.padded_vocab_size = weights.vocab_rows()
         tokenizer_cfg, packed = nemo_file.restore_tokenizer_files(merged.get("tokenizer") or OmegaConf.create({}),
                                                                   directory)
-        tokenizer = build_tokenizer(tokenizer_cfg, padded_vocab_size=merged.get("padded_vocab_size"),
-                                    packed_dir=packed)
+        try:
+            tokenizer = build_tokenizer(tokenizer_cfg, padded_vocab_size=merged.get("padded_vocab_size"),
+                                        packed_dir=packed)
+        except CheckpointError as err:  # the files were restored from the .nemo: name it
+            raise CheckpointError(f"{what}: {err}") from None
         with open_dict(merged):
             merged.tokenizer = tokenizer_cfg
         model = model_cls(merged, tokenizer, precision, **kwargs)
