@@ -617,6 +617,15 @@ ARCHITECTURE_CASES = {
     "negative-ffn-size": (dict(ffn_hidden_size=-1), r"model\.ffn_hidden_size=-1 must be > 0 \(when restoring, "
                                                     r"architecture values come from the checkpoint's model_config\.yaml\)"),
     "text-for-hidden-size": (dict(hidden_size="abc"), r"model\.hidden_size='abc' must be an integer, got str"),
+    "no-layer-count": (dict(num_layers=None), r"model\.num_layers=null: this key needs a value"),
+    "a-list-for-the-norm-epsilon": (dict(layernorm_epsilon=[1]), r"model\.layernorm_epsilon=\[1\] must be a number"),
+    "text-for-init-std": (dict(init_method_std="abc"), r"model\.init_method_std='abc' must be a number, got str"),
+    "a-dict-for-the-padded-vocabulary": (dict(padded_vocab_size={"x": 1}),
+                                         r"model\.padded_vocab_size=\{'x': 1\} must be an integer, got a dict"),
+    "text-for-a-flag": (dict(share_embeddings_and_output_weights="false"),
+                        r"model\.share_embeddings_and_output_weights='false' must be true or false, got str"),
+    "rope-rotating-more-than-every-dimension": (dict(rotary_percentage=1.5), r"model\.rotary_percentage=1\.5 must be "
+                                                                             r"between 0 and 1"),
 }
 
 

@@ -389,3 +389,49 @@ def test_nemo_converter_command_line_and_bf16_weights(tmp_path, mcore_single, ca
         script.main(["--in-file", str(tmp_path / "hf"), "--out-file", str(tmp_path / "x.nemo"), "--precision", "fp8"])
     with pytest.raises(ConfigError, match=r"mistralai/Mistral-7B-v0\.1: no such directory \(nothing is downloaded"):
         script.main(["--input_name_or_path", "mistralai/Mistral-7B-v0.1", "--output_path", str(tmp_path / "x.nemo")])
+
+
+def test_export_and_resave_name_what_is_damaged_in_a_nemo(tmp_path, mcore_single):
+    """An emptied weights index (.metadata) and model_config.yaml values of the wrong type are one-line
+    errors from the HF export and the mcore re-save, as from training (they were tracebacks)."""
+    import io
+    import tarfile
+
+    import yaml
+
+    from nemo_aligner.utils.errors import CheckpointError
+    from nemo_aligner.models.nlp.gpt.hf_interop import export_to_hf, import_hf_model, resave_as_mcore
+
+    tiny_hf("llama").save_pretrained(tmp_path / "hf")
+    good = import_hf_model(str(tmp_path / "hf"), str(tmp_path / "good.nemo"))
+
+    def damaged(name, edit):
+        out = str(tmp_path / name)
+        with tarfile.open(good, "r:") as src, tarfile.open(out, "w:") as dst:
+            for member in src.getmembers():
+                data = src.extractfile(member).read() if member.isfile() else None
+                if data is not None:
+                    data = edit(member.name, data)
+                    member.size = len(data)
+                dst.addfile(member, io.BytesIO(data) if data is not None else None)
+        return out
+
+    def config_edit(**values):
+        def edit(name, data):
+            return yaml.safe_dump(dict(yaml.safe_load(data), **values)).encode() if name.endswith("model_config.yaml") \
+                else data
+        return edit
+
+    cases = [(damaged("index.nemo", lambda name, data: b"" if name.endswith(".metadata") else data), CheckpointError,
+              r"its index \(\.metadata\) cannot be read \(EOFError"),
+             (damaged("vocab.nemo", config_edit(padded_vocab_size={"x": 1})), ConfigError,
+              r"model\.padded_vocab_size=\{'x': 1\} must be an integer, got a dict"),
+             (damaged("layers.nemo", config_edit(num_layers=None)), ConfigError, r"model\.num_layers=null: this key needs"),
+             (damaged("eps.nemo", config_edit(layernorm_epsilon=[1])), ConfigError, r"model\.layernorm_epsilon=\[1\] must")]
+    for path, error, pattern in cases:
+        for convert in (lambda: export_to_hf(path, str(tmp_path / "out")),
+                        lambda: resave_as_mcore(path, str(tmp_path / "mcore.nemo"))):
+            with pytest.raises(error, match=pattern) as refusal:
+                convert()
+            assert "\n" not in str(refusal.value)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "mcore.nemo").exists()

@@ -27,7 +27,7 @@ POSITIVE_INTS = frozenset({
     "max_sequence_length", "max_train_rows", "log_prob_forward_micro_batch_size", "pad_to_multiple_of",
     "pad_length_to_multiple_of", "num_query_groups", "kv_channels", "activations_checkpoint_num_layers",
     "max_length", "max_rollout_turns", "num_rollouts_per_prompt", "top_n_rollouts", "num_attributes",
-    "max_iterations", "dist_timeout_minutes", "strip_sequence_length_to_multiple",
+    "max_iterations", "dist_timeout_minutes", "strip_sequence_length_to_multiple", "padded_vocab_size",
 })
 NON_NEGATIVE_INTS = frozenset({
     "critic_warmup_steps", "num_workers",
@@ -50,7 +50,8 @@ NOT_NULL = frozenset({"seed", "global_batch_size", "micro_batch_size", "gt_rewar
                       "num_rollouts_per_prompt", "top_n_rollouts", "desirable_loss_weight", "undesirable_loss_weight",
                       "kd_loss_weight", "target_logits_scale", "logits_scale", "loss_clip_val", "shutdown_idle_s",
                       "num_rollout_samples", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                      "tokens_to_generate", "min_tokens_to_generate", "rollout_micro_batch_size"})
+                      "tokens_to_generate", "min_tokens_to_generate", "rollout_micro_batch_size",
+                      "num_layers", "hidden_size", "num_attention_heads"})
 # Text values (record field names, templates).
 STRINGS = frozenset({"prompt_template", "label_key", "truncation_field"})
 # One path each (a list or a number there would reach os.path as a list or a file descriptor).
@@ -64,13 +65,20 @@ CHOICES = {
 }
 # Probabilities that must stay below 1 (a dropout of 1 zeroes every activation).
 UNIT_INTERVAL = frozenset({"hidden_dropout", "attention_dropout", "ffn_dropout"})
-# At most 1: GAE's discount (gamma) and lambda, nucleus sampling's probability mass.
-AT_MOST_ONE = frozenset({"discount_factor", "gae_lambda", "top_p"})
+# At most 1: GAE's discount (gamma) and lambda, nucleus sampling's probability mass, the share of each
+# head's dimensions RoPE rotates.
+AT_MOST_ONE = frozenset({"discount_factor", "gae_lambda", "top_p", "rotary_percentage"})
 # std: the reward model's reward_standardization.std; the scales divide knowledge distillation's logits;
 # init_method_std: the spread of newly initialised weights (a reward head, a model built from scratch);
-# seq_len_interpolation_factor: RoPE's position scaling (null: none).
+# seq_len_interpolation_factor: RoPE's position scaling (null: none); the architecture's norm epsilon and RoPE
+# base, share and scaling factor (null: the default).
 POSITIVE_NUMBERS = frozenset({"eps", "std", "target_logits_scale", "logits_scale", "init_method_std",
-                              "seq_len_interpolation_factor"})
+                              "seq_len_interpolation_factor", "layernorm_epsilon", "rotary_base", "rotary_percentage",
+                              "rope_scaling_factor"})
+# Architecture flags: true, false or null (the default); text such as "false" would read as true.
+BOOLEANS = frozenset({"bias", "qkv_bias", "share_embeddings_and_output_weights", "openai_gelu",
+                      "layernorm_zero_centered_gamma", "qk_layernorm", "scale_positional_embedding", "rotary_interleaved",
+                      "apply_query_key_layer_scaling", "headscale", "normalize_attention_scores", "megatron_legacy"})
 # TCP ports (null: not served / chosen freely).
 PORTS = frozenset({"port", "grpc_port", "metrics_port"})
 # Keys NeMo-Aligner's configs carry that this project does not implement: accepted at the value that
@@ -119,7 +127,8 @@ BATCH_LIMITS = frozenset({"limit_train_batches", "limit_val_batches", "limit_tes
 VALUE_OR_LIST = frozenset({"ref_policy_kl_penalty"})
 # Keys checked above that take one value: a list or dict there is an error, not a subtree.
 SINGLE_VALUED = (POSITIVE_INTS | NON_NEGATIVE_INTS | NON_NEGATIVE_NUMBERS | POSITIVE_NUMBERS | FINITE_NUMBERS
-                 | INTS_OR_UNLIMITED | BATCH_LIMITS | STRINGS | PATHS | PORTS | frozenset(CHOICES) | frozenset(UNSUPPORTED_UNLESS)
+                 | INTS_OR_UNLIMITED | BATCH_LIMITS | STRINGS | PATHS | PORTS | BOOLEANS | frozenset(CHOICES)
+                 | frozenset(UNSUPPORTED_UNLESS)
                  | {"attribute_weights"}) - VALUE_OR_LIST
 
 
@@ -240,6 +249,9 @@ def check_config_values(cfg: DictConfig) -> None:
                 raise ConfigError(f"{path}={value} must be < 1 (a probability; 1 drops everything)")
             if name in AT_MOST_ONE and value > 1:
                 raise ConfigError(f"{path}={value} must be between 0 and 1")
+        elif name in BOOLEANS:
+            if not isinstance(value, bool):
+                raise ConfigError(f"{path}={shown(value)} must be true or false, got {type_name(value)}")
         elif name in PORTS:
             if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
                 raise ConfigError(f"{path}={shown(value)} must be a TCP port, 1-65535")

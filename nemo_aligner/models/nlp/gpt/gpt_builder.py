@@ -124,10 +124,13 @@ def check_architecture_values(cfg) -> None:
     after the run config's own checks."""
     from omegaconf import OmegaConf
 
-    from nemo_aligner.utils.config_checks import check_config_values
+    from nemo_aligner.utils.config_checks import NOT_NULL, check_config_values
     from nemo_aligner.utils.model_config import ARCHITECTURE_KEYS
 
-    values = {key: _get(cfg, key) for key in ARCHITECTURE_KEYS if key != "tokenizer" and _get(cfg, key) is not None}
+    # init_method_std: a restored model's new weights (a reward head) start from the checkpoint's spread
+    keys = [key for key in ARCHITECTURE_KEYS + ("init_method_std",) if key != "tokenizer"]
+    # null or absent is the default, except for the sizes nothing can default (they are then refused)
+    values = {key: _get(cfg, key) for key in keys if _get(cfg, key) is not None or key in NOT_NULL}
     values = {k: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for k, v in values.items()}
     try:
         check_config_values(OmegaConf.create({"model": values}))

@@ -541,19 +541,19 @@ def _refuse_reward_heads(nemo_path: str) -> None:
 
     check_exists(nemo_path, "nemo_file")
     metadata = None  # torch DCP's index of the weights: tensor names without reading (or extracting) them
-    if os.path.isdir(nemo_path):
-        index = os.path.join(nemo_path, MODEL_WEIGHTS, ".metadata")
-        if os.path.isfile(index):
-            with open(index, "rb") as f:
-                metadata = pickle.load(f)
-    else:
-        try:
+    try:
+        if os.path.isdir(nemo_path):
+            index = os.path.join(nemo_path, MODEL_WEIGHTS, ".metadata")
+            if os.path.isfile(index):
+                with open(index, "rb") as f:
+                    metadata = pickle.load(f)
+        else:
             with tarfile.open(nemo_path, "r:") as tar:
                 member = next((m for m in tar if m.name.replace("./", "", 1) == f"{MODEL_WEIGHTS}/.metadata"), None)
                 if member is not None:
                     metadata = pickle.load(tar.extractfile(member))
-        except (tarfile.TarError, OSError, pickle.UnpicklingError):
-            return  # loading the model reports a broken file, naming it
+    except Exception:  # cut short, emptied or garbled (unpickling raises anything): loading the model names it
+        return
     names = getattr(metadata, "state_dict_metadata", {}) or {}
     heads = sorted(k for k in names if ".rm_head." in f".{k}" and "_extra_state" not in k)
     if heads:
@@ -579,6 +579,8 @@ def export_to_hf(nemo_path: str, out_dir: str) -> str:
                                                       "force_local_spec": True}),  # the names converted here
                        "32", nemo_path, key="nemo_file", trainable=False)
     cfg = OmegaConf.to_container(model.cfg, resolve=True)
+    # as built (a null in the .nemo is NeMo's default, tied), so the config and the weights written agree
+    cfg["share_embeddings_and_output_weights"] = bool(model.module.share_embeddings_and_output_weights)
     arch, hf_cfg = hf_config_from_nemo(cfg)
     if get_rank() != 0:
         return out_dir

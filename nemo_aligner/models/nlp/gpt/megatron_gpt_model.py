@@ -70,6 +70,7 @@ class MegatronGPTModel:
                 cfg.padded_vocab_size = padded_vocab_size(
                     tokenizer.vocab_size, cfg.get("make_vocab_size_divisible_by", 128), tp
                 )
+        self.transformer_config = transformer_config_from_cfg(cfg, precision)  # checks the architecture values
         if cfg.padded_vocab_size % tp != 0:
             raise ConfigError(
                 f"model.padded_vocab_size={cfg.padded_vocab_size} (from the checkpoint) is not divisible by "
@@ -80,7 +81,6 @@ class MegatronGPTModel:
                 f"model.padded_vocab_size={cfg.padded_vocab_size} is smaller than the tokenizer's "
                 f"vocabulary ({tokenizer.vocab_size})"
             )
-        self.transformer_config = transformer_config_from_cfg(cfg, precision)
         if trainable and not torch.cuda.is_available():
             # Weight gradients accumulate straight into DDP's main_grad buffers (one GEMM with
             # beta=1; cpu_compat provides megatron-core's fused kernel on the CPU).
