@@ -1,5 +1,5 @@
 """Checkpoint fuzzing: run the scripts that start from a .nemo (DPO, reward model, KTO, SPIN, SteerLM,
-GRPO, REINFORCE, rejection sampling, generation) on one damaged copy of the base SFT model's .nemo
+GRPO, REINFORCE, rejection sampling, generation, the Hugging Face export and the mcore re-save) on one damaged copy of the base SFT model's .nemo
 (cut short, a member missing, emptied or replaced with other bytes, bytes flipped inside a member,
 a model_config.yaml value set to a hostile one) and report every run that ended in a traceback or a
 hang instead of a one-line refusal or a finished run.
@@ -14,6 +14,7 @@ weights, which no .nemo records a checksum to detect.
 
 from __future__ import annotations
 
+import argparse
 import io
 import os
 import random
@@ -25,7 +26,16 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fuzz_config import Targets, arguments, finished, hostile_values, outcome, prepared, run, run_all  # noqa: E402
 
-TARGETS = [t for t in Targets.CONFIGS if t != "sft"]  # SFT here starts from random weights
+GPT_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                           "examples", "nlp", "gpt")
+# The converters that read a .nemo: their command for a .nemo and a run directory.
+CONVERTERS = {
+    "to_hf": lambda nemo, out: [sys.executable, os.path.join(GPT_SCRIPTS, "convert_nemo_to_hf.py"), "--input-file", nemo,
+                                "--output-dir", os.path.join(out, "hf")],
+    "to_mcore": lambda nemo, out: [sys.executable, os.path.join(GPT_SCRIPTS, "convert_gpt_nemo_to_mcore.py"),
+                                   "--input-name-or-path", nemo, "--output-path", os.path.join(out, "mcore.nemo")],
+}
+TARGETS = [t for t in Targets.CONFIGS if t != "sft"] + list(CONVERTERS)  # SFT here starts from random weights
 DAMAGE = ["cut", "drop", "empty", "garbage", "flip", "config"]
 
 
@@ -85,7 +95,19 @@ def damage(src: str, dst: str, rng: random.Random) -> str:
 
 def main(argv=None) -> int:
     args = arguments(__doc__, 120, TARGETS).parse_args(argv)
-    work, targets = prepared(args, "fuzz_checkpoint_")
+    scripts = argparse.Namespace(**dict(vars(args), targets=[t for t in args.targets if t not in CONVERTERS]))
+    work, targets = prepared(scripts, "fuzz_checkpoint_")
+
+    def command(target: str, nemo: str, out: str) -> list:
+        if target in CONVERTERS:
+            os.makedirs(out, exist_ok=True)
+            return CONVERTERS[target](nemo, out)
+        return [a.replace(targets.sft_nemo, nemo) for a in targets.command(target, out)]
+
+    for target in CONVERTERS.keys() & set(args.targets):  # each converter's base run must pass
+        rc, out = run(command(target, targets.sft_nemo, os.path.join(work, "base", target)), work, args.timeout_s)
+        if rc != 0:
+            raise SystemExit(f"the base {target} run failed:\n{out[-3000:]}")
     rng = random.Random(args.seed)
     cases = []
     for i in range(args.runs):
@@ -95,8 +117,7 @@ def main(argv=None) -> int:
 
     def one(case):
         i, target, what, path = case
-        cmd = [a.replace(targets.sft_nemo, path) for a in targets.command(target, os.path.join(work, "runs", str(i)))]
-        rc, out = run(cmd, work, args.timeout_s)
+        rc, out = run(command(target, path, os.path.join(work, "runs", str(i))), work, args.timeout_s)
         return {"target": target, "damage": what, **outcome(rc, out)}
 
     return finished(work, run_all(cases, one, args.workers, args.json, lambda r: f"{r['target']} {r['damage']}"),
