@@ -1,0 +1,121 @@
+"""Hugging Face directory fuzzing: run ``convert_hf_to_nemo.py`` on a tiny Llama, Mistral, Qwen2 or
+GPT-2 directory (made here, random weights) with one hostile change: a ``config.json`` value set to
+text, null, a list, a dict, -1, 0, 1.5, 1e18, NaN, a string for a flag, or removed; a tensor of the
+weights cut to another shape or removed; a tokenizer file emptied or overwritten. Report every run that
+ended in a traceback or a hang instead of a one-line refusal or a finished conversion.
+
+    python tests/reliability/fuzz_hf.py                         # 100 runs, seed 0
+    python tests/reliability/fuzz_hf.py --runs 40 --seed 3 --targets llama gpt2
+
+Outcomes, output and exit status as ``fuzz_config.py``; ``--json PATH`` also records each run's change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fuzz_config import arguments, finished, outcome, run, run_all  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONVERT = os.path.join(REPO, "examples", "nlp", "gpt", "convert_hf_to_nemo.py")
+ARCHS = ["llama", "mistral", "qwen2", "gpt2"]
+MISSING = object()
+HOSTILE = [MISSING, None, "abc", "", "false", -1, 0, 1.5, 1e18, float("nan"), True, [1, 2], {"a": 1}]
+
+
+def tiny_directory(arch: str, path: str) -> None:
+    """A tiny random ``arch`` model with a word-level tokenizer, saved as Hugging Face saves it."""
+    import torch
+    import transformers as tf
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tf.utils.logging.set_verbosity_error()
+    tf.utils.logging.disable_progress_bar()
+    torch.manual_seed(0)
+    common = dict(vocab_size=300, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
+    if arch == "gpt2":
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                                    bos_token_id=1, eos_token_id=2))
+    else:
+        config = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config}[arch]
+        model = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM}[arch](
+            config(hidden_size=64, intermediate_size=96, num_key_value_heads=2, **common))
+    model.save_pretrained(path)
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "sort", "ab", "ba"])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tf.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>",
+                               eos_token="</s>").save_pretrained(path)
+
+
+def change(directory: str, rng: random.Random) -> str:
+    """Apply one hostile change to the model directory; returns what was done."""
+    kind = rng.choices(["config", "tensor", "tokenizer"], weights=[6, 2, 1])[0]
+    if kind == "config":
+        path = os.path.join(directory, "config.json")
+        config = json.load(open(path, encoding="utf-8"))
+        key, value = rng.choice(sorted(config)), rng.choice(HOSTILE)
+        if value is MISSING:
+            del config[key]
+        else:
+            config[key] = value
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(config, f)  # NaN as JSON's NaN, which json.load reads back
+        return f"config.json {key}={'<removed>' if value is MISSING else repr(value)}"
+    if kind == "tensor":
+        from safetensors.torch import load_file, save_file
+
+        path = os.path.join(directory, "model.safetensors")
+        state = load_file(path)
+        name = rng.choice(sorted(state))
+        if rng.random() < 0.3:
+            del state[name]
+            what = f"tensor {name} removed"
+        else:
+            state[name] = state[name].flatten()[: max(1, state[name].numel() // 2)].clone()
+            what = f"tensor {name} cut to {list(state[name].shape)}"
+        save_file(state, path, metadata={"format": "pt"})
+        return what
+    name = rng.choice(["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"])
+    data = rng.choice([b"", b"[1, 2]", b"{\"a\": 1}", b"\xff\xfe not text"])
+    with open(os.path.join(directory, name), "wb") as f:
+        f.write(data)
+    return f"{name} = {data!r}"
+
+
+def main(argv=None) -> int:
+    import tempfile
+
+    args = arguments(__doc__, 100, ARCHS).parse_args(argv)
+    work = tempfile.mkdtemp(prefix="fuzz_hf_")
+    for arch in args.targets:  # each base directory must convert
+        tiny_directory(arch, os.path.join(work, "base", arch))
+        rc, out = run([sys.executable, CONVERT, "--input-dir", os.path.join(work, "base", arch), "--output-file",
+                       os.path.join(work, "base", f"{arch}.nemo")], work, args.timeout_s)
+        if rc != 0:
+            raise SystemExit(f"the base {arch} conversion failed:\n{out[-3000:]}")
+    rng = random.Random(args.seed)
+    cases = []
+    for i in range(args.runs):
+        arch = rng.choice(args.targets)
+        directory = os.path.join(work, "changed", str(i))
+        shutil.copytree(os.path.join(work, "base", arch), directory)
+        cases.append((i, arch, change(directory, rng), directory))
+
+    def one(case):
+        i, arch, what, directory = case
+        cmd = [sys.executable, CONVERT, "--input-dir", directory, "--output-file", os.path.join(directory, "out.nemo")]
+        rc, out = run(cmd, work, args.timeout_s)
+        return {"target": arch, "change": what, **outcome(rc, out)}
+
+    return finished(work, run_all(cases, one, args.workers, args.json, lambda r: f"{r['target']} {r['change']}"),
+                    args.keep)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
