@@ -67,7 +67,10 @@ def test_red_team_prompts_and_instructions(tmp_path):
     (b'{"sentences": ["a"], "repetition_penalty": 1.2}', r"repetition_penalty other than 1.0 is not supported"),
     (b'{"sentences": ["a"], "neighbors": 2}', r"unknown field 'neighbors'"),
     (b'{"sentences": ["a"], "min_tokens_to_generate": 9, "tokens_to_generate": 8}', r"min_tokens_to_generate is larger"),
-], ids=["json", "empty", "negative", "top-p", "greedy-type", "repetition", "unknown", "min-max"])
+    (b'{"sentences": ["ok", "a\\ud800"]}', r"sentences\[1\] is not valid Unicode text \(a lone surrogate at character 1\)"),
+    (b'{"sentences": ["a"], "end_strings": ["\\udfff"]}', r"end_strings\[0\] is not valid Unicode text"),
+], ids=["json", "empty", "negative", "top-p", "greedy-type", "repetition", "unknown", "min-max", "surrogate",
+        "surrogate-end"])
 def test_generation_requests_are_checked(body, message):
     with pytest.raises(RequestError, match=message):
         parse_request(body, max_tokens=64)

@@ -50,6 +50,16 @@ def _number(body: dict, key: str, low: float, integer: bool = False, high: float
     return value
 
 
+def _check_unicode(key: str, texts: List[str]) -> None:
+    """JSON's ``\\ud800`` escapes decode to lone surrogates, which no tokenizer can encode."""
+    for i, text in enumerate(texts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise RequestError(f"{key}[{i}] is not valid Unicode text (a lone surrogate at character {err.start})") \
+                from None
+
+
 def parse_request(raw: bytes, max_tokens: int) -> Dict:
     """The generation settings of a ``PUT /generate`` body, checked (``RequestError`` names the field)."""
     try:
@@ -69,6 +79,7 @@ def parse_request(raw: bytes, max_tokens: int) -> Dict:
                            "with your prompt template first)")
     if len(sentences) > MAX_SENTENCES:
         raise RequestError(f"at most {MAX_SENTENCES} sentences per request, got {len(sentences)}")
+    _check_unicode("sentences", sentences)
     request = {"sentences": sentences,
                "tokens_to_generate": int(_number(body, "tokens_to_generate", 0, True, max_tokens)),
                "min_tokens_to_generate": int(_number(body, "min_tokens_to_generate", 0, True, max_tokens)),
@@ -85,6 +96,7 @@ def parse_request(raw: bytes, max_tokens: int) -> Dict:
     ends = [ends] if isinstance(ends, str) else ends
     if not isinstance(ends, list) or not all(isinstance(e, str) for e in ends):
         raise RequestError("end_strings must be a list of strings")
+    _check_unicode("end_strings", ends)
     request["end_strings"] = [e for e in ends if e]
     seed = body.get("random_seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -120,8 +132,8 @@ def serve_text_generation(compute: Callable[[Dict], Dict], host: str, port: int,
                 return
             try:
                 compute(request)
-            except RequestError:
-                pass  # rank 0 answers it; every rank refused it the same way
+            except Exception:  # rank 0 answers the request (and logs a failure); this rank serves on as it does
+                logger.debug("request failed on this rank", exc_info=True)
     lock = threading.Lock()
     work: List = []
     wake = threading.Condition()
