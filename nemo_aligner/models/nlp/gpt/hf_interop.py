@@ -134,7 +134,7 @@ def nemo_config_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
     groups = _int_value(hf, "num_key_value_heads", where, heads)
     if heads % groups:
         raise ConfigError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}")
-    if "head_dim" not in hf and hidden % heads:
+    if hf.get("head_dim") is None and hidden % heads:
         raise ConfigError(f"{where}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
     head_dim = _int_value(hf, "head_dim", where, hidden // heads)
     qkv_bias = True if arch == "qwen2" else _bool_value(hf, "attention_bias", where, False)
