@@ -298,6 +298,14 @@ def test_chat_to_regression_format(tmp_path):
     bad = run("steerlm/process_to_regression_format.py", "--input-file", src, "--output-file", tmp_path / "x.jsonl",
               "--attributes", "quality")
     assert bad.returncode == 1 and "outside --attributes quality" in bad.stderr
+    for turn, message in (({"value": "ab", "label": None}, "conversations[1] must be an object with 'from' and 'value'"),
+                          ({"from": "Assistant", "value": 3}, "conversations[1].value must be str, got int")):
+        broken = dict(record, conversations=[record["conversations"][0], turn])
+        src = write_jsonl(tmp_path / "broken.jsonl", [record, broken])
+        proc = run("steerlm/process_to_regression_format.py", "--input-file", src, "--output-file", tmp_path / "y.jsonl")
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr
+        assert f"{src}:2: {message}" in proc.stderr
+        assert not (tmp_path / "y.jsonl").exists()
 
 
 def _chat(turns, **extra):

@@ -137,6 +137,19 @@ def chat_ids_and_mask(record: Mapping, tokenizer, t: Mapping[str, str]) -> Tuple
     return ids, mask
 
 
+def turns_problem(conversations: list, where: str) -> Optional[str]:
+    """The first turn of ``conversations`` that is not ``{"from": str, "value": str, "label": str or null}``,
+    as a message naming ``where`` (file:line), or None."""
+    for turn_no, turn in enumerate(conversations):
+        if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
+            return f"{where}: conversations[{turn_no}] must be an object with 'from' and 'value'"
+        for field in ("from", "value", "label"):
+            value = turn.get(field)
+            if (value is not None or field != "label") and not isinstance(value, str):
+                return f"{where}: conversations[{turn_no}].{field} must be str, got {type(value).__name__}"
+    return None
+
+
 def validate_chat_record(record: Mapping, where: str) -> Optional[str]:
     """The first problem of a chat record as a message naming ``where`` (file:line), or None."""
     conversations = record.get("conversations")
@@ -148,13 +161,9 @@ def validate_chat_record(record: Mapping, where: str) -> Optional[str]:
     chat_type = record.get("type")
     if chat_type is not None and chat_type not in CHAT_TYPES:
         return f"{where}: field 'type' must be VALUE_TO_TEXT or TEXT_TO_VALUE (or absent), got {chat_type!r}"
-    for turn_no, turn in enumerate(conversations):
-        if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
-            return f"{where}: conversations[{turn_no}] must be an object with 'from' and 'value'"
-        for field in ("from", "value", "label"):
-            value = turn.get(field)
-            if (value is not None or field != "label") and not isinstance(value, str):
-                return f"{where}: conversations[{turn_no}].{field} must be str, got {type(value).__name__}"
+    problem = turns_problem(conversations, where)
+    if problem:
+        return problem
     speakers = [turn["from"] for turn in conversations]
     for role in mask_roles(record).split(","):
         if role not in speakers:

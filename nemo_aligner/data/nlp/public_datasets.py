@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from nemo_aligner.data.nlp.chat_template import turns_problem
 from nemo_aligner.data.nlp.jsonl import require_fields
 from nemo_aligner.data.nlp.steerlm_labels import NEMO_ATTRIBUTES, assistant_turn_texts
 from nemo_aligner.utils.errors import DataError
@@ -248,6 +249,9 @@ def chat_to_regression(records: Iterable[Dict], path: str, chat_tokens: Optional
     for record in records:
         require_fields(record, ["conversations"], path, types=(list,), non_empty=True)
         where = _where(record, path)
+        problem = turns_problem(record["conversations"], where)
+        if problem:
+            raise DataError(problem)
         for turn_no, text in assistant_turn_texts(record, chat_tokens):
             label = record["conversations"][turn_no].get("label")
             if not label:

@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from nemo_aligner.data.nlp.chat_template import turns_problem
 from nemo_aligner.data.nlp.jsonl import require_fields
 from nemo_aligner.data.nlp.steerlm_labels import NEMO_ATTRIBUTES, assistant_turn_texts, format_label
 from nemo_aligner.utils.errors import ConfigError, DataError
@@ -36,9 +37,9 @@ def annotate_records(records: List[Dict], client, names: Optional[Sequence[str]]
     jobs = []
     for record in records:
         require_fields(record, ["conversations"], where, types=(list,))
-        for turn_no, turn in enumerate(record["conversations"]):
-            if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
-                raise DataError(f"{where}:{record['__line__']}: conversations[{turn_no}] needs 'from' and 'value'")
+        problem = turns_problem(record["conversations"], f"{where}:{record['__line__']}")
+        if problem:
+            raise DataError(problem)
         jobs += [(record, i, text) for i, text in assistant_turn_texts(record, chat_tokens, assistant)]
     futures = [client.infer_texts([text for _, _, text in jobs[s : s + batch_size]], max_length)
                for s in range(0, len(jobs), batch_size)]
