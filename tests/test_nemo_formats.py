@@ -567,3 +567,17 @@ def test_zarr_bfloat16_and_uncompressed_arrays(tmp_path):
 
     with pytest.raises(CheckpointError, match="chunk 1.0 is missing"):
         read_zarr_array(str(directory))
+
+
+def test_model_config_numbers_in_short_exponent_form_are_numbers(tmp_path):
+    """``layernorm_epsilon: 1e-5`` (no dot: a string to YAML 1.1) is the number NeMo's OmegaConf reads, so a
+    hand-written model_config.yaml passes the architecture checks."""
+    from nemo_aligner.models.nlp.gpt.gpt_builder import check_architecture_values
+    from nemo_aligner.utils.nemo_file import read_model_config
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "model_config.yaml").write_text("num_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\n"
+                                                      "layernorm_epsilon: 1e-5\ninit_method_std: 2e-2\n")
+    cfg = read_model_config(str(tmp_path / "m"))
+    assert cfg.layernorm_epsilon == 1e-5 and cfg.init_method_std == 0.02
+    check_architecture_values(cfg)

@@ -103,7 +103,8 @@ def _parse_model_config(text: str, path: str, key: str) -> DictConfig:
         raise CheckpointError(f"{key}={path}: {MODEL_CONFIG} must hold the model's settings (a YAML mapping), got "
                               f"{'nothing' if data is None else type(data).__name__}")
     try:
-        return OmegaConf.create(data)
+        # parsed again as OmegaConf (and NeMo) read YAML: `1e-5` is then a float, where YAML 1.1 has a string
+        return OmegaConf.create(text)
     except Exception as err:  # e.g. keys OmegaConf cannot hold
         raise CheckpointError(f"{key}={path}: {MODEL_CONFIG} cannot be read as a config ({err})") from None
 
