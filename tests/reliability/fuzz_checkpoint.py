@@ -24,7 +24,8 @@ import tarfile
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fuzz_config import Targets, arguments, finished, hostile_values, outcome, prepared, run, run_all  # noqa: E402
+from fuzz_config import (Targets, arguments, check_base, finished, hostile_values, outcome, prepared,  # noqa: E402
+                         run, run_all)
 
 GPT_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                            "examples", "nlp", "gpt")
@@ -105,9 +106,7 @@ def main(argv=None) -> int:
         return [a.replace(targets.sft_nemo, nemo) for a in targets.command(target, out)]
 
     for target in CONVERTERS.keys() & set(args.targets):  # each converter's base run must pass
-        rc, out = run(command(target, targets.sft_nemo, os.path.join(work, "base", target)), work, args.timeout_s)
-        if rc != 0:
-            raise SystemExit(f"the base {target} run failed:\n{out[-3000:]}")
+        check_base(target, command(target, targets.sft_nemo, os.path.join(work, "base", target)), work, args.timeout_s)
     rng = random.Random(args.seed)
     cases = []
     for i in range(args.runs):

@@ -45,6 +45,13 @@ def run(cmd, work, timeout_s):
         return "timeout", text(e.stdout) + text(e.stderr)
 
 
+def check_base(name: str, cmd: list, work: str, timeout_s: float) -> None:
+    """Run a target's unchanged command once: one that fails would make every fuzzed run look "refused"."""
+    rc, out = run(cmd, work, timeout_s)
+    if rc != 0:
+        raise SystemExit(f"the base {name} run failed:\n{out[-3000:]}")
+
+
 class Targets:
     """The base command of each script: 2 steps on the built-in data (all but SFT from a tiny SFT model)."""
 
@@ -96,9 +103,7 @@ class Targets:
                 continue
             if target == "kd":
                 self.teacher_records()
-            rc, out = run(self.command(target, os.path.join(self.work, "base", target)), self.work, self.timeout_s)
-            if rc != 0:
-                raise SystemExit(f"the base {target} run failed:\n{out[-3000:]}")
+            check_base(target, self.command(target, os.path.join(self.work, "base", target)), self.work, self.timeout_s)
             self.checked.add(target)
 
     def command(self, target: str, log_dir: str) -> list:

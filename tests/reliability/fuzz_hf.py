@@ -19,7 +19,7 @@ import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fuzz_config import arguments, finished, outcome, run, run_all  # noqa: E402
+from fuzz_config import arguments, check_base, finished, outcome, run, run_all  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONVERT = os.path.join(REPO, "examples", "nlp", "gpt", "convert_hf_to_nemo.py")
@@ -95,10 +95,8 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp(prefix="fuzz_hf_")
     for arch in args.targets:  # each base directory must convert
         tiny_directory(arch, os.path.join(work, "base", arch))
-        rc, out = run([sys.executable, CONVERT, "--input-dir", os.path.join(work, "base", arch), "--output-file",
-                       os.path.join(work, "base", f"{arch}.nemo")], work, args.timeout_s)
-        if rc != 0:
-            raise SystemExit(f"the base {arch} conversion failed:\n{out[-3000:]}")
+        check_base(arch, [sys.executable, CONVERT, "--input-dir", os.path.join(work, "base", arch), "--output-file",
+                          os.path.join(work, "base", f"{arch}.nemo")], work, args.timeout_s)
     rng = random.Random(args.seed)
     cases = []
     for i in range(args.runs):

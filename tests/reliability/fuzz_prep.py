@@ -19,7 +19,7 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fuzz_config import arguments, finished, outcome, run, run_all  # noqa: E402
+from fuzz_config import arguments, check_base, finished, outcome, run, run_all  # noqa: E402
 from fuzz_data import mutate  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -110,9 +110,7 @@ def main(argv=None) -> int:
     for target in args.targets:  # each script must pass on its unchanged inputs
         directory = os.path.join(work, "base", target)
         write_inputs(target, directory)
-        rc, out = run(command(target, directory, tokenizer), work, args.timeout_s)
-        if rc != 0:
-            raise SystemExit(f"the base {target} run failed:\n{out[-3000:]}")
+        check_base(target, command(target, directory, tokenizer), work, args.timeout_s)
     rng = random.Random(args.seed)
     cases = []
     for i in range(args.runs):
