@@ -395,14 +395,22 @@ def tokenizer_from_path(path: str, kind: Optional[str] = None, key: str = "token
     raise ConfigError(f"{kind_key}={kind!r} must be sentencepiece or huggingface")
 
 
-def load_tokenizer(path: str, key: str = "restore_from_path"):
-    """The tokenizer a ``.nemo`` file was saved with (its files kept in a temp dir while in use)."""
+def restored_tokenizer(model_cfg, directory: str, what: str) -> tuple:
+    """``(tokenizer, its config with local paths)`` of ``model_cfg.tokenizer``, its files restored from
+    the extracted .nemo ``directory``; files the tokenizer library cannot read are named with ``what``."""
     from nemo_aligner.utils.tokenizers import build_tokenizer
 
+    tokenizer_cfg, packed = restore_tokenizer_files(model_cfg.get("tokenizer") or OmegaConf.create({}), directory)
+    try:
+        tokenizer = build_tokenizer(tokenizer_cfg, padded_vocab_size=model_cfg.get("padded_vocab_size"),
+                                    packed_dir=packed)
+    except CheckpointError as err:  # the files came from the .nemo: name it
+        raise CheckpointError(f"{what}: {err}") from None
+    return tokenizer, tokenizer_cfg
+
+
+def load_tokenizer(path: str, key: str = "restore_from_path"):
+    """The tokenizer a ``.nemo`` file was saved with (its files kept in a temp dir while in use)."""
     cfg = read_model_config(path, key)
     with extracted(path, key) as directory:
-        tokenizer_cfg, packed = restore_tokenizer_files(cfg.get("tokenizer") or OmegaConf.create({}), directory)
-        try:
-            return build_tokenizer(tokenizer_cfg, padded_vocab_size=cfg.get("padded_vocab_size"), packed_dir=packed)
-        except CheckpointError as err:  # the files were restored from the .nemo: name it
-            raise CheckpointError(f"{key}={path}: {err}") from None
+        return restored_tokenizer(cfg, directory, f"{key}={path}")[0]

@@ -52,6 +52,19 @@ def check_base(name: str, cmd: list, work: str, timeout_s: float) -> None:
         raise SystemExit(f"the base {name} run failed:\n{out[-3000:]}")
 
 
+def tokenizer_directory(path: str) -> str:
+    """A tiny word-level Hugging Face tokenizer saved in ``path`` (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "sort", "ab", "ba"])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)
+    return path
+
+
 class Targets:
     """The base command of each script: 2 steps on the built-in data (all but SFT from a tiny SFT model)."""
 

@@ -19,7 +19,7 @@ import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fuzz_config import arguments, check_base, finished, outcome, run, run_all  # noqa: E402
+from fuzz_config import arguments, check_base, finished, outcome, run, run_all, tokenizer_directory  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONVERT = os.path.join(REPO, "examples", "nlp", "gpt", "convert_hf_to_nemo.py")
@@ -32,7 +32,6 @@ def tiny_directory(arch: str, path: str) -> None:
     """A tiny random ``arch`` model with a word-level tokenizer, saved as Hugging Face saves it."""
     import torch
     import transformers as tf
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
     tf.utils.logging.set_verbosity_error()
     tf.utils.logging.disable_progress_bar()
@@ -43,14 +42,10 @@ def tiny_directory(arch: str, path: str) -> None:
                                                     bos_token_id=1, eos_token_id=2))
     else:
         config = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config}[arch]
-        model = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM}[arch](
-            config(hidden_size=64, intermediate_size=96, num_key_value_heads=2, **common))
+        model = tf.AutoModelForCausalLM.from_config(config(hidden_size=64, intermediate_size=96, num_key_value_heads=2,
+                                                           **common))
     model.save_pretrained(path)
-    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "sort", "ab", "ba"])}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    tf.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>",
-                               eos_token="</s>").save_pretrained(path)
+    tokenizer_directory(path)
 
 
 def change(directory: str, rng: random.Random) -> str:

@@ -19,7 +19,7 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fuzz_config import arguments, check_base, finished, outcome, run, run_all  # noqa: E402
+from fuzz_config import arguments, check_base, finished, outcome, run, run_all, tokenizer_directory  # noqa: E402
 from fuzz_data import mutate  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -72,19 +72,6 @@ TARGETS = {
                    ["model.data.data_prefix={w}/dpo.jsonl", "model.encoder_seq_length=64", "+output_dir={w}/out",
                     "+pack_sizes=[64]"]),
 }
-
-
-def tokenizer_directory(path: str) -> str:
-    """A tiny word-level Hugging Face tokenizer (no download)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "sort", "ab", "ba"])}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(path)
-    return path
 
 
 def write_inputs(target: str, directory: str) -> None:

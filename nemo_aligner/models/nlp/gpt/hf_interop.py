@@ -61,12 +61,8 @@ def _float_value(hf: dict, key: str, where: str, default: Optional[float], posit
 
 def _bool_value(hf: dict, key: str, where: str, default: bool) -> bool:
     """``config.json``'s boolean ``key`` (null or absent: ``default``); "false" or 0 would otherwise read as true."""
-    value = hf.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ConfigError(f"{where}: {key}={value!r} must be true or false")
-    return value
+    value = _of_type(hf, key, where, bool, "true or false")
+    return default if value is None else value
 
 
 def _of_type(hf: dict, key: str, where: str, kind: type, what: str):
@@ -332,9 +328,8 @@ def hf_to_mcore(hf: Dict[str, torch.Tensor], arch: str, cfg: dict, where: str = 
     if arch == "gpt2":
         hf = {k[len("transformer."):] if k.startswith("transformer.") else k: v for k, v in hf.items()}
     hf = _ReadOnce(hf, where)
-    vocab, ffn = cfg.get("hf_vocab_size") or padded, cfg["ffn_hidden_size"]
+    vocab, H, F, take = cfg.get("hf_vocab_size") or padded, hidden, cfg["ffn_hidden_size"], hf.take
     if arch == "gpt2":
-        H, F, take = hidden, ffn, hf.take
         out["embedding.word_embeddings.weight"] = _pad_rows(take("wte.weight", vocab, H), padded)
         out["embedding.position_embeddings.weight"] = take("wpe.weight", cfg["max_position_embeddings"], H)
         for i in range(cfg["num_layers"]):
@@ -356,7 +351,7 @@ def hf_to_mcore(hf: Dict[str, torch.Tensor], arch: str, cfg: dict, where: str = 
             out["output_layer.weight"] = _pad_rows(take("lm_head.weight", vocab, H), padded)
         _check_all_read(hf, tied, "wte.weight")
         return {k: v.contiguous() for k, v in out.items()}
-    H, F, Q, KV, take = hidden, ffn, heads * head_dim, groups * head_dim, hf.take
+    Q, KV = heads * head_dim, groups * head_dim
     out["embedding.word_embeddings.weight"] = _pad_rows(take("model.embed_tokens.weight", vocab, H), padded)
     for i in range(cfg["num_layers"]):
         p, o = f"model.layers.{i}.", f"decoder.layers.{i}."

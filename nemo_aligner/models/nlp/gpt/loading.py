@@ -6,7 +6,7 @@ import logging
 import os
 from typing import Optional, Type
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
 from nemo_aligner.models.nlp.gpt import lora
 from nemo_aligner.utils import nemo_file
@@ -93,13 +93,7 @@ def load_model(model_cls: Type, cfg: DictConfig, precision, restore_path: Option
         if merged.get("padded_vocab_size") is None and weights.vocab_rows() is not None:
             with open_dict(merged):  # NeMo pads with the TP size it trained with: the stored rows decide
                 merged.padded_vocab_size = weights.vocab_rows()
-        tokenizer_cfg, packed = nemo_file.restore_tokenizer_files(merged.get("tokenizer") or OmegaConf.create({}),
-                                                                  directory)
-        try:
-            tokenizer = build_tokenizer(tokenizer_cfg, padded_vocab_size=merged.get("padded_vocab_size"),
-                                        packed_dir=packed)
-        except CheckpointError as err:  # the files were restored from the .nemo: name it
-            raise CheckpointError(f"{what}: {err}") from None
+        tokenizer, tokenizer_cfg = nemo_file.restored_tokenizer(merged, directory, what)
         with open_dict(merged):
             merged.tokenizer = tokenizer_cfg
         model = model_cls(merged, tokenizer, precision, **kwargs)
