@@ -451,6 +451,10 @@ def test_slow_server_is_retried_then_given_up_on(slow_server, caplog):
     with RemoteGPTRMClient("127.0.0.1", slow_server.port, timeout_s=3, retries=2, settings_key="remote_rm") as c:
         with caplog.at_level("WARNING"):
             np.testing.assert_allclose(c.infer_tokens(tokens, lengths).result(), [6.0])
+        workers = list(c._client._threads)
+    # Closing waits for the workers to close their connections and gevent hubs: one still doing so
+    # while the interpreter shuts down can crash the process at exit (SIGSEGV).
+    assert workers and not any(t.is_alive() for t in workers)
     retries = [r.getMessage() for r in caplog.records if "sending the request again" in r.getMessage()]
     assert len(retries) == 1 and "retry 1 of 2, remote_rm.max_retries" in retries[0], retries
     assert slow_server.proc.poll() is None

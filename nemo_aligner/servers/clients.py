@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 import warnings
 from typing import List, Optional, Sequence
 
@@ -13,6 +14,9 @@ from nemo_aligner.utils.errors import AlignerError
 
 logger = logging.getLogger(__name__)
 
+# How long closing a client waits for its worker threads to finish their last request.
+CLOSE_WAIT_S = 10.0
+
 
 class RemoteServerError(AlignerError):
     """A server is unreachable, timed out or refused a request; the message names host:port and the config key."""
@@ -21,7 +25,6 @@ class RemoteServerError(AlignerError):
 def check_reachable(host: str, port: int, key: str, timeout_s: float = 3.0, wait_s: float = 0.0) -> None:
     """Fail fast (not after the client's long readiness wait) when nothing listens on host:port;
     with ``wait_s`` keep trying that long first (a server that is still starting)."""
-    import time
 
     deadline = time.monotonic() + wait_s
     while True:
@@ -104,7 +107,6 @@ class ServerFuture:
     def _wait(self, timeout: float):
         """The future's outputs; between short waits, fail at once if the server no longer listens."""
         import concurrent.futures
-        import time
 
         deadline = time.monotonic() + timeout
         while True:
@@ -176,6 +178,16 @@ def _daemon_futures_client_class():
                     self._threads.append(thread)
                     thread.start()
 
+        def close_within(self, seconds: float) -> None:
+            """Close, and wait up to ``seconds`` for the workers to finish. A worker that finishes
+            closes its connections and its gevent hub; one left doing so while the interpreter
+            shuts down can crash the process (SIGSEGV at exit). Workers still blocked on a dead
+            server after ``seconds`` are abandoned (daemons)."""
+            self.close(wait=False)
+            deadline = time.monotonic() + seconds
+            for thread in list(self._threads):
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
     return DaemonFuturesModelClient
 
 
@@ -218,10 +230,10 @@ class TritonModelClient:
                             retries=self.retries if retry else 0, settings_key=self.settings_key)
 
     def close(self) -> None:
-        """Stop the client. Requests still waiting on a dead server are abandoned: their worker
-        threads are daemons, so they do not hold the process open."""
+        """Stop the client. Requests still waiting on a dead server after ``CLOSE_WAIT_S`` are
+        abandoned: their worker threads are daemons, so they do not hold the process open."""
         if self._client is not None:
-            self._client.close(wait=False)
+            self._client.close_within(CLOSE_WAIT_S)
             self._client = None
 
     def __enter__(self):
