@@ -3,6 +3,7 @@ with tensor and data parallelism with the same losses as one process."""
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -213,6 +214,19 @@ def test_resume_with_a_changed_config_says_what_it_keeps(tmp_path, builtin_data)
         check_resumed_run(ckpt, saved, dict(saved, algorithm="dpo"), "trainer.dpo")
 
 
+def checkpoint_weight(directory, key="model.output_layer.weight"):
+    """One tensor of a distributed checkpoint, through torch DCP's reader (format_utils.dcp_to_torch_save
+    fails on torch 2.6)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    reader = dcp.FileSystemReader(str(directory))
+    state = {key: torch.empty(reader.read_metadata().state_dict_metadata[key].size)}
+    dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(flatten_state_dict=False))
+    return state[key]
+
+
 def test_save_best_model_writes_the_best_checkpoints_weights(tmp_path, builtin_data):
     """NeMo's checkpoint_callback_params.save_best_model: the final .nemo holds the best checkpoint's
     weights. mode=max on the validation loss makes the first checkpoint (step 3, before the loss
@@ -232,22 +246,44 @@ def test_save_best_model_writes_the_best_checkpoints_weights(tmp_path, builtin_d
                    for name in os.listdir(log_dir / "checkpoints") if "step=" in name and not name.endswith(".nemo")}
     assert sorted(checkpoints) == [3, 6]
 
-    def weights(directory):
-        # One tensor through torch DCP's reader (format_utils.dcp_to_torch_save fails on torch 2.6)
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-        key = "model.output_layer.weight"
-        reader = dcp.FileSystemReader(str(directory))
-        state = {key: torch.empty(reader.read_metadata().state_dict_metadata[key].size)}
-        dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(flatten_state_dict=False))
-        return state[key]
-
     with nemo_file.extracted(str(log_dir / "checkpoints" / "megatron_gpt_sft.nemo")) as directory:
-        final = weights(nemo_file.weights_dir(directory))
-    assert torch.equal(final, weights(checkpoints[3]))
-    assert not torch.equal(final, weights(checkpoints[6]))
+        final = checkpoint_weight(nemo_file.weights_dir(directory))
+    assert torch.equal(final, checkpoint_weight(checkpoints[3]))
+    assert not torch.equal(final, checkpoint_weight(checkpoints[6]))
     assert "best checkpoint" in proc.stderr + proc.stdout
+
+
+def test_always_save_nemo_writes_a_nemo_with_each_checkpoint(tmp_path, builtin_data):
+    """NeMo's checkpoint_callback_params.always_save_nemo: the .nemo is rewritten with every checkpoint
+    (save_nemo_on_train_end is off here, so it is the only writer); with save_best_model only when a
+    checkpoint is the new best (mode=max on the validation loss: the first one, step 2)."""
+    import torch
+
+    from nemo_aligner.utils import nemo_file
+
+    def run(name, extra):
+        log_dir = tmp_path / name
+        proc = run_script("train_gpt_sft.py", sft_overrides(builtin_data, log_dir, 6, SMALL + [
+            "trainer.sft.val_check_interval=2", "model.optim.lr=1e-3", "model.optim.sched.warmup_steps=0",
+            "exp_manager.checkpoint_callback_params.save_top_k=-1",
+            "exp_manager.checkpoint_callback_params.save_nemo_on_train_end=False",
+            "exp_manager.checkpoint_callback_params.always_save_nemo=True"] + extra))
+        checkpoints = {int(n.split("step=")[1].split("-")[0]): log_dir / "checkpoints" / n
+                       for n in os.listdir(log_dir / "checkpoints") if "step=" in n and not n.endswith(".nemo")}
+        assert sorted(checkpoints) == [2, 4, 6]
+        with nemo_file.extracted(str(log_dir / "checkpoints" / "megatron_gpt_sft.nemo")) as directory:
+            saved = checkpoint_weight(nemo_file.weights_dir(directory))
+        written = [line for line in (proc.stderr + proc.stdout).splitlines() if "always_save_nemo: " in line]
+        return saved, {step: checkpoint_weight(path) for step, path in checkpoints.items()}, written, val_losses(log_dir)
+
+    saved, weights, written, _ = run("every", [])
+    assert torch.equal(saved, weights[6]) and not torch.equal(saved, weights[4])
+    assert [re.search(r"-step=(\d+)-", line).group(1) for line in written] == ["2", "4", "6"], written
+    saved, weights, written, val = run("best", ["exp_manager.checkpoint_callback_params.mode=max",
+                                                 "exp_manager.checkpoint_callback_params.save_best_model=True"])
+    assert val[2] > max(val[4], val[6]), val  # step 2 is the best by mode=max
+    assert torch.equal(saved, weights[2]) and not torch.equal(saved, weights[6])
+    assert len(written) == 1 and "-step=2-" in written[0], written
 
 
 def test_checkpoints_between_validations_carry_no_stale_score_and_lr_is_the_one_used(tmp_path, builtin_data):

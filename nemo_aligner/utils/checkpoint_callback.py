@@ -10,7 +10,7 @@ from typing import Dict, List, Optional
 
 
 from nemo_aligner.utils.checkpoint_io import REMOVING_SUFFIX, remove_dir_atomically
-from nemo_aligner.utils.distributed import barrier, get_rank
+from nemo_aligner.utils.distributed import barrier, broadcast_object, get_rank
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.nemo_file import save_nemo
 from nemo_aligner.utils.train_checkpoint import read_trainer_state, save_train_checkpoint
@@ -46,12 +46,13 @@ class CheckpointCallback:
     """Saves training checkpoints under ``dirpath`` and keeps the ``save_top_k`` best by ``monitor``.
 
     The most recent checkpoint is always kept as well (it is what a resumed run
-    loads). ``save_top_k=-1`` keeps all of them.
+    loads). ``save_top_k=-1`` keeps all of them. ``always_save_nemo`` (NeMo's): the .nemo is
+    rewritten with every checkpoint, or with ``save_best_model`` whenever a checkpoint is the new best.
     """
 
     def __init__(self, dirpath: str, filename: str, monitor: str = "val_loss", mode: str = "min",
                  save_top_k: int = 1, save_nemo_on_train_end: bool = True, nemo_name: str = "model",
-                 save_best_model: bool = False):
+                 save_best_model: bool = False, always_save_nemo: bool = False):
         if mode not in ("min", "max"):
             raise ConfigError(f"exp_manager.checkpoint_callback_params.mode={mode!r} must be 'min' or 'max'")
         self.dirpath = dirpath
@@ -61,8 +62,10 @@ class CheckpointCallback:
         self.save_top_k = int(save_top_k)
         self.save_nemo_on_train_end = save_nemo_on_train_end
         self.save_best_model = save_best_model  # the final .nemo holds the best checkpoint's weights
+        self.always_save_nemo = always_save_nemo
         self.nemo_path = os.path.join(dirpath, f"{nemo_name}.nemo")
         self.last_saved: Optional[str] = None
+        self._warned_no_best = False
 
     def monitor_value(self, metrics: Dict[str, float]) -> float:
         for key in (self.monitor, _MONITOR_ALIASES.get(self.monitor, "")):
@@ -90,7 +93,23 @@ class CheckpointCallback:
         if get_rank() == 0:
             self.prune()
         barrier()
+        if self.always_save_nemo:
+            self._refresh_nemo(model, path)
         return path
+
+    def _refresh_nemo(self, model, saved: str) -> None:
+        """Collective: ``always_save_nemo``'s .nemo of the model just saved as ``saved``; with
+        ``save_best_model`` only when ``saved`` is the best checkpoint (the .nemo holds the best so far)."""
+        if self.save_best_model:
+            best = broadcast_object(self.best() if get_rank() == 0 else None)  # one decision: the write is collective
+            if best is None and not self._warned_no_best:
+                self._warned_no_best = True
+                logger.warning("always_save_nemo with save_best_model: no checkpoint has a %s value yet (it is "
+                               "logged by validation), so no .nemo is written", self.monitor)
+            if best != saved:
+                return
+        self.save_nemo(model)
+        logger.info("always_save_nemo: %s written from %s", self.nemo_path, os.path.basename(saved))
 
     def checkpoints(self) -> List[tuple]:
         """``(path, trainer_state)`` of every complete checkpoint under ``dirpath``."""

@@ -105,8 +105,6 @@ REFUSED_UNLESS = {
                        ".npy packs); mmap/Megatron indexed data is not"),
     "fp8": ((False, None), "fp8 needs Transformer Engine's fp8 recipe, which is not supported; use "
                            "trainer.precision=bf16"),
-    "checkpoint_callback_params.always_save_nemo": ((False,), "the .nemo is written when training ends "
-                                                              "(save_nemo_on_train_end); the checkpoints hold the weights"),
     "kto.sft_loss_weight": ((0, None), "KTO has no SFT term here (NeMo-Aligner reads the key but does not apply it "
                                        "either)"),
     "kto.preference_loss_weight": ((1, None), "the KTO loss is not weighted (NeMo-Aligner reads the key but does "

@@ -223,6 +223,7 @@ def exp_manager(exp_cfg: DictConfig, full_cfg: DictConfig, default_name: str = "
             save_nemo_on_train_end=bool(params.get("save_nemo_on_train_end", True)),
             nemo_name=name,
             save_best_model=bool(params.get("save_best_model", False)),
+            always_save_nemo=bool(params.get("always_save_nemo", False)),
         )
     if resume_from:
         logger.info("resuming from %s", resume_from)
