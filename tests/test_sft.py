@@ -110,13 +110,19 @@ def test_sft_script_two_processes_matches_one(tmp_path, builtin_data, base_nemo,
 
 def test_distributed_optimizer_resume_dp2(tmp_path, builtin_data, base_nemo):
     """megatron-core's DistributedOptimizer (state sharded over DP=2): resume is exact too, which
-    needs dp_reshardable checkpoints and a per-parameter Adam step after loading."""
+    needs dp_reshardable checkpoints and a per-parameter Adam step after loading. always_save_nemo
+    with save_best_model decides on rank 0 and writes the .nemo on both ranks."""
     nemo, _ = base_nemo
     common = SMALL + [f"model.restore_from_path={nemo}", "model.optim.name=distributed_fused_adam",
                       "trainer.devices=2", "trainer.sft.save_interval=2", "trainer.sft.val_check_interval=2",
-                      "model.optim.sched.warmup_steps=1", "exp_manager.checkpoint_callback_params.save_top_k=-1"]
+                      "model.optim.sched.warmup_steps=1", "exp_manager.checkpoint_callback_params.save_top_k=-1",
+                      "exp_manager.checkpoint_callback_params.save_nemo_on_train_end=False",
+                      "exp_manager.checkpoint_callback_params.always_save_nemo=True",
+                      "exp_manager.checkpoint_callback_params.save_best_model=True"]
     full = tmp_path / "full"
-    run_script("train_gpt_sft.py", sft_overrides(builtin_data, full, 4, common), nproc=2)
+    proc = run_script("train_gpt_sft.py", sft_overrides(builtin_data, full, 4, common), nproc=2)
+    assert "always_save_nemo: " in proc.stdout + proc.stderr
+    assert (full / "checkpoints" / "megatron_gpt_sft.nemo").is_file()
     step2 = [c for c in os.listdir(full / "checkpoints") if "-step=2-" in c]
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
