@@ -54,11 +54,11 @@ def main(argv=None) -> None:
         if not isinstance(chat_tokens, dict):
             raise ConfigError("--chat-prompt-tokens must be a JSON object like {\"turn_start\": \"<extra_id_1>\"}")
     records = read_jsonl(args.input_file)
-    client = RemoteGPTRMClient(args.host, args.port, tokenizer, args.model_name, timeout_s=args.timeout_s,
-                               key="--host and --port", wait_s=args.wait_s)
     names = [n.strip() for n in args.attributes.split(",")] if args.attributes else None
-    count = annotate_records(records, client, names, args.batch_size, args.min_value, args.max_value,
-                             chat_tokens=chat_tokens, where=args.input_file,
-                             max_length=int(seq_length) if seq_length else None)
+    with RemoteGPTRMClient(args.host, args.port, tokenizer, args.model_name, timeout_s=args.timeout_s,
+                           key="--host and --port", wait_s=args.wait_s) as client:
+        count = annotate_records(records, client, names, args.batch_size, args.min_value, args.max_value,
+                                 chat_tokens=chat_tokens, where=args.input_file,
+                                 max_length=int(seq_length) if seq_length else None)
     write_jsonl(args.output_file, ({k: v for k, v in r.items() if not k.startswith("__")} for r in records))
     print(f"labelled {count} assistant turns of {len(records)} conversations: {args.output_file}", flush=True)

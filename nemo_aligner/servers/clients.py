@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 import time
 import warnings
 from typing import List, Optional, Sequence
@@ -229,11 +230,11 @@ class TritonModelClient:
         return ServerFuture(call(**inputs), output, self.where, self.key, self.timeout_s, resend=resend,
                             retries=self.retries if retry else 0, settings_key=self.settings_key)
 
-    def close(self) -> None:
-        """Stop the client. Requests still waiting on a dead server after ``CLOSE_WAIT_S`` are
-        abandoned: their worker threads are daemons, so they do not hold the process open."""
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Stop the client. Requests still waiting on a dead server after ``wait_s`` are abandoned:
+        their worker threads are daemons, so they do not hold the process open."""
         if self._client is not None:
-            self._client.close_within(CLOSE_WAIT_S)
+            self._client.close_within(wait_s)
             self._client = None
 
     def __enter__(self):
@@ -243,8 +244,8 @@ class TritonModelClient:
         self.close()
 
     def __del__(self):
-        try:
-            self.close()
+        try:  # no waiting once the interpreter shuts down: its daemon threads may never run again
+            self.close(0.0 if sys.is_finalizing() else CLOSE_WAIT_S)
         except Exception:
             pass
 
@@ -395,9 +396,10 @@ class RemoteGPTRMCriticClient:
         return self.save_client.send("status", batched=False, dummy_var=np.zeros(1, dtype=np.int64))
 
     def close(self) -> None:
+        deadline = time.monotonic() + CLOSE_WAIT_S  # one wait for all four: a dead server blocks each
         for c in (self.infer_client, self.train_client, self.save_client, self.rm_client):
             if c is not None:
-                c.close()
+                c.close(max(0.0, deadline - time.monotonic()))
 
 
 class RemoteRewardSource:
