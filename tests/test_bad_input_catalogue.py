@@ -496,6 +496,8 @@ CONFIG_CASES = {
                            r"^model\.tensor_model_parallel_size=null: this key needs a value$"),
     "rope-scaling-as-a-dict": (config_values(**{"model.seq_len_interpolation_factor": {"x": 1}}),
                                r"^model\.seq_len_interpolation_factor=\{'x': 1\} must be a number, got a dict$"),
+    "default-reward-null": (config_values(**{"model.data.default_rejected_reward": None}),
+                           r"^model\.data\.default_rejected_reward=null: this key needs a value$"),
     "generate-length-null": (generate_config(**{"inference.tokens_to_generate": None}),
                              r"^inference\.tokens_to_generate=null: this key needs a value$"),
     "output-path-as-a-dict": (section_values("", output_path={"x": 1}),
