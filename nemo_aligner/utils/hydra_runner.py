@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 from typing import Callable, List, Optional, Tuple
@@ -107,6 +108,18 @@ def prepare_config(cfg: DictConfig, config_name: str, args: List[str], extra_key
     return cfg
 
 
+def release_process_group() -> None:
+    """Tear down the process group of a finished run before the interpreter exits, as torch asks
+    (NCCL warns otherwise): one left to the exit's teardown can abort a rank after its work is done
+    ("terminate called without an active exception", exit status -6)."""
+    from nemo_aligner.utils.distributed import destroy
+
+    try:
+        destroy()
+    except Exception as err:  # the run's work is done and saved: say so, and exit 0
+        logging.getLogger(__name__).warning("could not tear down the process group: %s", err)
+
+
 def hydra_runner(config_path: str, config_name: str, extra_keys=()) -> Callable:
     """Decorate ``main(cfg)``; call it with no argument to parse the command line with Hydra,
     or with a ``DictConfig`` to run it directly (tests, Python API). ``extra_keys``: top-level keys
@@ -127,7 +140,9 @@ def hydra_runner(config_path: str, config_name: str, extra_keys=()) -> Callable:
                 spawned = maybe_spawn(cfg.get("trainer"), argv=command_line)
                 if spawned is not None:  # this process started the ranks and waited for them
                     sys.exit(spawned)
-                return task(cfg)
+                result = task(cfg)
+                release_process_group()
+                return result
             except AlignerError as err:
                 report_user_error(err)
             except MissingMandatoryValue as err:  # a '???' in the yaml that the command line did not set
