@@ -288,6 +288,58 @@ def test_a_prune_killed_midway_leaves_no_half_deleted_checkpoint(tmp_path, monke
     assert sorted(os.listdir(tmp_path)) == ["ck-step=4", "ck-step=6"]
 
 
+def test_the_end_of_training_writes_the_nemo_unless_always_save_nemo_already_did(tmp_path, monkeypatch):
+    """save_nemo_on_train_end skips its write only when always_save_nemo's .nemo holds the weights it
+    would write (the checkpoint saved at the last step, or the best one) and the file is still there."""
+    from types import SimpleNamespace
+
+    from nemo_aligner.recipes.run_helpers import fit_and_export
+    from nemo_aligner.utils import checkpoint_callback as cc
+
+    writes = []
+
+    def fake_save_checkpoint(path, model, optimizer, scheduler, state):
+        os.makedirs(path)
+        (tmp_path / path / "metadata.json").write_text("{}")
+        (tmp_path / path / "trainer_state.json").write_text(json.dumps(state))
+
+    def fake_save_nemo(model, path):
+        writes.append(path)
+        open(path, "w").close()
+        return path
+
+    monkeypatch.setattr(cc, "save_train_checkpoint", fake_save_checkpoint)
+    monkeypatch.setattr(cc, "save_nemo", fake_save_nemo)
+
+    def run(saved_steps, final_step, metrics=None, remove_nemo=False, always=True, **params):
+        directory = tmp_path / f"run{len(os.listdir(tmp_path))}"
+        callback = cc.CheckpointCallback(str(directory), "ck-{step}", monitor="val_loss", mode="min",
+                                         save_top_k=-1, always_save_nemo=always, **params)
+        model = SimpleNamespace(load_weights=lambda path, what: None)
+        for step in saved_steps:
+            callback.save(model, None, None, {"step": step}, (metrics or {}).get(step, {}))
+        if remove_nemo:
+            os.remove(callback.nemo_path)
+        assert os.path.isfile(callback.nemo_path) == (always and not remove_nemo and bool(writes))
+        writes.clear()
+        trainer = SimpleNamespace(step=final_step, max_steps=final_step, fit=lambda: {}, load_checkpoint=None,
+                                  timer=SimpleNamespace(close=lambda: None, stop_reason=None))
+        exp = SimpleNamespace(resume_from=None, checkpoint_callback=callback, log_dir=str(directory),
+                              logger=SimpleNamespace(finalize=lambda: None))
+        summary = fit_and_export(trainer, model, exp)
+        assert summary["nemo_path"] == callback.nemo_path and os.path.isfile(callback.nemo_path)
+        return len(writes)
+
+    assert run([2, 4], 4) == 0  # the step-4 checkpoint's .nemo is already there
+    assert run([2, 4], 5) == 1  # step 5 was not saved: its weights are not in the .nemo
+    assert run([2, 4], 4, remove_nemo=True) == 1
+    best_first = {2: {"val_loss": 1.0}, 4: {"val_loss": 2.0}}
+    assert run([2, 4], 4, best_first, save_best_model=True) == 0  # the .nemo holds step 2, the best
+    assert run([2, 4], 4, {4: {"val_loss": 2.0}}, save_best_model=True) == 0
+    assert run([2, 4], 4, save_best_model=True) == 1  # no scores: no .nemo yet, the last weights are written
+    assert run([2, 4], 4, always=False) == 1  # no always_save_nemo: the end of training is the only writer
+
+
 def test_an_interrupted_replacement_outside_a_checkpoint_directory_is_tidied(tmp_path):
     """An export (or a demo stage) replaced or deleted by a process that was killed part-way: the
     previous version moved aside comes back when nothing replaced it, is dropped when something

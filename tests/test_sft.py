@@ -260,9 +260,10 @@ def test_save_best_model_writes_the_best_checkpoints_weights(tmp_path, builtin_d
 
 
 def test_always_save_nemo_writes_a_nemo_with_each_checkpoint(tmp_path, builtin_data):
-    """NeMo's checkpoint_callback_params.always_save_nemo: the .nemo is rewritten with every checkpoint
-    (save_nemo_on_train_end is off here, so it is the only writer); with save_best_model only when a
-    checkpoint is the new best (mode=max on the validation loss: the first one, step 2)."""
+    """NeMo's checkpoint_callback_params.always_save_nemo: the .nemo is rewritten with every checkpoint;
+    with save_best_model only when a checkpoint is the new best (mode=max on the validation loss: the
+    first one, step 2). save_nemo_on_train_end (on) does not write it again: it already holds the
+    weights the end of training would write (the step-6 checkpoint's, or the best's)."""
     import torch
 
     from nemo_aligner.utils import nemo_file
@@ -272,14 +273,16 @@ def test_always_save_nemo_writes_a_nemo_with_each_checkpoint(tmp_path, builtin_d
         proc = run_script("train_gpt_sft.py", sft_overrides(builtin_data, log_dir, 6, SMALL + [
             "trainer.sft.val_check_interval=2", "model.optim.lr=1e-3", "model.optim.sched.warmup_steps=0",
             "exp_manager.checkpoint_callback_params.save_top_k=-1",
-            "exp_manager.checkpoint_callback_params.save_nemo_on_train_end=False",
             "exp_manager.checkpoint_callback_params.always_save_nemo=True"] + extra))
         checkpoints = {int(n.split("step=")[1].split("-")[0]): log_dir / "checkpoints" / n
                        for n in os.listdir(log_dir / "checkpoints") if "step=" in n and not n.endswith(".nemo")}
         assert sorted(checkpoints) == [2, 4, 6]
         with nemo_file.extracted(str(log_dir / "checkpoints" / "megatron_gpt_sft.nemo")) as directory:
             saved = checkpoint_weight(nemo_file.weights_dir(directory))
-        written = [line for line in (proc.stderr + proc.stdout).splitlines() if "always_save_nemo: " in line]
+        lines = (proc.stderr + proc.stdout).splitlines()
+        written = [line for line in lines if "always_save_nemo: " in line]
+        kept = [line for line in lines if "save_nemo_on_train_end: " in line and "already holds" in line]
+        assert len(kept) == 1, lines  # the end of training wrote nothing
         return saved, {step: checkpoint_weight(path) for step, path in checkpoints.items()}, written, val_losses(log_dir)
 
     saved, weights, written, _ = run("every", [])

@@ -57,7 +57,13 @@ def fit_and_export(trainer, model, exp) -> Dict:
             logger.info("save_best_model: writing the .nemo from the best checkpoint %s", best)
             model.load_weights(best, what=f"best checkpoint {best}")
             summary["nemo_from_checkpoint"] = best
-        nemo_path = callback.save_nemo(model)
+        # The weights the .nemo gets: the best checkpoint's, or the last step's (a checkpoint if one was saved then).
+        source = best or (callback.last_saved if callback.last_saved_step == trainer.step else None)
+        if callback.nemo_holds(source):  # always_save_nemo wrote it from that checkpoint: a second write is waste
+            logger.info("save_nemo_on_train_end: %s already holds %s", callback.nemo_path, source)
+            nemo_path = callback.nemo_path
+        else:
+            nemo_path = callback.save_nemo(model)
     exp.logger.finalize()
     summary.update(nemo_path=nemo_path, log_dir=exp.log_dir)
     return summary

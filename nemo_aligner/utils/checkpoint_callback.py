@@ -65,6 +65,8 @@ class CheckpointCallback:
         self.always_save_nemo = always_save_nemo
         self.nemo_path = os.path.join(dirpath, f"{nemo_name}.nemo")
         self.last_saved: Optional[str] = None
+        self.last_saved_step: Optional[int] = None
+        self.nemo_from: Optional[str] = None  # the checkpoint whose weights ``nemo_path`` holds (always_save_nemo)
         self._warned_no_best = False
 
     def monitor_value(self, metrics: Dict[str, float]) -> float:
@@ -90,6 +92,7 @@ class CheckpointCallback:
         barrier()
         save_train_checkpoint(path, model, optimizer, scheduler, state)
         self.last_saved = path
+        self.last_saved_step = trainer_state.get("step")
         if get_rank() == 0:
             self.prune()
         barrier()
@@ -109,7 +112,14 @@ class CheckpointCallback:
             if best != saved:
                 return
         self.save_nemo(model)
+        self.nemo_from = saved
         logger.info("always_save_nemo: %s written from %s", self.nemo_path, os.path.basename(saved))
+
+    def nemo_holds(self, checkpoint: Optional[str]) -> bool:
+        """Whether ``nemo_path`` already holds the weights of ``checkpoint`` (written by always_save_nemo
+        in this run and still there). Global rank 0 decides for all ranks, as the next write is collective."""
+        held = checkpoint is not None and checkpoint == self.nemo_from
+        return bool(broadcast_object(held and os.path.isfile(self.nemo_path) if get_rank() == 0 else None))
 
     def checkpoints(self) -> List[tuple]:
         """``(path, trainer_state)`` of every complete checkpoint under ``dirpath``."""
@@ -149,6 +159,7 @@ class CheckpointCallback:
 
     def save_nemo(self, model, path: Optional[str] = None) -> str:
         """Collective: write the model as a .nemo (weights only) next to the checkpoints."""
+        self.nemo_from = None  # whatever it held, it now holds the model as it is
         return save_nemo(model, path or self.nemo_path)
 
 
