@@ -180,6 +180,7 @@ def test_max_rollout_turns_needs_an_environment_and_cuts_long_episodes(mcore_sin
         with pytest.raises(ConfigError, match=r"model\.rs\.max_rollout_turns=.* must be an integer >= 1"):
             check_rollout_turns({"max_rollout_turns": bad}, "rs", function)
     assert check_rollout_turns({}, "grpo", function) == 1
+    assert check_rollout_turns({}, "grpo", function, shared_rollouts=True) == 1
 
     class Endless:
         def step(self, conversations, metadata=None):
@@ -194,6 +195,11 @@ def test_max_rollout_turns_needs_an_environment_and_cuts_long_episodes(mcore_sin
         batch = play_episodes(policy, EnvironmentRewardSource(Endless(), tok), [tok.text_to_ids("#0 =")], None, 4, 0,
                               None, 2, Timer(), EpisodeStats(), "model.grpo.max_rollout_turns")
     assert batch["_futures"][0].result().tolist() == [2.0] and batch["turns"].tolist() == [2]
+    environment = EnvironmentRewardSource(Endless(), tok)
+    assert check_rollout_turns({"max_rollout_turns": 2}, "grpo", environment) == 2
+    with pytest.raises(ConfigError, match=r"trainer\.grpo\.batch_iterator\.use_flask=True is not supported with "
+                                          r"model\.grpo\.max_rollout_turns=2"):
+        check_rollout_turns({"max_rollout_turns": 2}, "grpo", environment, shared_rollouts=True)
     assert "were cut there; raise model.grpo.max_rollout_turns" in caplog.text
 
     class Mute(Endless):
@@ -234,3 +240,33 @@ def test_grpo_raises_the_task_reward(tmp_path, weak_policy, seed):
     assert result.total_steps == 80 and len(rewards) == 80 and sorted(val) == [0, 80]
     assert last > first + 0.05, (first, last)
     assert val[80] > val[0] - 0.05, val
+
+
+def grpo_dp2(log_dir, model, data, *extra):
+    return run_script("train_gpt_grpo.py", [
+        f"pretrained_checkpoint.restore_from_path={model}",
+        f"++model.data.data_prefix={{train: [{data['prompts_train']}], validation: [{data['prompts_val']}]}}",
+        "reward_fn=nemo_aligner.data.nlp.builtin_task:reward", f"exp_manager.explicit_log_dir={log_dir}",
+        "trainer.grpo.max_steps=2", "trainer.grpo.max_epochs=100", "trainer.grpo.val_check_interval=2",
+        "model.grpo.num_rollout_samples=8", "model.grpo.num_responses_per_prompt=4", "model.grpo.rollout_micro_batch_size=4",
+        "model.grpo.num_val_samples=12", "model.grpo.val_rollout_micro_batch_size=4",
+        "model.global_batch_size=32", "model.micro_batch_size=8", "model.grpo.length_params.max_length=9",
+        "model.optim.lr=5e-5", "trainer.devices=2", *extra], nproc=2)
+
+
+def test_shared_rollouts_train_exactly_like_split_ones(tmp_path, sft_nemo, builtin_data):
+    """GRPO at data parallel 2: with use_flask the same responses (each micro-batch keeps its owner's seed),
+    rewards, losses and validation scores as with the even split."""
+    grpo_dp2(tmp_path / "split", sft_nemo, builtin_data)
+    grpo_dp2(tmp_path / "shared", sft_nemo, builtin_data, "trainer.grpo.batch_iterator.use_flask=True")
+    split, shared = read_metrics(tmp_path / "split"), read_metrics(tmp_path / "shared")
+    keys = ("train/rewards", "train/actor_loss", "train/kl_loss", "train/response_length", "val/global_rewards")
+    for key in keys:
+        a = [(r["step"], r[key]) for r in split if key in r]
+        b = [(r["step"], r[key]) for r in shared if key in r]
+        assert a and len(a) == len(b), key
+        assert [s for s, _ in a] == [s for s, _ in b]
+        assert [v for _, v in b] == pytest.approx([v for _, v in a], rel=1e-6, abs=1e-7), key
+    assert any("train/time/generate_share" in r for r in shared)  # the shared path ran
+    assert not any("train/time/generate_share" in r for r in split)
+

@@ -32,6 +32,7 @@ from nemo_aligner.utils.distributed import comm_device, host_all_reduce, is_glob
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.models.alignable_interface import SamplingParams
 from nemo_aligner.utils.run_control import NonFiniteGuard, RunTimer, compute_max_steps, interval_steps
+from nemo_aligner.utils.shared_work import SharedWork
 from nemo_aligner.utils.train_checkpoint import load_train_checkpoint, run_identity
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,19 @@ def pad_columns(t: torch.Tensor, width: int, value) -> torch.Tensor:
     if t.shape[1] >= width:
         return t
     return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+
+class SharedAnswers:
+    """The server's answers for micro-batches shared out by ``SharedWork``: each rank waits for those
+    it sent, then every rank gets those of its own rows (collective over the data-parallel group)."""
+
+    def __init__(self, work: SharedWork, futures: Dict[int, object]):
+        self.work = work
+        self.futures = futures
+
+    def collect(self) -> Optional[list]:
+        sent = {index: f.result() for index, f in self.futures.items()} if is_mp_source() else None
+        return self.work.mine(sent)
 
 
 class Timer:
@@ -135,6 +149,9 @@ class PPOTrainer(StepSchedule):
         self.discount = float(cfg.get("discount_factor", 1.0))
         self.gae_lambda = float(cfg.get("gae_lambda", 0.95))
         self.normalize_advantages = bool(cfg.get("normalize_advantages", True))
+        # NeMo-Aligner's batch_iterator.use_flask: the data-parallel ranks share out the rollout
+        # micro-batches as they go (see utils/shared_work.py), then each trains on its own rows.
+        self.share_rollouts = bool((cfg.get("batch_iterator") or {}).get("use_flask", False))
         self.step = 0
         self.consumed_samples = 0
         self.ppo_optimization_step = 0
@@ -176,25 +193,43 @@ class PPOTrainer(StepSchedule):
                           sampling: Optional[SamplingParams], timer: Timer,
                           metadata: Optional[List[dict]] = None) -> Dict[str, torch.Tensor]:
         """Generate for this rank's prompts; each micro-batch goes to the critic/RM server at once
-        (with its rows' prompt ``metadata``, for reward functions and environments)."""
-        outputs, futures = [], []
-        for i in range(0, len(prompts), micro_batch_size):
-            chunk = prompts[i : i + micro_batch_size]
+        (with its rows' prompt ``metadata``, for reward functions and environments).
+
+        With ``batch_iterator.use_flask`` the micro-batches of all data-parallel ranks are shared
+        out as ranks become free; each rank still ends with the rows of its own prompts, generated
+        with the seeds it would have used itself."""
+        chunks = [(prompts[i : i + micro_batch_size], metadata[i : i + micro_batch_size] if metadata is not None
+                   else None, seed + i) for i in range(0, len(prompts), micro_batch_size)]
+        work = SharedWork(chunks, self.dp_group, is_mp_source(), mp_broadcast) if self.share_rollouts else None
+        outputs, futures = {}, {}
+        for index, (chunk, rows, chunk_seed) in (work if work is not None else enumerate(chunks)):
             with timer("generate"):
-                out = self.model.infer(chunk, seed=seed + i, sampling=sampling)
-            outputs.append(out)
-            rows = metadata[i : i + micro_batch_size] if metadata is not None else None
-            futures.append(self.request_scores(out, rows) if is_mp_source() else None)
+                out = self.model.infer(chunk, seed=chunk_seed, sampling=sampling)
+            outputs[index] = out
+            futures[index] = self.request_scores(out, rows) if is_mp_source() else None
+        if work is None:
+            batch = self.rollout_batch(list(outputs.values()))
+            batch["_futures"] = list(futures.values())
+        else:
+            with timer("generate_share"):
+                batch = self.rollout_batch(work.mine(outputs))
+            batch["_futures"] = SharedAnswers(work, futures)
+        return batch
+
+    def rollout_batch(self, outputs: List) -> Dict[str, torch.Tensor]:
+        """One batch from the generated micro-batches (right-padded to the longest)."""
+        if not outputs:  # a rank with no prompts (the end of a validation set) that shared out work
+            empty = torch.zeros(0, dtype=torch.long)
+            return {"tokens": torch.zeros(0, 1, dtype=torch.long), "prompt_lengths": empty,
+                    "response_lengths": empty, "is_end": torch.zeros(0, dtype=torch.bool)}
         width = max(o.tokens.shape[1] for o in outputs)
         tokens = torch.cat([pad_columns(o.tokens, width, self.model.tokenizer.eos_id) for o in outputs])
-        batch = {
+        return {
             "tokens": tokens,
             "prompt_lengths": torch.cat([o.prompt_lengths for o in outputs]),
             "response_lengths": torch.cat([o.response_lengths for o in outputs]),
             "is_end": torch.cat([o.is_end for o in outputs]),
         }
-        batch["_futures"] = futures
-        return batch
 
     def request_scores(self, out, metadata: Optional[List[dict]] = None):
         """Ask the critic/reward server about one generated micro-batch; returns a future (the
@@ -204,13 +239,18 @@ class PPOTrainer(StepSchedule):
     def resolve_rewards(self, batch: Dict, timer: Timer) -> None:
         """Wait for the server's answers; add ``rewards`` [B] and ``values`` [B, T] to the batch."""
         answers = None
+        futures = batch.pop("_futures")
         with timer("critic_infer_wait"):
-            if is_mp_source():
-                answers = [f.result() for f in batch.pop("_futures")]
-            else:
-                batch.pop("_futures")
+            if isinstance(futures, SharedAnswers):
+                answers = futures.collect()
+            elif is_mp_source():
+                answers = [f.result() for f in futures]
             answers = mp_broadcast(answers)
-        self.store_answers(batch, answers)
+        if answers:
+            self.store_answers(batch, answers)
+        else:  # no rows on this rank
+            batch["rewards"] = torch.zeros(0)
+            batch["values"] = torch.zeros(0, batch["tokens"].shape[1])
 
     def store_answers(self, batch: Dict, answers: list) -> None:
         width = batch["tokens"].shape[1]
@@ -346,7 +386,7 @@ class PPOTrainer(StepSchedule):
         table = []
         try:
             for data in self.val_dataloader:
-                if not data["tokens"]:
+                if not data["tokens"] and not self.share_rollouts:  # shared out: every rank takes part
                     continue
                 # greedy, with the configured end strings (a chat model's turn ends at one, not at EOS)
                 greedy = dataclasses.replace(self.model.sampling_params, use_greedy=True)
@@ -354,7 +394,7 @@ class PPOTrainer(StepSchedule):
                                                greedy, timer, data.get("metadata"))
                 self.resolve_rewards(batch, timer)
                 total += torch.tensor([batch["rewards"].sum(), batch["rewards"].numel()], dtype=torch.float64)
-                if not table:
+                if not table and data["tokens"]:
                     table = self.sample_rows(data["text"], batch, 4)
         finally:
             self.model.finish_inference()

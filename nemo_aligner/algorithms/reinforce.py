@@ -80,14 +80,19 @@ def check_group_sampling(rl_cfg, name: str, refuse_greedy: bool = True) -> int:
     return n
 
 
-def check_rollout_turns(rl_cfg, name: str, reward_source) -> int:
-    """``max_rollout_turns`` (NeMo-RL's key): 1, or more with an environment, which alone can answer a turn."""
+def check_rollout_turns(rl_cfg, name: str, reward_source, shared_rollouts: bool = False) -> int:
+    """``max_rollout_turns`` (NeMo-RL's key): 1, or more with an environment, which alone can answer a turn;
+    episodes are played where their prompts are, so not with ``batch_iterator.use_flask`` (``shared_rollouts``)."""
     turns = rl_cfg.get("max_rollout_turns", 1)
     if isinstance(turns, bool) or not isinstance(turns, int) or turns < 1:
         raise ConfigError(f"model.{name}.max_rollout_turns={turns!r} must be an integer >= 1")
     if turns > 1 and not getattr(reward_source, "multi_turn", False):
         raise ConfigError(f"model.{name}.max_rollout_turns={turns}: only an environment plays several turns; a reward "
                           "function or reward model scores one response (set it to 1)")
+    if turns > 1 and shared_rollouts:
+        raise ConfigError(f"trainer.{name}.batch_iterator.use_flask=True is not supported with model.{name}."
+                          f"max_rollout_turns={turns}: an episode is played on the rank that owns its prompt (set "
+                          "use_flask=False or max_rollout_turns=1)")
     return turns
 
 
@@ -104,7 +109,7 @@ class ReinforceTrainer(PPOTrainer):
         self.normalize_rewards = bool(cfg.get("normalize_rewards", False))
         self.critic_warmup_steps = 0
         self.has_critic = False
-        self.max_rollout_turns = check_rollout_turns(rl_cfg, name, reward_source)
+        self.max_rollout_turns = check_rollout_turns(rl_cfg, name, reward_source, self.share_rollouts)
         self.episode_stats = EpisodeStats()
 
     # ----------------------------------------------------------------- rollouts

@@ -93,8 +93,6 @@ UNSUPPORTED_UNLESS = {
 # NeMo-Aligner keys of features this project lacks, matched by the end of their dotted path: refused
 # unless at the value that means "off", with what to do instead.
 REFUSED_UNLESS = {
-    "batch_iterator.use_flask": ((False,), "the Flask prompt balancer is not implemented: prompts are split evenly "
-                                           "over the data-parallel ranks; set it to False"),
     "peft.restore_from_ckpt.checkpoint_dir": ((None,), "LoRA adapters start from an adapters-only .nemo "
                                                        "(model.peft.restore_from_path); a run resumes from its own "
                                                        "checkpoints (exp_manager.resume_if_exists)"),

@@ -52,7 +52,7 @@ UNREAD: Dict[str, str] = {
     "trt_llm.seed": "TensorRT-LLM is not used (generation is seeded from model.seed)",
     "trt_llm.model_type": "TensorRT-LLM is not used",
     "trt_llm.unload_engine_train": "TensorRT-LLM is not used",
-    "batch_iterator.port": "the Flask prompt balancer is not used",
+    "batch_iterator.port": "use_flask opens no port (the ranks' torch.distributed store hands out the work)",
     "trt_model_dir": "TensorRT-LLM is not used",
     "rollout_batch_seq_length": "rollout batches are padded to their longest sequence",
     "peft.restore_from_ckpt.checkpoint_name": "adapters start from model.peft.restore_from_path (a .nemo)",
