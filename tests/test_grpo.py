@@ -247,7 +247,7 @@ def grpo_dp2(log_dir, model, data, *extra):
         f"pretrained_checkpoint.restore_from_path={model}",
         f"++model.data.data_prefix={{train: [{data['prompts_train']}], validation: [{data['prompts_val']}]}}",
         "reward_fn=nemo_aligner.data.nlp.builtin_task:reward", f"exp_manager.explicit_log_dir={log_dir}",
-        "trainer.grpo.max_steps=2", "trainer.grpo.max_epochs=100", "trainer.grpo.val_check_interval=2",
+        "trainer.grpo.max_steps=1", "trainer.grpo.max_epochs=100", "trainer.grpo.val_check_interval=1",
         "model.grpo.num_rollout_samples=8", "model.grpo.num_responses_per_prompt=4", "model.grpo.rollout_micro_batch_size=4",
         "model.grpo.num_val_samples=12", "model.grpo.val_rollout_micro_batch_size=4",
         "model.global_batch_size=32", "model.micro_batch_size=8", "model.grpo.length_params.max_length=9",
