@@ -173,7 +173,7 @@ def serve_ppo_critic(cfg) -> None:
     optimizer, scheduler = model.setup_optimization(max_steps, clip_grad=ppo.get("gradient_clip_val", 1.0))
     trainer = CriticServerTrainer(model, optimizer, scheduler, exp.logger, exp.checkpoint_callback,
                                   int(cfg.model.global_batch_size),
-                                  max_consecutive_nonfinite_steps=int(ppo.get("max_consecutive_nonfinite_steps", 10)))
+                                  max_consecutive_nonfinite_steps=int(ppo.get("max_consecutive_nonfinite_steps", 10) or 0))
     if exp.resume_from:
         trainer.load_checkpoint(exp.resume_from)
     server = CriticServer(

@@ -52,7 +52,7 @@ NOT_NULL = frozenset({"seed", "global_batch_size", "micro_batch_size", "gt_rewar
                       "num_rollout_samples", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                       "tokens_to_generate", "min_tokens_to_generate", "rollout_micro_batch_size",
                       "num_layers", "hidden_size", "num_attention_heads", "default_chosen_reward",
-                      "default_rejected_reward"})
+                      "default_rejected_reward", "initial_policy_kl_penalty", "batch_size"})
 # Text values (record field names, templates).
 STRINGS = frozenset({"prompt_template", "label_key", "truncation_field"})
 # One path each (a list or a number there would reach os.path as a list or a file descriptor).
