@@ -156,22 +156,3 @@ def test_dead_critic_stops_the_actor(tmp_path, task_data, rm_nemo, sft_nemo):
                 proc.wait()
         log.close()
 
-
-def test_shared_rollouts_at_data_parallel_2_train_like_split_ones(tmp_path, task_data, rm_nemo, sft_nemo):
-    """trainer.ppo.batch_iterator.use_flask=True (NeMo-Aligner's rollout balancer) with 2 actor ranks: the
-    rollout micro-batches are shared out, yet rewards, values, critic and actor losses equal the even split's."""
-    def run(name, extra):
-        critic = [f"pretrained_checkpoint.restore_from_path={rm_nemo}", f"exp_manager.explicit_log_dir={tmp_path / name / 'critic'}"]
-        actor = actor_overrides(task_data, sft_nemo, tmp_path / name / "actor", 1, [
-            "trainer.devices=2", "model.ppo.num_rollout_samples=16", "model.ppo.rollout_micro_batch_size=4",
-            "model.ppo.num_val_samples=16", "model.ppo.val_rollout_micro_batch_size=4", "trainer.ppo.val_check_interval=1",
-            "trainer.ppo.save_interval=0", *extra])
-        launch(critic, actor)
-        return read_metrics(tmp_path / name / "actor")
-
-    split, shared = run("split", []), run("shared", ["trainer.ppo.batch_iterator.use_flask=True"])
-    for key in ("train/rewards", "train/values", "train/critic_loss", "train/actor_loss", "val/global_rewards"):
-        a, b = [r[key] for r in split if key in r], [r[key] for r in shared if key in r]
-        assert len(a) == len(b) == (2 if key.startswith("val/") else 1), key  # validation at steps 0 and 1
-        assert b == pytest.approx(a, rel=1e-5, abs=1e-6), key
-    assert any("train/time/generate_share" in r for r in shared)

@@ -1,6 +1,6 @@
 """SharedWork, behind batch_iterator.use_flask (NeMo-Aligner's rollout balancer): the data-parallel ranks
 share out their work items as each becomes free, and each gets back the results of its own items.
-End to end: test_grpo.py and test_ppo.py (use_flask at data parallel 2 equals the even split)."""
+End to end: test_grpo.py (use_flask at data parallel 2 equals the even split)."""
 
 import json
 import os
