@@ -43,7 +43,7 @@ NON_NEGATIVE_NUMBERS = frozenset({
     "shutdown_idle_s", "top_p",
 })
 # Any finite number (either sign).
-FINITE_NUMBERS = frozenset({"default_chosen_reward", "default_rejected_reward", "mean"})
+FINITE_NUMBERS = frozenset({"default_chosen_reward", "default_rejected_reward", "mean", "loss_mask_val"})
 # Keys a run cannot do without: null is an error (elsewhere null means "the default" or "off").
 NOT_NULL = frozenset({"seed", "global_batch_size", "micro_batch_size", "gt_reward_scale", "sft_loss_weight", "preference_loss_weight",
                       "prompt_template", "label_key", "ratio_eps", "discount_factor", "gae_lambda", "max_length",
@@ -52,7 +52,8 @@ NOT_NULL = frozenset({"seed", "global_batch_size", "micro_batch_size", "gt_rewar
                       "num_rollout_samples", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                       "tokens_to_generate", "min_tokens_to_generate", "rollout_micro_batch_size",
                       "num_layers", "hidden_size", "num_attention_heads", "default_chosen_reward",
-                      "default_rejected_reward", "initial_policy_kl_penalty", "batch_size"})
+                      "default_rejected_reward", "initial_policy_kl_penalty", "batch_size", "ref_policy_kl_penalty",
+                      "loss_mask_val", "max_iterations"})
 # Text values (record field names, templates).
 STRINGS = frozenset({"prompt_template", "label_key", "truncation_field"})
 # One path each (a list or a number there would reach os.path as a list or a file descriptor).

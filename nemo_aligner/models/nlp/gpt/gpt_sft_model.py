@@ -29,7 +29,7 @@ class GPTSFTModel(MegatronGPTModel, SupervisedInterface):
     def __init__(self, cfg, tokenizer, precision="32", trainable: bool = True):
         super().__init__(cfg, tokenizer, precision, trainable)
         self.micro_batch_size = int(cfg.get("micro_batch_size", 1))
-        self.val_micro_batch_size = int(cfg.get("val_micro_batch_size", self.micro_batch_size))
+        self.val_micro_batch_size = int(cfg.get("val_micro_batch_size") or self.micro_batch_size)
         self._active_micro_batch_size = self.micro_batch_size
 
     def loss_func(self, micro_batch: Dict[str, torch.Tensor], output: torch.Tensor):
