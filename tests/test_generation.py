@@ -33,8 +33,13 @@ def full_logits(model, ids):
 
 
 @pytest.mark.parametrize("arch,texts", [(TINY_ARCH, PROMPTS), (TINY_GPT2_ARCH, PROMPTS),
-                                         (TINY_ARCH, ["sort cba = ", "sort abc = "])],  # equal lengths: no padding mask
-                         ids=["llama", "gpt2", "llama-unpadded"])
+                                         (TINY_ARCH, ["sort cba = ", "sort abc = "]),  # equal lengths: no padding mask
+                                         # NeMo's sliding window (Mistral), shorter than prompts and responses
+                                         (dict(TINY_ARCH, window_size=[5, 0]), PROMPTS),
+                                         (dict(TINY_ARCH, window_size=[5, 0]), ["sort cba = ", "sort abc = "]),
+                                         (dict(TINY_GPT2_ARCH, window_size=[5, 0]), PROMPTS)],  # unfused decode
+                         ids=["llama", "gpt2", "llama-unpadded", "llama-window", "llama-window-unpadded",
+                              "gpt2-window"])
 def test_cached_greedy_equals_uncached(mcore_single, arch, texts):
     model = build(arch)
     tok = model.tokenizer
@@ -95,8 +100,9 @@ def check_cached_logits_equal_forward(extra):
     return decoder
 
 
-@pytest.mark.parametrize("arch", [TINY_ARCH, TINY_GPT2_ARCH, dict(TINY_ARCH, qk_layernorm=True)],
-                         ids=["llama", "gpt2", "qk_layernorm"])
+@pytest.mark.parametrize("arch", [TINY_ARCH, TINY_GPT2_ARCH, dict(TINY_ARCH, qk_layernorm=True),
+                                  dict(TINY_ARCH, window_size=[4, 0])],
+                         ids=["llama", "gpt2", "qk_layernorm", "window"])
 def test_static_decode_step_equals_forward(mcore_single, arch):
     """The static-shape decode step (what a CUDA graph captures: the slot is a tensor, the whole cache
     is read under a mask) gives the full forward's logits at every step, with ragged prompts and
@@ -306,3 +312,21 @@ def test_top_p_keeps_the_most_likely_token_however_small():
     generator = torch.Generator().manual_seed(1)
     for top_p in (0.0, 1e-6):
         assert torch.equal(sample(logits, SamplingParams(top_p=top_p), generator), logits.argmax(dim=-1))
+
+
+def test_sliding_window_values_are_checked(mcore_single):
+    """``model.window_size`` as NeMo writes it ([left, 0]; -1: no window) is read; other values, and
+    settings the window is not computed with here, are one ConfigError naming the key."""
+    from nemo_aligner.models.nlp.gpt.gpt_builder import attention_window
+    from nemo_aligner.utils.errors import ConfigError
+
+    assert attention_window({"window_size": [4096, 0]}) == 4096
+    assert attention_window({"window_size": [-1, -1]}) is None
+    assert attention_window({}) is None
+    for bad in ([4, 2], [4], 4, "4", [-2, 0], [True, 0], [1.5, 0]):
+        with pytest.raises(ConfigError, match=r"model\.window_size="):
+            attention_window({"window_size": bad})
+    for extra, key in (({"attention_dropout": 0.1}, "attention_dropout"), ({"use_sdpa_attention": False}, "use_sdpa"),
+                       ({"window_attn_skip_freq": 2}, "window_attn_skip_freq")):
+        with pytest.raises(ConfigError, match=key):
+            build(dict(TINY_ARCH, window_size=[4, 0], **extra))

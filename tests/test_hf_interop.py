@@ -22,10 +22,10 @@ def tiny_hf(arch: str, tie: bool = False):
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                              rope_theta=5000.0, rms_norm_eps=1e-5, tie_word_embeddings=tie)
         model = tf.LlamaForCausalLM(cfg)
-    elif arch == "mistral":  # imported as Llama; its sliding window reaches past the positions used here
+    elif arch == "mistral":  # a sliding window of 8 positions, shorter than the sequences used here
         cfg = tf.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                               sliding_window=32, rope_theta=1e4, rms_norm_eps=1e-5, tie_word_embeddings=tie)
+                               sliding_window=8, rope_theta=1e4, rms_norm_eps=1e-5, tie_word_embeddings=tie)
         model = tf.MistralForCausalLM(cfg)
     elif arch == "qwen2":
         cfg = tf.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -62,9 +62,14 @@ def test_import_export_logits_match(tmp_path, mcore_single, arch, tie):
 
     hf = tiny_hf(arch, tie)
     hf.save_pretrained(tmp_path / "hf")
-    tokens = torch.randint(0, VOCAB, (2, 32 if arch == "mistral" else 17))  # Mistral: the whole window
+    tokens = torch.randint(0, VOCAB, (2, 32 if arch == "mistral" else 17))
     with torch.no_grad():
         expected = hf(tokens).logits
+    if arch == "mistral":  # the window changes these logits (so matching them shows it is applied)
+        unwindowed = tf.MistralForCausalLM(tf.MistralConfig(**dict(hf.config.to_dict(), sliding_window=None))).eval()
+        unwindowed.load_state_dict(hf.state_dict())
+        with torch.no_grad():
+            assert not torch.allclose(unwindowed(tokens).logits[:, 8:], expected[:, 8:], atol=1e-3)
     nemo = import_hf_model(str(tmp_path / "hf"), str(tmp_path / "model.nemo"))
     from nemo_aligner.utils.nemo_file import read_model_config
 
@@ -81,9 +86,11 @@ def test_import_export_logits_match(tmp_path, mcore_single, arch, tie):
     # export -> import round trip: the same weights again
     again = import_hf_model(out, str(tmp_path / "again.nemo"))
     torch.testing.assert_close(our_logits(again, tokens), expected, atol=2e-5, rtol=1e-4)
-    assert json.load(open(os.path.join(out, "config.json")))["model_type"] == ("llama" if arch == "mistral" else arch)
-    if arch == "mistral":  # kept within the window, where attention is the same
-        assert read_model_config(nemo, "model.restore_from_path")["encoder_seq_length"] == 32
+    exported = json.load(open(os.path.join(out, "config.json")))
+    assert exported["model_type"] == arch
+    if arch == "mistral":  # Hugging Face's window counts the query's own position, Transformer Engine's not
+        assert list(read_model_config(nemo, "model.restore_from_path")["window_size"]) == [7, 0]
+        assert exported["sliding_window"] == 8
     if arch == "llama":  # exporting again over it: replaced whole, and what a kill left beside it is tidied
         (tmp_path / "exported.old.99").mkdir()
         export_to_hf(nemo, out)

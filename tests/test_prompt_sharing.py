@@ -201,6 +201,15 @@ def test_actor_packs_only_when_it_saves_work(mcore_single, monkeypatch):
     before = len(calls)
     tokens, pl, rl = rollouts([a] * 4, [[4, 5]] * 4, width=5)
     model.get_logprobs(tokens)  # no lengths: unpacked
+    # A sliding window (model.window_size) shorter than the rows: packed positions would need it, so unpacked
+    tokens, pl, rl = rollouts([a] * 4, [[4, 5]] * 4, width=5)
+    for window, packs in ((3, False), (4, True)):
+        for layer in model.module.decoder.layers:
+            layer.self_attention.core_attention.window = window
+        before = len(calls)
+        model.get_logprobs(tokens, pl, rl)
+        assert (len(calls) > before) == packs, window
+    before = len(calls)
     model.share_prompt_prefix = False
     model.get_logprobs(tokens, pl, rl)
     assert len(calls) == before

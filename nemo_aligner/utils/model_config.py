@@ -20,7 +20,7 @@ ARCHITECTURE_KEYS = (
     "make_vocab_size_divisible_by", "padded_vocab_size", "qk_layernorm", "tokenizer",
     "scale_positional_embedding", "rope_scaling_factor", "openai_gelu", "layernorm_zero_centered_gamma",
     "rotary_interleaved", "apply_query_key_layer_scaling", "transformer_block_type", "headscale",
-    "normalize_attention_scores", "num_moe_experts", "window_size", "megatron_legacy",
+    "normalize_attention_scores", "num_moe_experts", "window_size", "window_attn_skip_freq", "megatron_legacy",
 )
 # Keys a checkpoint sets unless the run sets them (null in the shipped configs: "the checkpoint's").
 CHECKPOINT_UNLESS_SET = ("encoder_seq_length", "seq_len_interpolation_factor", "hidden_dropout", "attention_dropout",

@@ -45,6 +45,15 @@ class GenerationOutput:
     is_end: torch.Tensor  # True where generation stopped on EOS or an end string
 
 
+def attention_window(module) -> Optional[int]:
+    """The sliding window of ``module``'s attention (``gpt_builder.attention_window``), or None."""
+    window = getattr(module.config, "window_size", None)  # Transformer Engine's layer spec
+    if window:
+        return None if window[0] < 0 else int(window[0])
+    layer = next(iter(module.decoder.layers), None)
+    return getattr(layer.self_attention.core_attention, "window", None) if layer is not None else None
+
+
 def _tp_group():
     from megatron.core import parallel_state
 
@@ -182,6 +191,7 @@ class KVCacheDecoder:
         self._weights = {}  # layer -> its weight with any LoRA adapter merged in (one tensor per call)
         self.packed = _pack_linear_weights(module, batch, self.gemm_backend, self._weight) if tp == 1 else {}
         self.packed_batch = batch
+        self.window = attention_window(module)
         self.rope = getattr(module, "rotary_pos_emb", None) if module.position_embedding_type == "rope" else None
         if self.rope is not None:  # cos/sin tables once, not per layer and step
             freqs = self.rope(max_len).squeeze(1).squeeze(1)  # [max_len, rot]: one half's angles, repeated
@@ -370,7 +380,10 @@ class KVCacheDecoder:
         [B, T] False) masked. One rank only (no tensor or pipeline parallelism). Returns logits [B, V]."""
         hidden = self.embed(tokens, positions)
         rope = self._rope(positions)
-        mask = key_mask.logical_and(self.slots <= slot)[:, None, None, :]  # [B, 1, 1, T]
+        visible = key_mask.logical_and(self.slots <= slot)
+        if self.window is not None:  # the sliding window: and not before slot - window
+            visible = visible.logical_and(self.slots >= slot - self.window)
+        mask = visible[:, None, None, :]  # [B, 1, 1, T]
         for index, plan in enumerate(self.layers):
             hidden = self._attention(plan, plan["norm1"](hidden), rope, slot, mask, index, None).add_(hidden)
             hidden = self._mlp(plan, plan["norm2"](hidden)).add_(hidden)
@@ -398,6 +411,11 @@ class KVCacheDecoder:
         end = start + s
         if padded is None:
             padded = not bool(key_mask[:, :end].all())
+        if self.window is not None and s == 1 and start > self.window:  # slots before the window hidden
+            key_mask = key_mask.clone()
+            key_mask[:, : start - self.window] = False
+            padded = True
+        windowed = self.window is not None and s > 1 and end > self.window + 1
         if self.fused is not None and s == 1 and rows is None:
             return self._fused_step(tokens, positions, start, key_mask, padded)
 
@@ -411,8 +429,10 @@ class KVCacheDecoder:
         mask = None
         if s == 1:  # one new token sees every real cached slot: no causal part, no mask without padding
             mask = key_mask[:, None, None, :end] if padded else None
-        elif padded or start > 0:
+        elif padded or start > 0 or windowed:
             causal = torch.ones(s, end, dtype=torch.bool, device=device).tril(diagonal=start)
+            if windowed:  # slot start + i sees slots start + i - window .. start + i
+                causal = causal.triu(diagonal=start - self.window)
             mask = (causal.unsqueeze(0) & key_mask[:, None, :end]).unsqueeze(1)  # [B, 1, S, T]
         last = len(self.layers) - 1
         for index, plan in enumerate(self.layers):

@@ -102,7 +102,7 @@ _UNSUPPORTED_ARCHITECTURE = (
     ("headscale", False, (False,)),
     ("normalize_attention_scores", True, (True,)),
     ("num_moe_experts", None, (None, 0, 1)),
-    ("window_size", None, (None,)),
+    ("window_attn_skip_freq", None, (None,)),  # the sliding window applies to every layer
     ("megatron_legacy", False, (False,)),  # all-Q-then-K-then-V query_key_value layout
 )
 
@@ -116,6 +116,24 @@ def check_supported_architecture(cfg) -> None:
         if value not in [a for a in allowed if a is not None]:
             raise ConfigError(f"model.{key}={value!r} is not supported (supported: "
                               f"{', '.join(repr(a) for a in allowed)})")
+
+
+def attention_window(cfg) -> Optional[int]:
+    """How many earlier positions each query sees besides its own under NeMo's ``window_size``
+    (``[left, right]``, Transformer Engine's sliding window: query ``i`` attends keys ``i - left`` to
+    ``i``; Mistral's .nemo files carry ``[4096, 0]``), or None for full causal attention (absent,
+    null, or ``left`` -1)."""
+    window = _get(cfg, "window_size")
+    if window is None:
+        return None
+    if hasattr(window, "items") or isinstance(window, (str, bytes)) or not hasattr(window, "__len__"):
+        window = [window]
+    values = list(window)
+    ok = len(values) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= -1 for v in values)
+    if not ok or values[1] not in (0, -1):
+        raise ConfigError(f"model.window_size={values!r} must be [left, 0] with left >= 0 (or -1: no window), "
+                          "a causal sliding window as Transformer Engine's")
+    return None if values[0] == -1 else values[0]
 
 
 def check_architecture_values(cfg) -> None:
@@ -246,6 +264,8 @@ def layer_spec(cfg, config):
     normalization = config.normalization
     if uses_te_spec(cfg):
         config.layernorm_zero_centered_gamma = zero_centered_gamma(cfg)
+        window = attention_window(cfg)
+        config.window_size = None if window is None else (window, 0)
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=bool(_get(cfg, "qk_layernorm", False))
         )
@@ -261,10 +281,20 @@ def layer_spec(cfg, config):
         # set (megatron-core's hook for Transformer Engine activations).
         config.use_te_activation_func = True
         _submodules(spec.submodules.mlp).activation_func = lean_ops.SwiGLU
+    window = attention_window(cfg)
     if bool(_get(cfg, "use_sdpa_attention", True)):
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
         from nemo_aligner.models.nlp.gpt.sdpa_attention import SDPADotProductAttention
 
-        spec.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
+        spec.submodules.self_attention.submodules.core_attention = \
+            SDPADotProductAttention if window is None else ModuleSpec(module=SDPADotProductAttention,
+                                                                      params={"window": window})
+    elif window is not None:
+        raise ConfigError("model.window_size (a sliding window) needs model.use_sdpa_attention=True here")
+    if window is not None and config.attention_dropout:
+        raise ConfigError(f"model.attention_dropout={config.attention_dropout} with model.window_size: the sliding "
+                          "window is computed without attention dropout here (set it to 0, or use Transformer Engine)")
     return spec
 
 

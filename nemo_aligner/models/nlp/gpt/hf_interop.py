@@ -138,15 +138,12 @@ def nemo_config_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
         raise ConfigError(f"{where}: attention_bias/mlp_bias=True is not supported")
     positions = _int_value(hf, "max_position_embeddings", where, 2048)
     seq = min(positions, 4096)
+    windowed = {}
     if window is not None:
-        # Mistral's sliding window is not applied here: up to `window` tokens it changes nothing, so the
-        # training length stays within it.
+        # Hugging Face's sliding_window counts the query's own position: window_size [window - 1, 0]
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ConfigError(f"{where}: sliding_window={window!r} must be a positive integer or null")
-        if window < positions:
-            logger.warning("%s: sliding_window=%d is not applied here; encoder_seq_length is kept at or below it "
-                           "(%d), where attention is the same", where, window, min(seq, window))
-        seq = min(seq, window)
+        windowed = {"window_size": [window - 1, 0]}
     arch = "llama" if arch in LLAMA_LIKE else arch
     return arch, dict(common, num_layers=_int_value(hf, "num_hidden_layers", where), hidden_size=hidden,
                       ffn_hidden_size=_int_value(hf, "intermediate_size", where), num_attention_heads=heads,
@@ -156,7 +153,8 @@ def nemo_config_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
                       position_embedding_type="rope", rotary_base=int(rope_theta),
                       normalization="rmsnorm", layernorm_epsilon=_float_value(hf, "rms_norm_eps", where, 1e-6, positive=True),
                       activation="swiglu", bias=False, qkv_bias=qkv_bias,
-                      share_embeddings_and_output_weights=_bool_value(hf, "tie_word_embeddings", where, False), **scaled)
+                      share_embeddings_and_output_weights=_bool_value(hf, "tie_word_embeddings", where, False), **scaled,
+                      **windowed)
 
 
 # Llama 3.1/3.2 RoPE scaling as megatron-core implements it (rope_scaling=True): only the factor varies.
@@ -186,6 +184,12 @@ def hf_config_from_nemo(cfg: dict) -> Tuple[str, dict]:
             raise ConfigError(f"model.{key}={value}: Llama, Qwen2 and GPT-2 configs cannot express it, so the export "
                               "would compute something else")
     vocab = int(cfg.get("hf_vocab_size") or cfg["padded_vocab_size"])
+    from nemo_aligner.models.nlp.gpt.gpt_builder import attention_window
+
+    window = attention_window(cfg)
+    if window is not None and not (norm == "rmsnorm" and not cfg.get("qkv_bias", False)):
+        raise ConfigError(f"model.window_size={list(cfg['window_size'])}: of Llama, Mistral, Qwen2 and GPT-2 only "
+                          "Mistral has a sliding window, and this model is not Mistral-shaped")
     if norm == "layernorm" and act in ("approx-gelu", "gelu") and pos == "learned_absolute" and cfg.get("bias", True) \
             and not cfg.get("layernorm_zero_centered_gamma"):
         if cfg.get("num_query_groups") not in (None, cfg["num_attention_heads"]):
@@ -208,13 +212,16 @@ def hf_config_from_nemo(cfg: dict) -> Tuple[str, dict]:
                "num_hidden_layers": cfg["num_layers"], "num_attention_heads": heads,
                "num_key_value_heads": cfg.get("num_query_groups") or heads,
                "head_dim": cfg.get("kv_channels") or cfg["hidden_size"] // heads,
-               "max_position_embeddings": cfg["max_position_embeddings"], "rope_theta": float(cfg.get("rotary_base", 10000)),
-               "rope_parameters": {"rope_theta": float(cfg.get("rotary_base", 10000)), "rope_type": "default"},
+               "max_position_embeddings": cfg["max_position_embeddings"], "rope_theta": float(cfg.get("rotary_base") or 10000),
+               "rope_parameters": {"rope_theta": float(cfg.get("rotary_base") or 10000), "rope_type": "default"},
                "rms_norm_eps": cfg.get("layernorm_epsilon", 1e-5), "hidden_act": "silu",
                "tie_word_embeddings": bool(cfg.get("share_embeddings_and_output_weights", False)),
                "attention_dropout": 0.0, "initializer_range": cfg.get("init_method_std", 0.02), "torch_dtype": "float32"}
         if arch == "llama":
             out.update(attention_bias=False, mlp_bias=False)
+        if window is not None:  # Mistral: Llama's weights and names with a sliding window
+            arch = "mistral"
+            out.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=window + 1)
         if cfg.get("scale_positional_embedding"):
             scaling = dict(_LLAMA3_ROPE, rope_type="llama3", factor=float(cfg.get("rope_scaling_factor") or 8.0))
             out["rope_scaling"] = scaling

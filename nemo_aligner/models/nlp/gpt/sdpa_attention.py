@@ -3,11 +3,14 @@
 The local spec's ``DotProductAttention`` materialises the full score matrix (baddbmm, softmax,
 bmm); on the CPU torch's SDPA kernels (flash attention for CPU) are faster and use less memory.
 Used when attention dropout is off (or in eval), with no attention sink; otherwise the original.
-It also computes the shared-prompt layout of ``nemo_aligner.utils.prompt_sharing``.
+It also computes the shared-prompt layout of ``nemo_aligner.utils.prompt_sharing`` and NeMo's
+sliding window (``model.window_size``), which megatron-core's local attention computes only on a GPU
+and without padding masks.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -16,7 +19,12 @@ from nemo_aligner.utils.prompt_sharing import is_shared_prompt_mask, shared_prom
 
 
 class SDPADotProductAttention(DotProductAttention):
-    """``DotProductAttention`` with the same inputs and outputs, computed by SDPA."""
+    """``DotProductAttention`` with the same inputs and outputs, computed by SDPA. ``window``: each
+    query also sees only the ``window`` positions before its own (None: all of them)."""
+
+    def __init__(self, *args, window=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.window = window
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -25,6 +33,12 @@ class SDPADotProductAttention(DotProductAttention):
         unsupported = (dropout or getattr(self, "softmax_offset", None) is not None or attention_bias is not None
                        or packed_seq_params is not None)
         shared = is_shared_prompt_mask(attention_mask, query.shape[0])
+        # a packed response sees its prompt's and its own slots: the mask's key length is its span
+        span = attention_mask.shape[-1] if shared else key.shape[0]
+        windowed = self.window is not None and span > self.window + 1  # else the window hides nothing
+        if windowed and (shared or unsupported):
+            raise ValueError(f"sliding-window attention (model.window_size) over {span} positions needs "
+                             "attention without dropout, attention sinks, bias, packed sequences or shared prompts")
         if shared and unsupported:
             raise ValueError("shared-prompt packing needs attention without dropout, attention sinks, "
                              "bias or packed sequences")
@@ -38,7 +52,15 @@ class SDPADotProductAttention(DotProductAttention):
             return shared_prompt_attention(query, key, value, attention_mask, self.softmax_scale)
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        if attention_mask is None:
+        if windowed:
+            # query i (aligned to the last keys) sees keys i - window .. i
+            sq, sk = q.shape[2], k.shape[2]
+            allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+            allowed = allowed.tril(diagonal=sk - sq).triu(diagonal=sk - sq - self.window)
+            if attention_mask is not None:
+                allowed = allowed & ~attention_mask.bool()
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
+        elif attention_mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=mask_type == AttnMaskType.causal,
                                                  scale=self.softmax_scale)
         else:  # megatron masks mark the positions to hide
