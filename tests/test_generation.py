@@ -37,9 +37,11 @@ def full_logits(model, ids):
                                          # NeMo's sliding window (Mistral), shorter than prompts and responses
                                          (dict(TINY_ARCH, window_size=[5, 0]), PROMPTS),
                                          (dict(TINY_ARCH, window_size=[5, 0]), ["sort cba = ", "sort abc = "]),
-                                         (dict(TINY_GPT2_ARCH, window_size=[5, 0]), PROMPTS)],  # unfused decode
+                                         (dict(TINY_GPT2_ARCH, window_size=[5, 0]), PROMPTS),  # unfused decode
+                                         (dict(TINY_ARCH, activation="geglu", openai_gelu=True,  # Gemma-shaped
+                                               apply_embedding_scaling=True), PROMPTS)],
                          ids=["llama", "gpt2", "llama-unpadded", "llama-window", "llama-window-unpadded",
-                              "gpt2-window"])
+                              "gpt2-window", "gemma"])
 def test_cached_greedy_equals_uncached(mcore_single, arch, texts):
     model = build(arch)
     tok = model.tokenizer
@@ -330,3 +332,15 @@ def test_sliding_window_values_are_checked(mcore_single):
                        ({"window_attn_skip_freq": 2}, "window_attn_skip_freq")):
         with pytest.raises(ConfigError, match=key):
             build(dict(TINY_ARCH, window_size=[4, 0], **extra))
+
+
+def test_gemma2_customisations_are_refused(mcore_single):
+    """Gemma 2's .nemo (NeMo's converter writes these) would be computed without its softcapping and
+    query scale: one ConfigError naming the key."""
+    from nemo_aligner.utils.errors import ConfigError
+
+    for key, value in (("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0),
+                       ("query_pre_attn_scalar", 224)):
+        with pytest.raises(ConfigError, match=rf"^model\.mcore_customization_config\.{key}={value} is not supported"):
+            build(dict(TINY_ARCH, mcore_customization_config={key: value}))
+    build(dict(TINY_ARCH, mcore_customization_config={"final_logit_softcapping": 0}))  # off: builds

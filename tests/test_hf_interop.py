@@ -27,6 +27,11 @@ def tiny_hf(arch: str, tie: bool = False):
                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                sliding_window=8, rope_theta=1e4, rms_norm_eps=1e-5, tie_word_embeddings=tie)
         model = tf.MistralForCausalLM(cfg)
+    elif arch == "gemma":  # (1 + weight) norms, GeGLU with the tanh GELU, embeddings times sqrt(hidden)
+        cfg = tf.GemmaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=64,
+                             rope_theta=1e4, rms_norm_eps=1e-6, tie_word_embeddings=tie)
+        model = tf.GemmaForCausalLM(cfg)
     elif arch == "qwen2":
         cfg = tf.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64,
@@ -54,7 +59,8 @@ def our_logits(nemo_path, tokens):
     return forward_logits(model, tokens)[..., :VOCAB]
 
 
-@pytest.mark.parametrize("arch,tie", [("llama", False), ("qwen2", True), ("gpt2", True), ("mistral", False)])
+@pytest.mark.parametrize("arch,tie", [("llama", False), ("qwen2", True), ("gpt2", True), ("mistral", False),
+                                      ("gemma", True)])
 def test_import_export_logits_match(tmp_path, mcore_single, arch, tie):
     import transformers as tf
 
@@ -105,7 +111,7 @@ def test_unsupported_models_are_named(tmp_path, mcore_single):
 
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 300}))
-    with pytest.raises(ConfigError, match=r"config\.json: model_type='bert' is not supported; supported: llama, qwen2, gpt2, mistral"):
+    with pytest.raises(ConfigError, match=r"config\.json: model_type='bert' is not supported; supported: llama, qwen2, gpt2, gemma, mistral"):
         import_hf_model(str(tmp_path / "m"), str(tmp_path / "x.nemo"))
     with pytest.raises(ConfigError, match="no config.json"):
         import_hf_model(str(tmp_path), str(tmp_path / "x.nemo"))
@@ -166,6 +172,20 @@ def test_export_refuses_what_it_would_destroy_or_drop(tmp_path, mcore_single):
     assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
 
 
+def test_nemo_rope_scaling_keys():
+    """NeMo's RoPE scaling keys: ``scale_factor`` (default 8; ``rope_scaling_factor``, this project's
+    earlier name, still read); the other factors only at the values megatron-core computes with."""
+    from nemo_aligner.models.nlp.gpt.gpt_builder import rope_scaling_factor
+
+    assert rope_scaling_factor({}) == 8.0
+    assert rope_scaling_factor({"scale_factor": 32}) == 32.0
+    assert rope_scaling_factor({"rope_scaling_factor": 16.0}) == 16.0
+    assert rope_scaling_factor({"low_freq_factor": 1, "high_freq_factor": 4.0, "old_context_len": 8192}) == 8.0
+    for key, value in (("low_freq_factor", 2), ("high_freq_factor", 8), ("old_context_len", 4096)):
+        with pytest.raises(ConfigError, match=rf"^model\.{key}={value} is not supported"):
+            rope_scaling_factor({key: value})
+
+
 def test_llama3_rope_scaling_imports_and_exports(tmp_path, mcore_single):
     """Llama 3.1/3.2's RoPE scaling (rope_type llama3) maps to NeMo's scale_positional_embedding and
     back; the logits match transformers' (the scaling changes most rotary frequencies at every
@@ -192,7 +212,8 @@ def test_llama3_rope_scaling_imports_and_exports(tmp_path, mcore_single):
         expected = hf(tokens).logits
     nemo = import_hf_model(str(tmp_path / "hf"), str(tmp_path / "m.nemo"))
     model_cfg = read_model_config(nemo)
-    assert model_cfg.scale_positional_embedding is True and model_cfg.rope_scaling_factor == 32.0
+    # NeMo's key (MegatronGPTModel reads scale_factor, default 8), so NeMo computes the same
+    assert model_cfg.scale_positional_embedding is True and model_cfg.scale_factor == 32.0
     torch.testing.assert_close(our_logits(nemo, tokens), expected, atol=2e-5, rtol=1e-4)
     out = export_to_hf(nemo, str(tmp_path / "out"))
     back = tf.AutoModelForCausalLM.from_pretrained(out).eval()

@@ -76,11 +76,13 @@ AT_MOST_ONE = frozenset({"discount_factor", "gae_lambda", "top_p", "rotary_perce
 # base, share and scaling factor (null: the default).
 POSITIVE_NUMBERS = frozenset({"eps", "std", "target_logits_scale", "logits_scale", "init_method_std",
                               "seq_len_interpolation_factor", "layernorm_epsilon", "rotary_base", "rotary_percentage",
-                              "rope_scaling_factor"})
+                              "rope_scaling_factor", "scale_factor", "low_freq_factor", "high_freq_factor",
+                              "old_context_len"})
 # Architecture flags: true, false or null (the default); text such as "false" would read as true.
 BOOLEANS = frozenset({"bias", "qkv_bias", "share_embeddings_and_output_weights", "openai_gelu",
                       "layernorm_zero_centered_gamma", "qk_layernorm", "scale_positional_embedding", "rotary_interleaved",
-                      "apply_query_key_layer_scaling", "headscale", "normalize_attention_scores", "megatron_legacy"})
+                      "apply_query_key_layer_scaling", "headscale", "normalize_attention_scores", "megatron_legacy",
+                      "apply_embedding_scaling"})
 # TCP ports (null: not served / chosen freely).
 PORTS = frozenset({"port", "grpc_port", "metrics_port"})
 # Keys NeMo-Aligner's configs carry that this project does not implement: accepted at the value that

@@ -21,6 +21,8 @@ ARCHITECTURE_KEYS = (
     "scale_positional_embedding", "rope_scaling_factor", "openai_gelu", "layernorm_zero_centered_gamma",
     "rotary_interleaved", "apply_query_key_layer_scaling", "transformer_block_type", "headscale",
     "normalize_attention_scores", "num_moe_experts", "window_size", "window_attn_skip_freq", "megatron_legacy",
+    "scale_factor", "low_freq_factor", "high_freq_factor", "old_context_len", "apply_embedding_scaling",
+    "mcore_customization_config",
 )
 # Keys a checkpoint sets unless the run sets them (null in the shipped configs: "the checkpoint's").
 CHECKPOINT_UNLESS_SET = ("encoder_seq_length", "seq_len_interpolation_factor", "hidden_dropout", "attention_dropout",

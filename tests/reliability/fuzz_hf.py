@@ -1,4 +1,4 @@
-"""Hugging Face directory fuzzing: run ``convert_hf_to_nemo.py`` on a tiny Llama, Mistral, Qwen2 or
+"""Hugging Face directory fuzzing: run ``convert_hf_to_nemo.py`` on a tiny Llama, Mistral, Gemma, Qwen2 or
 GPT-2 directory (made here, random weights) with one hostile change: a ``config.json`` value set to
 text, null, a list, a dict, -1, 0, 1.5, 1e18, NaN, a string for a flag, or removed; a tensor of the
 weights cut to another shape or removed; a tokenizer file emptied or overwritten. Report every run that
@@ -23,7 +23,7 @@ from fuzz_config import arguments, check_base, finished, outcome, run, run_all, 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONVERT = os.path.join(REPO, "examples", "nlp", "gpt", "convert_hf_to_nemo.py")
-ARCHS = ["llama", "mistral", "qwen2", "gpt2"]
+ARCHS = ["llama", "mistral", "gemma", "qwen2", "gpt2"]
 MISSING = object()
 HOSTILE = [MISSING, None, "abc", "", "false", -1, 0, 1.5, 1e18, float("nan"), True, [1, 2], {"a": 1}]
 
@@ -41,7 +41,8 @@ def tiny_directory(arch: str, path: str) -> None:
         model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                                                     bos_token_id=1, eos_token_id=2))
     else:
-        config = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config}[arch]
+        config = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "gemma": tf.GemmaConfig,
+                  "qwen2": tf.Qwen2Config}[arch]
         model = tf.AutoModelForCausalLM.from_config(config(hidden_size=64, intermediate_size=96, num_key_value_heads=2,
                                                            **common))
     model.save_pretrained(path)

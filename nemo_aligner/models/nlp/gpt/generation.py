@@ -257,13 +257,20 @@ class KVCacheDecoder:
                   and _is_mcore_parallel_layer(word)
                   and getattr(embedding, "tokentype_embeddings", None) is None
                   and not self.config.fp32_residual_connection)
-        if not direct:
+        if not direct:  # the module, with its hooks (apply_embedding_scaling's)
             return lambda tokens, positions: embedding(input_ids=tokens, position_ids=positions)
         weight = word.weight
         if not embedding.add_position_embedding:
-            return lambda tokens, positions: F.embedding(tokens.t(), weight)
-        position_weight = embedding.position_embeddings.weight
-        return lambda tokens, positions: F.embedding(tokens.t(), weight).add_(F.embedding(positions.t(), position_weight))
+            lookup = lambda tokens, positions: F.embedding(tokens.t(), weight)
+        else:
+            position_weight = embedding.position_embeddings.weight
+            lookup = lambda tokens, positions: F.embedding(tokens.t(), weight).add_(
+                F.embedding(positions.t(), position_weight))
+        scale = getattr(self.module, "embedding_scale", None)
+        if scale is None:
+            return lookup
+        factor = torch.tensor(scale, dtype=weight.dtype)  # NeMo's: the factor in the activations' dtype
+        return lambda tokens, positions: lookup(tokens, positions).mul_(factor)
 
     def _plan(self, layer) -> dict:
         attn, mlp = layer.self_attention, layer.mlp

@@ -107,8 +107,32 @@ _UNSUPPORTED_ARCHITECTURE = (
 )
 
 
+# NeMo's Llama 3.x RoPE scaling keys (MegatronGPTModel's apply_rope_scaling) and the values
+# megatron-core's rope_scaling computes with.
+_ROPE_SCALING_FIXED = (("low_freq_factor", 1), ("high_freq_factor", 4), ("old_context_len", 8192))
+# Gemma 2's customisations (NeMo's Gemma2 modules), none computed here.
+_GEMMA2_CUSTOMIZATION = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")
+
+
+def rope_scaling_factor(cfg) -> float:
+    """The Llama 3.x RoPE scaling factor: NeMo's ``scale_factor`` (default 8), or this project's earlier
+    name ``rope_scaling_factor``; the other factors must be the ones megatron-core computes with."""
+    for key, fixed in _ROPE_SCALING_FIXED:
+        value = _get(cfg, key, fixed)
+        if value != fixed:
+            raise ConfigError(f"model.{key}={value!r} is not supported with model.scale_positional_embedding=True "
+                              f"(only {fixed}, Llama 3.1/3.2's)")
+    return float(_get(cfg, "scale_factor", None) or _get(cfg, "rope_scaling_factor", 8.0))
+
+
 def check_supported_architecture(cfg) -> None:
     """Refuse, naming the key, a checkpoint architecture that would otherwise be computed wrongly."""
+    custom = _get(cfg, "mcore_customization_config", {}) or {}
+    for key in _GEMMA2_CUSTOMIZATION:
+        value = custom.get(key) if hasattr(custom, "get") else None
+        if value:
+            raise ConfigError(f"model.mcore_customization_config.{key}={value!r} is not supported (Gemma 2's "
+                              "attention and output customisations are not computed here)")
     for key, default, allowed in _UNSUPPORTED_ARCHITECTURE:
         value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
         if value is None and None in allowed:
@@ -329,9 +353,15 @@ def build_gpt_model(cfg, vocab_size: int, precision="32", pre_process: Optional[
         # NeMo's key for Llama 3.x RoPE scaling (megatron-core's rope_scaling: low/high frequency
         # factors 1 and 4 over an original context of 8192, as Llama 3.1 and 3.2)
         rope_scaling=bool(_get(cfg, "scale_positional_embedding", False)),
-        rope_scaling_factor=float(_get(cfg, "rope_scaling_factor", 8.0) or 8.0),
+        rope_scaling_factor=rope_scaling_factor(cfg) if _get(cfg, "scale_positional_embedding", False) else 8.0,
         **extra,
     )
+    # NeMo's apply_embedding_scaling (Gemma): the embedding's output times sqrt(hidden_size), the
+    # factor rounded to the activations' dtype as NeMo's EmbeddingScalingMixin does
+    model.embedding_scale = float(config.hidden_size) ** 0.5 if _get(cfg, "apply_embedding_scaling", False) else None
+    if model.embedding_scale is not None and pre_process:
+        model.embedding.register_forward_hook(
+            lambda module, args, out: out * torch.tensor(model.embedding_scale, dtype=out.dtype))
     from nemo_aligner.models.nlp.gpt import lean_ops
 
     lean_ops.use_lean_norms(model)  # torch's RMSNorm only exists in the local spec

@@ -23,7 +23,9 @@ from nemo_aligner.utils.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
 
-ARCHITECTURES = ("llama", "qwen2", "gpt2")
+ARCHITECTURES = ("llama", "qwen2", "gpt2", "gemma")
+# Gemma's RMSNorm scales by (1 + weight): NeMo stores weight + 1 (its converter's), a plain RMSNorm.
+_ONE_CENTRED_NORMS = ("gemma",)
 # Imported as Llama (the same layers and weight names); exported back as Llama.
 LLAMA_LIKE = ("mistral",)
 
@@ -115,7 +117,12 @@ def nemo_config_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
                           # NeMo's name for GPT-2's tanh GELU: gelu with openai_gelu (its approx-gelu is x*sigmoid(1.702x))
                           activation="gelu", openai_gelu=act != "gelu", bias=True, qkv_bias=True,
                           share_embeddings_and_output_weights=_bool_value(hf, "tie_word_embeddings", where, True))
-    if hf.get("hidden_act", "silu") != "silu":
+    gemma = arch == "gemma"
+    if gemma:  # Gemma's official configs say "gelu" and mean the tanh approximation (as transformers reads them)
+        for key, allowed in (("hidden_act", ("gelu", "gelu_pytorch_tanh")), ("hidden_activation", (None, "gelu_pytorch_tanh"))):
+            if hf.get(key, allowed[-1]) not in allowed:
+                raise ConfigError(f"{where}: {key}={hf.get(key)!r} is not supported (gelu_pytorch_tanh only)")
+    elif hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act={hf.get('hidden_act')!r} is not supported (silu only)")
     # transformers < 5: rope_theta / rope_scaling; >= 5: rope_parameters {rope_theta, rope_type}
     rope = dict(_of_type(hf, "rope_parameters", where, dict, "an object") or {})
@@ -123,7 +130,7 @@ def nemo_config_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
         (rope if rope.get("rope_type", "default") != "default" else None)
     scaled = {}
     if scaling:
-        scaled = {"scale_positional_embedding": True, "rope_scaling_factor": _llama3_rope_factor(scaling, where)}
+        scaled = {"scale_positional_embedding": True, "scale_factor": _llama3_rope_factor(scaling, where)}
     rope_theta = _float_value(rope, "rope_theta", where, None, positive=True, name="rope_parameters.rope_theta") or \
         _float_value(hf, "rope_theta", where, 10000.0, positive=True)
     hidden, heads = _int_value(hf, "hidden_size", where), _int_value(hf, "num_attention_heads", where)
@@ -134,7 +141,7 @@ def nemo_config_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
         raise ConfigError(f"{where}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
     head_dim = _int_value(hf, "head_dim", where, hidden // heads)
     qkv_bias = True if arch == "qwen2" else _bool_value(hf, "attention_bias", where, False)
-    if arch in ("llama",) + LLAMA_LIKE and (_bool_value(hf, "mlp_bias", where, False) or qkv_bias):
+    if arch in ("llama", "gemma") + LLAMA_LIKE and (_bool_value(hf, "mlp_bias", where, False) or qkv_bias):
         raise ConfigError(f"{where}: attention_bias/mlp_bias=True is not supported")
     positions = _int_value(hf, "max_position_embeddings", where, 2048)
     seq = min(positions, 4096)
@@ -145,6 +152,8 @@ def nemo_config_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
             raise ConfigError(f"{where}: sliding_window={window!r} must be a positive integer or null")
         windowed = {"window_size": [window - 1, 0]}
     arch = "llama" if arch in LLAMA_LIKE else arch
+    # Gemma as NeMo's converter writes it: GeGLU with the tanh GELU, embeddings times sqrt(hidden)
+    gemma_keys = dict(activation="geglu", openai_gelu=True, apply_embedding_scaling=True) if gemma else {}
     return arch, dict(common, num_layers=_int_value(hf, "num_hidden_layers", where), hidden_size=hidden,
                       ffn_hidden_size=_int_value(hf, "intermediate_size", where), num_attention_heads=heads,
                       num_query_groups=groups,
@@ -152,9 +161,9 @@ def nemo_config_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
                       max_position_embeddings=positions, encoder_seq_length=seq,
                       position_embedding_type="rope", rotary_base=int(rope_theta),
                       normalization="rmsnorm", layernorm_epsilon=_float_value(hf, "rms_norm_eps", where, 1e-6, positive=True),
-                      activation="swiglu", bias=False, qkv_bias=qkv_bias,
-                      share_embeddings_and_output_weights=_bool_value(hf, "tie_word_embeddings", where, False), **scaled,
-                      **windowed)
+                      bias=False, qkv_bias=qkv_bias,
+                      share_embeddings_and_output_weights=_bool_value(hf, "tie_word_embeddings", where, gemma), **scaled,
+                      **windowed, **(gemma_keys or {"activation": "swiglu"}))
 
 
 # Llama 3.1/3.2 RoPE scaling as megatron-core implements it (rope_scaling=True): only the factor varies.
@@ -203,9 +212,13 @@ def hf_config_from_nemo(cfg: dict) -> Tuple[str, dict]:
                         "tie_word_embeddings": bool(cfg.get("share_embeddings_and_output_weights", True)),
                         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
                         "initializer_range": cfg.get("init_method_std", 0.02), "torch_dtype": "float32"}
-    if norm == "rmsnorm" and act == "swiglu" and pos == "rope" and not cfg.get("bias", True):
+    gemma = act == "geglu" and cfg.get("openai_gelu") and cfg.get("apply_embedding_scaling")
+    if norm == "rmsnorm" and (act == "swiglu" or gemma) and pos == "rope" and not cfg.get("bias", True):
         qkv_bias = bool(cfg.get("qkv_bias", False))
-        arch = "qwen2" if qkv_bias else "llama"
+        if gemma and (qkv_bias or window is not None):
+            raise ConfigError("a Gemma-shaped model (geglu, apply_embedding_scaling) with query/key/value biases or "
+                              "a sliding window matches no Hugging Face architecture here")
+        arch = "gemma" if gemma else ("qwen2" if qkv_bias else "llama")
         heads = cfg["num_attention_heads"]
         out = {"model_type": arch, "architectures": ["Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"],
                "vocab_size": vocab, "hidden_size": cfg["hidden_size"], "intermediate_size": cfg["ffn_hidden_size"],
@@ -219,11 +232,16 @@ def hf_config_from_nemo(cfg: dict) -> Tuple[str, dict]:
                "attention_dropout": 0.0, "initializer_range": cfg.get("init_method_std", 0.02), "torch_dtype": "float32"}
         if arch == "llama":
             out.update(attention_bias=False, mlp_bias=False)
+        if gemma:
+            out.update(model_type="gemma", architectures=["GemmaForCausalLM"], hidden_act="gelu_pytorch_tanh",
+                       hidden_activation="gelu_pytorch_tanh", attention_bias=False)
         if window is not None:  # Mistral: Llama's weights and names with a sliding window
             arch = "mistral"
             out.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=window + 1)
         if cfg.get("scale_positional_embedding"):
-            scaling = dict(_LLAMA3_ROPE, rope_type="llama3", factor=float(cfg.get("rope_scaling_factor") or 8.0))
+            from nemo_aligner.models.nlp.gpt.gpt_builder import rope_scaling_factor
+
+            scaling = dict(_LLAMA3_ROPE, rope_type="llama3", factor=rope_scaling_factor(cfg))
             out["rope_scaling"] = scaling
             out["rope_parameters"] = dict(scaling, rope_theta=out["rope_theta"])
         return arch, out
@@ -377,6 +395,9 @@ def hf_to_mcore(hf: Dict[str, torch.Tensor], arch: str, cfg: dict, where: str = 
                                                       take(p + "mlp.up_proj.weight", F, H)])
         out[o + "mlp.linear_fc2.weight"] = take(p + "mlp.down_proj.weight", H, F)
     out["decoder.final_layernorm.weight"] = take("model.norm.weight", H)
+    if arch in _ONE_CENTRED_NORMS:
+        for key in [k for k in out if k.endswith("layernorm.weight")]:
+            out[key] = out[key] + 1.0
     if not tied:
         out["output_layer.weight"] = _pad_rows(take("lm_head.weight", vocab, H), padded)
     _check_all_read(hf, tied, "model.embed_tokens.weight")
@@ -427,6 +448,9 @@ def mcore_to_hf(state: Dict[str, torch.Tensor], arch: str, cfg: dict) -> Dict[st
             out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
             out[p + "mlp.down_proj.weight"] = state[o + "mlp.linear_fc2.weight"]
         out["model.norm.weight"] = state["decoder.final_layernorm.weight"]
+        if arch in _ONE_CENTRED_NORMS:
+            for key in [k for k in out if k.endswith("norm.weight")]:
+                out[key] = out[key] - 1.0
         if not tied:
             out["lm_head.weight"] = state["output_layer.weight"][:vocab]
     return {k: v.detach().clone().contiguous() for k, v in out.items()}
