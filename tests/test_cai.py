@@ -174,3 +174,19 @@ def test_text_server_refuses_a_bad_host_before_loading(sft_nemo):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "error: host='-5' is not an address of this machine" in proc.stderr
+
+
+def test_null_sampling_settings_are_the_defaults(tmp_path, sft_nemo):
+    """``generate_gpt.py`` with ``inference.temperature/top_k/top_p=null`` samples as with their defaults
+    (1.0, 0, 1.0), as the models' ``sampling_params`` read null."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("reverse abc = ", "sort cba = ")))
+    outputs = []
+    for values in (("null", "null", "null"), ("1.0", "0", "1.0")):
+        out = tmp_path / f"out{len(outputs)}.jsonl"
+        run_script("generate_gpt.py", [
+            f"gpt_model_file={sft_nemo}", f"prompts_file={prompts}", f"output_file={out}", "inference.greedy=False",
+            "inference.seed=3", "inference.tokens_to_generate=8",
+            *(f"inference.{key}={value}" for key, value in zip(("temperature", "top_k", "top_p"), values))])
+        outputs.append(out.read_text())
+    assert outputs[0] == outputs[1] and outputs[0].count("\n") == 2

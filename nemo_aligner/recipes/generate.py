@@ -162,7 +162,13 @@ def run_generate(cfg: DictConfig) -> List[dict]:
         if not prompt:
             raise DataError(f"prompt {i} is empty: a prompt needs at least one token")
     inf = cfg.inference
-    if not 0.0 < float(inf.top_p) <= 1.0:
+
+    def setting(key, default):  # null: the default, as in the models' sampling_params (0 is a setting)
+        value = inf.get(key)
+        return default if value is None else value
+
+    top_p = float(setting("top_p", 1.0))
+    if not 0.0 < top_p <= 1.0:
         raise ConfigError(f"inference.top_p={inf.top_p} must be in (0, 1] (1.0: off)")
     output_file = cfg.get("output_file")
     if output_file and os.path.isdir(str(output_file)):
@@ -173,8 +179,8 @@ def run_generate(cfg: DictConfig) -> List[dict]:
     chat_tokens = model_chat_tokens(model.cfg)
     prompts_in = [p if attrs is None else steer_prompt(p, attrs, system=system, chat_tokens=chat_tokens)
                   for p, attrs in prompts]
-    sampling = SamplingParams(use_greedy=bool(inf.greedy), temperature=float(inf.temperature), top_k=int(inf.top_k),
-                              top_p=float(inf.top_p),
+    sampling = SamplingParams(use_greedy=bool(inf.greedy), temperature=float(setting("temperature", 1.0)),
+                              top_k=int(setting("top_k", 0)), top_p=top_p,
                               end_strings=[unescape(s) for s in string_list(inf.get("end_strings"))])
     length = LengthParams(max_length=int(inf.tokens_to_generate), min_length=int(inf.min_tokens_to_generate))
     responses = generate_texts(model, prompts_in, sampling, length, seed=inf.get("seed"),
