@@ -344,3 +344,22 @@ def test_gemma2_customisations_are_refused(mcore_single):
         with pytest.raises(ConfigError, match=rf"^model\.mcore_customization_config\.{key}={value} is not supported"):
             build(dict(TINY_ARCH, mcore_customization_config={key: value}))
     build(dict(TINY_ARCH, mcore_customization_config={"final_logit_softcapping": 0}))  # off: builds
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16"])
+def test_query_key_layer_scaling_changes_nothing(mcore_single, precision):
+    """``apply_query_key_layer_scaling: True`` (the default of NeMo's older GPT configs) is an fp16
+    overflow guard, not different maths: NeMo turns it off outside fp16, and the logits equal the
+    flag's absence."""
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+
+    tokens = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for flag in (False, True):
+        torch.manual_seed(0)
+        cfg = OmegaConf.create(dict(TINY_ARCH, micro_batch_size=1, encoder_seq_length=32, num_layers=3,
+                                    apply_query_key_layer_scaling=flag))
+        model = GPTSFTModel(cfg, ByteTokenizer(), precision=precision, trainable=False)
+        model.eval()
+        logits.append(forward_logits(model, tokens).float())
+    torch.testing.assert_close(logits[1], logits[0], atol=0, rtol=0)

@@ -243,7 +243,9 @@ def transformer_config_from_cfg(cfg, precision="32"):
         # megatron-core 0.19 checks the layer spec's q/k norms against this flag
         qk_layernorm=bool(_get(cfg, "qk_layernorm", False)),
         init_method_std=float(_get(cfg, "init_method_std", 0.02)),
-        apply_query_key_layer_scaling=bool(_get(cfg, "apply_query_key_layer_scaling", False)),
+        # NeMo turns it off except in fp16, where it only guards against overflow (the scores are
+        # divided by the layer number and multiplied back in the softmax): the maths is the same
+        apply_query_key_layer_scaling=bool(_get(cfg, "apply_query_key_layer_scaling", False)) and dtype == torch.float16,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         sequence_parallel=sequence_parallel,

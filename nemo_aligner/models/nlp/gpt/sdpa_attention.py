@@ -25,6 +25,9 @@ class SDPADotProductAttention(DotProductAttention):
     def __init__(self, *args, window=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.window = window
+        # apply_query_key_layer_scaling divides the scale by the layer number for the fused softmax to
+        # multiply back; SDPA's softmax does not, so it takes the whole scale
+        self.attention_scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -49,7 +52,7 @@ class SDPADotProductAttention(DotProductAttention):
             key = key.repeat_interleave(groups, dim=2)
             value = value.repeat_interleave(groups, dim=2)
         if shared:  # GRPO/RLOO groups packed by prompt (nemo_aligner.utils.prompt_sharing)
-            return shared_prompt_attention(query, key, value, attention_mask, self.softmax_scale)
+            return shared_prompt_attention(query, key, value, attention_mask, self.attention_scale)
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if windowed:
@@ -59,11 +62,11 @@ class SDPADotProductAttention(DotProductAttention):
             allowed = allowed.tril(diagonal=sk - sq).triu(diagonal=sk - sq - self.window)
             if attention_mask is not None:
                 allowed = allowed & ~attention_mask.bool()
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.attention_scale)
         elif attention_mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=mask_type == AttnMaskType.causal,
-                                                 scale=self.softmax_scale)
+                                                 scale=self.attention_scale)
         else:  # megatron masks mark the positions to hide
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask.bool(), scale=self.softmax_scale)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask.bool(), scale=self.attention_scale)
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
