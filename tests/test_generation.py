@@ -334,15 +334,19 @@ def test_sliding_window_values_are_checked(mcore_single):
             build(dict(TINY_ARCH, window_size=[4, 0], **extra))
 
 
-def test_gemma2_customisations_are_refused(mcore_single):
-    """Gemma 2's .nemo (NeMo's converter writes these) would be computed without its softcapping and
-    query scale: one ConfigError naming the key."""
+def test_gemma2_and_falcon_layers_are_refused(mcore_single):
+    """Gemma 2's and Falcon's .nemo files (NeMo's converters write these) would be computed without their
+    softcapping, query scale or parallel attention: one ConfigError naming the key."""
     from nemo_aligner.utils.errors import ConfigError
 
     for key, value in (("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0),
-                       ("query_pre_attn_scalar", 224)):
+                       ("query_pre_attn_scalar", 224), ("parallel_attention", True), ("new_decoder_architecture", True)):
         with pytest.raises(ConfigError, match=rf"^model\.mcore_customization_config\.{key}={value} is not supported"):
             build(dict(TINY_ARCH, mcore_customization_config={key: value}))
+    for name in ("megatron_gemma2", "megatron_falcon_gpt"):
+        with pytest.raises(ConfigError, match=rf"^model\.name='{name}' is not supported: NeMo builds"):
+            build(dict(TINY_ARCH, name=name))
+    build(dict(TINY_ARCH, name="te_gpt"))  # the GPT layer (NeMo's Hugging Face exports set it)
     build(dict(TINY_ARCH, mcore_customization_config={"final_logit_softcapping": 0}))  # off: builds
 
 

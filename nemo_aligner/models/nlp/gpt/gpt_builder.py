@@ -110,8 +110,13 @@ _UNSUPPORTED_ARCHITECTURE = (
 # NeMo's Llama 3.x RoPE scaling keys (MegatronGPTModel's apply_rope_scaling) and the values
 # megatron-core's rope_scaling computes with.
 _ROPE_SCALING_FIXED = (("low_freq_factor", 1), ("high_freq_factor", 4), ("old_context_len", 8192))
-# Gemma 2's customisations (NeMo's Gemma2 modules), none computed here.
-_GEMMA2_CUSTOMIZATION = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")
+# Gemma 2's and Falcon's customisations (NeMo's Gemma2 and Falcon layer specs), none computed here.
+_UNSUPPORTED_CUSTOMIZATION = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+                              "new_decoder_architecture", "parallel_attention")
+# NeMo picks the layer spec by ``model.name``: the first compute the GPT layer (local or TE), the
+# others layers of their own.
+_GPT_LAYER_SPECS = ("", "te_gpt", "megatron_gpt_full_te_layer_autocast", "modelopt")
+_OTHER_LAYER_SPECS = ("megatron_falcon_gpt", "megatron_gemma2", "te_gpt_hyena", "decoder_block_gpt")
 
 
 def rope_scaling_factor(cfg) -> float:
@@ -127,12 +132,16 @@ def rope_scaling_factor(cfg) -> float:
 
 def check_supported_architecture(cfg) -> None:
     """Refuse, naming the key, a checkpoint architecture that would otherwise be computed wrongly."""
+    spec = _get(cfg, "name", "")
+    if spec in _OTHER_LAYER_SPECS:
+        raise ConfigError(f"model.name={spec!r} is not supported: NeMo builds that model's layers with its own layer "
+                          f"spec (supported: the GPT layer, model.name absent or one of {list(_GPT_LAYER_SPECS)})")
     custom = _get(cfg, "mcore_customization_config", {}) or {}
-    for key in _GEMMA2_CUSTOMIZATION:
+    for key in _UNSUPPORTED_CUSTOMIZATION:
         value = custom.get(key) if hasattr(custom, "get") else None
         if value:
-            raise ConfigError(f"model.mcore_customization_config.{key}={value!r} is not supported (Gemma 2's "
-                              "attention and output customisations are not computed here)")
+            raise ConfigError(f"model.mcore_customization_config.{key}={value!r} is not supported (Gemma 2's and "
+                              "Falcon's layer customisations are not computed here)")
     for key, default, allowed in _UNSUPPORTED_ARCHITECTURE:
         value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
         if value is None and None in allowed:
