@@ -346,6 +346,8 @@ def test_gemma2_and_falcon_layers_are_refused(mcore_single):
     for name in ("megatron_gemma2", "megatron_falcon_gpt"):
         with pytest.raises(ConfigError, match=rf"^model\.name='{name}' is not supported: NeMo builds"):
             build(dict(TINY_ARCH, name=name))
+    with pytest.raises(ConfigError, match=r"^model\.mcore_customization_config=\[1\] must be a mapping"):
+        build(dict(TINY_ARCH, mcore_customization_config=[1]))
     build(dict(TINY_ARCH, name="te_gpt"))  # the GPT layer (NeMo's Hugging Face exports set it)
     build(dict(TINY_ARCH, mcore_customization_config={"final_logit_softcapping": 0}))  # off: builds
 

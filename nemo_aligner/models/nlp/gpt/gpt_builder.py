@@ -137,8 +137,11 @@ def check_supported_architecture(cfg) -> None:
         raise ConfigError(f"model.name={spec!r} is not supported: NeMo builds that model's layers with its own layer "
                           f"spec (supported: the GPT layer, model.name absent or one of {list(_GPT_LAYER_SPECS)})")
     custom = _get(cfg, "mcore_customization_config", {}) or {}
+    if not hasattr(custom, "items"):
+        raise ConfigError(f"model.mcore_customization_config={custom!r} must be a mapping of NeMo's layer "
+                          "customisations (or null)")
     for key in _UNSUPPORTED_CUSTOMIZATION:
-        value = custom.get(key) if hasattr(custom, "get") else None
+        value = custom.get(key)
         if value:
             raise ConfigError(f"model.mcore_customization_config.{key}={value!r} is not supported (Gemma 2's and "
                               "Falcon's layer customisations are not computed here)")
@@ -159,13 +162,12 @@ def attention_window(cfg) -> Optional[int]:
     window = _get(cfg, "window_size")
     if window is None:
         return None
-    if hasattr(window, "items") or isinstance(window, (str, bytes)) or not hasattr(window, "__len__"):
-        window = [window]
-    values = list(window)
+    listed = not (hasattr(window, "items") or isinstance(window, (str, bytes))) and hasattr(window, "__len__")
+    values = list(window) if listed else [window]
     ok = len(values) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= -1 for v in values)
     if not ok or values[1] not in (0, -1):
-        raise ConfigError(f"model.window_size={values!r} must be [left, 0] with left >= 0 (or -1: no window), "
-                          "a causal sliding window as Transformer Engine's")
+        raise ConfigError(f"model.window_size={values if listed else window!r} must be [left, 0] with left >= 0 "
+                          "(or -1: no window), a causal sliding window as Transformer Engine's")
     return None if values[0] == -1 else values[0]
 
 
