@@ -669,6 +669,17 @@ def test_nemo_that_is_not_a_tar(workdir):
           lambda: check_exists(path, "model.restore_from_path"))
 
 
+def test_nemo2_checkpoint_directory(workdir):
+    from nemo_aligner.utils.nemo_file import check_exists
+
+    os.makedirs(workdir / "nemo2" / "context")
+    os.makedirs(workdir / "nemo2" / "weights")
+    write(workdir, "nemo2/context/model.yaml", text="_target_: nemo.collections.llm.gpt.model.llama.LlamaModel\n")
+    check(workdir, CheckpointError, r"model\.restore_from_path=.*nemo2: a NeMo 2\.0 checkpoint \(context/, weights/\); "
+          r"NeMo-Aligner's scripts, like these, read NeMo 1\.x \.nemo files",
+          lambda: check_exists(str(workdir / "nemo2"), "model.restore_from_path"))
+
+
 def test_nemo_from_a_different_architecture(workdir, mcore_single):
     """GPT-2-style weights (learned positions, LayerNorm with biases) into a Llama-style model."""
     from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
