@@ -19,6 +19,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from nemo_aligner.models.nlp.gpt.gpt_builder import attention_window, rope_scaling_factor
 from nemo_aligner.utils.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -193,8 +194,6 @@ def hf_config_from_nemo(cfg: dict) -> Tuple[str, dict]:
             raise ConfigError(f"model.{key}={value}: Llama, Qwen2 and GPT-2 configs cannot express it, so the export "
                               "would compute something else")
     vocab = int(cfg.get("hf_vocab_size") or cfg["padded_vocab_size"])
-    from nemo_aligner.models.nlp.gpt.gpt_builder import attention_window
-
     window = attention_window(cfg)
     if window is not None and not (norm == "rmsnorm" and not cfg.get("qkv_bias", False)):
         raise ConfigError(f"model.window_size={list(cfg['window_size'])}: of Llama, Mistral, Qwen2 and GPT-2 only "
@@ -239,8 +238,6 @@ def hf_config_from_nemo(cfg: dict) -> Tuple[str, dict]:
             arch = "mistral"
             out.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=window + 1)
         if cfg.get("scale_positional_embedding"):
-            from nemo_aligner.models.nlp.gpt.gpt_builder import rope_scaling_factor
-
             scaling = dict(_LLAMA3_ROPE, rope_type="llama3", factor=rope_scaling_factor(cfg))
             out["rope_scaling"] = scaling
             out["rope_parameters"] = dict(scaling, rope_theta=out["rope_theta"])
