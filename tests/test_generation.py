@@ -349,6 +349,9 @@ def test_gemma2_and_falcon_layers_are_refused(mcore_single):
     with pytest.raises(ConfigError, match=r"^model\.mcore_customization_config=\[1\] must be a mapping"):
         build(dict(TINY_ARCH, mcore_customization_config=[1]))
     build(dict(TINY_ARCH, name="te_gpt"))  # the GPT layer (NeMo's Hugging Face exports set it)
+    with pytest.raises(ConfigError, match=r"^model\.name='te_gtp' is not a layer spec NeMo knows"):
+        build(dict(TINY_ARCH, name="te_gtp"))  # NeMo's megatron-core GPT raises on it too
+    build(dict(TINY_ARCH, name="modelopt"))
     build(dict(TINY_ARCH, mcore_customization_config={"final_logit_softcapping": 0}))  # off: builds
 
 

@@ -404,3 +404,17 @@ def test_nemo_aligner_tutorial_values_are_accepted(caplog):
         check_keys(cfg, "gpt_knowledge_distillation", [])
     assert "model.data.chunk_count is not read by nemo-aligner" in caplog.text
     assert "n_examples_per_chunk" not in caplog.text
+
+
+def test_a_layer_spec_name_counts_only_in_megatron_core_checkpoints():
+    """NeMo reads ``model.name`` as the layer spec of its megatron-core GPT (``mcore_gpt: True``) and
+    ignores it in its older GPT's checkpoints, whose configs may carry any name."""
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.utils.model_config import merge_checkpoint_config
+
+    run = OmegaConf.create({"micro_batch_size": 1})
+    assert merge_checkpoint_config(OmegaConf.create({"mcore_gpt": True, "name": "te_gpt"}), run).name == "te_gpt"
+    for legacy in ({"mcore_gpt": False, "name": "gpt"}, {"name": "gpt"}):
+        merged = merge_checkpoint_config(OmegaConf.create(legacy), run)
+        assert "name" not in merged and "mcore_gpt" not in merged

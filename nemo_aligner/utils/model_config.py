@@ -42,6 +42,8 @@ def merge_checkpoint_config(ckpt_cfg: DictConfig, run_cfg: DictConfig,
     a checkpoint loadable when the run config still carries the tiny built-in shape.
     """
     base = OmegaConf.to_container(ckpt_cfg, resolve=True)
+    if not base.get("mcore_gpt", False):
+        base.pop("name", None)  # NeMo's older (not megatron-core) GPT never read it as a layer spec
     for key in _CHECKPOINT_ONLY:
         base.pop(key, None)
     for key in CHECKPOINT_UNLESS_SET:

@@ -115,7 +115,7 @@ _UNSUPPORTED_CUSTOMIZATION = ("attn_logit_softcapping", "final_logit_softcapping
                               "new_decoder_architecture", "parallel_attention")
 # NeMo picks the layer spec by ``model.name``: the first compute the GPT layer (local or TE), the
 # others layers of their own.
-_GPT_LAYER_SPECS = ("", "te_gpt", "megatron_gpt_full_te_layer_autocast", "modelopt")
+_GPT_LAYER_SPECS = ("", "te_gpt", "megatron_gpt_full_te_layer_autocast", "modelopt", "ammo")
 _OTHER_LAYER_SPECS = ("megatron_falcon_gpt", "megatron_gemma2", "te_gpt_hyena", "decoder_block_gpt")
 
 
@@ -136,6 +136,9 @@ def check_supported_architecture(cfg) -> None:
     if spec in _OTHER_LAYER_SPECS:
         raise ConfigError(f"model.name={spec!r} is not supported: NeMo builds that model's layers with its own layer "
                           f"spec (supported: the GPT layer, model.name absent or one of {list(_GPT_LAYER_SPECS)})")
+    if spec not in _GPT_LAYER_SPECS:  # as NeMo's megatron-core GPT, which raises on a name it has no spec for
+        raise ConfigError(f"model.name={spec!r} is not a layer spec NeMo knows (it picks the layers: absent or "
+                          f"one of {list(_GPT_LAYER_SPECS)} for the GPT layer)")
     custom = _get(cfg, "mcore_customization_config", {}) or {}
     if not hasattr(custom, "items"):
         raise ConfigError(f"model.mcore_customization_config={custom!r} must be a mapping of NeMo's layer "
