@@ -15,7 +15,6 @@ from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
 from nemo_aligner.models.nlp.gpt.loading import load_model
 from nemo_aligner.utils.distributed import is_global_rank_zero
 from nemo_aligner.utils.errors import ConfigError, DataError
-from nemo_aligner.models.alignable_interface import string_list
 from nemo_aligner.models.nlp.gpt.generation import LengthParams, SamplingParams
 from nemo_aligner.utils.ports import check_bindable
 from nemo_aligner.utils.run_setup import init_run
@@ -163,12 +162,11 @@ def run_generate(cfg: DictConfig) -> List[dict]:
             raise DataError(f"prompt {i} is empty: a prompt needs at least one token")
     inf = cfg.inference
 
-    def setting(key, default):  # null: the default, as in the models' sampling_params (0 is a setting)
-        value = inf.get(key)
-        return default if value is None else value
-
-    top_p = float(setting("top_p", 1.0))
-    if not 0.0 < top_p <= 1.0:
+    # the models' sampling_params rules (null reads as the default; 0 is a setting), under this
+    # script's key for greedy decoding
+    sampling = SamplingParams.from_cfg({**OmegaConf.to_container(inf), "use_greedy": bool(inf.greedy)})
+    sampling.end_strings = [unescape(s) for s in sampling.end_strings]
+    if not 0.0 < sampling.top_p <= 1.0:
         raise ConfigError(f"inference.top_p={inf.top_p} must be in (0, 1] (1.0: off)")
     output_file = cfg.get("output_file")
     if output_file and os.path.isdir(str(output_file)):
@@ -179,9 +177,6 @@ def run_generate(cfg: DictConfig) -> List[dict]:
     chat_tokens = model_chat_tokens(model.cfg)
     prompts_in = [p if attrs is None else steer_prompt(p, attrs, system=system, chat_tokens=chat_tokens)
                   for p, attrs in prompts]
-    sampling = SamplingParams(use_greedy=bool(inf.greedy), temperature=float(setting("temperature", 1.0)),
-                              top_k=int(setting("top_k", 0)), top_p=top_p,
-                              end_strings=[unescape(s) for s in string_list(inf.get("end_strings"))])
     length = LengthParams(max_length=int(inf.tokens_to_generate), min_length=int(inf.min_tokens_to_generate))
     responses = generate_texts(model, prompts_in, sampling, length, seed=inf.get("seed"),
                                batch_size=int(cfg.get("batch_size", 16)))
