@@ -1,4 +1,4 @@
-"""``make demo``: the built-in task end to end on a tiny model, on the CPU, in about 27 minutes.
+"""``make demo``: the built-in task end to end on a tiny model, on the CPU, in about 36 minutes.
 
 Writes the built-in data, then runs each stage as a user would: SFT of a randomly initialised
 tiny GPT (the policy), and a longer SFT run the reward model starts from; the SFT policy sampled
@@ -16,6 +16,7 @@ import argparse
 import os
 import subprocess
 import sys
+from typing import Sequence
 
 from nemo_aligner.data.nlp.builtin_task import BuiltinTask
 from nemo_aligner.data.nlp.jsonl import read_jsonl
@@ -57,6 +58,9 @@ def main(argv=None) -> None:
                         help="short on purpose: a partly trained policy leaves room for PPO and GRPO to improve it")
     parser.add_argument("--rm-backbone-steps", type=int, default=600,
                         help="SFT steps of the model the reward model starts from (a stronger model than the policy)")
+    parser.add_argument("--rm-backbone-layers", type=int, default=4,
+                        help="layers of the reward model (the policy has 2): a 2-layer reward model checks `reverse` "
+                             "answers too poorly for PPO")
     parser.add_argument("--policy-samples", type=int, default=8,
                         help="SFT-policy answers per training prompt, scored by the task's rule for the reward model")
     parser.add_argument("--rm-steps", type=int, default=3000)
@@ -74,7 +78,8 @@ def main(argv=None) -> None:
     print(f"built-in data written to {data}")
 
     sft_nemo = sft_stage(out, paths, "sft", args.sft_steps)
-    backbone = sft_stage(out, paths, "rm_backbone", args.rm_backbone_steps)
+    backbone = sft_stage(out, paths, "rm_backbone", args.rm_backbone_steps,
+                         [f"model.num_layers={args.rm_backbone_layers}"])
     rm_train, rm_val = reward_model_data_stage(out, paths, sft_nemo, args.policy_samples)
     rm_nemo = reward_model_stage(out, backbone, rm_train, rm_val, args.rm_steps, args.rm_batch_size)
     serve_stage(rm_nemo)
@@ -86,8 +91,9 @@ def main(argv=None) -> None:
     report(out, policy_scores(out, paths["prompts_val"], rm_nemo))
 
 
-def sft_stage(out: str, paths: dict, name: str, steps: int) -> str:
-    """SFT of a randomly initialised tiny GPT on the built-in task; returns the .nemo."""
+def sft_stage(out: str, paths: dict, name: str, steps: int, overrides: Sequence[str] = ()) -> str:
+    """SFT of a randomly initialised tiny GPT on the built-in task (``overrides``: more Hydra
+    overrides); returns the .nemo."""
     sft_dir = os.path.join(out, name)
     remove_stage_dir(sft_dir)  # a fresh run each time (metrics.jsonl appends)
     run("train_gpt_sft.py", [
@@ -98,9 +104,11 @@ def sft_stage(out: str, paths: dict, name: str, steps: int) -> str:
         f"trainer.sft.val_check_interval={max(steps // 6, 1)}",
         f"exp_manager.explicit_log_dir={sft_dir}",
         "exp_manager.resume_if_exists=False",
+        *overrides,
     ])
     rows = loss_table(os.path.join(sft_dir, "metrics.jsonl"))
-    print(f"\nSFT on the built-in task (tiny GPT, random init), {steps} steps:")
+    shape = "".join(f", {o}" for o in overrides)
+    print(f"\nSFT on the built-in task (tiny GPT{shape}, random init), {steps} steps:")
     print(f"{'step':>6} {'train loss':>11} {'val loss':>9}")
     for step, train, val in rows:
         print(f"{step:>6} {train if train is not None else float('nan'):>11.4f} {val:>9.4f}")
