@@ -352,6 +352,7 @@ def test_gemma2_and_falcon_layers_are_refused(mcore_single):
     with pytest.raises(ConfigError, match=r"^model\.name='te_gtp' is not a layer spec NeMo knows"):
         build(dict(TINY_ARCH, name="te_gtp"))  # NeMo's megatron-core GPT raises on it too
     build(dict(TINY_ARCH, name="modelopt"))
+    build(dict(TINY_ARCH, name=None))  # null: absent
     build(dict(TINY_ARCH, mcore_customization_config={"final_logit_softcapping": 0}))  # off: builds
 
 

@@ -164,7 +164,7 @@ def run_generate(cfg: DictConfig) -> List[dict]:
 
     # the models' sampling_params rules (null reads as the default; 0 is a setting), under this
     # script's key for greedy decoding
-    sampling = SamplingParams.from_cfg({**OmegaConf.to_container(inf), "use_greedy": bool(inf.greedy)})
+    sampling = SamplingParams.from_cfg({**OmegaConf.to_container(inf, resolve=True), "use_greedy": bool(inf.greedy)})
     sampling.end_strings = [unescape(s) for s in sampling.end_strings]
     if not 0.0 < sampling.top_p <= 1.0:
         raise ConfigError(f"inference.top_p={inf.top_p} must be in (0, 1] (1.0: off)")

@@ -132,7 +132,7 @@ def rope_scaling_factor(cfg) -> float:
 
 def check_supported_architecture(cfg) -> None:
     """Refuse, naming the key, a checkpoint architecture that would otherwise be computed wrongly."""
-    spec = _get(cfg, "name", "")
+    spec = _get(cfg, "name", "") or ""  # null: absent
     if spec in _OTHER_LAYER_SPECS:
         raise ConfigError(f"model.name={spec!r} is not supported: NeMo builds that model's layers with its own layer "
                           f"spec (supported: the GPT layer, model.name absent or one of {list(_GPT_LAYER_SPECS)})")
