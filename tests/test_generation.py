@@ -15,6 +15,9 @@ from nemo_aligner.utils.tokenizers import ByteTokenizer
 
 # Repeated prompts (as in GRPO groups) are prefilled once; each row must still match.
 PROMPTS = ["reverse abc = ", "sort hgfedcba = ", "x", "reverse abcdefgh = ", "x", "reverse abc = "]
+# Mixtral-shaped: each layer's MLP is 4 routed experts, 2 per token.
+MOE_ARCH = dict(TINY_ARCH, num_moe_experts=4, moe_router_topk=2)
+TINY_GPT2_MLP = dict(activation="gelu", bias=True)  # ungated experts with biases: the unfused decode step
 
 
 def build(arch, seed=0):
@@ -39,9 +42,10 @@ def full_logits(model, ids):
                                          (dict(TINY_ARCH, window_size=[5, 0]), ["sort cba = ", "sort abc = "]),
                                          (dict(TINY_GPT2_ARCH, window_size=[5, 0]), PROMPTS),  # unfused decode
                                          (dict(TINY_ARCH, activation="geglu", openai_gelu=True,  # Gemma-shaped
-                                               apply_embedding_scaling=True), PROMPTS)],
+                                               apply_embedding_scaling=True), PROMPTS),
+                                         (MOE_ARCH, PROMPTS), (dict(MOE_ARCH, **TINY_GPT2_MLP), PROMPTS)],
                          ids=["llama", "gpt2", "llama-unpadded", "llama-window", "llama-window-unpadded",
-                              "gpt2-window", "gemma"])
+                              "gpt2-window", "gemma", "mixtral", "moe-gelu"])
 def test_cached_greedy_equals_uncached(mcore_single, arch, texts):
     model = build(arch)
     tok = model.tokenizer
@@ -60,8 +64,9 @@ def test_cached_greedy_equals_uncached(mcore_single, arch, texts):
 
 
 @pytest.mark.parametrize("extra", [{}, {"qk_layernorm": True}, {"rotary_percentage": 0.5},
-                                   {"qk_layernorm": True, "rotary_percentage": 0.5}],
-                         ids=["plain", "qk_layernorm", "partial_rotary", "qk_layernorm_partial_rotary"])
+                                   {"qk_layernorm": True, "rotary_percentage": 0.5},
+                                   {"num_moe_experts": 4, "moe_router_topk": 2}],
+                         ids=["plain", "qk_layernorm", "partial_rotary", "qk_layernorm_partial_rotary", "moe"])
 def test_cached_logits_equal_forward(mcore_single, extra):
     """Not only the argmax: the decoder's logits at every step equal the full forward's (also with
     query/key layer norms, which take the decoder's separate query and key path, and with RoPE on
@@ -103,8 +108,8 @@ def check_cached_logits_equal_forward(extra):
 
 
 @pytest.mark.parametrize("arch", [TINY_ARCH, TINY_GPT2_ARCH, dict(TINY_ARCH, qk_layernorm=True),
-                                  dict(TINY_ARCH, window_size=[4, 0])],
-                         ids=["llama", "gpt2", "qk_layernorm", "window"])
+                                  dict(TINY_ARCH, window_size=[4, 0]), MOE_ARCH],
+                         ids=["llama", "gpt2", "qk_layernorm", "window", "moe"])
 def test_static_decode_step_equals_forward(mcore_single, arch):
     """The static-shape decode step (what a CUDA graph captures: the slot is a tensor, the whole cache
     is read under a mask) gives the full forward's logits at every step, with ragged prompts and

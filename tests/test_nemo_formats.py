@@ -581,3 +581,106 @@ def test_model_config_numbers_in_short_exponent_form_are_numbers(tmp_path):
     cfg = read_model_config(str(tmp_path / "m"))
     assert cfg.layernorm_epsilon == 1e-5 and cfg.init_method_std == 0.02
     check_architecture_values(cfg)
+
+
+# ----------------------------------------------------------------- mixture of experts (Mixtral-shaped)
+MOE_ARCH = dict(TINY_ARCH, num_moe_experts=4, moe_router_topk=2)
+EXPERTS = "mlp.experts.local_experts."
+
+
+@pytest.fixture(scope="module")
+def moe_like(mcore_single, tmp_path_factory):
+    """A Mixtral-shaped model (4 routed experts per layer, 2 per token), its state and its logits."""
+    from nemo_aligner.utils.tokenizers import build_tokenizer
+
+    tok = build_tokenizer({"library": "byte-level"})
+    tiny = dict(MOE_ARCH, encoder_seq_length=24, micro_batch_size=1)
+    model = _reference(tiny, tok, seed=4)
+    tokens = torch.randint(0, 259, (2, 12), generator=torch.Generator().manual_seed(2))
+    state = {k: v.detach().clone() for k, v in model.module.state_dict().items() if not k.endswith("_extra_state")}
+    assert any(EXPERTS + "3.linear_fc1" in k for k in state) and any("mlp.router.weight" in k for k in state)
+    return tiny, tok, state, tokens, forward_logits(model, tokens), tmp_path_factory.mktemp("moe_like"), model
+
+
+def test_moe_nemo_round_trip_and_routing_matters(moe_like, tmp_path):
+    """A MoE .nemo we write loads back with the same logits; its dist checkpoint holds the experts the
+    way megatron-core's SequentialMLP stores them ([layer, expert, ...] under mlp.experts.experts.*),
+    and the router's weights change the logits (the routing is computed, not skipped)."""
+    from nemo_aligner.utils.nemo_file import save_nemo
+
+    tiny, tok, state, tokens, logits, work, model = moe_like
+    path = save_nemo(model, str(tmp_path / "moe.nemo"))
+    with tarfile.open(path) as tar:
+        names = tar.getnames()
+        tar.extractall(tmp_path / "x")
+    cfg = yaml.safe_load((tmp_path / "x" / "model_config.yaml").read_text())
+    assert cfg["num_moe_experts"] == 4 and cfg["moe_router_topk"] == 2
+    import torch.distributed.checkpoint as dcp
+
+    stored = dcp.FileSystemReader(str(tmp_path / "x" / "model_weights")).read_metadata().state_dict_metadata
+    fc1 = stored["model.decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+    assert list(fc1.size) == [2, 4, 2 * 128, 64], names
+    loaded = _load(path)
+    torch.testing.assert_close(forward_logits(loaded, tokens), logits, rtol=0, atol=0)
+    with torch.no_grad():
+        loaded.module.decoder.layers[0].mlp.router.weight.mul_(-1.0)
+    assert not torch.allclose(forward_logits(loaded, tokens), logits, atol=1e-3)
+
+
+def test_moe_zarr_checkpoint_with_te_layer_names(moe_like):
+    """NeMo's zarr dist checkpoint of a Mixtral-shaped model built with Transformer Engine's spec: the
+    experts stacked over [layer, expert], the pre-MLP norm under its own name (TE fuses no norm into a
+    routed MLP), the attention norm fused into linear_qkv."""
+    tiny, tok, state, tokens, logits, work, _ = moe_like
+    directory = _nemo_dir(work / "zarr_dir", _model_config(tiny, tok.config(), mcore_gpt=True,
+                                                             dist_ckpt_format="zarr", transformer_engine=True))
+    weights = directory / "model_weights"
+    weights.mkdir()
+    (weights / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr", "sharded_backend_version": 1,
+                                                       "common_backend": "torch", "common_backend_version": 1}))
+    layers, experts = {}, {}
+    for key, tensor in state.items():
+        if not key.startswith("decoder.layers."):
+            _zarr_write(weights, "model." + key, tensor)
+            continue
+        _, _, index, rest = key.split(".", 3)
+        if rest.startswith(EXPERTS):
+            expert, name = rest[len(EXPERTS):].split(".", 1)
+            experts.setdefault(name, {})[(int(index), int(expert))] = tensor
+        else:
+            rest = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight"}.get(rest, rest)
+            layers.setdefault(rest, {})[int(index)] = tensor
+    for rest, per_layer in layers.items():
+        _zarr_write(weights, "model.decoder.layers." + rest, torch.stack([per_layer[i] for i in sorted(per_layer)]))
+    for name, parts in experts.items():
+        stacked = torch.stack([torch.stack([parts[(i, e)] for e in range(4)]) for i in range(2)])
+        _zarr_write(weights, "model.decoder.layers.mlp.experts.experts." + name, stacked)
+    torch.testing.assert_close(forward_logits(_load(_tar(directory, work / "zarr.nemo")), tokens), logits,
+                               rtol=0, atol=0)
+
+
+def test_moe_legacy_mcore_names_in_one_ckpt(moe_like):
+    """NeMo's single-file model_weights.ckpt of a megatron-core MoE model (per-layer, per-expert names)."""
+    tiny, tok, state, tokens, logits, work, _ = moe_like
+    directory = _nemo_dir(work / "mcore_ckpt_dir", _model_config(tiny, tok.config(), mcore_gpt=True))
+    torch.save({"model." + k: v for k, v in state.items()}, directory / "model_weights.ckpt")
+    torch.testing.assert_close(forward_logits(_load(_tar(directory, work / "mcore_ckpt.nemo")), tokens), logits,
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cfg,message", [
+    ({"num_moe_experts": -1}, "model.num_moe_experts=-1 must be a whole number"),
+    ({"num_moe_experts": 4, "moe_router_topk": 5}, "model.moe_router_topk=5 must be a whole number from 1 to"),
+    ({"num_moe_experts": 4, "moe_aux_loss_coeff": -0.1}, "model.moe_aux_loss_coeff=-0.1 must be a finite number"),
+    ({"num_moe_experts": 4, "moe_shared_expert_intermediate_size": -8}, "mixture-of-experts settings"),
+    ({"num_moe_experts": 4, "expert_model_parallel_size": 2}, "model.expert_model_parallel_size=2: expert parallelism"),
+    ({"num_moe_experts": 4, "moe_router_load_balancing_type": "nope"}, "model.moe_router_load_balancing_type='nope'"),
+])
+def test_moe_settings_are_checked(mcore_single, cfg, message):
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.utils.errors import ConfigError
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        GPTSFTModel(OmegaConf.create(dict(TINY_ARCH, micro_batch_size=1, encoder_seq_length=16, **cfg)),
+                    ByteTokenizer()).module(torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None], None)

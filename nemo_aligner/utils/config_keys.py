@@ -93,6 +93,13 @@ _MODEL_KEYS_READ = ARCHITECTURE_KEYS + CHECKPOINT_UNLESS_SET + (
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "init_method_std", "kv_channels",
     "offload_adam_states", "megatron_amp_O2", "mcore_gpt", "precision", "seed", "micro_batch_size",
     "global_batch_size", "transformer_engine", "hf_vocab_size", "num_special_tokens", "nemo_version",
+    # mixture-of-experts training settings (the architecture's are in ARCHITECTURE_KEYS)
+    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_input_jitter_eps",
+    "moe_token_dispatcher_type", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
+    "moe_token_drop_policy", "moe_per_layer_logging", "moe_router_dtype", "moe_router_bias_update_rate",
+    "moe_token_dropping", "moe_grouped_gemm", "moe_use_legacy_grouped_gemm", "moe_permute_fusion",
+    "moe_router_fusion", "moe_enable_deepep", "moe_shared_expert_overlap", "moe_layer_recompute",
+    "expert_model_parallel_size", "expert_tensor_parallel_size",
 )
 
 

@@ -23,6 +23,10 @@ ARCHITECTURE_KEYS = (
     "normalize_attention_scores", "num_moe_experts", "window_size", "window_attn_skip_freq", "megatron_legacy",
     "scale_factor", "low_freq_factor", "high_freq_factor", "old_context_len", "apply_embedding_scaling",
     "mcore_customization_config",
+    # mixture of experts: the routing and the experts' shapes
+    "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+    "moe_layer_freq", "moe_router_pre_softmax", "moe_router_score_function", "moe_router_topk_scaling_factor",
+    "moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_apply_probs_on_input",
 )
 # Keys a checkpoint sets unless the run sets them (null in the shipped configs: "the checkpoint's").
 CHECKPOINT_UNLESS_SET = ("encoder_seq_length", "seq_len_interpolation_factor", "hidden_dropout", "attention_dropout",
@@ -31,7 +35,9 @@ CHECKPOINT_UNLESS_SET = ("encoder_seq_length", "seq_len_interpolation_factor", "
 # differs from a reward-model checkpoint's, since the head then reads features it was not trained on.
 HEAD_KEYS = ("use_avg_pool",)
 # Keys describing the checkpoint itself, never copied into a new model's config.
-_CHECKPOINT_ONLY = ("mcore_gpt", "dist_ckpt_format", "target", "precision", "nemo_version", "transformer_engine")
+_CHECKPOINT_ONLY = ("mcore_gpt", "dist_ckpt_format", "target", "precision", "nemo_version", "transformer_engine",
+                    # the saving run's layout of the experts: the checkpoint loads at any layout
+                    "expert_model_parallel_size", "expert_tensor_parallel_size")
 
 
 def merge_checkpoint_config(ckpt_cfg: DictConfig, run_cfg: DictConfig,

@@ -23,6 +23,8 @@ from nemo_aligner.utils.errors import CheckpointError
 from nemo_aligner.utils.legacy_checkpoint import TE_NORM_ALIASES
 
 _TE_TO_LOCAL = {te: local for local, te in TE_NORM_ALIASES.items()}
+# A mixture-of-experts layer's experts, stacked over the expert axis after the layer axis.
+_STACKED_EXPERTS = "mlp.experts.experts."
 
 
 def is_zarr_checkpoint(directory: str) -> bool:
@@ -109,6 +111,11 @@ def read_zarr_weights(directory: str, num_layers: int) -> Dict[str, torch.Tensor
             if tensor.shape[0] != num_layers:
                 raise CheckpointError(f"{path}: {tensor.shape[0]} stacked layers, the config has {num_layers}")
             for i in range(num_layers):
+                if rest.startswith(_STACKED_EXPERTS):  # [layer, expert, ...]: megatron-core's SequentialMLP
+                    for e in range(tensor.shape[1]):
+                        name = rest[len(_STACKED_EXPERTS):]
+                        full[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{name}"] = tensor[i, e].clone()
+                    continue
                 full[f"decoder.layers.{i}.{rest}"] = tensor[i].clone()
         else:
             full[key] = tensor

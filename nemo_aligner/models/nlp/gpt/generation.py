@@ -79,8 +79,9 @@ def _pack_linear_weights(module, batch: int, backend: str, weight_of) -> dict:
     weights = []
     for layer in module.decoder.layers:
         attention, mlp = layer.self_attention, layer.mlp
-        weights += [weight_of(attention.linear_qkv), weight_of(attention.linear_proj), weight_of(mlp.linear_fc1),
-                    weight_of(mlp.linear_fc2)]
+        weights += [weight_of(attention.linear_qkv), weight_of(attention.linear_proj)]
+        if not is_moe_layer(mlp):  # a routed layer's experts run as modules (each sees a few rows)
+            weights += [weight_of(mlp.linear_fc1), weight_of(mlp.linear_fc2)]
     if getattr(module, "post_process", False):
         weights.append(module.shared_embedding_or_output_weight() if module.share_embeddings_and_output_weights
                        else module.output_layer.weight)
@@ -91,6 +92,30 @@ def _pack_linear_weights(module, batch: int, backend: str, weight_of) -> dict:
             if matrix is not None:
                 packed[id(param)] = matrix
     return packed
+
+
+def is_moe_layer(mlp) -> bool:
+    """Whether a layer's MLP is a mixture of experts (megatron-core's ``MoELayer``: a router and
+    experts instead of ``linear_fc1``/``linear_fc2``)."""
+    return getattr(mlp, "router", None) is not None and not hasattr(mlp, "linear_fc1")
+
+
+def _moe_call(mlp):
+    """A routed MLP as ``x [S, B, H] -> [S, B, H]``, evaluated as at inference (no router jitter and
+    no load-balancing loss) whatever the module's mode."""
+
+    def call(x):
+        training = mlp.training
+        if training:
+            mlp.train(False)
+        try:
+            out, bias = mlp(x)
+        finally:
+            if training:
+                mlp.train(True)
+        return out + bias if bias is not None else out
+
+    return call
 
 
 def _rotate_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -276,9 +301,11 @@ class KVCacheDecoder:
         attn, mlp = layer.self_attention, layer.mlp
         q_norm, k_norm = getattr(attn, "q_layernorm", None), getattr(attn, "k_layernorm", None)
         identity = lambda m: m is None or type(m).__name__ == "IdentityOp"
+        moe = is_moe_layer(mlp)
         return dict(norm1=_direct_norm(layer.input_layernorm), qkv=self._linear(attn.linear_qkv),
                     proj=self._linear(attn.linear_proj), norm2=_direct_norm(layer.pre_mlp_layernorm),
-                    fc1=self._linear(mlp.linear_fc1), fc2=self._linear(mlp.linear_fc2),
+                    fc1=None if moe else self._linear(mlp.linear_fc1), fc2=None if moe else self._linear(mlp.linear_fc2),
+                    moe=_moe_call(mlp) if moe else None,
                     q_norm=None if identity(q_norm) else q_norm, k_norm=None if identity(k_norm) else k_norm)
 
     def _attention(self, plan: dict, x: torch.Tensor, rope, start, mask, index: int,
@@ -341,6 +368,8 @@ class KVCacheDecoder:
         return self.config.activation_func(x)
 
     def _mlp(self, plan: dict, x: torch.Tensor) -> torch.Tensor:
+        if plan["moe"] is not None:
+            return plan["moe"](x)
         return plan["fc2"](self._activation(plan["fc1"](x)))
 
     def _fused_step(self, tokens: torch.Tensor, positions: torch.Tensor, start: int, key_mask: torch.Tensor,
@@ -363,8 +392,11 @@ class KVCacheDecoder:
             weight, eps = norms[2 * index + 1]
             normed = ext.add_rms_norm(out, hidden, weight, eps)  # out += hidden: the residual stream
             hidden = out
-            inner = plan["fc1"](normed)
-            out = plan["fc2"](ext.swiglu(inner) if fused["swiglu"] else self._activation(inner))
+            if plan["moe"] is not None:
+                out = plan["moe"](normed.unsqueeze(0)).view(batch, -1).contiguous()
+            else:
+                inner = plan["fc1"](normed)
+                out = plan["fc2"](ext.swiglu(inner) if fused["swiglu"] else self._activation(inner))
             weight, eps = norms[2 * index + 2]  # the next layer's input norm, or the final norm
             normed = ext.add_rms_norm(out, hidden, weight, eps)
             hidden = out
@@ -500,8 +532,9 @@ def cuda_graphs_enabled() -> bool:
 def _graphed_step(decoder: KVCacheDecoder, key_mask: torch.Tensor, first_slot: int, steps: int):
     """The CUDA-graph decode step where it applies (enabled, a GPU, one rank, more than one step),
     else None; a capture that fails falls back to the eager step with a warning."""
+    # A routed layer's experts see a data-dependent number of rows: no fixed graph can hold them.
     if not (cuda_graphs_enabled() and decoder.device.type == "cuda" and decoder.tp == 1 and decoder.pp == 1
-            and steps > 1):
+            and steps > 1 and not any(plan["moe"] is not None for plan in decoder.layers)):
         return None
     try:
         return CUDAGraphDecodeStep(decoder, key_mask, first_slot)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 from typing import Optional
 
@@ -10,6 +12,8 @@ import torch.nn.functional as F
 
 from nemo_aligner.utils.config_checks import precision_name
 from nemo_aligner.utils.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 _POSITION_EMBEDDINGS = {"rope", "learned_absolute"}
 # NeMo's normalization names; layernorm1p is LayerNorm with a zero-centred gamma (weight + 1).
@@ -101,7 +105,6 @@ _UNSUPPORTED_ARCHITECTURE = (
     ("rotary_interleaved", False, (False,)),
     ("headscale", False, (False,)),
     ("normalize_attention_scores", True, (True,)),
-    ("num_moe_experts", None, (None, 0, 1)),
     ("window_attn_skip_freq", None, (None,)),  # the sliding window applies to every layer
     ("megatron_legacy", False, (False,)),  # all-Q-then-K-then-V query_key_value layout
 )
@@ -155,6 +158,87 @@ def check_supported_architecture(cfg) -> None:
         if value not in [a for a in allowed if a is not None]:
             raise ConfigError(f"model.{key}={value!r} is not supported (supported: "
                               f"{', '.join(repr(a) for a in allowed)})")
+
+
+# Mixture of experts. NeMo's MegatronGPTModel passes every TransformerConfig field it finds in the
+# model config, with these defaults where they differ from megatron-core's.
+_MOE_NEMO_DEFAULTS = {"moe_router_topk": 2, "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0}
+# GPU kernel choices, not maths: the experts run as megatron-core's SequentialMLP, whose checkpoint
+# layout the grouped-GEMM experts share (megatron-core keeps them compatible).
+_MOE_KERNEL_CHOICES = ("moe_grouped_gemm", "moe_use_legacy_grouped_gemm", "moe_permute_fusion", "moe_router_fusion",
+                       "moe_enable_deepep", "moe_shared_expert_overlap", "overlap_moe_expert_parallel_comm",
+                       "moe_layer_recompute", "moe_router_padding_for_fp8", "moe_router_padding_for_quantization")
+
+
+def num_moe_experts(cfg) -> Optional[int]:
+    """NeMo's ``num_moe_experts``: None for a dense MLP (absent, null or 0), else the experts per
+    MoE layer (1 too: NeMo then builds a routed layer with one expert, as its checkpoints hold)."""
+    value = _get(cfg, "num_moe_experts")
+    if value is None or (value == 0 and not isinstance(value, bool)):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"model.num_moe_experts={value!r} must be a whole number of experts (or null: no experts)")
+    return value
+
+
+# Values megatron-core would take and then fail on inside the first forward (or never check).
+_MOE_CHOICES = {"moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
+                "moe_token_dispatcher_type": ("allgather", "alltoall"),
+                "moe_router_score_function": ("softmax", "sigmoid"),
+                "moe_token_drop_policy": ("probs", "position")}
+
+
+def _check_moe_values(kwargs: dict) -> None:
+    experts, topk = kwargs["num_moe_experts"], kwargs["moe_router_topk"]
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= experts:
+        raise ConfigError(f"model.moe_router_topk={topk!r} must be a whole number from 1 to model.num_moe_experts="
+                          f"{experts} (the experts each token is sent to)")
+    for key, choices in _MOE_CHOICES.items():
+        if key in kwargs and kwargs[key] not in choices:
+            raise ConfigError(f"model.{key}={kwargs[key]!r} is not one of {list(choices)}")
+    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_input_jitter_eps", "moe_expert_capacity_factor"):
+        value = kwargs.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value < 0):
+            raise ConfigError(f"model.{key}={value!r} must be a finite number >= 0 (or null)")
+
+
+def moe_config_kwargs(cfg) -> dict:
+    """TransformerConfig keywords for NeMo's mixture-of-experts keys (``num_moe_experts`` and the
+    ``moe_*`` fields); empty for a dense model."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from omegaconf import OmegaConf
+
+    experts = num_moe_experts(cfg)
+    if experts is None:
+        return {}
+    ep = _get(cfg, "expert_model_parallel_size", 1)
+    if ep != 1:
+        raise ConfigError(f"model.expert_model_parallel_size={ep!r}: expert parallelism is not supported here; set it "
+                          "to 1 (every rank then holds all experts; the checkpoint loads from any layout)")
+    etp = _get(cfg, "expert_tensor_parallel_size")
+    if etp is not None and etp != _get(cfg, "tensor_model_parallel_size", 1):
+        raise ConfigError(f"model.expert_tensor_parallel_size={etp!r} must equal model.tensor_model_parallel_size "
+                          "here (or be null)")
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    kwargs = dict(_MOE_NEMO_DEFAULTS, num_moe_experts=experts)
+    unused = []
+    for key in (cfg.keys() if hasattr(cfg, "keys") else ()):
+        if not (key.startswith("moe_") or key == "overlap_moe_expert_parallel_comm") or key not in fields:
+            continue
+        value = _get(cfg, key)
+        if value is None:
+            continue
+        if key in _MOE_KERNEL_CHOICES:
+            if value:
+                unused.append(f"{key}={value!r}")
+            continue
+        kwargs[key] = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+    _check_moe_values(kwargs)
+    if unused:
+        logger.warning("model.%s: not used here; the experts run as megatron-core's SequentialMLP (the same "
+                       "maths and checkpoint layout)", ", model.".join(unused))
+    return kwargs
 
 
 def attention_window(cfg) -> Optional[int]:
@@ -281,7 +365,15 @@ def transformer_config_from_cfg(cfg, precision="32"):
         recompute_method=_get(cfg, "activations_checkpoint_method") if granularity == "full" else None,
         recompute_num_layers=_get(cfg, "activations_checkpoint_num_layers") if granularity == "full" else None,
     )
-    return TransformerConfig(**kwargs)
+    moe = moe_config_kwargs(cfg)
+    kwargs.update(moe)
+    try:
+        return TransformerConfig(**kwargs)
+    except (ValueError, AssertionError, TypeError) as err:
+        if not moe:
+            raise
+        # megatron-core checks the MoE settings together (top-k against the experts, the router's options)
+        raise ConfigError(f"model's mixture-of-experts settings ({', '.join(sorted(moe))}): {err}") from None
 
 
 def uses_te_spec(cfg) -> bool:
@@ -297,6 +389,16 @@ def _submodules(spec):
     return spec.keywords["submodules"]
 
 
+def mlp_specs(mlp) -> list:
+    """The dense MLPs' submodules in a layer's MLP spec: the MLP itself, or a MoE layer's experts
+    and shared experts (every one of them must get the same activation module)."""
+    sub = _submodules(mlp)
+    if hasattr(sub, "linear_fc1"):
+        return [sub]
+    return [_submodules(s) for s in (getattr(sub, "experts", None), getattr(sub, "shared_experts", None))
+            if s is not None]
+
+
 def layer_spec(cfg, config):
     """Transformer Engine spec on a GPU with TE installed, megatron-core's local spec otherwise."""
     from megatron.core.models.gpt import gpt_layer_specs
@@ -307,9 +409,11 @@ def layer_spec(cfg, config):
         window = attention_window(cfg)
         config.window_size = None if window is None else (window, 0)
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=False,
             qk_layernorm=bool(_get(cfg, "qk_layernorm", False))
         )
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, moe_grouped_gemm=False,
         normalization=normalization, qk_layernorm=bool(_get(cfg, "qk_layernorm", False))
     )
     from nemo_aligner.models.nlp.gpt import lean_ops
@@ -320,7 +424,8 @@ def layer_spec(cfg, config):
         # The MLP calls a spec-built activation module on fc1's whole output when this flag is
         # set (megatron-core's hook for Transformer Engine activations).
         config.use_te_activation_func = True
-        _submodules(spec.submodules.mlp).activation_func = lean_ops.SwiGLU
+        for mlp in mlp_specs(spec.submodules.mlp):
+            mlp.activation_func = lean_ops.SwiGLU
     window = attention_window(cfg)
     if bool(_get(cfg, "use_sdpa_attention", True)):
         from megatron.core.transformer.spec_utils import ModuleSpec

@@ -130,7 +130,9 @@ class _SwiGLUFunction(torch.autograd.Function):
         if ctx.kernels is not None:
             (x,) = ctx.saved_tensors
             flat = x.view(-1, x.shape[-1])
-            return ctx.kernels.swiglu_backward(grad.contiguous().view(flat.shape[0], -1), flat).view_as(x)
+            # explicit sizes: an expert that got no tokens has a [0, ...] gradient
+            grad = grad.contiguous().view(flat.shape[0], flat.shape[1] // 2)
+            return ctx.kernels.swiglu_backward(grad, flat).view_as(x)
         x, activated = ctx.saved_tensors
         gate, up = x.chunk(2, dim=-1)
         out = torch.empty_like(x)

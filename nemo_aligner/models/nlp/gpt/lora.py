@@ -236,7 +236,10 @@ def add_lora_adapters(module: torch.nn.Module, settings: LoraSettings, seed: int
         for target in settings.targets:
             parent_name, linear_name, adapter_name, kind = TARGETS[target]
             parent = getattr(layer, parent_name)
-            linear = getattr(parent, linear_name)
+            linear = getattr(parent, linear_name, None)
+            if linear is None and parent_name == "mlp":
+                raise ConfigError(f"{_KEYS}.target_modules: {target} on a mixture-of-experts layer (layer {number}) "
+                                  "is not supported here; target the attention (attention_qkv, attention_dense)")
             if type(linear) not in (ColumnParallelLinear, RowParallelLinear):
                 raise ConfigError(f"{_KEYS}.target_modules: {target} is a {type(linear).__name__} here; LoRA "
                                   "needs megatron-core's local layer spec (model.force_local_spec=True)")

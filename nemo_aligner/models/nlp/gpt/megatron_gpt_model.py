@@ -448,8 +448,9 @@ class MegatronGPTModel:
             tensor = full[key]
             if getattr(param, "tensor_model_parallel", False) and tp > 1:
                 dim = param.partition_dim
-                if self.transformer_config.gated_linear_unit and key.endswith(("mlp.linear_fc1.weight",
-                                                                                "mlp.linear_fc1.bias")):
+                # a dense MLP's fc1 or an expert's (mlp.experts.local_experts.N.linear_fc1)
+                if self.transformer_config.gated_linear_unit and ".mlp." in key and \
+                        key.endswith(("linear_fc1.weight", "linear_fc1.bias")):
                     gate, up = tensor.chunk(2, dim=0)
                     tensor = torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]])
                 else:
