@@ -684,3 +684,28 @@ def test_moe_settings_are_checked(mcore_single, cfg, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         GPTSFTModel(OmegaConf.create(dict(TINY_ARCH, micro_batch_size=1, encoder_seq_length=16, **cfg)),
                     ByteTokenizer()).module(torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None], None)
+
+
+def test_moe_with_tensor_parallelism_needs_sequence_parallelism():
+    """megatron-core's MoE layer refuses to train at TP > 1 without sequence parallelism: said at start-up."""
+    from nemo_aligner.models.nlp.gpt.gpt_builder import moe_config_kwargs
+    from nemo_aligner.utils.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model.tensor_model_parallel_size=2 with a mixture of experts needs"):
+        moe_config_kwargs(OmegaConf.create({"num_moe_experts": 4, "tensor_model_parallel_size": 2}))
+    assert moe_config_kwargs(OmegaConf.create({"num_moe_experts": 4, "tensor_model_parallel_size": 2,
+                                               "sequence_parallel": True}))["num_moe_experts"] == 4
+
+
+def test_moe_pipeline_parallel_matches_one_process(moe_like, tmp_path):
+    """A MoE model split over two pipeline stages has the loss, gradient norm and updated loss of one process."""
+    from conftest import WORKERS, run_python
+    from nemo_aligner.utils.nemo_file import save_nemo
+
+    worker = os.path.join(WORKERS, "parallel_loss_worker.py")
+    nemo = save_nemo(moe_like[-1], str(tmp_path / "moe.nemo"))
+    run_python(worker, ["--nemo", nemo, "--out", tmp_path / "one.json"], like_nproc=2)
+    run_python(worker, ["--nemo", nemo, "--pp", "2", "--out", tmp_path / "two.json"], nproc=2)
+    one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
+    for key in ("loss0", "grad_norm", "loss1"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5), key

@@ -216,6 +216,10 @@ def moe_config_kwargs(cfg) -> dict:
     if ep != 1:
         raise ConfigError(f"model.expert_model_parallel_size={ep!r}: expert parallelism is not supported here; set it "
                           "to 1 (every rank then holds all experts; the checkpoint loads from any layout)")
+    if _get(cfg, "tensor_model_parallel_size", 1) != 1 and not _get(cfg, "sequence_parallel", False):
+        raise ConfigError(f"model.tensor_model_parallel_size={_get(cfg, 'tensor_model_parallel_size')} with a mixture "
+                          "of experts needs model.sequence_parallel=True (megatron-core's rule; it needs Transformer "
+                          "Engine on a GPU), or 1 (pipeline parallelism works without it)")
     etp = _get(cfg, "expert_tensor_parallel_size")
     if etp is not None and etp != _get(cfg, "tensor_model_parallel_size", 1):
         raise ConfigError(f"model.expert_tensor_parallel_size={etp!r} must equal model.tensor_model_parallel_size "
