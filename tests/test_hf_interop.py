@@ -27,6 +27,12 @@ def tiny_hf(arch: str, tie: bool = False):
                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                sliding_window=8, rope_theta=1e4, rms_norm_eps=1e-5, tie_word_embeddings=tie)
         model = tf.MistralForCausalLM(cfg)
+    elif arch == "mixtral":  # 4 routed experts, 2 per token
+        cfg = tf.MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                               num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
+                               rope_theta=1e4, rms_norm_eps=1e-5, tie_word_embeddings=tie)
+        model = tf.MixtralForCausalLM(cfg)
     elif arch == "gemma":  # (1 + weight) norms, GeGLU with the tanh GELU, embeddings times sqrt(hidden)
         cfg = tf.GemmaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=64,
@@ -60,7 +66,7 @@ def our_logits(nemo_path, tokens):
 
 
 @pytest.mark.parametrize("arch,tie", [("llama", False), ("qwen2", True), ("gpt2", True), ("mistral", False),
-                                      ("gemma", True)])
+                                      ("gemma", True), ("mixtral", False)])
 def test_import_export_logits_match(tmp_path, mcore_single, arch, tie):
     import transformers as tf
 
@@ -94,6 +100,13 @@ def test_import_export_logits_match(tmp_path, mcore_single, arch, tie):
     torch.testing.assert_close(our_logits(again, tokens), expected, atol=2e-5, rtol=1e-4)
     exported = json.load(open(os.path.join(out, "config.json")))
     assert exported["model_type"] == arch
+    if arch == "mixtral":  # the routing: NeMo's keys, and its weights change the logits
+        cfg = read_model_config(nemo, "model.restore_from_path")
+        assert (cfg["num_moe_experts"], cfg["moe_router_topk"], cfg["moe_aux_loss_coeff"]) == (4, 2, 0.02)
+        assert (exported["num_local_experts"], exported["num_experts_per_tok"]) == (4, 2)
+        with torch.no_grad():
+            hf.model.layers[1].mlp.gate.weight.mul_(-1.0)
+            assert not torch.allclose(hf(tokens).logits, expected, atol=1e-3)
     if arch == "mistral":  # Hugging Face's window counts the query's own position, Transformer Engine's not
         assert list(read_model_config(nemo, "model.restore_from_path")["window_size"]) == [7, 0]
         assert exported["sliding_window"] == 8

@@ -329,3 +329,21 @@ def test_a_fresh_run_sets_an_earlier_runs_checkpoints_aside(tmp_path, builtin_da
     now = [name for name in os.listdir(log_dir / "checkpoints") if "step=" in name]
     assert len(now) == 1 and "step=1" in now[0]
     assert "were moved to" in proc.stderr + proc.stdout
+
+
+@pytest.mark.learning
+def test_sft_trains_a_mixture_of_experts_model(tmp_path, builtin_data):
+    """NeMo's MoE keys on the command line build a routed model (4 experts, 2 per token, with the
+    load-balancing loss) that learns the task, and its .nemo carries them."""
+    log_dir = tmp_path / "sft"
+    run_script("train_gpt_sft.py", sft_overrides(builtin_data, log_dir, 100, [
+        "trainer.sft.val_check_interval=50", "model.optim.sched.warmup_steps=5", "++model.num_moe_experts=4",
+        "++model.moe_router_topk=2", "++model.moe_aux_loss_coeff=0.01"]))
+    val = val_losses(log_dir)
+    assert val[100] < 0.75 * val[50] and val[100] < 1.2, val
+    import tarfile
+
+    import yaml
+    with tarfile.open(log_dir / "checkpoints" / "megatron_gpt_sft.nemo") as tar:
+        cfg = yaml.safe_load(tar.extractfile("./model_config.yaml").read())
+    assert (cfg["num_moe_experts"], cfg["moe_router_topk"], cfg["moe_aux_loss_coeff"]) == (4, 2, 0.01)

@@ -1,4 +1,4 @@
-"""Hugging Face <-> megatron-core conversion for Llama, Qwen2 and GPT-2 checkpoints.
+"""Hugging Face <-> megatron-core conversion for Llama (Mistral, Mixtral), Qwen2, Gemma and GPT-2 checkpoints.
 
 ``import_hf_model(hf_dir, nemo_path)`` reads a local ``config.json`` + safetensors (or
 ``pytorch_model.bin``) directory and writes a ``.nemo`` whose model gives the same logits;
@@ -19,7 +19,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from nemo_aligner.models.nlp.gpt.gpt_builder import attention_window, rope_scaling_factor
+from nemo_aligner.models.nlp.gpt.gpt_builder import attention_window, num_moe_experts, rope_scaling_factor
 from nemo_aligner.utils.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -29,6 +29,8 @@ ARCHITECTURES = ("llama", "qwen2", "gpt2", "gemma")
 _ONE_CENTRED_NORMS = ("gemma",)
 # Imported as Llama (the same layers and weight names); exported back as Llama.
 LLAMA_LIKE = ("mistral",)
+# Llama's attention with routed experts (block_sparse_moe.*): imported and exported as Mixtral.
+MIXTRAL = "mixtral"
 
 
 # ----------------------------------------------------------------------------- configs
@@ -79,10 +81,21 @@ def _of_type(hf: dict, key: str, where: str, kind: type, what: str):
 def nemo_config_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
     """``(architecture, model config keys)`` for an HF ``config.json``; every value read is checked."""
     arch = str(hf.get("model_type", "")).lower()
-    if arch not in ARCHITECTURES + LLAMA_LIKE:
+    if arch not in ARCHITECTURES + LLAMA_LIKE + (MIXTRAL,):
         raise ConfigError(f"{where}: model_type={hf.get('model_type')!r} is not supported; "
-                          f"supported: {', '.join(ARCHITECTURES + LLAMA_LIKE)}")
-    window = hf.get("sliding_window") if arch == "mistral" else None
+                          f"supported: {', '.join(ARCHITECTURES + LLAMA_LIKE + (MIXTRAL,))}")
+    window = hf.get("sliding_window") if arch in ("mistral", MIXTRAL) else None
+    experts = {}
+    if arch == MIXTRAL:
+        # Mixtral's router: softmax over the top-k logits (HF: softmax over all, top-k, renormalised: the same)
+        count = _int_value(hf, "num_local_experts", where)
+        experts = {"num_moe_experts": count, "moe_router_topk": _int_value(hf, "num_experts_per_tok", where, 2),
+                   "moe_router_load_balancing_type": "aux_loss",
+                   "moe_aux_loss_coeff": _float_value(hf, "router_aux_loss_coef", where, 0.001),
+                   "moe_input_jitter_eps": _float_value(hf, "router_jitter_noise", where, 0.0) or None}
+        if experts["moe_router_topk"] > count:
+            raise ConfigError(f"{where}: num_experts_per_tok={experts['moe_router_topk']} is more than "
+                              f"num_local_experts={count}")
     architectures = _of_type(hf, "architectures", where, list, "a list of class names") or []
     if not all(isinstance(a, str) for a in architectures):
         raise ConfigError(f"{where}: architectures={architectures!r} must be a list of class names")
@@ -142,7 +155,7 @@ def nemo_config_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
         raise ConfigError(f"{where}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
     head_dim = _int_value(hf, "head_dim", where, hidden // heads)
     qkv_bias = True if arch == "qwen2" else _bool_value(hf, "attention_bias", where, False)
-    if arch in ("llama", "gemma") + LLAMA_LIKE and (_bool_value(hf, "mlp_bias", where, False) or qkv_bias):
+    if arch in ("llama", "gemma", MIXTRAL) + LLAMA_LIKE and (_bool_value(hf, "mlp_bias", where, False) or qkv_bias):
         raise ConfigError(f"{where}: attention_bias/mlp_bias=True is not supported")
     positions = _int_value(hf, "max_position_embeddings", where, 2048)
     seq = min(positions, 4096)
@@ -153,6 +166,8 @@ def nemo_config_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
             raise ConfigError(f"{where}: sliding_window={window!r} must be a positive integer or null")
         windowed = {"window_size": [window - 1, 0]}
     arch = "llama" if arch in LLAMA_LIKE else arch
+    if arch == MIXTRAL and hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: hidden_act={hf.get('hidden_act')!r} is not supported (silu only)")
     # Gemma as NeMo's converter writes it: GeGLU with the tanh GELU, embeddings times sqrt(hidden)
     gemma_keys = dict(activation="geglu", openai_gelu=True, apply_embedding_scaling=True) if gemma else {}
     return arch, dict(common, num_layers=_int_value(hf, "num_hidden_layers", where), hidden_size=hidden,
@@ -164,7 +179,7 @@ def nemo_config_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
                       normalization="rmsnorm", layernorm_epsilon=_float_value(hf, "rms_norm_eps", where, 1e-6, positive=True),
                       bias=False, qkv_bias=qkv_bias,
                       share_embeddings_and_output_weights=_bool_value(hf, "tie_word_embeddings", where, gemma), **scaled,
-                      **windowed, **(gemma_keys or {"activation": "swiglu"}))
+                      **windowed, **experts, **(gemma_keys or {"activation": "swiglu"}))
 
 
 # Llama 3.1/3.2 RoPE scaling as megatron-core implements it (rope_scaling=True): only the factor varies.
@@ -237,6 +252,14 @@ def hf_config_from_nemo(cfg: dict) -> Tuple[str, dict]:
         if window is not None:  # Mistral: Llama's weights and names with a sliding window
             arch = "mistral"
             out.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=window + 1)
+        if num_moe_experts(cfg) is not None:
+            if gemma or qkv_bias:
+                raise ConfigError("a mixture-of-experts model exports as Mixtral, which has no "
+                                  f"{'GeGLU' if gemma else 'query/key/value biases'}")
+            arch = MIXTRAL
+            out.update(_mixtral_config(cfg), model_type=MIXTRAL, architectures=["MixtralForCausalLM"],
+                       sliding_window=None if window is None else window + 1)
+            out.pop("attention_bias", None), out.pop("mlp_bias", None)
         if cfg.get("scale_positional_embedding"):
             scaling = dict(_LLAMA3_ROPE, rope_type="llama3", factor=rope_scaling_factor(cfg))
             out["rope_scaling"] = scaling
@@ -244,6 +267,25 @@ def hf_config_from_nemo(cfg: dict) -> Tuple[str, dict]:
         return arch, out
     raise ConfigError(f"this model (normalization={norm}, activation={act}, position_embedding_type={pos}, "
                       f"bias={cfg.get('bias')}) matches none of {', '.join(ARCHITECTURES)}")
+
+
+# MoE settings Mixtral's layer has no way to express: (key, the value it computes with).
+_MIXTRAL_FIXED = (("moe_router_pre_softmax", False), ("moe_router_score_function", "softmax"),
+                  ("moe_shared_expert_intermediate_size", None), ("moe_layer_freq", 1),
+                  ("moe_router_topk_scaling_factor", None), ("moe_router_enable_expert_bias", False),
+                  ("moe_router_num_groups", None), ("moe_apply_probs_on_input", False))
+
+
+def _mixtral_config(cfg: dict) -> dict:
+    """Mixtral's config.json keys for a model config's experts (a ConfigError for what it cannot hold)."""
+    for key, plain in _MIXTRAL_FIXED:
+        if cfg.get(key) not in (None, plain):
+            raise ConfigError(f"model.{key}={cfg.get(key)!r}: Mixtral's config cannot express it, so the export "
+                              "would compute something else")
+    return {"num_local_experts": num_moe_experts(cfg), "num_experts_per_tok": int(cfg.get("moe_router_topk") or 2),
+            "intermediate_size": int(cfg.get("moe_ffn_hidden_size") or cfg["ffn_hidden_size"]),
+            "router_aux_loss_coef": float(cfg.get("moe_aux_loss_coeff") or 0.0),
+            "router_jitter_noise": float(cfg.get("moe_input_jitter_eps") or 0.0), "output_router_logits": False}
 
 
 # ----------------------------------------------------------------------------- weights
@@ -388,6 +430,14 @@ def hf_to_mcore(hf: Dict[str, torch.Tensor], arch: str, cfg: dict, where: str = 
         out[o + "self_attention.linear_proj.weight"] = take(att + "o_proj.weight", H, Q)
         out[o + "input_layernorm.weight"] = take(p + "input_layernorm.weight", H)
         out[o + "pre_mlp_layernorm.weight"] = take(p + "post_attention_layernorm.weight", H)
+        if arch == MIXTRAL:  # w1: gate, w3: up, w2: down, per expert
+            moe, count = p + "block_sparse_moe.", cfg["num_moe_experts"]
+            out[o + "mlp.router.weight"] = take(moe + "gate.weight", count, H)
+            for e in range(count):
+                w, x = f"{moe}experts.{e}.", f"{o}mlp.experts.local_experts.{e}."
+                out[x + "linear_fc1.weight"] = torch.cat([take(w + "w1.weight", F, H), take(w + "w3.weight", F, H)])
+                out[x + "linear_fc2.weight"] = take(w + "w2.weight", H, F)
+            continue
         out[o + "mlp.linear_fc1.weight"] = torch.cat([take(p + "mlp.gate_proj.weight", F, H),
                                                       take(p + "mlp.up_proj.weight", F, H)])
         out[o + "mlp.linear_fc2.weight"] = take(p + "mlp.down_proj.weight", H, F)
@@ -441,6 +491,13 @@ def mcore_to_hf(state: Dict[str, torch.Tensor], arch: str, cfg: dict) -> Dict[st
             out[p + "self_attn.o_proj.weight"] = state[o + "self_attention.linear_proj.weight"]
             out[p + "input_layernorm.weight"] = state[o + "input_layernorm.weight"]
             out[p + "post_attention_layernorm.weight"] = state[o + "pre_mlp_layernorm.weight"]
+            if arch == MIXTRAL:
+                out[p + "block_sparse_moe.gate.weight"] = state[o + "mlp.router.weight"]
+                for e in range(cfg["num_moe_experts"]):
+                    w, x = f"{p}block_sparse_moe.experts.{e}.", f"{o}mlp.experts.local_experts.{e}."
+                    out[w + "w1.weight"], out[w + "w3.weight"] = state[x + "linear_fc1.weight"].chunk(2)
+                    out[w + "w2.weight"] = state[x + "linear_fc2.weight"]
+                continue
             gate, up = state[o + "mlp.linear_fc1.weight"].chunk(2)
             out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
             out[p + "mlp.down_proj.weight"] = state[o + "mlp.linear_fc2.weight"]
