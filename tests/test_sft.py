@@ -347,3 +347,10 @@ def test_sft_trains_a_mixture_of_experts_model(tmp_path, builtin_data):
     with tarfile.open(log_dir / "checkpoints" / "megatron_gpt_sft.nemo") as tar:
         cfg = yaml.safe_load(tar.extractfile("./model_config.yaml").read())
     assert (cfg["num_moe_experts"], cfg["moe_router_topk"], cfg["moe_aux_loss_coeff"]) == (4, 2, 0.01)
+    # DPO from it: the routed model restores, trains and saves again
+    proc = run_script("train_gpt_dpo.py", [
+        f"pretrained_checkpoint.restore_from_path={log_dir / 'checkpoints' / 'megatron_gpt_sft.nemo'}",
+        f"model.data.data_prefix={{train: [{builtin_data['dpo_train']}], validation: [{builtin_data['dpo_val']}], "
+        f"test: [{builtin_data['dpo_val']}]}}", f"exp_manager.explicit_log_dir={tmp_path / 'dpo'}",
+        "trainer.dpo.max_steps=2", "trainer.dpo.max_epochs=10"])
+    assert "DPO (dpo) finished: 2 steps" in proc.stdout
