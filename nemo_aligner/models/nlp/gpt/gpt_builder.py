@@ -370,6 +370,8 @@ def transformer_config_from_cfg(cfg, precision="32"):
         recompute_num_layers=_get(cfg, "activations_checkpoint_num_layers") if granularity == "full" else None,
     )
     moe = moe_config_kwargs(cfg)
+    if moe:  # megatron-core's own fallback, said here without its warning in every run
+        moe.setdefault("moe_ffn_hidden_size", kwargs["ffn_hidden_size"])
     kwargs.update(moe)
     try:
         return TransformerConfig(**kwargs)
