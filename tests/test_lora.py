@@ -30,6 +30,21 @@ def _linears(layer):
             "linear_fc1": layer.mlp.linear_fc1, "linear_fc2": layer.mlp.linear_fc2}
 
 
+def test_lora_on_a_mixture_of_experts_model(mcore_single):
+    """Attention adapters on a routed model train alone; adapters on a routed MLP are refused in one line."""
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
+    from nemo_aligner.utils.errors import ConfigError
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    moe = dict(num_moe_experts=4, moe_router_topk=2)
+    cfg = lora_model_cfg(target_modules=["attention"], adapter_dim=4, alpha=8)
+    model = MegatronGPTModel(OmegaConf.merge(cfg, moe), ByteTokenizer())
+    trained = model.trainable_names()
+    assert len(trained) == 8 and all(".self_attention.adapter_layer." in n for n in trained), trained
+    with pytest.raises(ConfigError, match=r"mlp_fc1 on a mixture-of-experts layer \(layer 1\) is not supported"):
+        MegatronGPTModel(OmegaConf.merge(lora_model_cfg(target_modules=["all"], adapter_dim=4), moe), ByteTokenizer())
+
+
 def test_adapters_add_the_scaled_low_rank_update_and_only_they_train(mcore_single):
     from nemo_aligner.models.nlp.gpt import lora
     from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel

@@ -1,5 +1,5 @@
-"""Hugging Face directory fuzzing: run ``convert_hf_to_nemo.py`` on a tiny Llama, Mistral, Gemma, Qwen2 or
-GPT-2 directory (made here, random weights) with one hostile change: a ``config.json`` value set to
+"""Hugging Face directory fuzzing: run ``convert_hf_to_nemo.py`` on a tiny Llama, Mistral, Mixtral, Gemma,
+Qwen2 or GPT-2 directory (made here, random weights) with one hostile change: a ``config.json`` value set to
 text, null, a list, a dict, -1, 0, 1.5, 1e18, NaN, a string for a flag, or removed; a tensor of the
 weights cut to another shape or removed; a tokenizer file emptied or overwritten. Report every run that
 ended in a traceback or a hang instead of a one-line refusal or a finished conversion.
@@ -23,7 +23,7 @@ from fuzz_config import arguments, check_base, finished, outcome, run, run_all, 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONVERT = os.path.join(REPO, "examples", "nlp", "gpt", "convert_hf_to_nemo.py")
-ARCHS = ["llama", "mistral", "gemma", "qwen2", "gpt2"]
+ARCHS = ["llama", "mistral", "mixtral", "gemma", "qwen2", "gpt2"]
 MISSING = object()
 HOSTILE = [MISSING, None, "abc", "", "false", -1, 0, 1.5, 1e18, float("nan"), True, [1, 2], {"a": 1}]
 
@@ -42,7 +42,9 @@ def tiny_directory(arch: str, path: str) -> None:
                                                     bos_token_id=1, eos_token_id=2))
     else:
         config = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "gemma": tf.GemmaConfig,
-                  "qwen2": tf.Qwen2Config}[arch]
+                  "qwen2": tf.Qwen2Config, "mixtral": tf.MixtralConfig}[arch]
+        if arch == "mixtral":
+            common = dict(common, num_local_experts=4, num_experts_per_tok=2)
         model = tf.AutoModelForCausalLM.from_config(config(hidden_size=64, intermediate_size=96, num_key_value_heads=2,
                                                            **common))
     model.save_pretrained(path)
