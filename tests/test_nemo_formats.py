@@ -8,6 +8,7 @@ their own libraries id for id.
 import base64
 import json
 import os
+import re
 import shutil
 import tarfile
 
@@ -669,10 +670,14 @@ def test_moe_legacy_mcore_names_in_one_ckpt(moe_like):
 
 
 @pytest.mark.parametrize("cfg,message", [
-    ({"num_moe_experts": -1}, "model.num_moe_experts=-1 must be a whole number"),
+    ({"num_moe_experts": -1}, "model.num_moe_experts=-1 must be >= 0"),
     ({"num_moe_experts": 4, "moe_router_topk": 5}, "model.moe_router_topk=5 must be a whole number from 1 to"),
-    ({"num_moe_experts": 4, "moe_aux_loss_coeff": -0.1}, "model.moe_aux_loss_coeff=-0.1 must be a finite number"),
-    ({"num_moe_experts": 4, "moe_shared_expert_intermediate_size": -8}, "mixture-of-experts settings"),
+    ({"num_moe_experts": 4, "moe_aux_loss_coeff": -0.1}, "model.moe_aux_loss_coeff=-0.1 must be >= 0"),
+    ({"num_moe_experts": 4, "moe_shared_expert_intermediate_size": -8}, "model.moe_shared_expert_intermediate_size=-8 must be > 0"),
+    ({"num_moe_experts": 4, "moe_pad_expert_input_to_capacity": True}, "mixture-of-experts settings"),
+    ({"num_moe_experts": 4, "moe_ffn_hidden_size": "abc"}, "model.moe_ffn_hidden_size='abc' must be"),
+    ({"num_moe_experts": 4, "moe_layer_freq": [1, 2]}, "model.moe_layer_freq=[1, 2] must be"),
+    ({"num_moe_experts": 4, "moe_apply_probs_on_input": True}, "model.moe_apply_probs_on_input=True needs"),
     ({"num_moe_experts": 4, "expert_model_parallel_size": 2}, "model.expert_model_parallel_size=2: expert parallelism"),
     ({"num_moe_experts": 4, "moe_router_load_balancing_type": "nope"}, "model.moe_router_load_balancing_type='nope'"),
 ])
@@ -681,7 +686,7 @@ def test_moe_settings_are_checked(mcore_single, cfg, message):
     from nemo_aligner.utils.errors import ConfigError
     from nemo_aligner.utils.tokenizers import ByteTokenizer
 
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         GPTSFTModel(OmegaConf.create(dict(TINY_ARCH, micro_batch_size=1, encoder_seq_length=16, **cfg)),
                     ByteTokenizer()).module(torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None], None)
 

@@ -28,11 +28,14 @@ POSITIVE_INTS = frozenset({
     "pad_length_to_multiple_of", "num_query_groups", "kv_channels", "activations_checkpoint_num_layers",
     "max_length", "max_rollout_turns", "num_rollouts_per_prompt", "top_n_rollouts", "num_attributes",
     "max_iterations", "dist_timeout_minutes", "strip_sequence_length_to_multiple", "padded_vocab_size",
+    "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_num_groups",
+    "moe_router_group_topk", "expert_model_parallel_size",
 })
 NON_NEGATIVE_INTS = frozenset({
     "critic_warmup_steps", "num_workers",
     "max_consecutive_nonfinite_steps", "min_length", "top_k", "max_retries", "tokens_to_generate",
     "min_tokens_to_generate", "seed", "max_queue_delay_microseconds", "start_from_idx", "end_at_idx",
+    "num_moe_experts",
 })
 NON_NEGATIVE_NUMBERS = frozenset({
     "val_check_interval", "save_interval", "lr", "min_lr", "weight_decay", "gradient_clip_val", "temperature", "warmup_steps", "timeout_s",
@@ -40,7 +43,8 @@ NON_NEGATIVE_NUMBERS = frozenset({
     "ref_policy_kl_penalty", "sft_loss_weight", "preference_loss_weight", "gt_reward_scale", "constant_steps",
     "hold_steps", "warmup_ratio", "entropy_bonus", "ratio_eps", "discount_factor", "gae_lambda",
     "desirable_loss_weight", "undesirable_loss_weight", "kd_loss_weight", "loss_clip_val", "wait_for_server_s",
-    "shutdown_idle_s", "top_p",
+    "shutdown_idle_s", "top_p", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_input_jitter_eps",
+    "moe_expert_capacity_factor", "moe_router_bias_update_rate",
 })
 # Any finite number (either sign).
 FINITE_NUMBERS = frozenset({"default_chosen_reward", "default_rejected_reward", "mean", "loss_mask_val"})
@@ -77,12 +81,16 @@ AT_MOST_ONE = frozenset({"discount_factor", "gae_lambda", "top_p", "rotary_perce
 POSITIVE_NUMBERS = frozenset({"eps", "std", "target_logits_scale", "logits_scale", "init_method_std",
                               "seq_len_interpolation_factor", "layernorm_epsilon", "rotary_base", "rotary_percentage",
                               "rope_scaling_factor", "scale_factor", "low_freq_factor", "high_freq_factor",
-                              "old_context_len"})
+                              "old_context_len", "moe_router_topk_scaling_factor"})
 # Architecture flags: true, false or null (the default); text such as "false" would read as true.
 BOOLEANS = frozenset({"bias", "qkv_bias", "share_embeddings_and_output_weights", "openai_gelu",
                       "layernorm_zero_centered_gamma", "qk_layernorm", "scale_positional_embedding", "rotary_interleaved",
                       "apply_query_key_layer_scaling", "headscale", "normalize_attention_scores", "megatron_legacy",
-                      "apply_embedding_scaling"})
+                      "apply_embedding_scaling", "moe_router_pre_softmax", "moe_router_enable_expert_bias",
+                      "moe_apply_probs_on_input", "moe_pad_expert_input_to_capacity", "moe_per_layer_logging",
+                      "moe_token_dropping", "moe_shared_expert_gate", "moe_grouped_gemm", "moe_use_legacy_grouped_gemm",
+                      "moe_permute_fusion", "moe_router_fusion", "moe_layer_recompute", "moe_enable_deepep",
+                      "moe_shared_expert_overlap"})
 # TCP ports (null: not served / chosen freely).
 PORTS = frozenset({"port", "grpc_port", "metrics_port"})
 # Keys NeMo-Aligner's configs carry that this project does not implement: accepted at the value that

@@ -189,18 +189,28 @@ _MOE_CHOICES = {"moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "
 
 
 def _check_moe_values(kwargs: dict) -> None:
+    """The MoE settings' types and ranges (a checkpoint's too), then what they must satisfy together."""
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.utils.config_checks import check_config_values
+
+    check_config_values(OmegaConf.create({"model": {k: v for k, v in kwargs.items() if k != "moe_layer_freq"}}))
+    freq = kwargs.get("moe_layer_freq", 1)
+    if not (isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1) and not (
+            isinstance(freq, list) and freq and all(v in (0, 1) and not isinstance(v, bool) for v in freq)):
+        raise ConfigError(f"model.moe_layer_freq={freq!r} must be a whole number >= 1 (every n-th layer routed) or "
+                          "a list of 0/1 per layer")
     experts, topk = kwargs["num_moe_experts"], kwargs["moe_router_topk"]
     if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= experts:
         raise ConfigError(f"model.moe_router_topk={topk!r} must be a whole number from 1 to model.num_moe_experts="
                           f"{experts} (the experts each token is sent to)")
+    if kwargs.get("moe_apply_probs_on_input") and topk != 1:
+        raise ConfigError(f"model.moe_apply_probs_on_input=True needs model.moe_router_topk=1 (it is {topk})")
+    if kwargs.get("moe_router_dtype") not in (None, "fp32", "fp64"):
+        raise ConfigError(f"model.moe_router_dtype={kwargs['moe_router_dtype']!r} is not one of [null, 'fp32', 'fp64']")
     for key, choices in _MOE_CHOICES.items():
         if key in kwargs and kwargs[key] not in choices:
             raise ConfigError(f"model.{key}={kwargs[key]!r} is not one of {list(choices)}")
-    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_input_jitter_eps", "moe_expert_capacity_factor"):
-        value = kwargs.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not math.isfinite(value) or value < 0):
-            raise ConfigError(f"model.{key}={value!r} must be a finite number >= 0 (or null)")
 
 
 def moe_config_kwargs(cfg) -> dict:
