@@ -714,3 +714,33 @@ def test_moe_pipeline_parallel_matches_one_process(moe_like, tmp_path):
     one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
     for key in ("loss0", "grad_norm", "loss1"):
         assert two[key] == pytest.approx(one[key], rel=1e-5), key
+
+
+MOE_KEYS = ["num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+            "moe_layer_freq", "moe_router_pre_softmax", "moe_router_score_function", "moe_router_topk_scaling_factor",
+            "moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias",
+            "moe_apply_probs_on_input", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+            "moe_input_jitter_eps", "moe_token_dispatcher_type", "moe_expert_capacity_factor",
+            "moe_pad_expert_input_to_capacity", "moe_token_drop_policy", "moe_router_dtype",
+            "moe_router_bias_update_rate", "moe_grouped_gemm", "expert_model_parallel_size"]
+
+
+@pytest.mark.parametrize("key", MOE_KEYS)
+def test_hostile_moe_values_are_refused_or_computed(mcore_single, key):
+    """Every MoE key at text, -1, 0, 1.5, 1e18, NaN, true, a list or a dict: a one-line ConfigError, or a
+    model whose training forward and backward are finite (no error from deep inside megatron-core)."""
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.utils.errors import ConfigError
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    for value in ["abc", -1, 0, 1.5, 1e18, float("nan"), True, [1, 2], {"a": 1}]:
+        cfg = dict(MOE_ARCH, micro_batch_size=1, encoder_seq_length=16, **{key: value})
+        try:
+            model = GPTSFTModel(OmegaConf.create(cfg), ByteTokenizer(), trainable=True)
+        except ConfigError as err:
+            assert "\n" not in str(err) and key in str(err) or "mixture-of-experts" in str(err), (value, err)
+            continue
+        model.module.train()
+        out = model.module(torch.randint(0, 250, (2, 8)), torch.arange(8)[None].expand(2, 8), None)
+        out.float().sum().backward()
+        assert torch.isfinite(out).all(), (key, value)
