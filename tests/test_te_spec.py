@@ -22,7 +22,9 @@ pytestmark = pytest.mark.skipif(not te_available(), reason=_skip_reason())
 
 # "window": NeMo's sliding window (Mistral), computed by Transformer Engine on one side and by the
 # local spec's SDPA attention on the other; 24 tokens against a window of 8
-ARCHS = {"llama": TINY_ARCH, "gpt2": TINY_GPT2_ARCH, "window": dict(TINY_ARCH, window_size=[7, 0])}
+# "moe": Mixtral-shaped routed experts (TE's spec keeps the pre-MLP norm apart from the experts)
+ARCHS = {"llama": TINY_ARCH, "gpt2": TINY_GPT2_ARCH, "window": dict(TINY_ARCH, window_size=[7, 0]),
+         "moe": dict(TINY_ARCH, num_moe_experts=4, moe_router_topk=2)}
 
 
 def _model(arch, local: bool, seed: int = 0):
