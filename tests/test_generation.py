@@ -65,8 +65,13 @@ def test_cached_greedy_equals_uncached(mcore_single, arch, texts):
 
 @pytest.mark.parametrize("extra", [{}, {"qk_layernorm": True}, {"rotary_percentage": 0.5},
                                    {"qk_layernorm": True, "rotary_percentage": 0.5},
-                                   {"num_moe_experts": 4, "moe_router_topk": 2}],
-                         ids=["plain", "qk_layernorm", "partial_rotary", "qk_layernorm_partial_rotary", "moe"])
+                                   {"num_moe_experts": 4, "moe_router_topk": 2},
+                                   # shared experts, a dense second layer, sigmoid scores, the all-to-all dispatcher
+                                   {"num_moe_experts": 4, "moe_router_topk": 2, "moe_shared_expert_intermediate_size": 64,
+                                    "moe_layer_freq": [1, 0], "moe_router_score_function": "sigmoid",
+                                    "moe_token_dispatcher_type": "alltoall"}],
+                         ids=["plain", "qk_layernorm", "partial_rotary", "qk_layernorm_partial_rotary", "moe",
+                              "moe-variants"])
 def test_cached_logits_equal_forward(mcore_single, extra):
     """Not only the argmax: the decoder's logits at every step equal the full forward's (also with
     query/key layer norms, which take the decoder's separate query and key path, and with RoPE on

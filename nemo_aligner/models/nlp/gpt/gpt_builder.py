@@ -249,6 +249,12 @@ def moe_config_kwargs(cfg) -> dict:
             continue
         kwargs[key] = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
     _check_moe_values(kwargs)
+    if kwargs.get("moe_token_dispatcher_type") == "alltoall" and not torch.cuda.is_available():
+        # megatron-core's all-to-all dispatcher builds CUDA streams; with every expert on each rank the
+        # all-gather dispatcher routes the same tokens to the same experts
+        kwargs["moe_token_dispatcher_type"] = "allgather"
+        logger.info("model.moe_token_dispatcher_type=alltoall: megatron-core's all-gather dispatcher is used "
+                    "on the CPU (the same routing)")
     if unused:
         logger.warning("model.%s: not used here; the experts run as megatron-core's SequentialMLP (the same "
                        "maths and checkpoint layout)", ", model.".join(unused))
