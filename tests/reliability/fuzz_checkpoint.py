@@ -6,6 +6,7 @@ hang instead of a one-line refusal or a finished run.
 
     python tests/reliability/fuzz_checkpoint.py                 # 120 runs, seed 0
     python tests/reliability/fuzz_checkpoint.py --runs 30 --targets dpo generate
+    python tests/reliability/fuzz_checkpoint.py --moe            # the base model: 4 routed experts per layer
 
 Outcomes, output and exit status as ``fuzz_config.py``; ``--json PATH`` also records each run's damage.
 A run that finishes is not a failure by itself: bytes flipped inside the weights give other, finite
@@ -95,7 +96,11 @@ def damage(src: str, dst: str, rng: random.Random) -> str:
 
 
 def main(argv=None) -> int:
-    args = arguments(__doc__, 120, TARGETS).parse_args(argv)
+    parser = arguments(__doc__, 120, TARGETS)
+    parser.add_argument("--moe", action="store_true", help="fuzz a mixture-of-experts base model (Mixtral-shaped)")
+    args = parser.parse_args(argv)
+    if args.moe:
+        Targets.SFT_EXTRA = ["++model.num_moe_experts=4", "++model.moe_router_topk=2", "++model.moe_aux_loss_coeff=0.01"]
     scripts = argparse.Namespace(**dict(vars(args), targets=[t for t in args.targets if t not in CONVERTERS]))
     work, targets = prepared(scripts, "fuzz_checkpoint_")
 

@@ -85,6 +85,9 @@ class Targets:
                   "rs": ("prompts_train", "prompts_val"), "generate": ("prompts_val", "prompts_val"),
                   "kd": ("kd_train", "kd_val"), "topk": ("sft_val", "sft_val")}
 
+    # Extra overrides of the base SFT run (fuzz_checkpoint.py --moe: a mixture-of-experts model).
+    SFT_EXTRA: list = []
+
     def __init__(self, work: str, timeout_s: float):
         self.work, self.timeout_s = work, timeout_s
         self.data = BuiltinTask(seed=0).write_all(os.path.join(work, "data"), n_train=64, n_val=16)
@@ -141,7 +144,8 @@ class Targets:
                        "spin": [f"pretrained_checkpoint.restore_from_path={nemo}", "trainer.spin.max_iterations=1",
                                 "model.global_batch_size=8", "model.micro_batch_size=4",
                                 "model.spin.rollout_micro_batch_size=8", "model.spin.length_params.max_length=4"]}
-            return [sys.executable, script] + restore[target] + files + common
+            extra = self.SFT_EXTRA if target == "sft" else []
+            return [sys.executable, script] + restore[target] + files + common + extra
         prefix = f"{{train: [{train}], validation: [{val}], test: [{val}]}}"
         base = [sys.executable, script, f"pretrained_checkpoint.restore_from_path={nemo}",
                 f"++model.data.data_prefix={prefix}"] + common
