@@ -660,13 +660,20 @@ def test_moe_zarr_checkpoint_with_te_layer_names(moe_like):
                                rtol=0, atol=0)
 
 
+def _moe_legacy_nemo(moe_like) -> str:
+    tiny, tok, state, tokens, logits, work, _ = moe_like
+    path = work / "mcore_ckpt.nemo"
+    if not path.exists():
+        directory = _nemo_dir(work / "mcore_ckpt_dir", _model_config(tiny, tok.config(), mcore_gpt=True))
+        torch.save({"model." + k: v for k, v in state.items()}, directory / "model_weights.ckpt")
+        _tar(directory, path)
+    return str(path)
+
+
 def test_moe_legacy_mcore_names_in_one_ckpt(moe_like):
     """NeMo's single-file model_weights.ckpt of a megatron-core MoE model (per-layer, per-expert names)."""
-    tiny, tok, state, tokens, logits, work, _ = moe_like
-    directory = _nemo_dir(work / "mcore_ckpt_dir", _model_config(tiny, tok.config(), mcore_gpt=True))
-    torch.save({"model." + k: v for k, v in state.items()}, directory / "model_weights.ckpt")
-    torch.testing.assert_close(forward_logits(_load(_tar(directory, work / "mcore_ckpt.nemo")), tokens), logits,
-                               rtol=0, atol=0)
+    tokens, logits = moe_like[3], moe_like[4]
+    torch.testing.assert_close(forward_logits(_load(_moe_legacy_nemo(moe_like)), tokens), logits, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("cfg,message", [
@@ -678,7 +685,6 @@ def test_moe_legacy_mcore_names_in_one_ckpt(moe_like):
     ({"num_moe_experts": 4, "moe_ffn_hidden_size": "abc"}, "model.moe_ffn_hidden_size='abc' must be"),
     ({"num_moe_experts": 4, "moe_layer_freq": [1, 2]}, "model.moe_layer_freq=[1, 2] must be"),
     ({"num_moe_experts": 4, "moe_apply_probs_on_input": True}, "model.moe_apply_probs_on_input=True needs"),
-    ({"num_moe_experts": 4, "expert_model_parallel_size": 2}, "model.expert_model_parallel_size=2: expert parallelism"),
     ({"num_moe_experts": 4, "moe_router_load_balancing_type": "nope"}, "model.moe_router_load_balancing_type='nope'"),
 ])
 def test_moe_settings_are_checked(mcore_single, cfg, message):
@@ -744,3 +750,35 @@ def test_hostile_moe_values_are_refused_or_computed(mcore_single, key):
         out = model.module(torch.randint(0, 250, (2, 8)), torch.arange(8)[None].expand(2, 8), None)
         out.float().sum().backward()
         assert torch.isfinite(out).all(), (key, value)
+
+
+@pytest.mark.parametrize("source", ["torch_dist", "legacy"])
+def test_moe_expert_parallel_matches_one_process(moe_like, tmp_path, source):
+    """Two ranks each holding 2 of the 4 experts (model.expert_model_parallel_size=2, data parallel 2): the
+    loss, gradient norm and loss after one Adam step of one process; each rank takes its own experts of a
+    whole-model checkpoint; the .nemo they write holds all experts and loads in one process."""
+    from conftest import WORKERS, run_python
+    from nemo_aligner.utils.nemo_file import save_nemo
+
+    worker = os.path.join(WORKERS, "parallel_loss_worker.py")
+    nemo = save_nemo(moe_like[-1], str(tmp_path / "moe.nemo")) if source == "torch_dist" else _moe_legacy_nemo(moe_like)
+    run_python(worker, ["--nemo", nemo, "--out", tmp_path / "one.json"], like_nproc=2)
+    run_python(worker, ["--nemo", nemo, "--ep", "2", "--out", tmp_path / "two.json", "--save", tmp_path / "ep2.nemo"],
+               nproc=2)
+    one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
+    assert two["params"] < one["params"]  # each rank holds half the experts
+    for key in ("loss0", "grad_norm", "loss1"):
+        assert two[key] == pytest.approx(one[key], rel=1e-6), key
+    torch.testing.assert_close(forward_logits(_load(tmp_path / "ep2.nemo"), moe_like[3]), moe_like[4], rtol=0, atol=0)
+
+
+def test_expert_parallel_sizes_are_checked(tmp_path):
+    from nemo_aligner.utils.distributed import check_expert_parallel_size
+    from nemo_aligner.utils.errors import ConfigError
+
+    check_expert_parallel_size(2, 4, 8)
+    for ep, dp, experts, message in [(2, 2, None, "needs a mixture-of-experts model"),
+                                     (4, 2, 8, "does not divide the data-parallel size 2"),
+                                     (2, 2, 3, "does not divide model.num_moe_experts=3")]:
+        with pytest.raises(ConfigError, match=re.escape(f"model.expert_model_parallel_size={ep} ") + ".*" + message):
+            check_expert_parallel_size(ep, dp, experts)

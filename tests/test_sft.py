@@ -354,3 +354,15 @@ def test_sft_trains_a_mixture_of_experts_model(tmp_path, builtin_data):
         f"test: [{builtin_data['dpo_val']}]}}", f"exp_manager.explicit_log_dir={tmp_path / 'dpo'}",
         "trainer.dpo.max_steps=2", "trainer.dpo.max_epochs=10"])
     assert "DPO (dpo) finished: 2 steps" in proc.stdout
+
+
+def test_sft_splits_experts_over_data_parallel_ranks(tmp_path, builtin_data):
+    """model.expert_model_parallel_size=2 on two processes: training, validation and the .nemo all run with
+    each rank holding half the experts (the numbers against one process: test_nemo_formats.py)."""
+    log_dir = tmp_path / "sft"
+    proc = run_script("train_gpt_sft.py", sft_overrides(builtin_data, log_dir, 4, [
+        "trainer.devices=2", "trainer.sft.val_check_interval=2", "++model.num_moe_experts=4",
+        "++model.moe_router_topk=2", "++model.expert_model_parallel_size=2"]), nproc=2)
+    assert "(experts split over 2 of them)" in proc.stdout + proc.stderr
+    assert sorted(val_losses(log_dir)) == [2, 4]
+    assert (log_dir / "checkpoints" / "megatron_gpt_sft.nemo").is_file()

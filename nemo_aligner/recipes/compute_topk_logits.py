@@ -104,7 +104,8 @@ def run_compute_topk_logits(cfg: DictConfig) -> Dict:
     top_k = int(cfg.get("top_k") or 0)
     if top_k < 1:
         raise ConfigError(f"top_k={cfg.get('top_k')} must be >= 1")
-    info = init_run(cfg, restore, "pretrained_checkpoint.restore_from_path")
+    # the ranks score their own share of the records, not in lockstep: no experts split over them
+    info = init_run(cfg, restore, "pretrained_checkpoint.restore_from_path", expert_parallel=False)
     model = load_model(MegatronGPTModel, cfg.model, cfg.trainer.precision, restore,
                        key="pretrained_checkpoint.restore_from_path", trainable=False)
     if top_k > model.tokenizer.vocab_size:

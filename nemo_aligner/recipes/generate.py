@@ -148,7 +148,7 @@ def run_generate(cfg: DictConfig) -> List[dict]:
     if not cfg.get("gpt_model_file"):
         raise ConfigError("gpt_model_file is required: the .nemo to generate with")
     apply_eval_parallel_sizes(cfg)
-    init_run(cfg, cfg.gpt_model_file, "gpt_model_file")
+    init_run(cfg, cfg.gpt_model_file, "gpt_model_file", expert_parallel=False)
     if bool(cfg.get("server", False)):
         if is_global_rank_zero():  # before minutes of loading; rank 0 binds (a failure here ends every rank)
             check_bindable(server_host(cfg), {"port": server_port(cfg)})

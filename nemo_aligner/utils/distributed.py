@@ -180,6 +180,21 @@ def check_parallel_sizes(world_size: int, tp: int, pp: int, num_attention_heads:
     return world_size // (tp * pp)
 
 
+def check_expert_parallel_size(ep: int, dp: int, num_experts: Optional[int]) -> None:
+    """Expert parallelism splits each MoE layer's experts over ``ep`` of the data-parallel ranks."""
+    if ep == 1:
+        return
+    if not num_experts:
+        raise ConfigError(f"model.expert_model_parallel_size={ep} needs a mixture-of-experts model "
+                          "(model.num_moe_experts)")
+    if dp % ep != 0:
+        raise ConfigError(f"model.expert_model_parallel_size={ep} does not divide the data-parallel size {dp} "
+                          "(world size / (tensor x pipeline parallel sizes)): the experts are split over "
+                          "data-parallel ranks")
+    if isinstance(num_experts, int) and num_experts % ep != 0:  # other values: refused when the model is built
+        raise ConfigError(f"model.expert_model_parallel_size={ep} does not divide model.num_moe_experts={num_experts}")
+
+
 def init_distributed(devices=None, num_nodes=1, timeout_minutes: int = 30) -> LaunchInfo:
     """Start ``torch.distributed`` (gloo on CPU, nccl on GPU) once per process."""
     info = read_launch_info()
@@ -235,8 +250,9 @@ def init_distributed(devices=None, num_nodes=1, timeout_minutes: int = 30) -> La
     return info
 
 
-def initialize_model_parallel(tp: int, pp: int, seed: int = 1234) -> None:
-    """megatron-core parallel state plus seeded RNG trackers (CPU patches applied first)."""
+def initialize_model_parallel(tp: int, pp: int, seed: int = 1234, ep: int = 1) -> None:
+    """megatron-core parallel state (``ep``: expert parallelism, carved from the data-parallel ranks)
+    plus seeded RNG trackers (CPU patches applied first)."""
     from megatron.core import parallel_state
 
     from nemo_aligner.utils import patches
@@ -245,7 +261,7 @@ def initialize_model_parallel(tp: int, pp: int, seed: int = 1234) -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
     )
     seed_everything(seed)
 

@@ -1,7 +1,7 @@
 """Load a .nemo at a given TP/PP under torchrun (or alone), compute the SFT loss on a fixed
 batch, take one optimizer step, compute it again; optionally save a .nemo. Rank 0 writes JSON.
 
-    python parallel_loss_worker.py --nemo in.nemo --tp 2 --pp 1 --out result.json [--save out.nemo]
+    python parallel_loss_worker.py --nemo in.nemo --tp 2 --pp 1 [--ep 2] --out result.json [--save out.nemo]
 """
 
 import argparse
@@ -25,6 +25,7 @@ def main():
     parser.add_argument("--nemo", default=None)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1, help="expert parallelism (a mixture-of-experts model)")
     parser.add_argument("--gbs", type=int, default=8)
     parser.add_argument("--mbs", type=int, default=2)
     parser.add_argument("--optim", default="fused_adam")
@@ -40,7 +41,7 @@ def main():
     from nemo_aligner.utils import distributed as D
 
     D.init_distributed()
-    D.initialize_model_parallel(args.tp, args.pp, seed=1234)
+    D.initialize_model_parallel(args.tp, args.pp, seed=1234, ep=args.ep)
     cfg = OmegaConf.create({
         "micro_batch_size": args.mbs, "encoder_seq_length": 32,
         "optim": {"name": args.optim, "lr": 1e-2, "weight_decay": 0.0, "betas": [0.9, 0.98],

@@ -188,6 +188,11 @@ class KVCacheDecoder:
     def __init__(self, module, batch: int, max_len: int):
         from megatron.core import parallel_state
 
+        if parallel_state.get_expert_model_parallel_world_size() > 1:
+            # each rank decodes its own prompts for as many steps as they need; routed tokens shared
+            # between ranks would need every rank of the expert group at every step
+            raise ConfigError(f"model.expert_model_parallel_size={parallel_state.get_expert_model_parallel_world_size()}"
+                              ": generation splits no experts over ranks; set it to 1")
         self.pp = parallel_state.get_pipeline_model_parallel_world_size()
         self.first_stage = parallel_state.is_pipeline_first_stage()
         self.last_stage = parallel_state.is_pipeline_last_stage()

@@ -222,10 +222,6 @@ def moe_config_kwargs(cfg) -> dict:
     experts = num_moe_experts(cfg)
     if experts is None:
         return {}
-    ep = _get(cfg, "expert_model_parallel_size", 1)
-    if ep != 1:
-        raise ConfigError(f"model.expert_model_parallel_size={ep!r}: expert parallelism is not supported here; set it "
-                          "to 1 (every rank then holds all experts; the checkpoint loads from any layout)")
     if _get(cfg, "tensor_model_parallel_size", 1) != 1 and not _get(cfg, "sequence_parallel", False):
         raise ConfigError(f"model.tensor_model_parallel_size={_get(cfg, 'tensor_model_parallel_size')} with a mixture "
                           "of experts needs model.sequence_parallel=True (megatron-core's rule; it needs Transformer "
@@ -235,7 +231,9 @@ def moe_config_kwargs(cfg) -> dict:
         raise ConfigError(f"model.expert_tensor_parallel_size={etp!r} must equal model.tensor_model_parallel_size "
                           "here (or be null)")
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    kwargs = dict(_MOE_NEMO_DEFAULTS, num_moe_experts=experts)
+    # the run's expert-parallel size (MegatronGPTModel sets it from megatron-core's parallel state)
+    kwargs = dict(_MOE_NEMO_DEFAULTS, num_moe_experts=experts,
+                  expert_model_parallel_size=_get(cfg, "expert_model_parallel_size", 1))
     unused = []
     for key in (cfg.keys() if hasattr(cfg, "keys") else ()):
         if not (key.startswith("moe_") or key == "overlap_moe_expert_parallel_comm") or key not in fields:

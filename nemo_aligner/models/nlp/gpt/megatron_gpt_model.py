@@ -41,12 +41,20 @@ def split_micro_batches(batch: Dict[str, torch.Tensor], micro_batch_size: int) -
     ]
 
 
+_LOCAL_EXPERTS = "mlp.experts.local_experts."  # a MoE layer's experts, numbered on this rank
+
+
 class MegatronGPTModel:
     """A megatron-core ``GPTModel`` stage with DDP, optimizer and scheduler, built from ``cfg`` (``model.*``)."""
 
     # Roles whose sequence-parallel path is known to be wrong (reward heads on scattered hidden
     # states, decoding one token at a time) refuse model.sequence_parallel=True.
     supports_sequence_parallel = True
+    # Roles whose ranks do the same work in lockstep (the same number of micro-batches) can split a
+    # MoE layer's experts over data-parallel ranks; generating and serving roles cannot: each rank
+    # decodes its own prompts for as many steps as they need, while routed tokens need every rank
+    # of the expert group at every step.
+    supports_expert_parallel = True
     # Parameters (name tags) a LoRA run trains beside the adapters: a role's own new layers (heads).
     lora_trainable: tuple = ()
 
@@ -63,9 +71,16 @@ class MegatronGPTModel:
         self.trainable = trainable
         tp = parallel_state.get_tensor_model_parallel_world_size()
         pp = parallel_state.get_pipeline_model_parallel_world_size()
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        if ep > 1 and not self.supports_expert_parallel:
+            raise ConfigError(f"model.expert_model_parallel_size={ep} is not supported by {type(self).__name__}: its "
+                              "ranks generate or serve on their own, which routed tokens shared between ranks cannot "
+                              "follow; set it to 1")
         with open_dict(cfg):
             cfg.tensor_model_parallel_size = tp
             cfg.pipeline_model_parallel_size = pp
+            if ep > 1 or cfg.get("expert_model_parallel_size") is not None:
+                cfg.expert_model_parallel_size = ep
             if cfg.get("padded_vocab_size") is None:
                 cfg.padded_vocab_size = padded_vocab_size(
                     tokenizer.vocab_size, cfg.get("make_vocab_size_divisible_by", 128), tp
@@ -430,11 +445,17 @@ class MegatronGPTModel:
         layer_numbers = {}
         if getattr(module, "decoder", None) is not None:
             layer_numbers = {i: layer.layer_number - 1 for i, layer in enumerate(module.decoder.layers)}
+        # expert parallelism: this rank's local experts are the global ones from ep_rank x local count
+        ep_offset = parallel_state.get_expert_model_parallel_rank() * (
+            (self.transformer_config.num_moe_experts or 0) // parallel_state.get_expert_model_parallel_world_size())
         state, new = {}, []
         for name, param in module.named_parameters():
             key = name
             if name.startswith("decoder.layers."):
                 _, _, index, rest = name.split(".", 3)
+                if rest.startswith(_LOCAL_EXPERTS) and ep_offset:
+                    expert, tail = rest[len(_LOCAL_EXPERTS):].split(".", 1)
+                    rest = f"{_LOCAL_EXPERTS}{int(expert) + ep_offset}.{tail}"
                 key = f"decoder.layers.{layer_numbers[int(index)]}.{te_to_local.get(rest, rest)}"
             if key == "output_layer.weight" and key not in full and \
                     (getattr(param, "shared", False) or self.cfg.get("share_embeddings_and_output_weights", True)):

@@ -52,6 +52,7 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
     ``sampling_params``, ``length_params``, ``share_prompt_prefix``."""
 
     supports_sequence_parallel = False  # generation decodes one token at a time
+    supports_expert_parallel = False  # each rank decodes its own prompts
 
     def __init__(self, cfg, tokenizer, precision="32", trainable: bool = True, section: str = "ppo"):
         super().__init__(cfg, tokenizer, precision, trainable)

@@ -44,6 +44,7 @@ class MegatronGPTSPINModel(MegatronGPTDPOModel, SelfPlayInterface):
     section = "spin"
     saves_reference_policy = True  # the reference moves each iteration: checkpoints keep it
     supports_sequence_parallel = False  # generation decodes one token at a time
+    supports_expert_parallel = False  # each rank decodes its own prompts
 
     def __init__(self, cfg, tokenizer, precision="32", trainable: bool = True):
         spin = cfg.get("spin") or {}
