@@ -782,3 +782,21 @@ def test_expert_parallel_sizes_are_checked(tmp_path):
                                      (2, 2, 3, "does not divide model.num_moe_experts=3")]:
         with pytest.raises(ConfigError, match=re.escape(f"model.expert_model_parallel_size={ep} ") + ".*" + message):
             check_expert_parallel_size(ep, dp, experts)
+
+
+def test_expert_parallel_ranks_with_different_token_counts(moe_like, tmp_path):
+    """Ranks whose micro-batches hold different numbers of tokens (each cut to its own longest row, as
+    preference pairs are padded) with the load-balancing loss on: experts split over the two ranks give
+    what two data-parallel ranks holding every expert give (the padding the MoE layers add for
+    megatron-core's all-gather dispatcher counts in no routing statistic)."""
+    from conftest import WORKERS, run_python
+    from nemo_aligner.utils.nemo_file import save_nemo
+
+    worker = os.path.join(WORKERS, "parallel_loss_worker.py")
+    nemo = save_nemo(moe_like[-1], str(tmp_path / "moe.nemo"))
+    common = ["--nemo", nemo, "--ragged", "--aux-loss", "0.05"]
+    run_python(worker, common + ["--out", tmp_path / "dp.json"], nproc=2)
+    run_python(worker, common + ["--ep", "2", "--out", tmp_path / "ep.json"], nproc=2)
+    dp, ep = (json.loads((tmp_path / name).read_text()) for name in ("dp.json", "ep.json"))
+    for key in ("loss0", "grad_norm", "loss1"):
+        assert ep[key] == pytest.approx(dp[key], rel=1e-6), key

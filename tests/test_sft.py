@@ -365,4 +365,12 @@ def test_sft_splits_experts_over_data_parallel_ranks(tmp_path, builtin_data):
         "++model.moe_router_topk=2", "++model.expert_model_parallel_size=2"]), nproc=2)
     assert "(experts split over 2 of them)" in proc.stdout + proc.stderr
     assert sorted(val_losses(log_dir)) == [2, 4]
-    assert (log_dir / "checkpoints" / "megatron_gpt_sft.nemo").is_file()
+    nemo = log_dir / "checkpoints" / "megatron_gpt_sft.nemo"
+    assert nemo.is_file()
+    # DPO's pairs are padded per rank: the ranks' MoE layers see different token counts
+    proc = run_script("train_gpt_dpo.py", [
+        f"pretrained_checkpoint.restore_from_path={nemo}", "trainer.devices=2", "++model.expert_model_parallel_size=2",
+        f"model.data.data_prefix={{train: [{builtin_data['dpo_train']}], validation: [{builtin_data['dpo_val']}], "
+        f"test: [{builtin_data['dpo_val']}]}}", f"exp_manager.explicit_log_dir={tmp_path / 'dpo'}",
+        "trainer.dpo.max_steps=2", "trainer.dpo.max_epochs=10"], nproc=2)
+    assert "DPO (dpo) finished: 2 steps" in proc.stdout

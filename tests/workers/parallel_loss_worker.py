@@ -26,6 +26,9 @@ def main():
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1, help="expert parallelism (a mixture-of-experts model)")
+    parser.add_argument("--ragged", action="store_true",
+                        help="cut each rank's rows to their own longest: ranks hold different token counts")
+    parser.add_argument("--aux-loss", type=float, default=None, help="model.moe_aux_loss_coeff")
     parser.add_argument("--gbs", type=int, default=8)
     parser.add_argument("--mbs", type=int, default=2)
     parser.add_argument("--optim", default="fused_adam")
@@ -47,6 +50,8 @@ def main():
         "optim": {"name": args.optim, "lr": 1e-2, "weight_decay": 0.0, "betas": [0.9, 0.98],
                   "sched": {"name": "Constant"}},
     })
+    if args.aux_loss is not None:
+        cfg.moe_aux_loss_coeff = args.aux_loss
     if args.random_arch:
         cfg = OmegaConf.merge(cfg, OmegaConf.create(json.loads(args.random_arch)))
     model = load_model(GPTSFTModel, cfg, "32", None if args.random_arch else args.nemo)
@@ -60,6 +65,10 @@ def main():
     rank = parallel_state.get_data_parallel_rank()
     local = args.gbs // dp
     batch = {k: v[rank * local : (rank + 1) * local] for k, v in batch.items()}
+    if args.ragged:
+        longest = int(batch["lengths"].max())
+        batch = {k: v[:, :longest] if k in ("tokens", "labels", "loss_mask", "position_ids") else v
+                 for k, v in batch.items()}
     with torch.no_grad():
         model.eval()
         loss0, metrics0 = model.get_loss_and_metrics(batch, forward_only=True)

@@ -6,7 +6,8 @@ applied from here only:
 - :func:`apply` (before the first model is built, ``distributed.initialize_model_parallel``):
   ``cpu_compat`` (megatron-core on a machine without CUDA), ``checkpoint_results`` (synchronous
   checkpoint writes report through an in-process queue), ``moe_without_te`` (megatron-core's MoE
-  router where Transformer Engine is absent).
+  router where Transformer Engine is absent), ``moe_equal_tokens`` (MoE layers with experts split
+  over ranks that hold different numbers of tokens).
 - :func:`use_lean_rope` (by the GPT builder, which owns the replacement): ``rope``.
 - ``rendezvous_store``: torch's rendezvous store listening on its host only (used by the launch
   code around the calls it covers).
@@ -26,11 +27,12 @@ def apply_at_import() -> None:
 def apply() -> bool:
     """Start-up patches; returns whether the CPU patches were applied (no CUDA here)."""
     from nemo_aligner.utils.patches.checkpoint_results import use_in_process_results_queue
-    from nemo_aligner.utils.patches import moe_without_te
+    from nemo_aligner.utils.patches import moe_equal_tokens, moe_without_te
     from nemo_aligner.utils.patches.cpu_compat import apply_cpu_patches
 
     use_in_process_results_queue()
     moe_without_te.install()
+    moe_equal_tokens.install()
     return apply_cpu_patches()
 
 
