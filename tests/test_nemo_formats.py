@@ -685,6 +685,7 @@ def test_moe_legacy_mcore_names_in_one_ckpt(moe_like):
     ({"num_moe_experts": 4, "moe_ffn_hidden_size": "abc"}, "model.moe_ffn_hidden_size='abc' must be"),
     ({"num_moe_experts": 4, "moe_layer_freq": [1, 2]}, "model.moe_layer_freq=[1, 2] must be"),
     ({"num_moe_experts": 4, "moe_apply_probs_on_input": True}, "model.moe_apply_probs_on_input=True needs"),
+    ({"num_moe_experts": 4, "moe_router_topk": 1}, "model.moe_router_topk=1 needs model.moe_router_pre_softmax=True"),
     ({"num_moe_experts": 4, "moe_router_load_balancing_type": "nope"}, "model.moe_router_load_balancing_type='nope'"),
 ])
 def test_moe_settings_are_checked(mcore_single, cfg, message):

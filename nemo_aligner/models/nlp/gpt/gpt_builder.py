@@ -204,6 +204,11 @@ def _check_moe_values(kwargs: dict) -> None:
     if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= experts:
         raise ConfigError(f"model.moe_router_topk={topk!r} must be a whole number from 1 to model.num_moe_experts="
                           f"{experts} (the experts each token is sent to)")
+    if (topk == 1 and not kwargs.get("moe_router_pre_softmax") and kwargs.get("moe_router_score_function") in
+            (None, "softmax") and kwargs.get("moe_router_load_balancing_type") != "sinkhorn"):
+        # megatron-core's rule: a softmax over the one chosen logit is always 1, so the router gets no gradient
+        raise ConfigError("model.moe_router_topk=1 needs model.moe_router_pre_softmax=True (the softmax over all "
+                          "experts' logits before choosing one; after it, the one weight is always 1)")
     if kwargs.get("moe_apply_probs_on_input") and topk != 1:
         raise ConfigError(f"model.moe_apply_probs_on_input=True needs model.moe_router_topk=1 (it is {topk})")
     if kwargs.get("moe_router_dtype") not in (None, "fp32", "fp64"):
