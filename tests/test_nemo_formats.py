@@ -628,13 +628,15 @@ def test_moe_nemo_round_trip_and_routing_matters(moe_like, tmp_path):
     assert not torch.allclose(forward_logits(loaded, tokens), logits, atol=1e-3)
 
 
-def test_moe_zarr_checkpoint_with_te_layer_names(moe_like):
+@pytest.mark.parametrize("halves", [False, True], ids=["fused_fc1", "gated_halves"])
+def test_moe_zarr_checkpoint_with_te_layer_names(moe_like, halves):
     """NeMo's zarr dist checkpoint of a Mixtral-shaped model built with Transformer Engine's spec: the
     experts stacked over [layer, expert], the pre-MLP norm under its own name (TE fuses no norm into a
-    routed MLP), the attention norm fused into linear_qkv."""
+    routed MLP), the attention norm fused into linear_qkv; the experts' fc1 whole, or as
+    megatron-core's gated halves (``linear_fc1.weight_w`` and ``_v``)."""
     tiny, tok, state, tokens, logits, work, _ = moe_like
-    directory = _nemo_dir(work / "zarr_dir", _model_config(tiny, tok.config(), mcore_gpt=True,
-                                                             dist_ckpt_format="zarr", transformer_engine=True))
+    directory = _nemo_dir(work / f"zarr_dir_{halves}", _model_config(tiny, tok.config(), mcore_gpt=True,
+                                                                      dist_ckpt_format="zarr", transformer_engine=True))
     weights = directory / "model_weights"
     weights.mkdir()
     (weights / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr", "sharded_backend_version": 1,
@@ -655,8 +657,14 @@ def test_moe_zarr_checkpoint_with_te_layer_names(moe_like):
         _zarr_write(weights, "model.decoder.layers." + rest, torch.stack([per_layer[i] for i in sorted(per_layer)]))
     for name, parts in experts.items():
         stacked = torch.stack([torch.stack([parts[(i, e)] for e in range(4)]) for i in range(2)])
-        _zarr_write(weights, "model.decoder.layers.mlp.experts.experts." + name, stacked)
-    torch.testing.assert_close(forward_logits(_load(_tar(directory, work / "zarr.nemo")), tokens), logits,
+        key = "model.decoder.layers.mlp.experts.experts." + name
+        if halves and name == "linear_fc1.weight":  # [layer, expert, 2F, H] -> the gate and up halves
+            gate, up = stacked.chunk(2, dim=-2)
+            _zarr_write(weights, key + "_w", gate.contiguous())
+            _zarr_write(weights, key + "_v", up.contiguous())
+            continue
+        _zarr_write(weights, key, stacked)
+    torch.testing.assert_close(forward_logits(_load(_tar(directory, work / f"zarr_{halves}.nemo")), tokens), logits,
                                rtol=0, atol=0)
 
 

@@ -94,6 +94,16 @@ def read_zarr_array(directory: str) -> torch.Tensor:
     return tensor.view(view_as) if view_as is not None else tensor
 
 
+def _layer_tensors(layer: int, rest: str, tensor: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """One layer's slice of a stacked tensor under its per-layer name(s): a MoE layer's experts are
+    stacked once more, [expert, ...] (megatron-core's SequentialMLP), and become one tensor each."""
+    if rest.startswith(_STACKED_EXPERTS):
+        name = rest[len(_STACKED_EXPERTS):]
+        return {f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{name}": tensor[e].clone()
+                for e in range(tensor.shape[0])}
+    return {f"decoder.layers.{layer}.{rest}": tensor.clone()}
+
+
 def read_zarr_weights(directory: str, num_layers: int) -> Dict[str, torch.Tensor]:
     """The model's tensors as ``{megatron-core local-spec name: tensor}`` with per-layer names."""
     full: Dict[str, torch.Tensor] = {}
@@ -111,12 +121,7 @@ def read_zarr_weights(directory: str, num_layers: int) -> Dict[str, torch.Tensor
             if tensor.shape[0] != num_layers:
                 raise CheckpointError(f"{path}: {tensor.shape[0]} stacked layers, the config has {num_layers}")
             for i in range(num_layers):
-                if rest.startswith(_STACKED_EXPERTS):  # [layer, expert, ...]: megatron-core's SequentialMLP
-                    for e in range(tensor.shape[1]):
-                        name = rest[len(_STACKED_EXPERTS):]
-                        full[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{name}"] = tensor[i, e].clone()
-                    continue
-                full[f"decoder.layers.{i}.{rest}"] = tensor[i].clone()
+                full.update(_layer_tensors(i, rest, tensor[i]))
         else:
             full[key] = tensor
     for entry in sorted(os.listdir(directory)):  # megatron-core's singleton-shard gated fc1: key_w, key_v
@@ -125,7 +130,7 @@ def read_zarr_weights(directory: str, num_layers: int) -> Dict[str, torch.Tensor
             v = read_zarr_array(os.path.join(directory, entry[:-2] + "_v"))
             rest = entry[len("model.decoder.layers."):-2]
             for i in range(num_layers):
-                full[f"decoder.layers.{i}.{rest}"] = torch.cat([w[i], v[i]], dim=0)
+                full.update(_layer_tensors(i, rest, torch.cat([w[i], v[i]], dim=-2)))
     if not full:
         raise CheckpointError(f"{directory}: a zarr checkpoint with no model tensors")
     return full
