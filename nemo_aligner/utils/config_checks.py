@@ -68,6 +68,12 @@ CHOICES = {
     "activations_checkpoint_granularity": ("full", "selective", None),
     "activations_checkpoint_method": ("uniform", "block", None),
     "loss_func": REGRESSION_LOSSES,  # a regression reward model's
+    # mixture of experts (null: megatron-core's default)
+    "moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none", None),
+    "moe_token_dispatcher_type": ("allgather", "alltoall", None),
+    "moe_router_score_function": ("softmax", "sigmoid", None),
+    "moe_token_drop_policy": ("probs", "position", None),
+    "moe_router_dtype": ("fp32", "fp64", None),
 }
 # Probabilities that must stay below 1 (a dropout of 1 zeroes every activation).
 UNIT_INTERVAL = frozenset({"hidden_dropout", "attention_dropout", "ffn_dropout"})

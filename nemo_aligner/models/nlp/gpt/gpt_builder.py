@@ -181,15 +181,9 @@ def num_moe_experts(cfg) -> Optional[int]:
     return value
 
 
-# Values megatron-core would take and then fail on inside the first forward (or never check).
-_MOE_CHOICES = {"moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
-                "moe_token_dispatcher_type": ("allgather", "alltoall"),
-                "moe_router_score_function": ("softmax", "sigmoid"),
-                "moe_token_drop_policy": ("probs", "position")}
-
-
 def _check_moe_values(kwargs: dict) -> None:
-    """The MoE settings' types and ranges (a checkpoint's too), then what they must satisfy together."""
+    """The MoE settings' types, ranges and choices (the config rules; a checkpoint's values too), then
+    what they must satisfy together, which megatron-core would take and fail on in the first forward."""
     from omegaconf import OmegaConf
 
     from nemo_aligner.utils.config_checks import check_config_values
@@ -200,8 +194,8 @@ def _check_moe_values(kwargs: dict) -> None:
             isinstance(freq, list) and freq and all(v in (0, 1) and not isinstance(v, bool) for v in freq)):
         raise ConfigError(f"model.moe_layer_freq={freq!r} must be a whole number >= 1 (every n-th layer routed) or "
                           "a list of 0/1 per layer")
-    experts, topk = kwargs["num_moe_experts"], kwargs["moe_router_topk"]
-    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= experts:
+    experts, topk = kwargs["num_moe_experts"], kwargs["moe_router_topk"]  # positive ints by the rules
+    if topk > experts:
         raise ConfigError(f"model.moe_router_topk={topk!r} must be a whole number from 1 to model.num_moe_experts="
                           f"{experts} (the experts each token is sent to)")
     if (topk == 1 and not kwargs.get("moe_router_pre_softmax") and kwargs.get("moe_router_score_function") in
@@ -211,11 +205,6 @@ def _check_moe_values(kwargs: dict) -> None:
                           "experts' logits before choosing one; after it, the one weight is always 1)")
     if kwargs.get("moe_apply_probs_on_input") and topk != 1:
         raise ConfigError(f"model.moe_apply_probs_on_input=True needs model.moe_router_topk=1 (it is {topk})")
-    if kwargs.get("moe_router_dtype") not in (None, "fp32", "fp64"):
-        raise ConfigError(f"model.moe_router_dtype={kwargs['moe_router_dtype']!r} is not one of [null, 'fp32', 'fp64']")
-    for key, choices in _MOE_CHOICES.items():
-        if key in kwargs and kwargs[key] not in choices:
-            raise ConfigError(f"model.{key}={kwargs[key]!r} is not one of {list(choices)}")
 
 
 def moe_config_kwargs(cfg) -> dict:
