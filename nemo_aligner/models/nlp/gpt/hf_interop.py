@@ -244,22 +244,22 @@ def hf_config_from_nemo(cfg: dict) -> Tuple[str, dict]:
                "rms_norm_eps": cfg.get("layernorm_epsilon", 1e-5), "hidden_act": "silu",
                "tie_word_embeddings": bool(cfg.get("share_embeddings_and_output_weights", False)),
                "attention_dropout": 0.0, "initializer_range": cfg.get("init_method_std", 0.02), "torch_dtype": "float32"}
-        if arch == "llama":
+        moe = num_moe_experts(cfg) is not None
+        if moe and (gemma or qkv_bias):
+            raise ConfigError("a mixture-of-experts model exports as Mixtral, which has no "
+                              f"{'GeGLU' if gemma else 'query/key/value biases'}")
+        if arch == "llama" and not moe:
             out.update(attention_bias=False, mlp_bias=False)
         if gemma:
             out.update(model_type="gemma", architectures=["GemmaForCausalLM"], hidden_act="gelu_pytorch_tanh",
                        hidden_activation="gelu_pytorch_tanh", attention_bias=False)
-        if window is not None:  # Mistral: Llama's weights and names with a sliding window
-            arch = "mistral"
-            out.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=window + 1)
-        if num_moe_experts(cfg) is not None:
-            if gemma or qkv_bias:
-                raise ConfigError("a mixture-of-experts model exports as Mixtral, which has no "
-                                  f"{'GeGLU' if gemma else 'query/key/value biases'}")
+        if moe:  # Mixtral: Llama's attention (and Mistral's window, if any) with routed experts
             arch = MIXTRAL
             out.update(_mixtral_config(cfg), model_type=MIXTRAL, architectures=["MixtralForCausalLM"],
                        sliding_window=None if window is None else window + 1)
-            out.pop("attention_bias", None), out.pop("mlp_bias", None)
+        elif window is not None:  # Mistral: Llama's weights and names with a sliding window
+            arch = "mistral"
+            out.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=window + 1)
         if cfg.get("scale_positional_embedding"):
             scaling = dict(_LLAMA3_ROPE, rope_type="llama3", factor=rope_scaling_factor(cfg))
             out["rope_scaling"] = scaling
