@@ -12,8 +12,8 @@ from omegaconf import DictConfig
 
 from nemo_aligner.utils import nemo_file
 from nemo_aligner.utils.config_checks import check_config_values, check_run_limits_keys
-from nemo_aligner.utils.distributed import (check_expert_parallel_size, check_parallel_sizes, init_distributed,
-                                            initialize_model_parallel)
+from nemo_aligner.utils.distributed import (check_expert_parallel_size, check_parallel_sizes, expert_parallel_refused,
+                                            init_distributed, initialize_model_parallel)
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.model_config import merge_checkpoint_config
 
@@ -109,8 +109,7 @@ def init_run(cfg: DictConfig, restore_path: Optional[str] = None,
         raise ConfigError("model.sequence_parallel=True needs Transformer Engine on a GPU; set it to False on CPU")
     ep = int(cfg.model.get("expert_model_parallel_size", 1) or 1)
     if ep > 1 and not expert_parallel:
-        raise ConfigError(f"model.expert_model_parallel_size={ep} is not supported by this script: its ranks generate "
-                          "or serve on their own, which routed tokens shared between ranks cannot follow; set it to 1")
+        raise expert_parallel_refused(ep, "this script")
     check_expert_parallel_size(ep, dp, arch.get("num_moe_experts"))
     initialize_model_parallel(tp, pp, seed=int(cfg.model.get("seed", 1234) or 1234), ep=ep)
     from megatron.core import parallel_state

@@ -29,6 +29,7 @@ from nemo_aligner.models.alignable_interface import LengthParams, SamplingParams
 from nemo_aligner.models.nlp.gpt.lean_ops import rotary_from_tables
 from nemo_aligner.models.nlp.gpt import lora
 from nemo_aligner.utils import cpu_gemm, cpu_kernels
+from nemo_aligner.utils.distributed import expert_parallel_refused
 from nemo_aligner.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -189,10 +190,7 @@ class KVCacheDecoder:
         from megatron.core import parallel_state
 
         if parallel_state.get_expert_model_parallel_world_size() > 1:
-            # each rank decodes its own prompts for as many steps as they need; routed tokens shared
-            # between ranks would need every rank of the expert group at every step
-            raise ConfigError(f"model.expert_model_parallel_size={parallel_state.get_expert_model_parallel_world_size()}"
-                              ": generation splits no experts over ranks; set it to 1")
+            raise expert_parallel_refused(parallel_state.get_expert_model_parallel_world_size(), "generation")
         self.pp = parallel_state.get_pipeline_model_parallel_world_size()
         self.first_stage = parallel_state.is_pipeline_first_stage()
         self.last_stage = parallel_state.is_pipeline_last_stage()

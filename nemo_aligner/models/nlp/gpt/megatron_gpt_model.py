@@ -18,7 +18,7 @@ from nemo_aligner.models.nlp.gpt.gpt_builder import (
     transformer_config_from_cfg,
     uses_te_spec,
 )
-from nemo_aligner.utils.distributed import broadcast_from_last_stage, host_all_reduce
+from nemo_aligner.utils.distributed import broadcast_from_last_stage, expert_parallel_refused, host_all_reduce
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.optim import OptimizerOffload, build_optimizer, build_scheduler, uses_distributed_optimizer
 
@@ -73,9 +73,7 @@ class MegatronGPTModel:
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         ep = parallel_state.get_expert_model_parallel_world_size()
         if ep > 1 and not self.supports_expert_parallel:
-            raise ConfigError(f"model.expert_model_parallel_size={ep} is not supported by {type(self).__name__}: its "
-                              "ranks generate or serve on their own, which routed tokens shared between ranks cannot "
-                              "follow; set it to 1")
+            raise expert_parallel_refused(ep, type(self).__name__)
         with open_dict(cfg):
             cfg.tensor_model_parallel_size = tp
             cfg.pipeline_model_parallel_size = pp
