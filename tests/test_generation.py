@@ -66,7 +66,7 @@ def test_cached_greedy_equals_uncached(mcore_single, arch, texts):
 @pytest.mark.parametrize("extra", [{}, {"qk_layernorm": True}, {"rotary_percentage": 0.5},
                                    {"qk_layernorm": True, "rotary_percentage": 0.5},
                                    {"num_moe_experts": 4, "moe_router_topk": 2},
-                                   # shared experts, a dense second layer, sigmoid scores, the all-to-all dispatcher
+                                   # shared experts, sigmoid scores, the all-to-all dispatcher (moe_layer_freq: not read, as in NeMo)
                                    {"num_moe_experts": 4, "moe_router_topk": 2, "moe_shared_expert_intermediate_size": 64,
                                     "moe_layer_freq": [1, 0], "moe_router_score_function": "sigmoid",
                                     "moe_token_dispatcher_type": "alltoall"}],

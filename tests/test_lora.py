@@ -4,7 +4,9 @@ files, training checkpoints holding only the trained tensors, and the roles that
 weights (reference policy, the critic's reward model) copying only the adapters."""
 
 import io
+import json
 import math
+import os
 import re
 import shutil
 import tarfile
@@ -30,19 +32,99 @@ def _linears(layer):
             "linear_fc1": layer.mlp.linear_fc1, "linear_fc2": layer.mlp.linear_fc2}
 
 
+MOE = dict(num_moe_experts=4, moe_router_topk=2)
+
+
 def test_lora_on_a_mixture_of_experts_model(mcore_single):
-    """Attention adapters on a routed model train alone; adapters on a routed MLP are refused in one line."""
+    """``all`` targets on a routed model: one adapter per expert on its fc1/fc2 (NeMo's lora_moe_* adapters;
+    none on the router or the shared expert). The logits equal a model without adapters whose weights hold
+    W + scale B A (set here by hand), only adapters get gradients, generation sees the adapters, and NeMo's
+    file layout (expert i's adapter at local_experts.i ... expert_adapters.i) loads back; the entries NeMo
+    keeps for the other experts are not read."""
+    from nemo_aligner.models.nlp.gpt import lora
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
+    from nemo_aligner.models.nlp.gpt.text_generation import generate_texts
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    moe = dict(MOE, moe_shared_expert_intermediate_size=32)
+    torch.manual_seed(0)
+    cfg = OmegaConf.merge(lora_model_cfg(target_modules=["all"], adapter_dim=4, alpha=8, row_init_method="normal"),
+                          moe)
+    model = MegatronGPTModel(cfg, ByteTokenizer())
+    torch.manual_seed(0)
+    plain = MegatronGPTModel(OmegaConf.merge(OmegaConf.create(dict(cfg, peft=None)), moe), ByteTokenizer())
+    trained = model.trainable_names()
+    # per layer: attention qkv and proj, 4 experts x (fc1, fc2); two tensors each
+    assert len(trained) == 2 * 2 * (2 + 8), trained
+    assert sum(".mlp.experts.local_experts." in n and ".lora_moe_hto4h_adapter." in n for n in trained) == 16
+    assert not any("router" in n or "shared" in n for n in trained)
+    tokens = torch.randint(0, 250, (3, 16))
+    base = forward_logits(plain, tokens)
+    with lora.adapters_disabled(model.module):
+        torch.testing.assert_close(forward_logits(model, tokens), base, atol=1e-5, rtol=1e-5)
+
+    # The reference: the plain model's weights + scale * B @ A, written here from the adapters' tensors.
+    pairs = []
+    for ours, theirs in zip(model.module.decoder.layers, plain.module.decoder.layers):
+        pairs += [(ours.self_attention.linear_qkv, theirs.self_attention.linear_qkv),
+                  (ours.self_attention.linear_proj, theirs.self_attention.linear_proj)]
+        for e, p in zip(ours.mlp.experts.local_experts, theirs.mlp.experts.local_experts):
+            pairs += [(e.linear_fc1, p.linear_fc1), (e.linear_fc2, p.linear_fc2)]
+    assert len(pairs) == 20
+    with torch.no_grad():
+        for ours, theirs in pairs:
+            adapter = ours.__dict__["lora_adapter"]
+            assert adapter.linear_out.weight.abs().sum() > 0
+            theirs.weight += (8 / 4) * adapter.linear_out.weight @ adapter.linear_in.weight
+    with_adapters = forward_logits(model, tokens)
+    assert (with_adapters - base).abs().max() > 1e-2
+    torch.testing.assert_close(with_adapters, forward_logits(plain, tokens), atol=1e-5, rtol=1e-5)
+
+    # The experts' adapters get gradients from the tokens routed to them; nothing else does.
+    model.module.train()
+    positions = torch.arange(16).unsqueeze(0).expand_as(tokens)
+    model.module(tokens, positions, None).float().pow(2).mean().backward()
+    experts = list(model.module.decoder.layers[0].mlp.experts.local_experts)
+    # (megatron-core's DDP moves each gradient into the parameter's main_grad buffer)
+    grads = [e.adapter_layer["lora_moe_4htoh_adapter"].linear_in.weight.main_grad for e in experts]
+    assert sum(bool(g.abs().sum() > 0) for g in grads) >= 2
+    assert all(p.grad is None and getattr(p, "main_grad", None) is None
+               for n, p in model.module.named_parameters() if n not in trained)
+    model.module.eval()
+
+    prompts = ["reverse abc = ", "add 2 3 = "]
+    assert generate_texts(model, prompts) == generate_texts(plain, prompts)
+
+    state = lora.nemo_adapter_state(model.module)
+    key = "model.decoder.layers.1.mlp.experts.local_experts.3.adapter_layer.lora_moe_hto4h_adapter.expert_adapters.3."
+    assert key + "linear_in.weight" in state and key + "linear_out.weight" in state
+    assert len(state) == len(trained)
+    cfg.seed = 7
+    fresh = MegatronGPTModel(cfg, ByteTokenizer())
+    fresh.module.load_state_dict({k: v for k, v in model.module.state_dict().items() if lora.ADAPTER_TAG not in k},
+                                 strict=False)  # the same base weights, other adapters
+    assert (forward_logits(fresh, tokens) - with_adapters).abs().max() > 1e-3
+    nemo_file = dict(state)
+    for k, v in state.items():  # NeMo's unused entries: expert i's list holds adapters for the others too
+        if ".expert_adapters." in k:
+            i = k.split(".expert_adapters.")[1].split(".")[0]
+            nemo_file[k.replace(f".expert_adapters.{i}.", f".expert_adapters.{(int(i) + 1) % 4}.")] = v + 1.0
+    assert lora.load_nemo_adapters(fresh.module, {(0, 0): nemo_file}, 1, 1, 2, "test") == len(state)
+    torch.testing.assert_close(forward_logits(fresh, tokens), with_adapters, atol=1e-6, rtol=1e-6)
+
+
+def test_lora_on_experts_refuses_expert_parallelism(mcore_single, monkeypatch):
+    from megatron.core import parallel_state
+
     from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
     from nemo_aligner.utils.errors import ConfigError
     from nemo_aligner.utils.tokenizers import ByteTokenizer
 
-    moe = dict(num_moe_experts=4, moe_router_topk=2)
-    cfg = lora_model_cfg(target_modules=["attention"], adapter_dim=4, alpha=8)
-    model = MegatronGPTModel(OmegaConf.merge(cfg, moe), ByteTokenizer())
-    trained = model.trainable_names()
-    assert len(trained) == 8 and all(".self_attention.adapter_layer." in n for n in trained), trained
-    with pytest.raises(ConfigError, match=r"mlp_fc1 on a mixture-of-experts layer \(layer 1\) is not supported"):
-        MegatronGPTModel(OmegaConf.merge(lora_model_cfg(target_modules=["all"], adapter_dim=4), moe), ByteTokenizer())
+    cfg = OmegaConf.merge(lora_model_cfg(target_modules=["attention"], adapter_dim=4), MOE)
+    MegatronGPTModel(cfg, ByteTokenizer())  # attention adapters only: nothing on the experts
+    monkeypatch.setattr(parallel_state, "get_expert_model_parallel_world_size", lambda: 2)
+    with pytest.raises(ConfigError, match=r"mlp_fc1 on the experts .* model.expert_model_parallel_size > 1"):
+        MegatronGPTModel(OmegaConf.merge(lora_model_cfg(target_modules=["mlp"], adapter_dim=4), MOE), ByteTokenizer())
 
 
 def test_adapters_add_the_scaled_low_rank_update_and_only_they_train(mcore_single):
@@ -213,6 +295,48 @@ def test_lora_sft_learns_matches_at_tp2_and_saves_adapters(tmp_path, base_nemo, 
                                               r"lora_kqv_adapter\.linear_in\.weight has shape \[8, 64\], not what "
                                               r"model\.peft\.lora_tuning"):
         load_model(MegatronGPTModel, bad, "32", base, trainable=False)
+
+
+def test_lora_sft_on_a_mixture_of_experts_model(tmp_path, builtin_data, mcore_single):
+    """LoRA SFT of a frozen random MoE model through adapters on its experts alone (``target_modules=[mlp]``):
+    it learns, its training checkpoints hold only the adapters (stacked over experts as megatron-core stacks
+    the experts' weights), and its .nemo holds NeMo's per-expert adapter keys, which load back into the
+    base model (and merge into it) with the trained model's logits."""
+    from conftest import WORKERS, run_python
+    from nemo_aligner.models.nlp.gpt.loading import load_model
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
+    from nemo_aligner.utils import nemo_file
+    from nemo_aligner.utils.checkpoint_io import checkpoint_shapes
+
+    base = str(tmp_path / "moe_base.nemo")
+    run_python(os.path.join(WORKERS, "parallel_loss_worker.py"),
+               ["--random-arch", json.dumps(dict(TINY_ARCH, **MOE)), "--save", base, "--out", str(tmp_path / "r.json")])
+    run = _sft(tmp_path, "moe", base, builtin_data, ["model.peft.lora_tuning.target_modules=[mlp]"])
+    val = val_losses(run)
+    assert val[12] < val[6] < val[0] and val[12] < val[0] - 0.3, val
+    ckpt = next(p for p in (run / "checkpoints").iterdir() if "step=12" in p.name and p.is_dir())
+    shapes = checkpoint_shapes(str(ckpt))
+    assert all(".adapter_layer." in k for k in shapes), list(shapes)[:5]
+    expert_key = "model.decoder.layers.mlp.experts.experts.adapter_layer.lora_moe_hto4h_adapter.linear_out.weight"
+    assert expert_key in shapes and tuple(shapes[expert_key])[:2] == (2, 4), (expert_key, list(shapes)[:8])
+
+    nemo = run / "checkpoints" / "megatron_gpt_sft.nemo"
+    saved = _adapter_file(nemo)
+    assert len(saved) == 2 * 4 * 2 * 2 and all(".mlp.experts.local_experts." in k for k in saved)
+    assert ("model.decoder.layers.1.mlp.experts.local_experts.2.adapter_layer.lora_moe_4htoh_adapter."
+            "expert_adapters.2.linear_out.weight") in saved
+    tuning = {"adapter_dim": 8, "alpha": 16, "target_modules": ["mlp"]}
+    peft = {"peft_scheme": "lora", "restore_from_path": str(nemo), "lora_tuning": tuning}
+    tokens = torch.randint(0, 250, (2, 16))
+    trained = forward_logits(load_model(MegatronGPTModel, OmegaConf.create({"peft": peft}), "32", base,
+                                        trainable=False), tokens)
+    start = forward_logits(load_model(MegatronGPTModel, OmegaConf.create({}), "32", base, trainable=False), tokens)
+    assert (trained - start).abs().max() > 1e-2
+    merged = load_model(MegatronGPTModel, OmegaConf.create({"peft": dict(peft, merge_on_save=True)}), "32", base,
+                        trainable=False)
+    merged_path = nemo_file.save_nemo(merged, str(tmp_path / "merged.nemo"))
+    plain = load_model(MegatronGPTModel, OmegaConf.create({}), "32", merged_path, trainable=False)
+    torch.testing.assert_close(forward_logits(plain, tokens), trained, atol=1e-5, rtol=1e-5)
 
 
 def test_lora_dpo_reference_is_the_starting_policy_without_a_weight_copy(tmp_path, sft_nemo, builtin_data):

@@ -7,6 +7,7 @@ their own libraries id for id.
 
 import base64
 import json
+import logging
 import os
 import re
 import shutil
@@ -704,6 +705,19 @@ def test_moe_settings_are_checked(mcore_single, cfg, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         GPTSFTModel(OmegaConf.create(dict(TINY_ARCH, micro_batch_size=1, encoder_seq_length=16, **cfg)),
                     ByteTokenizer()).module(torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None], None)
+
+
+def test_moe_layer_freq_is_not_read_as_in_nemo(mcore_single, caplog):
+    """NeMo builds every layer from one layer spec, which routes every layer whatever moe_layer_freq says
+    (its checkpoints hold experts in every layer): the same here, with a warning naming the key."""
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    with caplog.at_level(logging.WARNING):
+        model = GPTSFTModel(OmegaConf.create(dict(TINY_ARCH, micro_batch_size=1, encoder_seq_length=16,
+                                                  num_moe_experts=4, moe_layer_freq=[1, 0])), ByteTokenizer())
+    assert "model.moe_layer_freq=[1, 0] is not read" in caplog.text
+    assert all(hasattr(layer.mlp, "router") for layer in model.module.decoder.layers)
 
 
 def test_moe_with_tensor_parallelism_needs_sequence_parallelism():

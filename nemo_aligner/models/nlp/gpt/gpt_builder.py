@@ -250,6 +250,12 @@ def moe_config_kwargs(cfg) -> dict:
     if unused:
         logger.warning("model.%s: not used here; the experts run as megatron-core's SequentialMLP (the same "
                        "maths and checkpoint layout)", ", model.".join(unused))
+    freq = kwargs.get("moe_layer_freq", 1)
+    if freq != 1 and not (isinstance(freq, list) and all(v == 1 for v in freq)):
+        # NeMo builds every layer from one layer spec (get_specs with model.name ''), which routes every
+        # layer whatever moe_layer_freq says; its checkpoints hold experts in every layer
+        logger.warning("model.moe_layer_freq=%r is not read: every layer is a mixture of experts, as in NeMo's "
+                       "layer spec (and its checkpoints)", freq)
     return kwargs
 
 

@@ -271,7 +271,7 @@ def hf_config_from_nemo(cfg: dict) -> Tuple[str, dict]:
 
 # MoE settings Mixtral's layer has no way to express: (key, the value it computes with).
 _MIXTRAL_FIXED = (("moe_router_pre_softmax", False), ("moe_router_score_function", "softmax"),
-                  ("moe_shared_expert_intermediate_size", None), ("moe_layer_freq", 1),
+                  ("moe_shared_expert_intermediate_size", None),
                   ("moe_router_topk_scaling_factor", None), ("moe_router_enable_expert_bias", False),
                   ("moe_router_num_groups", None), ("moe_apply_probs_on_input", False))
 

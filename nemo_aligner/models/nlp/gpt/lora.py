@@ -5,6 +5,12 @@ through a forward hook: the layer's own weights and their checkpoint names stay 
 adapter sits where NeMo keeps it, ``<self_attention|mlp>.adapter_layer.<name>.linear_in/linear_out``,
 so adapter checkpoints use NeMo's key names.
 
+On a mixture-of-experts layer the ``mlp_fc1``/``mlp_fc2`` targets put one adapter on each routed
+expert's ``linear_fc1``/``linear_fc2`` (NeMo's ``lora_moe_hto4h_adapter``/``lora_moe_4htoh_adapter``;
+shared experts and the router get none, as in NeMo). NeMo's files key expert ``i``'s adapter
+``mlp.experts.local_experts.<i>.adapter_layer.<name>.expert_adapters.<i>.linear_in/linear_out``
+(NeMo builds a list of adapters per expert and uses entry ``i``); the other entries are not read.
+
 Tensor parallelism splits one half of each adapter, as the layer it sits on:
 - on a column-parallel layer (``linear_qkv``, ``linear_fc1``) ``A`` [r, in] is whole on every rank and
   ``B`` holds this rank's output rows; the gradient of ``A``'s output is summed over the ranks;
@@ -37,6 +43,8 @@ TARGETS = {
     "mlp_fc1": ("mlp", "linear_fc1", "lora_hto4h_adapter", "column"),
     "mlp_fc2": ("mlp", "linear_fc2", "lora_4htoh_adapter", "row"),
 }
+# NeMo's adapter names on a routed layer's experts, by target
+MOE_ADAPTERS = {"mlp_fc1": "lora_moe_hto4h_adapter", "mlp_fc2": "lora_moe_4htoh_adapter"}
 GROUPS = {"attention": ("attention_qkv", "attention_dense"), "mlp": ("mlp_fc1", "mlp_fc2"), "all": tuple(TARGETS)}
 ADAPTER_TAG = ".adapter_layer."
 _INITS = ("xavier", "normal", "kaiming", "zero")
@@ -224,9 +232,40 @@ def _hook(adapter: LoraAdapter):
     return add_adapter
 
 
+def local_experts(mlp) -> Optional[List[torch.nn.Module]]:
+    """A routed layer's experts as megatron-core MLP modules (``SequentialMLP.local_experts``), None for
+    a dense MLP."""
+    experts = getattr(mlp, "experts", None)
+    if experts is None or hasattr(mlp, "linear_fc1"):
+        return None
+    return list(getattr(experts, "local_experts", None) or [])
+
+
+def _attach(parent: torch.nn.Module, linear, target: str, adapter_name: str, settings: LoraSettings, seed: int,
+            gated: bool) -> None:
+    """One adapter on ``linear``, held by ``parent.adapter_layer[adapter_name]``, added by a forward hook."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    kind = TARGETS[target][3]
+    if type(linear) not in (ColumnParallelLinear, RowParallelLinear):
+        raise ConfigError(f"{_KEYS}.target_modules: {target} is a {type(linear).__name__} here; LoRA "
+                          "needs megatron-core's local layer spec (model.force_local_spec=True)")
+    weight = linear.weight
+    in_features, out_features = _full_shape(linear, kind)
+    adapter = LoraAdapter(in_features, out_features, kind, settings, seed=seed,
+                          gated=gated and target == "mlp_fc1", dtype=weight.dtype, device=weight.device)
+    holder = getattr(parent, "adapter_layer", None)
+    if holder is None:
+        holder = AdapterLayer()
+        parent.adapter_layer = holder
+    holder[adapter_name] = adapter
+    linear.__dict__["lora_adapter"] = adapter  # not a sub-module: its weights live under adapter_layer
+    linear.register_forward_hook(_hook(adapter))
+
+
 def add_lora_adapters(module: torch.nn.Module, settings: LoraSettings, seed: int, gated: bool) -> int:
     """Attach adapters to this pipeline stage's layers (``module.decoder.layers``); returns how many."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core import parallel_state
 
     count = 0
     for layer in getattr(getattr(module, "decoder", None), "layers", []):
@@ -236,25 +275,24 @@ def add_lora_adapters(module: torch.nn.Module, settings: LoraSettings, seed: int
         for target in settings.targets:
             parent_name, linear_name, adapter_name, kind = TARGETS[target]
             parent = getattr(layer, parent_name)
-            linear = getattr(parent, linear_name, None)
-            if linear is None and parent_name == "mlp":
-                raise ConfigError(f"{_KEYS}.target_modules: {target} on a mixture-of-experts layer (layer {number}) "
-                                  "is not supported here; target the attention (attention_qkv, attention_dense)")
-            if type(linear) not in (ColumnParallelLinear, RowParallelLinear):
-                raise ConfigError(f"{_KEYS}.target_modules: {target} is a {type(linear).__name__} here; LoRA "
-                                  "needs megatron-core's local layer spec (model.force_local_spec=True)")
-            weight = linear.weight
-            in_features, out_features = _full_shape(linear, kind)
-            adapter = LoraAdapter(in_features, out_features, kind, settings,
-                                  seed=seed * 1000003 + number * 16 + list(TARGETS).index(target),
-                                  gated=gated and target == "mlp_fc1", dtype=weight.dtype, device=weight.device)
-            holder = getattr(parent, "adapter_layer", None)
-            if holder is None:
-                holder = AdapterLayer()
-                parent.adapter_layer = holder
-            holder[adapter_name] = adapter
-            linear.__dict__["lora_adapter"] = adapter  # not a sub-module: its weights live under adapter_layer
-            linear.register_forward_hook(_hook(adapter))
+            target_seed = seed * 1000003 + number * 16 + list(TARGETS).index(target)
+            experts = local_experts(parent) if parent_name == "mlp" else None
+            if experts is not None:
+                if not experts:
+                    raise ConfigError(f"{_KEYS}.target_modules: {target} on a mixture-of-experts layer (layer "
+                                      f"{number}) needs its experts as separate MLPs (megatron-core's "
+                                      "SequentialMLP); target the attention (attention_qkv, attention_dense)")
+                if parallel_state.get_expert_model_parallel_world_size() > 1:
+                    raise ConfigError(f"{_KEYS}.target_modules: {target} on the experts of a mixture-of-experts "
+                                      "layer is not supported with model.expert_model_parallel_size > 1 (NeMo's "
+                                      "adapter files have no expert-parallel ranks); set it to 1 or target the "
+                                      "attention")
+                for i, expert in enumerate(experts):
+                    _attach(expert, getattr(expert, linear_name), target, MOE_ADAPTERS[target], settings,
+                            target_seed * 1009 + i + 1, gated)
+                    count += 1
+                continue
+            _attach(parent, getattr(parent, linear_name, None), target, adapter_name, settings, target_seed, gated)
             count += 1
     return count
 
@@ -332,6 +370,17 @@ def _nemo_dims(kind: str) -> Tuple[int, int]:
     return (0, 0) if kind == "column" else (1, 0)
 
 
+def _nemo_slots(layer) -> Iterator[Tuple[str, "LoraAdapter"]]:
+    """``(key prefix within the layer in NeMo's PEFT files, adapter)`` for each of a layer's adapters."""
+    for parent_name in ("self_attention", "mlp"):
+        holder = getattr(getattr(layer, parent_name), "adapter_layer", None)
+        for name, adapter in (holder or {}).items():
+            yield f"{parent_name}.adapter_layer.{name}.", adapter
+    for i, expert in enumerate(local_experts(layer.mlp) or ()):
+        for name, adapter in (getattr(expert, "adapter_layer", None) or {}).items():
+            yield f"mlp.experts.local_experts.{i}.adapter_layer.{name}.expert_adapters.{i}.", adapter
+
+
 def nemo_adapter_state(module: torch.nn.Module, trained_extra: Tuple[str, ...] = ()) -> Dict[str, torch.Tensor]:
     """This rank's adapters in NeMo's PEFT layout (CPU tensors), plus the role's other trained
     parameters (``trained_extra`` name tags, e.g. a reward head) as this rank holds them."""
@@ -341,20 +390,18 @@ def nemo_adapter_state(module: torch.nn.Module, trained_extra: Tuple[str, ...] =
     rank = parallel_state.get_tensor_model_parallel_rank()
     out = {}
     for index, layer in enumerate(getattr(getattr(module, "decoder", None), "layers", [])):
-        for parent_name in ("self_attention", "mlp"):
-            holder = getattr(getattr(layer, parent_name), "adapter_layer", None)
-            for name, adapter in (holder or {}).items():
-                prefix = f"model.decoder.layers.{index}.{parent_name}.adapter_layer.{name}."
-                a, b = adapter.linear_in.weight.detach(), adapter.linear_out.weight.detach()
-                if adapter.kind == "column":
-                    if a.shape[0] % tp:
-                        raise ConfigError(f"{_KEYS}.adapter_dim={a.shape[0]} is not divisible by the tensor-"
-                                          f"parallel size {tp}: NeMo's adapter layout splits it")
-                    a = a.chunk(tp, dim=0)[rank]
-                else:
-                    b = b.chunk(tp, dim=0)[rank]
-                out[prefix + "linear_in.weight"] = a.to("cpu", copy=True)
-                out[prefix + "linear_out.weight"] = b.to("cpu", copy=True)
+        for path, adapter in _nemo_slots(layer):
+            prefix = f"model.decoder.layers.{index}.{path}"
+            a, b = adapter.linear_in.weight.detach(), adapter.linear_out.weight.detach()
+            if adapter.kind == "column":
+                if a.shape[0] % tp:
+                    raise ConfigError(f"{_KEYS}.adapter_dim={a.shape[0]} is not divisible by the tensor-"
+                                      f"parallel size {tp}: NeMo's adapter layout splits it")
+                a = a.chunk(tp, dim=0)[rank]
+            else:
+                b = b.chunk(tp, dim=0)[rank]
+            out[prefix + "linear_in.weight"] = a.to("cpu", copy=True)
+            out[prefix + "linear_out.weight"] = b.to("cpu", copy=True)
     for name, p in module.named_parameters():
         if p.requires_grad and ADAPTER_TAG not in f".{name}" and any(tag in name for tag in trained_extra):
             out[f"model.{name}"] = p.detach().to("cpu", copy=True)
@@ -392,30 +439,28 @@ def load_nemo_adapters(module: torch.nn.Module, rank_states: Dict[Tuple[int, int
     with torch.no_grad():
         for layer in getattr(getattr(module, "decoder", None), "layers", []):
             number = int(layer.layer_number) - 1
-            for parent_name in ("self_attention", "mlp"):
-                holder = getattr(getattr(layer, parent_name), "adapter_layer", None)
-                for name, adapter in (holder or {}).items():
-                    prefix = f"model.decoder.layers.{number}.{parent_name}.adapter_layer.{name}."
-                    in_dim, out_dim = _nemo_dims(adapter.kind)
-                    for half, dim in (("linear_in", in_dim), ("linear_out", out_dim)):
-                        parts = found.get(prefix + half + ".weight")
-                        if parts is None or any(p is None for p in parts):
-                            raise CheckpointError(f"{what}: has no adapter {prefix}{half}.weight; it was saved "
-                                                  "with other model.peft.lora_tuning settings (target_modules, "
-                                                  "layer_selection)")
-                        gated_rows = adapter.gated and half == "linear_out"
-                        full = _whole(parts, dim, gated_rows)
-                        if half == "linear_in":
-                            local = full if adapter.kind == "column" else full.chunk(tp, dim=1)[rank]
-                        else:
-                            local = _rows_of_rank(full, tp, rank, adapter.gated) if adapter.kind == "column" else full
-                        target = getattr(adapter, half).weight
-                        if tuple(local.shape) != tuple(target.shape):
-                            raise CheckpointError(f"{what}: adapter {prefix}{half}.weight has shape "
-                                                  f"{list(full.shape)}, not what model.peft.lora_tuning and the "
-                                                  "model's sizes give (adapter_dim, hidden sizes)")
-                        target.copy_(local)
-                        count += 1
+            for path, adapter in _nemo_slots(layer):
+                prefix = f"model.decoder.layers.{number}.{path}"
+                in_dim, out_dim = _nemo_dims(adapter.kind)
+                for half, dim in (("linear_in", in_dim), ("linear_out", out_dim)):
+                    parts = found.get(prefix + half + ".weight")
+                    if parts is None or any(p is None for p in parts):
+                        raise CheckpointError(f"{what}: has no adapter {prefix}{half}.weight; it was saved "
+                                              "with other model.peft.lora_tuning settings (target_modules, "
+                                              "layer_selection)")
+                    gated_rows = adapter.gated and half == "linear_out"
+                    full = _whole(parts, dim, gated_rows)
+                    if half == "linear_in":
+                        local = full if adapter.kind == "column" else full.chunk(tp, dim=1)[rank]
+                    else:
+                        local = _rows_of_rank(full, tp, rank, adapter.gated) if adapter.kind == "column" else full
+                    target = getattr(adapter, half).weight
+                    if tuple(local.shape) != tuple(target.shape):
+                        raise CheckpointError(f"{what}: adapter {prefix}{half}.weight has shape "
+                                              f"{list(full.shape)}, not what model.peft.lora_tuning and the "
+                                              "model's sizes give (adapter_dim, hidden sizes)")
+                    target.copy_(local)
+                    count += 1
         for name, p in module.named_parameters():
             key = f"model.{name}"
             if not p.requires_grad or ADAPTER_TAG in f".{name}" or key not in found:
