@@ -319,6 +319,11 @@ def test_lora_sft_on_a_mixture_of_experts_model(tmp_path, builtin_data, mcore_si
     assert all(".adapter_layer." in k for k in shapes), list(shapes)[:5]
     expert_key = "model.decoder.layers.mlp.experts.experts.adapter_layer.lora_moe_hto4h_adapter.linear_out.weight"
     assert expert_key in shapes and tuple(shapes[expert_key])[:2] == (2, 4), (expert_key, list(shapes)[:8])
+    resumed = tmp_path / "resumed"  # from step 6: the experts' adapters and their optimizer state come back
+    shutil.copytree(run, resumed, ignore=lambda d, names: [n for n in names if "step=12" in n or n.endswith(".nemo")
+                                                          or n in ("metrics.jsonl", "hparams.yaml")])
+    _sft(tmp_path, "resumed", base, builtin_data, ["model.peft.lora_tuning.target_modules=[mlp]"])
+    assert train_losses(resumed) == pytest.approx({s: v for s, v in train_losses(run).items() if s > 6}, rel=1e-5)
 
     nemo = run / "checkpoints" / "megatron_gpt_sft.nemo"
     saved = _adapter_file(nemo)

@@ -46,7 +46,7 @@ class GenerationOutput:
     is_end: torch.Tensor  # True where generation stopped on EOS or an end string
 
 
-def attention_window(module) -> Optional[int]:
+def built_attention_window(module) -> Optional[int]:
     """The sliding window of ``module``'s attention (``gpt_builder.attention_window``), or None."""
     window = getattr(module.config, "window_size", None)  # Transformer Engine's layer spec
     if window:
@@ -219,7 +219,7 @@ class KVCacheDecoder:
         self._weights = {}  # layer -> its weight with any LoRA adapter merged in (one tensor per call)
         self.packed = _pack_linear_weights(module, batch, self.gemm_backend, self._weight) if tp == 1 else {}
         self.packed_batch = batch
-        self.window = attention_window(module)
+        self.window = built_attention_window(module)
         self.rope = getattr(module, "rotary_pos_emb", None) if module.position_embedding_type == "rope" else None
         if self.rope is not None:  # cos/sin tables once, not per layer and step
             freqs = self.rope(max_len).squeeze(1).squeeze(1)  # [max_len, rot]: one half's angles, repeated

@@ -15,8 +15,8 @@ from nemo_aligner.models.alignable_interface import AlignableGenerativeInterface
 from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel, split_micro_batches
 from nemo_aligner.models.nlp.gpt.shared_prompt_forward import packed_forward, prompt_sharing_unsupported
 from nemo_aligner.utils import ppo_utils, prompt_sharing
-from nemo_aligner.models.nlp.gpt.generation import (GenerationOutput, LengthParams, SamplingParams, attention_window,
-                                                    generate)
+from nemo_aligner.models.nlp.gpt.generation import (GenerationOutput, LengthParams, SamplingParams,
+                                                    built_attention_window, generate)
 from nemo_aligner.utils.weight_swap import swapped_weights
 
 logger = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
                   for p, g in zip(parts, groups)]
         shape = functools.reduce(prompt_sharing.PackShape.merge, shapes)
         width = batch["tokens"].shape[1]
-        window = attention_window(self.module)
+        window = built_attention_window(self.module)
         if window is not None and width > window + 1:  # packed rows would need the window by position
             return None
         if shape.responses < 2 or not prompt_sharing.saves_tokens([shape] * len(parts), len(rows["tokens"]), width):
