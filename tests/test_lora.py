@@ -207,6 +207,50 @@ def test_nemo_adapter_layout_across_tp_and_pp(mcore_single):
         fresh = MegatronGPTModel(cfg, ByteTokenizer())
 
 
+def test_damaged_adapter_files_are_refused_in_one_line(mcore_single, tmp_path):
+    """An adapters-only .nemo whose weights file holds something else than named float tensors, or a NaN,
+    is refused naming the file and entry (or tensor); an intact one loads."""
+    from nemo_aligner.models.nlp.gpt.loading import load_model
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
+    from nemo_aligner.utils import nemo_file
+    from nemo_aligner.utils.errors import CheckpointError
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    tuning = {"adapter_dim": 4, "target_modules": ["attention_qkv"], "row_init_method": "normal"}
+    good = nemo_file.save_nemo(MegatronGPTModel(lora_model_cfg(**tuning), ByteTokenizer()), str(tmp_path / "a.nemo"))
+    state = _adapter_file(good)
+    key = next(iter(state))
+
+    def damaged(name, weights):
+        buffer = io.BytesIO()
+        torch.save(weights, buffer)
+        out = tmp_path / f"{name}.nemo"
+        with tarfile.open(good) as src, tarfile.open(out, "w:") as dst:
+            for member in src.getmembers():
+                data = src.extractfile(member).read()
+                if member.name == "./model_weights.ckpt":
+                    data = buffer.getvalue()
+                member.size = len(data)
+                dst.addfile(member, io.BytesIO(data))
+        return out
+
+    def load(path):
+        cfg = lora_model_cfg(**tuning)
+        cfg.peft.restore_from_path = str(path)
+        return load_model(MegatronGPTModel, cfg, "32", None, trainable=False)
+
+    load(damaged("same", state))
+    cases = [("list", [1, 2], r"model_weights\.ckpt holds a list, not a dict of adapter tensors"),
+             ("text", dict(state, **{key: "abc"}), rf"entry '{re.escape(key)}' is a str, not a floating-point"),
+             ("ints", dict(state, **{key: torch.ones(2, dtype=torch.long)}), r"is a Tensor of torch\.int64, not a"),
+             ("nan", dict(state, **{key: torch.full_like(state[key], float("nan"))}),
+              r"holds a NaN or an infinity; the adapters are damaged")]
+    for name, weights, message in cases:
+        with pytest.raises(CheckpointError, match=message) as err:
+            load(damaged(name, weights))
+        assert "\n" not in str(err.value) and "model.peft.restore_from_path=" in str(err.value), name
+
+
 def _sft(tmp_path, name, base, data, extra, nproc=1, steps=12):
     log_dir = tmp_path / name
     run_script("train_gpt_sft.py", [

@@ -142,9 +142,24 @@ def load_peft_adapters(model, key: str = "model.peft.restore_from_path"):
                     raise CheckpointError(f"{what}: has no {name}; not an adapters-only .nemo (NeMo's PEFT layout) "
                                           f"saved at tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}")
                 try:
-                    states[(tp_rank, pp_rank)] = torch.load(file, map_location="cpu", weights_only=True)
+                    state = torch.load(file, map_location="cpu", weights_only=True)
                 except Exception as err:  # a torn or foreign file
                     raise CheckpointError(f"{what}: {name} cannot be read ({type(err).__name__})") from None
+                if not isinstance(state, dict):
+                    raise CheckpointError(f"{what}: {name} holds a {type(state).__name__}, not a dict of adapter "
+                                          "tensors (NeMo's PEFT layout)")
+                for k, v in state.items():
+                    if not isinstance(k, str) or not torch.is_tensor(v) or not (v.is_floating_point() or v.numel() == 0):
+                        raise CheckpointError(f"{what}: {name} entry {k!r} is a {type(v).__name__}"
+                                              f"{' of ' + str(v.dtype) if torch.is_tensor(v) else ''}, not a "
+                                              "floating-point tensor")
+                states[(tp_rank, pp_rank)] = state
     count = lora.load_nemo_adapters(model.module, states, tp, pp, int(model.cfg.num_layers), what)
+    from nemo_aligner.utils.checkpoint_io import non_finite_tensor
+
+    bad = non_finite_tensor(model.module)
+    if bad is not None:
+        raise CheckpointError(f"{what}: tensor {bad!r} holds a NaN or an infinity; the adapters are damaged or "
+                              "were saved from a diverged run")
     logger.info("LoRA: %d adapter tensors restored from %s", count, path)
     return model
