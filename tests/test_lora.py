@@ -13,6 +13,7 @@ import tarfile
 
 import pytest
 import torch
+import yaml
 from omegaconf import OmegaConf
 
 from conftest import TINY_ARCH, forward_logits, read_metrics, run_script, train_losses, val_losses
@@ -222,13 +223,19 @@ def test_damaged_adapter_files_are_refused_in_one_line(mcore_single, tmp_path):
     key = next(iter(state))
 
     def damaged(name, weights):
+        """A copy of the good file with its weights (or, given a dict with the config's keys, its config) replaced."""
+        member_name = "./model_config.yaml" if isinstance(weights, dict) and "num_layers" in weights else \
+            "./model_weights.ckpt"
         buffer = io.BytesIO()
-        torch.save(weights, buffer)
+        if member_name.endswith(".yaml"):
+            buffer.write(yaml.safe_dump(weights).encode())
+        else:
+            torch.save(weights, buffer)
         out = tmp_path / f"{name}.nemo"
         with tarfile.open(good) as src, tarfile.open(out, "w:") as dst:
             for member in src.getmembers():
                 data = src.extractfile(member).read()
-                if member.name == "./model_weights.ckpt":
+                if member.name == member_name:
                     data = buffer.getvalue()
                 member.size = len(data)
                 dst.addfile(member, io.BytesIO(data))
@@ -245,6 +252,10 @@ def test_damaged_adapter_files_are_refused_in_one_line(mcore_single, tmp_path):
              ("ints", dict(state, **{key: torch.ones(2, dtype=torch.long)}), r"is a Tensor of torch\.int64, not a"),
              ("nan", dict(state, **{key: torch.full_like(state[key], float("nan"))}),
               r"holds a NaN or an infinity; the adapters are damaged")]
+    config = yaml.safe_load(tarfile.open(good).extractfile("./model_config.yaml").read())
+    for value in ("abc", -1, 1.5, [2]):
+        cases.append((f"tp{value}", dict(config, tensor_model_parallel_size=value),
+                      rf"model_config\.yaml tensor_model_parallel_size={re.escape(repr(value))} is not a model-"))
     for name, weights, message in cases:
         with pytest.raises(CheckpointError, match=message) as err:
             load(damaged(name, weights))

@@ -130,8 +130,16 @@ def load_peft_adapters(model, key: str = "model.peft.restore_from_path"):
     import torch
 
     saved = nemo_file.read_model_config(path, key)
-    tp, pp = int(saved.get("tensor_model_parallel_size", 1) or 1), int(saved.get("pipeline_model_parallel_size", 1) or 1)
     what = f"{key}={path}"
+    sizes = []
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        value = saved.get(name, 1)
+        value = 1 if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
+            raise CheckpointError(f"{what}: model_config.yaml {name}={value!r} is not a model-parallel size (the "
+                                  "adapter files' layout)")
+        sizes.append(value)
+    tp, pp = sizes
     states = {}
     with nemo_file.extracted(path, key) as directory:
         for pp_rank in range(pp):
