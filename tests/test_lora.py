@@ -335,6 +335,24 @@ def test_lora_sft_learns_matches_at_tp2_and_saves_adapters(tmp_path, base_nemo, 
     assert plain.lora is None
     torch.testing.assert_close(forward_logits(plain, tokens), logits["two"], atol=1e-5, rtol=1e-5)
 
+    # NeMo's merge script's command line: the TP=2 adapters merged in one process, the base model found
+    # through the adapters' restore_from_path; its inputs and non-LoRA files refused in one line.
+    merged_cli = tmp_path / "merged_cli.nemo"
+    proc = run_script("merge_lora_weights.py", [f"lora_model_path={nemos['two']}",
+                                                f"merged_model_path={merged_cli}", "trainer.precision=32"])
+    assert "merged model written to" in proc.stdout and "8 adapters merged" in proc.stdout, proc.stdout
+    cli = load_model(MegatronGPTModel, OmegaConf.create({}), "32", str(merged_cli), trainable=False)
+    torch.testing.assert_close(forward_logits(cli, tokens), logits["two"], atol=1e-5, rtol=1e-5)
+    for args, message in (([f"lora_model_path={base}", f"merged_model_path={tmp_path / 'x.nemo'}"],
+                           "peft.peft_scheme='none', not LoRA adapters"),
+                          ([f"lora_model_path={nemos['one']}", f"merged_model_path={nemos['one']}"],
+                           "is an input of the merge"),
+                          ([f"lora_model_path={nemos['one']}", f"merged_model_path={tmp_path / 'x.nemo'}",
+                            "trainer.precision=8"], "trainer.precision=8 must be 16, bf16 or 32")):
+        bad = run_script("merge_lora_weights.py", args, check=False)
+        assert bad.returncode == 1 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert not (tmp_path / "x.nemo").exists()
+
     from nemo_aligner.utils.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match=r"holds LoRA adapters only \(NeMo's PEFT layout\); give it as "
