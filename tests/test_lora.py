@@ -335,11 +335,11 @@ def test_lora_sft_learns_matches_at_tp2_and_saves_adapters(tmp_path, base_nemo, 
     assert plain.lora is None
     torch.testing.assert_close(forward_logits(plain, tokens), logits["two"], atol=1e-5, rtol=1e-5)
 
-    # NeMo's merge script's command line: the TP=2 adapters merged in one process, the base model found
+    # NeMo's merge script's command line: the TP=2 adapters merged at TP=1, the base model found
     # through the adapters' restore_from_path; its inputs and non-LoRA files refused in one line.
     merged_cli = tmp_path / "merged_cli.nemo"
-    proc = run_script("merge_lora_weights.py", [f"lora_model_path={nemos['two']}",
-                                                f"merged_model_path={merged_cli}", "trainer.precision=32"])
+    proc = run_script("merge_lora_weights.py", [f"lora_model_path={nemos['two']}", f"merged_model_path={merged_cli}",
+                                                "trainer.precision=32", "trainer.devices=2"])  # ranks started by it
     assert "merged model written to" in proc.stdout and "8 adapters merged" in proc.stdout, proc.stdout
     cli = load_model(MegatronGPTModel, OmegaConf.create({}), "32", str(merged_cli), trainable=False)
     torch.testing.assert_close(forward_logits(cli, tokens), logits["two"], atol=1e-5, rtol=1e-5)

@@ -57,6 +57,8 @@ def run_merge_lora_weights(cfg: DictConfig) -> str:
     if precision is None:
         raise ConfigError(f"trainer.precision={cfg.trainer.precision!r} must be 16, bf16 or 32 (the merged weights' "
                           "dtype)")
+    D.init_distributed()  # before any .nemo is read: the ranks trainer.devices starts share its extraction
+    D.initialize_model_parallel(1, 1)
     saved = nemo_file.read_model_config(adapters, "lora_model_path")
     if lora.peft_scheme(saved) != "lora":
         raise CheckpointError(f"lora_model_path={adapters}: its model_config.yaml has peft.peft_scheme="
@@ -74,8 +76,6 @@ def run_merge_lora_weights(cfg: DictConfig) -> str:
                               f"...: a reward model's head, say); merge those with the training script's "
                               "model.peft.merge_on_save=True")
     tuning = OmegaConf.to_container(saved.peft.get("lora_tuning") or {}, resolve=True)
-    D.init_distributed()
-    D.initialize_model_parallel(1, 1)
     run_cfg = OmegaConf.create({"micro_batch_size": 1, "tensor_model_parallel_size": 1,
                                 "pipeline_model_parallel_size": 1,
                                 "peft": {"peft_scheme": "lora", "restore_from_path": adapters, "merge_on_save": True,
