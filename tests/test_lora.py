@@ -352,11 +352,24 @@ def test_lora_sft_learns_matches_at_tp2_and_saves_adapters(tmp_path, base_nemo, 
         bad = run_script("merge_lora_weights.py", args, check=False)
         assert bad.returncode == 1 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr[-2000:]
     assert not (tmp_path / "x.nemo").exists()
+    # generate_gpt.py with the adapters on the base (model.peft.*) answers as the merged model does
+    prompts = "prompts=['reverse abc = ','add 2 3 = ']"
+
+    def answers(args):
+        out = run_script("generate_gpt.py", [prompts, "inference.tokens_to_generate=8", *args]).stdout
+        return [line for line in out.splitlines() if line.startswith('{"prompt"')]
+
+    adapted = answers([f"gpt_model_file={base}", "model.peft.peft_scheme=lora", "model.peft.lora_tuning.alpha=16",
+                       f"model.peft.restore_from_path={nemos['two']}", "model.peft.lora_tuning.adapter_dim=8",
+                       "model.peft.lora_tuning.target_modules=[all]"])
+    assert len(adapted) == 2 and adapted == answers([f"gpt_model_file={merged_cli}"])
 
     from nemo_aligner.utils.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match=r"holds LoRA adapters only \(NeMo's PEFT layout\); give it as "
-                                              r"model\.peft\.restore_from_path, with the base model as"):
+                                              r"model\.peft\.restore_from_path \(with model\.peft\.peft_scheme=lora "
+                                              r"and its lora_tuning settings\), with the base model as "
+                                              r"model\.restore_from_path, or merge it"):
         load_model(MegatronGPTModel, OmegaConf.create({}), "32", str(nemos["one"]), trainable=False)
     with pytest.raises(CheckpointError, match=r"model\.peft\.restore_from_path=.* is set but model\.peft\.peft_scheme "
                                               r"is none"):

@@ -88,8 +88,9 @@ def load_model(model_cls: Type, cfg: DictConfig, precision, restore_path: Option
     with nemo_file.extracted(restore_path, key) as directory:
         if lora.peft_scheme(ckpt_cfg) == "lora" and not os.path.isdir(os.path.join(directory, nemo_file.MODEL_WEIGHTS)):
             raise CheckpointError(f"{what}: holds LoRA adapters only (NeMo's PEFT layout); give it as "
-                                  "model.peft.restore_from_path, with the base model as model.restore_from_path, or merge it "
-                                  "into its base with examples/nlp/gpt/merge_lora_weights.py")
+                                  f"model.peft.restore_from_path (with model.peft.peft_scheme=lora and its lora_tuning "
+                                  f"settings), with the base model as {key}, or merge it into its base with "
+                                  "examples/nlp/gpt/merge_lora_weights.py")
         weights = CheckpointWeights(directory, merged, what)
         if merged.get("padded_vocab_size") is None and weights.vocab_rows() is not None:
             with open_dict(merged):  # NeMo pads with the TP size it trained with: the stored rows decide
