@@ -114,18 +114,34 @@ def test_lora_on_a_mixture_of_experts_model(mcore_single):
     torch.testing.assert_close(forward_logits(fresh, tokens), with_adapters, atol=1e-6, rtol=1e-6)
 
 
-def test_lora_on_experts_refuses_expert_parallelism(mcore_single, monkeypatch):
-    from megatron.core import parallel_state
+def test_lora_on_experts_with_expert_parallelism_matches_one_process(tmp_path):
+    """model.expert_model_parallel_size=2 with adapters on the experts: two ranks (each holding 2 of the 4
+    experts and their adapters) give one process's loss, gradient norm and loss after an Adam step; the
+    adapters file they write holds every expert's adapters, keyed as one process keys them, and it
+    loads back at EP=2."""
+    from conftest import WORKERS, run_python
 
-    from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
-    from nemo_aligner.utils.errors import ConfigError
-    from nemo_aligner.utils.tokenizers import ByteTokenizer
-
-    cfg = OmegaConf.merge(lora_model_cfg(target_modules=["attention"], adapter_dim=4), MOE)
-    MegatronGPTModel(cfg, ByteTokenizer())  # attention adapters only: nothing on the experts
-    monkeypatch.setattr(parallel_state, "get_expert_model_parallel_world_size", lambda: 2)
-    with pytest.raises(ConfigError, match=r"mlp_fc1 on the experts .* model.expert_model_parallel_size > 1"):
-        MegatronGPTModel(OmegaConf.merge(lora_model_cfg(target_modules=["mlp"], adapter_dim=4), MOE), ByteTokenizer())
+    worker = os.path.join(WORKERS, "parallel_loss_worker.py")
+    base = tmp_path / "base.nemo"  # one set of base weights for every run (random ones differ per EP rank)
+    run_python(worker, ["--random-arch", json.dumps(dict(TINY_ARCH, **MOE)), "--save", base,
+                        "--out", tmp_path / "base.json"])
+    common = ["--nemo", base, "--lora", "mlp"]
+    run_python(worker, common + ["--out", tmp_path / "one.json", "--save", tmp_path / "one.nemo"], like_nproc=2)
+    run_python(worker, common + ["--ep", "2", "--out", tmp_path / "two.json", "--save", tmp_path / "two.nemo"],
+               nproc=2)
+    one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
+    for key in ("loss0", "grad_norm", "loss1"):
+        assert two[key] == pytest.approx(one[key], rel=1e-6), key
+    saved = {n: _adapter_file(tmp_path / f"{n}.nemo") for n in ("one", "two")}
+    assert len(saved["two"]) == 2 * 4 * 2 * 2 and saved["two"].keys() == saved["one"].keys()
+    assert all(torch.equal(saved["two"][k], v) for k, v in saved["one"].items())
+    # restored at EP=2 into adapters seeded otherwise: the first run's loss again
+    run_python(worker, common + ["--ep", "2", "--seed", "7", "--out", tmp_path / "other.json"], nproc=2)
+    run_python(worker, common + ["--ep", "2", "--seed", "7", "--lora-restore", tmp_path / "two.nemo",
+                                 "--out", tmp_path / "restored.json"], nproc=2)
+    other, restored = (json.loads((tmp_path / n).read_text()) for n in ("other.json", "restored.json"))
+    assert other["loss0"] != pytest.approx(two["loss0"], rel=1e-6)
+    assert restored["loss0"] == pytest.approx(two["loss0"], rel=1e-6)
 
 
 def test_adapters_add_the_scaled_low_rank_update_and_only_they_train(mcore_single):
@@ -385,7 +401,7 @@ def test_lora_sft_learns_matches_at_tp2_and_saves_adapters(tmp_path, base_nemo, 
 
 def test_lora_sft_on_a_mixture_of_experts_model(tmp_path, builtin_data, mcore_single):
     """LoRA SFT of a frozen random MoE model through adapters on its experts alone (``target_modules=[mlp]``):
-    it learns, its training checkpoints hold only the adapters (stacked over experts as megatron-core stacks
+    it learns, two expert-parallel ranks train it alike, its training checkpoints hold only the adapters (stacked over experts as megatron-core stacks
     the experts' weights), and its .nemo holds NeMo's per-expert adapter keys, which load back into the
     base model (and merge into it) with the trained model's logits."""
     from conftest import WORKERS, run_python
@@ -400,6 +416,13 @@ def test_lora_sft_on_a_mixture_of_experts_model(tmp_path, builtin_data, mcore_si
     run = _sft(tmp_path, "moe", base, builtin_data, ["model.peft.lora_tuning.target_modules=[mlp]"])
     val = val_losses(run)
     assert val[12] < val[6] < val[0] and val[12] < val[0] - 0.3, val
+    # two ranks each holding half the experts and their adapters: the same run
+    ep = _sft(tmp_path, "ep2", base, builtin_data, ["model.peft.lora_tuning.target_modules=[mlp]", "trainer.devices=2",
+                                                    "++model.expert_model_parallel_size=2"], nproc=2)
+    assert train_losses(ep) == pytest.approx(train_losses(run), rel=1e-4)
+    assert val_losses(ep) == pytest.approx(val, rel=1e-4)
+    assert _adapter_file(ep / "checkpoints" / "megatron_gpt_sft.nemo").keys() == \
+        _adapter_file(run / "checkpoints" / "megatron_gpt_sft.nemo").keys()
     ckpt = next(p for p in (run / "checkpoints").iterdir() if "step=12" in p.name and p.is_dir())
     shapes = checkpoint_shapes(str(ckpt))
     assert all(".adapter_layer." in k for k in shapes), list(shapes)[:5]

@@ -305,6 +305,7 @@ def _write_adapters(model, staging: str) -> None:
     import torch
     from megatron.core import parallel_state
 
+    state = model.nemo_adapter_state()  # on every rank: collective with expert parallelism
     if parallel_state.get_data_parallel_rank() != 0:
         return
     name = peft_weights_file(parallel_state.get_tensor_model_parallel_world_size(),
@@ -313,7 +314,7 @@ def _write_adapters(model, staging: str) -> None:
                              parallel_state.get_pipeline_model_parallel_rank())
     target = os.path.join(staging, name)
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    torch.save(model.nemo_adapter_state(), target)
+    torch.save(state, target)
 
 
 def save_nemo(model, path: str) -> str:

@@ -132,17 +132,36 @@ def _match_param_groups(optimizer, opt_state) -> None:
                     now[key] = then[key]
 
 
+@contextmanager
+def _without_stub_optimizers(optimizer):
+    """A chained optimizer without its parameter-less parts for the duration. megatron-core chains a
+    dense and an expert-parallel optimizer and makes the dense one a stub when no dense parameter
+    trains (LoRA on experts alone); its chained ``sharded_state_dict`` then fails on the stub's missing
+    torch optimizer (0.16-0.19). A stub has no state to save or load."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if not chained or len(chained) < 2 or not any(getattr(o, "is_stub_optimizer", False) for o in chained):
+        yield
+        return
+    real = [o for o in chained if not getattr(o, "is_stub_optimizer", False)]
+    optimizer.chained_optimizers = real or chained[:1]
+    try:
+        yield
+    finally:
+        optimizer.chained_optimizers = chained
+
+
 def _optimizer_sharded(model, optimizer, model_sd: dict, is_loading: bool):
     if optimizer is None:
         return None
-    if not uses_distributed_optimizer(model.cfg.get("optim") or {}):
-        with _float32_params_listed(optimizer):
-            return optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
-    if is_loading:
-        # The DistributedOptimizer needs allocated states to map checkpoint shards onto.
-        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-            inner._init_optimizer_states_with_dummy_values()
-    return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_DIST_OPT_METADATA)
+    with _without_stub_optimizers(optimizer):
+        if not uses_distributed_optimizer(model.cfg.get("optim") or {}):
+            with _float32_params_listed(optimizer):
+                return optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        if is_loading:
+            # The DistributedOptimizer needs allocated states to map checkpoint shards onto.
+            for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+                inner._init_optimizer_states_with_dummy_values()
+        return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_DIST_OPT_METADATA)
 
 
 def _saved_step(opt_state) -> Optional[float]:
@@ -300,10 +319,11 @@ def load_train_checkpoint(directory: str, model, optimizer, scheduler, load_rng:
         if optimizer is not None:
             if "optimizer_states" not in loaded:
                 raise CheckpointError(f"checkpoint {directory}: has no optimizer state")
-            _match_param_groups(optimizer, loaded["optimizer_states"][0])
-            with _float32_params_listed(optimizer):
-                optimizer.load_state_dict(loaded["optimizer_states"][0])
-            _restore_adam_steps(optimizer, loaded["optimizer_states"][0])
+            with _without_stub_optimizers(optimizer):  # the structure it was saved with
+                _match_param_groups(optimizer, loaded["optimizer_states"][0])
+                with _float32_params_listed(optimizer):
+                    optimizer.load_state_dict(loaded["optimizer_states"][0])
+                _restore_adam_steps(optimizer, loaded["optimizer_states"][0])
     if scheduler is not None:
         common = load_common(directory)
         schedulers = common.get("lr_schedulers")

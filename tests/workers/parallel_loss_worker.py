@@ -35,6 +35,9 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--save", default=None)
     parser.add_argument("--random-arch", default=None, help="JSON model keys: build from random weights")
+    parser.add_argument("--lora", default=None, help="LoRA target_modules (e.g. mlp): train adapters only")
+    parser.add_argument("--lora-restore", default=None, help="an adapters-only .nemo to start the adapters from")
+    parser.add_argument("--seed", type=int, default=None, help="model.seed (the adapters' initialisation)")
     args = parser.parse_args()
 
     from megatron.core import parallel_state
@@ -54,6 +57,12 @@ def main():
         cfg.moe_aux_loss_coeff = args.aux_loss
     if args.random_arch:
         cfg = OmegaConf.merge(cfg, OmegaConf.create(json.loads(args.random_arch)))
+    if args.lora:
+        cfg.peft = {"peft_scheme": "lora", "restore_from_path": args.lora_restore,
+                    "lora_tuning": {"target_modules": [args.lora], "adapter_dim": 4, "alpha": 8,
+                                    "row_init_method": "normal"}}
+    if args.seed is not None:
+        cfg.seed = args.seed
     model = load_model(GPTSFTModel, cfg, "32", None if args.random_arch else args.nemo)
     if args.save:
         from nemo_aligner.utils.nemo_file import save_nemo

@@ -10,6 +10,10 @@ expert's ``linear_fc1``/``linear_fc2`` (NeMo's ``lora_moe_hto4h_adapter``/``lora
 shared experts and the router get none, as in NeMo). NeMo's files key expert ``i``'s adapter
 ``mlp.experts.local_experts.<i>.adapter_layer.<name>.expert_adapters.<i>.linear_in/linear_out``
 (NeMo builds a list of adapters per expert and uses entry ``i``); the other entries are not read.
+With expert parallelism each rank holds its experts' adapters; they are reduced over the
+expert-data-parallel group as megatron-core reduces the experts' own weights (``allreduce=False``),
+initialised and keyed by the expert's global index, and gathered to the writing rank, so the files
+are those of a run without expert parallelism.
 
 Tensor parallelism splits one half of each adapter, as the layer it sits on:
 - on a column-parallel layer (``linear_qkv``, ``linear_fc1``) ``A`` [r, in] is whole on every rank and
@@ -241,9 +245,18 @@ def local_experts(mlp) -> Optional[List[torch.nn.Module]]:
     return list(getattr(experts, "local_experts", None) or [])
 
 
+def _expert_parallel_rank() -> int:
+    """This rank's place among the expert-parallel ranks (they hold the experts in order), 0 without."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_rank() if parallel_state.get_expert_model_parallel_world_size() > 1 \
+        else 0
+
+
 def _attach(parent: torch.nn.Module, linear, target: str, adapter_name: str, settings: LoraSettings, seed: int,
-            gated: bool) -> None:
-    """One adapter on ``linear``, held by ``parent.adapter_layer[adapter_name]``, added by a forward hook."""
+            gated: bool, expert: bool = False) -> None:
+    """One adapter on ``linear``, held by ``parent.adapter_layer[adapter_name]``, added by a forward hook.
+    An expert's adapter is reduced over the expert-data-parallel group, as the expert's weights are."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     kind = TARGETS[target][3]
@@ -259,14 +272,15 @@ def _attach(parent: torch.nn.Module, linear, target: str, adapter_name: str, set
         holder = AdapterLayer()
         parent.adapter_layer = holder
     holder[adapter_name] = adapter
+    if expert:
+        for p in adapter.parameters():
+            p.allreduce = False  # megatron-core's mark of an expert-parallel parameter (DDP, optimizer)
     linear.__dict__["lora_adapter"] = adapter  # not a sub-module: its weights live under adapter_layer
     linear.register_forward_hook(_hook(adapter))
 
 
 def add_lora_adapters(module: torch.nn.Module, settings: LoraSettings, seed: int, gated: bool) -> int:
     """Attach adapters to this pipeline stage's layers (``module.decoder.layers``); returns how many."""
-    from megatron.core import parallel_state
-
     count = 0
     for layer in getattr(getattr(module, "decoder", None), "layers", []):
         number = int(layer.layer_number)  # 1-based, global over pipeline stages
@@ -282,14 +296,10 @@ def add_lora_adapters(module: torch.nn.Module, settings: LoraSettings, seed: int
                     raise ConfigError(f"{_KEYS}.target_modules: {target} on a mixture-of-experts layer (layer "
                                       f"{number}) needs its experts as separate MLPs (megatron-core's "
                                       "SequentialMLP); target the attention (attention_qkv, attention_dense)")
-                if parallel_state.get_expert_model_parallel_world_size() > 1:
-                    raise ConfigError(f"{_KEYS}.target_modules: {target} on the experts of a mixture-of-experts "
-                                      "layer is not supported with model.expert_model_parallel_size > 1 (NeMo's "
-                                      "adapter files have no expert-parallel ranks); set it to 1 or target the "
-                                      "attention")
-                for i, expert in enumerate(experts):
+                first = _expert_parallel_rank() * len(experts)
+                for i, expert in enumerate(experts):  # seeded by the global expert index: any EP size
                     _attach(expert, getattr(expert, linear_name), target, MOE_ADAPTERS[target], settings,
-                            target_seed * 1009 + i + 1, gated)
+                            target_seed * 1009 + first + i + 1, gated, expert=True)
                     count += 1
                 continue
             _attach(parent, getattr(parent, linear_name, None), target, adapter_name, settings, target_seed, gated)
@@ -376,14 +386,17 @@ def _nemo_slots(layer) -> Iterator[Tuple[str, "LoraAdapter"]]:
         holder = getattr(getattr(layer, parent_name), "adapter_layer", None)
         for name, adapter in (holder or {}).items():
             yield f"{parent_name}.adapter_layer.{name}.", adapter
-    for i, expert in enumerate(local_experts(layer.mlp) or ()):
+    experts = local_experts(layer.mlp) or []
+    first = _expert_parallel_rank() * len(experts)
+    for i, expert in enumerate(experts, start=first):  # global indices: the files of a run without EP
         for name, adapter in (getattr(expert, "adapter_layer", None) or {}).items():
             yield f"mlp.experts.local_experts.{i}.adapter_layer.{name}.expert_adapters.{i}.", adapter
 
 
 def nemo_adapter_state(module: torch.nn.Module, trained_extra: Tuple[str, ...] = ()) -> Dict[str, torch.Tensor]:
     """This rank's adapters in NeMo's PEFT layout (CPU tensors), plus the role's other trained
-    parameters (``trained_extra`` name tags, e.g. a reward head) as this rank holds them."""
+    parameters (``trained_extra`` name tags, e.g. a reward head) as this rank holds them; with expert
+    parallelism, the adapters of every rank's experts (collective over the expert-parallel group)."""
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -402,6 +415,15 @@ def nemo_adapter_state(module: torch.nn.Module, trained_extra: Tuple[str, ...] =
                 b = b.chunk(tp, dim=0)[rank]
             out[prefix + "linear_in.weight"] = a.to("cpu", copy=True)
             out[prefix + "linear_out.weight"] = b.to("cpu", copy=True)
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        # every rank's experts' adapters (collective over the expert-parallel group)
+        import torch.distributed as dist
+
+        mine = {k: v for k, v in out.items() if ".mlp.experts.local_experts." in k}
+        gathered = [None] * parallel_state.get_expert_model_parallel_world_size()
+        dist.all_gather_object(gathered, mine, group=parallel_state.get_expert_model_parallel_group())
+        for part in gathered:
+            out.update(part)
     for name, p in module.named_parameters():
         if p.requires_grad and ADAPTER_TAG not in f".{name}" and any(tag in name for tag in trained_extra):
             out[f"model.{name}"] = p.detach().to("cpu", copy=True)
