@@ -40,11 +40,12 @@ def _extra_tensors(path: str) -> list:
         for root, _, files in os.walk(directory):
             for name in files:
                 if name == "model_weights.ckpt":
+                    file = os.path.join(root, name)
                     try:
-                        state = torch.load(os.path.join(root, name), map_location="cpu", weights_only=True)
+                        state = torch.load(file, map_location="cpu", weights_only=True)
                     except Exception as err:  # a torn or foreign file
-                        raise CheckpointError(f"lora_model_path={path}: {os.path.relpath(os.path.join(root, name), directory)} "
-                                              f"cannot be read ({type(err).__name__})") from None
+                        raise CheckpointError(f"lora_model_path={path}: {os.path.relpath(file, directory)} cannot be "
+                                              f"read ({type(err).__name__})") from None
                     if isinstance(state, dict):
                         names += [k for k in state if isinstance(k, str) and lora.ADAPTER_TAG not in k]
     return sorted(set(names))

@@ -159,7 +159,8 @@ def load_peft_adapters(model, key: str = "model.peft.restore_from_path"):
                     raise CheckpointError(f"{what}: {name} holds a {type(state).__name__}, not a dict of adapter "
                                           "tensors (NeMo's PEFT layout)")
                 for k, v in state.items():
-                    if not isinstance(k, str) or not torch.is_tensor(v) or not (v.is_floating_point() or v.numel() == 0):
+                    floating = torch.is_tensor(v) and (v.is_floating_point() or v.numel() == 0)
+                    if not isinstance(k, str) or not floating:
                         raise CheckpointError(f"{what}: {name} entry {k!r} is a {type(v).__name__}"
                                               f"{' of ' + str(v.dtype) if torch.is_tensor(v) else ''}, not a "
                                               "floating-point tensor")

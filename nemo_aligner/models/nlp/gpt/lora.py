@@ -249,8 +249,9 @@ def _expert_parallel_rank() -> int:
     """This rank's place among the expert-parallel ranks (they hold the experts in order), 0 without."""
     from megatron.core import parallel_state
 
-    return parallel_state.get_expert_model_parallel_rank() if parallel_state.get_expert_model_parallel_world_size() > 1 \
-        else 0
+    if parallel_state.get_expert_model_parallel_world_size() == 1:
+        return 0
+    return parallel_state.get_expert_model_parallel_rank()
 
 
 def _attach(parent: torch.nn.Module, linear, target: str, adapter_name: str, settings: LoraSettings, seed: int,
