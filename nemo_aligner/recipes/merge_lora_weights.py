@@ -8,7 +8,6 @@ mixture-of-experts experts included."""
 
 from __future__ import annotations
 
-import logging
 import os
 
 from omegaconf import DictConfig, OmegaConf
@@ -20,8 +19,6 @@ from nemo_aligner.utils import distributed as D
 from nemo_aligner.utils import nemo_file
 from nemo_aligner.utils.config_checks import precision_name
 from nemo_aligner.utils.errors import CheckpointError, ConfigError
-
-logger = logging.getLogger(__name__)
 
 
 def _path(cfg: DictConfig, key: str) -> str:
