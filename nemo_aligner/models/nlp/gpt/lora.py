@@ -236,22 +236,13 @@ def _hook(adapter: LoraAdapter):
     return add_adapter
 
 
-def local_experts(mlp) -> Optional[List[torch.nn.Module]]:
-    """A routed layer's experts as megatron-core MLP modules (``SequentialMLP.local_experts``), None for
-    a dense MLP."""
+def local_experts(mlp) -> Optional[List[Tuple[int, torch.nn.Module]]]:
+    """A routed layer's experts on this rank as ``(global expert index, megatron-core MLP module)``
+    (``MoELayer.local_expert_indices`` with ``SequentialMLP.local_experts``), None for a dense MLP."""
     experts = getattr(mlp, "experts", None)
     if experts is None or hasattr(mlp, "linear_fc1"):
         return None
-    return list(getattr(experts, "local_experts", None) or [])
-
-
-def _expert_parallel_rank() -> int:
-    """This rank's place among the expert-parallel ranks (they hold the experts in order), 0 without."""
-    from megatron.core import parallel_state
-
-    if parallel_state.get_expert_model_parallel_world_size() == 1:
-        return 0
-    return parallel_state.get_expert_model_parallel_rank()
+    return list(zip(mlp.local_expert_indices, getattr(experts, "local_experts", None) or []))
 
 
 def _attach(parent: torch.nn.Module, linear, target: str, adapter_name: str, settings: LoraSettings, seed: int,
@@ -297,10 +288,9 @@ def add_lora_adapters(module: torch.nn.Module, settings: LoraSettings, seed: int
                     raise ConfigError(f"{_KEYS}.target_modules: {target} on a mixture-of-experts layer (layer "
                                       f"{number}) needs its experts as separate MLPs (megatron-core's "
                                       "SequentialMLP); target the attention (attention_qkv, attention_dense)")
-                first = _expert_parallel_rank() * len(experts)
-                for i, expert in enumerate(experts):  # seeded by the global expert index: any EP size
+                for index, expert in experts:  # seeded by the global expert index: any EP size
                     _attach(expert, getattr(expert, linear_name), target, MOE_ADAPTERS[target], settings,
-                            target_seed * 1009 + first + i + 1, gated, expert=True)
+                            target_seed * 1009 + index + 1, gated, expert=True)
                     count += 1
                 continue
             _attach(parent, getattr(parent, linear_name, None), target, adapter_name, settings, target_seed, gated)
@@ -387,9 +377,7 @@ def _nemo_slots(layer) -> Iterator[Tuple[str, "LoraAdapter"]]:
         holder = getattr(getattr(layer, parent_name), "adapter_layer", None)
         for name, adapter in (holder or {}).items():
             yield f"{parent_name}.adapter_layer.{name}.", adapter
-    experts = local_experts(layer.mlp) or []
-    first = _expert_parallel_rank() * len(experts)
-    for i, expert in enumerate(experts, start=first):  # global indices: the files of a run without EP
+    for i, expert in local_experts(layer.mlp) or []:  # global indices: the files of a run without EP
         for name, adapter in (getattr(expert, "adapter_layer", None) or {}).items():
             yield f"mlp.experts.local_experts.{i}.adapter_layer.{name}.expert_adapters.{i}.", adapter
 
