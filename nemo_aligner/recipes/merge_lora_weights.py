@@ -13,7 +13,7 @@ import os
 from omegaconf import DictConfig, OmegaConf
 
 from nemo_aligner.models.nlp.gpt import lora
-from nemo_aligner.models.nlp.gpt.loading import load_model
+from nemo_aligner.models.nlp.gpt.loading import load_model, read_peft_states
 from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
 from nemo_aligner.utils import distributed as D
 from nemo_aligner.utils import nemo_file
@@ -26,26 +26,6 @@ def _path(cfg: DictConfig, key: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{key}={value!r} must be a path to a .nemo")
     return value
-
-
-def _extra_tensors(path: str) -> list:
-    """Names in the adapters-only .nemo ``path`` that are not adapters (a reward model's head, say)."""
-    import torch
-
-    names = []
-    with nemo_file.extracted(path, "lora_model_path") as directory:
-        for root, _, files in os.walk(directory):
-            for name in files:
-                if name == "model_weights.ckpt":
-                    file = os.path.join(root, name)
-                    try:
-                        state = torch.load(file, map_location="cpu", weights_only=True)
-                    except Exception as err:  # a torn or foreign file
-                        raise CheckpointError(f"lora_model_path={path}: {os.path.relpath(file, directory)} cannot be "
-                                              f"read ({type(err).__name__})") from None
-                    if isinstance(state, dict):
-                        names += [k for k in state if isinstance(k, str) and lora.ADAPTER_TAG not in k]
-    return sorted(set(names))
 
 
 def run_merge_lora_weights(cfg: DictConfig) -> str:
@@ -68,7 +48,8 @@ def run_merge_lora_weights(cfg: DictConfig) -> str:
     base = _path(OmegaConf.create({"gpt_model_file": base}), "gpt_model_file")
     if os.path.abspath(out) in (os.path.abspath(adapters), os.path.abspath(base)):
         raise ConfigError(f"merged_model_path={out} is an input of the merge; write it elsewhere")
-    extra = _extra_tensors(adapters)
+    states, _, _ = read_peft_states(adapters, "lora_model_path")
+    extra = sorted({k for state in states.values() for k in state if lora.ADAPTER_TAG not in k})
     if extra:
         raise CheckpointError(f"lora_model_path={adapters}: holds trained tensors besides the adapters ({extra[0]}, "
                               f"...: a reward model's head, say); merge those with the training script's "

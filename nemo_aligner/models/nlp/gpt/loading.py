@@ -129,6 +129,16 @@ def load_peft_adapters(model, key: str = "model.peft.restore_from_path"):
     if getattr(model, "lora", None) is None:
         raise CheckpointError(f"{key}={path} is set but model.peft.peft_scheme is none: set "
                               "model.peft.peft_scheme=lora (and the adapters' model.peft.lora_tuning settings)")
+    states, tp, pp = read_peft_states(path, key)
+    count = lora.load_nemo_adapters(model.module, states, tp, pp, int(model.cfg.num_layers), f"{key}={path}")
+    logger.info("LoRA: %d adapter tensors restored from %s", count, path)
+    return model
+
+
+def read_peft_states(path: str, key: str):
+    """``({(tp_rank, pp_rank): {name: tensor}}, tp, pp)``: the per-rank tensors of the adapters-only .nemo
+    ``path`` (NeMo's PEFT layout) and the model-parallel sizes it was saved at, each file checked to be a
+    dict of named, finite floating-point tensors; a damaged one is a ``CheckpointError`` naming ``key``."""
     import torch
 
     saved = nemo_file.read_model_config(path, key)
@@ -164,13 +174,8 @@ def load_peft_adapters(model, key: str = "model.peft.restore_from_path"):
                         raise CheckpointError(f"{what}: {name} entry {k!r} is a {type(v).__name__}"
                                               f"{' of ' + str(v.dtype) if torch.is_tensor(v) else ''}, not a "
                                               "floating-point tensor")
+                    if not bool(torch.isfinite(v).all()):
+                        raise CheckpointError(f"{what}: {name} entry {k!r} holds a NaN or an infinity; the adapters "
+                                              "are damaged or were saved from a diverged run")
                 states[(tp_rank, pp_rank)] = state
-    count = lora.load_nemo_adapters(model.module, states, tp, pp, int(model.cfg.num_layers), what)
-    from nemo_aligner.utils.checkpoint_io import non_finite_tensor
-
-    bad = non_finite_tensor(model.module)
-    if bad is not None:
-        raise CheckpointError(f"{what}: tensor {bad!r} holds a NaN or an infinity; the adapters are damaged or "
-                              "were saved from a diverged run")
-    logger.info("LoRA: %d adapter tensors restored from %s", count, path)
-    return model
+    return states, tp, pp
