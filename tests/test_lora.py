@@ -516,3 +516,95 @@ def test_lora_ppo_actor_and_critic(tmp_path, task_data, reward_model, sft_nemo):
     critic_ckpt = next(p for p in (critic_dir / "checkpoints").iterdir() if p.is_dir() and "step=2" in p.name)
     keys = [k for k in checkpoint_shapes(str(critic_ckpt)) if k.startswith("model.")]
     assert "model.rm_head.weight" in keys and all(".adapter_layer." in k or "rm_head" in k for k in keys), keys
+
+
+def test_canonical_variant_unfused_adapters(mcore_single):
+    """``variant: canonical`` (NeMo's unfused adapters): linear_qkv gets query, key and value adapters each
+    with its own A, a gated fc1 gate and up adapters, under NeMo's names; the layer's output equals its
+    weight plus each block's ``scale * B A`` placed as the Hugging Face layout fuses q/k/v (grouped-query
+    attention: 4 heads, 2 groups) and gate/up; files round-trip across TP=2 cuts; merging gives the same
+    logits; dropout sits on the adapter's output unless dropout_position=pre."""
+    from nemo_aligner.models.nlp.gpt import lora
+    from nemo_aligner.models.nlp.gpt.hf_interop import _fuse_qkv
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    torch.manual_seed(0)
+    cfg = lora_model_cfg(target_modules=["all"], adapter_dim=4, alpha=12, row_init_method="normal",
+                         variant="canonical")
+    model = MegatronGPTModel(cfg, ByteTokenizer())
+    layer = model.module.decoder.layers[1]
+    names = sorted(n for n in model.trainable_names() if "layers.1." in n)
+    assert sorted(n.split("adapter_layer.")[1] for n in names) == sorted(
+        [f"lora_unfused_kqv_adapter.{p}_adapter.linear_{h}.weight" for p in "qkv" for h in ("in", "out")]
+        + [f"lora_unfused_hto4h_adapter.{p}_adapter.linear_{h}.weight" for p in ("gate", "up") for h in ("in", "out")]
+        + [f"lora_{n}_adapter.linear_{h}.weight" for n in ("dense_attention", "4htoh") for h in ("in", "out")])
+    assert len(list(lora.adapters(model.module))) == 8  # one per adapted layer
+
+    def delta(part):
+        a, b = part.linear_in.weight.detach(), part.linear_out.weight.detach()
+        assert b.abs().sum() > 0
+        return (12 / 4) * b @ a
+
+    qkv = layer.self_attention.adapter_layer["lora_unfused_kqv_adapter"]
+    q, k, v = (delta(getattr(qkv, f"{p}_adapter")) for p in "qkv")
+    assert q.shape == (64, 64) and k.shape == v.shape == (32, 64)
+    assert not torch.equal(qkv.q_adapter.linear_in.weight, qkv.k_adapter.linear_in.weight)  # A per block
+    fc1 = layer.mlp.adapter_layer["lora_unfused_hto4h_adapter"]
+    expected = {"linear_qkv": _fuse_qkv(q, k, v, 4, 2, 16),
+                "linear_fc1": torch.cat([delta(fc1.gate_adapter), delta(fc1.up_adapter)])}
+    for name in ("linear_qkv", "linear_fc1"):
+        linear = _linears(layer)[name]
+        x = torch.randn(5, 3, linear.weight.shape[1])
+        dense = x @ (linear.weight.detach() + expected[name]).T
+        torch.testing.assert_close(linear(x)[0].detach(), dense, atol=1e-5, rtol=1e-5)
+
+    tokens = torch.randint(0, 250, (2, 12))
+    with_adapters = forward_logits(model, tokens)
+    with lora.merged_into_base(model.module):
+        torch.testing.assert_close(forward_logits(model, tokens), with_adapters, atol=1e-4, rtol=1e-4)
+    with lora.adapters_disabled(model.module):
+        assert (forward_logits(model, tokens) - with_adapters).abs().max() > 1e-2
+
+    state = lora.nemo_adapter_state(model.module)
+    assert "model.decoder.layers.0.self_attention.adapter_layer.lora_unfused_kqv_adapter.v_adapter.linear_out.weight" \
+        in state and len(state) == 2 * 7 * 2  # layers x adapters (q, k, v, gate, up, dense, fc2) x A, B
+    tp2 = {(r, 0): {key: value.chunk(2, dim=1 if "linear_in" in key and ("dense" in key or "4htoh" in key) else 0)[r]
+                    for key, value in state.items()} for r in range(2)}
+    cfg.seed = 7
+    fresh = MegatronGPTModel(cfg, ByteTokenizer())
+    assert lora.load_nemo_adapters(fresh.module, tp2, 2, 1, 2, "test") == len(state)
+    loaded = lora.nemo_adapter_state(fresh.module)
+    assert all(torch.equal(loaded[key], value) for key, value in state.items())
+
+    # dropout: on B A x (NeMo's default) or on x
+    for position in ("post", "pre"):
+        cfg = lora_model_cfg(target_modules=["attention_dense"], adapter_dim=4, adapter_dropout=0.5,
+                             row_init_method="normal", dropout_position=position)
+        adapter = MegatronGPTModel(cfg, ByteTokenizer()).module.decoder.layers[0].self_attention.linear_proj \
+            .__dict__["lora_adapter"]
+        adapter.train()
+        x = torch.randn(7, 64)
+        dropped = adapter(x) == 0
+        assert bool(dropped.any()) == (position == "post")
+
+
+def test_canonical_variant_at_tp2_matches_one_process(tmp_path):
+    """Canonical adapters at TP=2 (each block's B split by its rows, laid out as the rank's query groups
+    and gate/up halves): one process's loss, gradient norm and loss after an Adam step; the TP=2 adapters
+    file (saved before training) loads into one process as the same adapters: its first loss again."""
+    from conftest import WORKERS, run_python
+
+    worker = os.path.join(WORKERS, "parallel_loss_worker.py")
+    base = tmp_path / "base.nemo"
+    run_python(worker, ["--random-arch", json.dumps(TINY_ARCH), "--save", base, "--out", tmp_path / "base.json"])
+    common = ["--nemo", base, "--lora", "all", "--lora-variant", "canonical"]
+    run_python(worker, common + ["--out", tmp_path / "one.json"], like_nproc=2)
+    run_python(worker, common + ["--tp", "2", "--out", tmp_path / "two.json", "--save", tmp_path / "two.nemo"],
+               nproc=2)
+    run_python(worker, common + ["--seed", "7", "--lora-restore", tmp_path / "two.nemo",
+                                 "--out", tmp_path / "restored.json"], like_nproc=2)
+    one, two, restored = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two", "restored"))
+    for key in ("loss0", "grad_norm", "loss1"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5), key
+    assert restored["loss0"] == pytest.approx(two["loss0"], rel=1e-5)  # seed 7's adapters replaced

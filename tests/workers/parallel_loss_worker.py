@@ -36,6 +36,7 @@ def main():
     parser.add_argument("--save", default=None)
     parser.add_argument("--random-arch", default=None, help="JSON model keys: build from random weights")
     parser.add_argument("--lora", default=None, help="LoRA target_modules (e.g. mlp): train adapters only")
+    parser.add_argument("--lora-variant", default="nemo", help="model.peft.lora_tuning.variant")
     parser.add_argument("--lora-restore", default=None, help="an adapters-only .nemo to start the adapters from")
     parser.add_argument("--seed", type=int, default=None, help="model.seed (the adapters' initialisation)")
     args = parser.parse_args()
@@ -60,7 +61,7 @@ def main():
     if args.lora:
         cfg.peft = {"peft_scheme": "lora", "restore_from_path": args.lora_restore,
                     "lora_tuning": {"target_modules": [args.lora], "adapter_dim": 4, "alpha": 8,
-                                    "row_init_method": "normal"}}
+                                    "row_init_method": "normal", "variant": args.lora_variant}}
     if args.seed is not None:
         cfg.seed = args.seed
     model = load_model(GPTSFTModel, cfg, "32", None if args.random_arch else args.nemo)

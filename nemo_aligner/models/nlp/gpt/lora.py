@@ -1,9 +1,10 @@
 """LoRA adapters on megatron-core's parallel linear layers (NeMo's ``model.peft.lora_tuning`` keys).
 
-An adapter adds ``scale * B(A(dropout(x)))`` to its layer's output (``scale = alpha / adapter_dim``),
-through a forward hook: the layer's own weights and their checkpoint names stay as they are. The
+An adapter adds ``scale * dropout(B(A(x)))`` to its layer's output (``scale = alpha / adapter_dim``;
+``dropout_position: pre`` drops ``x`` instead), through a forward hook: the layer's own weights and their checkpoint names stay as they are. The
 adapter sits where NeMo keeps it, ``<self_attention|mlp>.adapter_layer.<name>.linear_in/linear_out``,
-so adapter checkpoints use NeMo's key names.
+so adapter checkpoints use NeMo's key names. ``variant: canonical`` puts separate query/key/value
+(and gate/up) adapters on the fused ``linear_qkv`` (and gated ``linear_fc1``), as NeMo's unfused adapters.
 
 On a mixture-of-experts layer the ``mlp_fc1``/``mlp_fc2`` targets put one adapter on each routed
 expert's ``linear_fc1``/``linear_fc2`` (NeMo's ``lora_moe_hto4h_adapter``/``lora_moe_4htoh_adapter``;
@@ -49,6 +50,9 @@ TARGETS = {
 }
 # NeMo's adapter names on a routed layer's experts, by target
 MOE_ADAPTERS = {"mlp_fc1": "lora_moe_hto4h_adapter", "mlp_fc2": "lora_moe_4htoh_adapter"}
+# ``variant: canonical``: NeMo's unfused adapters (one per output block of the fused layer), by target
+CANONICAL = {"attention_qkv": ("lora_unfused_kqv_adapter", ("q_adapter", "k_adapter", "v_adapter")),
+             "mlp_fc1": ("lora_unfused_hto4h_adapter", ("gate_adapter", "up_adapter"))}
 GROUPS = {"attention": ("attention_qkv", "attention_dense"), "mlp": ("mlp_fc1", "mlp_fc2"), "all": tuple(TARGETS)}
 ADAPTER_TAG = ".adapter_layer."
 _INITS = ("xavier", "normal", "kaiming", "zero")
@@ -64,6 +68,8 @@ class LoraSettings:
     in_init: str
     out_init: str
     layers: Optional[frozenset]  # 1-based layer numbers, None: every layer
+    variant: str = "nemo"  # "nemo": one adapter per layer; "canonical": NeMo's unfused q/k/v, gate/up adapters
+    dropout_position: str = "post"  # dropout on the adapter's output (NeMo's default) or its input ("pre")
 
     @property
     def scale(self) -> float:
@@ -122,15 +128,16 @@ def lora_settings(model_cfg) -> Optional[LoraSettings]:
         layers = frozenset(layers)
     if tuning.get("weight_tying", False):
         raise ConfigError(f"{_KEYS}.weight_tying=True is not supported: each layer has its own adapters")
-    for key in ("variant", "dropout_position"):
-        value = tuning.get(key)
-        if value not in (None, "nemo", "pre"):
-            raise ConfigError(f"{_KEYS}.{key}={value!r} is not supported (LoRA as NeMo's default: dropout on "
-                              "the adapter's input)")
+    choices = {}
+    for key, allowed in (("variant", ("nemo", "canonical")), ("dropout_position", ("post", "pre"))):
+        value = tuning.get(key) or allowed[0]
+        if value not in allowed:
+            raise ConfigError(f"{_KEYS}.{key}={value!r} is not one of {', '.join(allowed)}")
+        choices[key] = value
     if bool(model_cfg.get("sequence_parallel", False)):
         raise ConfigError("model.sequence_parallel=True is not supported with LoRA (model.peft.peft_scheme=lora); "
                           "set it to False")
-    return LoraSettings(tuple(targets), dim, float(alpha), float(dropout), inits[0], inits[1], layers)
+    return LoraSettings(tuple(targets), dim, float(alpha), float(dropout), inits[0], inits[1], layers, **choices)
 
 
 def _init(tensor: torch.Tensor, method: str, generator: torch.Generator) -> None:
@@ -165,6 +172,7 @@ class LoraAdapter(torch.nn.Module):
         from megatron.core import parallel_state
 
         self.kind, self.gated, self.scale = kind, gated, settings.scale
+        self.dropout_after = settings.dropout_position == "post"
         self.enabled = True
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         rank = parallel_state.get_tensor_model_parallel_rank()
@@ -192,12 +200,16 @@ class LoraAdapter(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core import tensor_parallel
 
-        h = F.linear(self.dropout(x.to(self.linear_in.weight.dtype)), self.linear_in.weight)
+        x = x.to(self.linear_in.weight.dtype)
+        h = F.linear(x if self.dropout_after else self.dropout(x), self.linear_in.weight)
         if self.tp > 1:
             # column: every rank's B needs A's gradient summed; row: the ranks' partial sums of A x
             h = (tensor_parallel.copy_to_tensor_model_parallel_region(h) if self.kind == "column"
                  else tensor_parallel.reduce_from_tensor_model_parallel_region(h))
-        return F.linear(h, self.linear_out.weight) * self.scale
+        out = F.linear(h, self.linear_out.weight)
+        # a row-parallel adapter's output is whole on every tensor-parallel rank: the ranks of a stage
+        # share torch's default generator (seed_everything), so they drop the same elements
+        return (self.dropout(out) if self.dropout_after else out) * self.scale
 
     def delta_weight(self) -> torch.Tensor:
         """``scale * B @ A`` for this rank's shard of the layer's weight, in float32."""
@@ -215,6 +227,48 @@ class LoraAdapter(torch.nn.Module):
             key = f"{prefix}linear_out.weight"
             sharded[key] = apply_swiglu_sharded_factory(sharded[key], sharded_offsets)
         return sharded
+
+
+class UnfusedLoraAdapter(torch.nn.Module):
+    """NeMo's canonical variant on a fused column-parallel layer: one adapter per output block (query,
+    key, value of ``linear_qkv``; gate, up of a gated ``linear_fc1``), each with its own ``A``, their
+    outputs laid out as the layer's (this rank's query groups, each ``[queries, key, value]``; or
+    ``[gate; up]``)."""
+
+    kind, gated = "column", False
+
+    def __init__(self, names: Tuple[str, ...], out_sizes: Tuple[int, ...], in_features: int,
+                 settings: LoraSettings, seed: int, groups: int = 0, dtype=torch.float32, device=None):
+        super().__init__()
+        self.names, self.groups, self.enabled = names, groups, True
+        for i, (name, size) in enumerate(zip(names, out_sizes)):
+            child = LoraAdapter(in_features, size, "column", settings, seed=seed * 7 + i + 1, dtype=dtype,
+                                device=device)
+            child.part_of_unfused = True
+            setattr(self, name, child)
+
+    def parts(self) -> List[LoraAdapter]:
+        return [getattr(self, name) for name in self.names]
+
+    def _layout(self, blocks: List[torch.Tensor], dim: int) -> torch.Tensor:
+        """The blocks (along ``dim``) in the fused layer's row order on this rank."""
+        if not self.groups:  # [gate; up]
+            return torch.cat(blocks, dim=dim)
+        dim = dim % blocks[0].dim()
+        per_group = [b.unflatten(dim, (self.groups, b.shape[dim] // self.groups)) for b in blocks]
+        return torch.cat(per_group, dim=dim + 1).flatten(dim, dim + 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._layout([part(x) for part in self.parts()], -1)
+
+    def delta_weight(self) -> torch.Tensor:
+        return self._layout([part.delta_weight() for part in self.parts()], 0)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
+        out = {}
+        for name in self.names:
+            out.update(getattr(self, name).sharded_state_dict(f"{prefix}{name}.", sharded_offsets, metadata))
+        return out
 
 
 class AdapterLayer(torch.nn.ModuleDict):
@@ -257,8 +311,12 @@ def _attach(parent: torch.nn.Module, linear, target: str, adapter_name: str, set
                           "needs megatron-core's local layer spec (model.force_local_spec=True)")
     weight = linear.weight
     in_features, out_features = _full_shape(linear, kind)
-    adapter = LoraAdapter(in_features, out_features, kind, settings, seed=seed,
-                          gated=gated and target == "mlp_fc1", dtype=weight.dtype, device=weight.device)
+    if settings.variant == "canonical" and target in CANONICAL and not expert:
+        adapter_name, names = CANONICAL[target]
+        adapter = _unfused(linear, target, names, in_features, out_features, settings, seed, gated)
+    else:
+        adapter = LoraAdapter(in_features, out_features, kind, settings, seed=seed,
+                              gated=gated and target == "mlp_fc1", dtype=weight.dtype, device=weight.device)
     holder = getattr(parent, "adapter_layer", None)
     if holder is None:
         holder = AdapterLayer()
@@ -269,6 +327,27 @@ def _attach(parent: torch.nn.Module, linear, target: str, adapter_name: str, set
             p.allreduce = False  # megatron-core's mark of an expert-parallel parameter (DDP, optimizer)
     linear.__dict__["lora_adapter"] = adapter  # not a sub-module: its weights live under adapter_layer
     linear.register_forward_hook(_hook(adapter))
+
+
+def _unfused(linear, target: str, names: Tuple[str, ...], in_features: int, out_features: int,
+             settings: LoraSettings, seed: int, gated: bool) -> UnfusedLoraAdapter:
+    """The canonical variant's adapter for ``linear_qkv`` (query, key, value) or a gated ``linear_fc1``."""
+    from megatron.core import parallel_state
+
+    weight = linear.weight
+    if target == "mlp_fc1":
+        if not gated:
+            raise ConfigError(f"{_KEYS}.variant=canonical with target mlp_fc1 splits fc1 into gate and up "
+                              "adapters; this model's activation has no gate (use variant=nemo)")
+        return UnfusedLoraAdapter(names, (out_features // 2,) * 2, in_features, settings, seed,
+                                  dtype=weight.dtype, device=weight.device)
+    config = linear.config
+    groups = config.num_query_groups or config.num_attention_heads
+    channels = config.kv_channels
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return UnfusedLoraAdapter(names, (config.num_attention_heads * channels, groups * channels, groups * channels),
+                              in_features, settings, seed, groups=groups // tp, dtype=weight.dtype,
+                              device=weight.device)
 
 
 def add_lora_adapters(module: torch.nn.Module, settings: LoraSettings, seed: int, gated: bool) -> int:
@@ -307,8 +386,10 @@ def _full_shape(linear, kind: str) -> Tuple[int, int]:
     return (in_local * tp, out_local) if kind == "row" else (in_local, out_local * tp)
 
 
-def adapters(module: torch.nn.Module) -> Iterator[LoraAdapter]:
-    return (m for m in module.modules() if isinstance(m, LoraAdapter))
+def adapters(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Each adapted layer's adapter (a canonical adapter counts once, not per block)."""
+    return (m for m in module.modules() if isinstance(m, UnfusedLoraAdapter)
+            or (isinstance(m, LoraAdapter) and not getattr(m, "part_of_unfused", False)))
 
 
 def effective_weight(linear) -> torch.Tensor:
@@ -376,7 +457,11 @@ def _nemo_slots(layer) -> Iterator[Tuple[str, "LoraAdapter"]]:
     for parent_name in ("self_attention", "mlp"):
         holder = getattr(getattr(layer, parent_name), "adapter_layer", None)
         for name, adapter in (holder or {}).items():
-            yield f"{parent_name}.adapter_layer.{name}.", adapter
+            if isinstance(adapter, UnfusedLoraAdapter):
+                for part in adapter.names:
+                    yield f"{parent_name}.adapter_layer.{name}.{part}.", getattr(adapter, part)
+            else:
+                yield f"{parent_name}.adapter_layer.{name}.", adapter
     for i, expert in local_experts(layer.mlp) or []:  # global indices: the files of a run without EP
         for name, adapter in (getattr(expert, "adapter_layer", None) or {}).items():
             yield f"mlp.experts.local_experts.{i}.adapter_layer.{name}.expert_adapters.{i}.", adapter
