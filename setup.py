@@ -73,7 +73,8 @@ setup(
         "ninja",  # builds the fused CPU decode kernels on first use (utils/cpu_kernels.py)
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "pytest-xdist", "filelock", "numcodecs"],
+        # peft: the LoRA conversion tests load the converted adapters with Hugging Face's own library
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "filelock", "numcodecs", "peft"],
         # zarr-format distributed checkpoints (NeMo's dist_ckpt_format: zarr) are Blosc-compressed
         "zarr": ["numcodecs"],
         "gpu": ["transformer-engine[pytorch]"],

@@ -217,6 +217,8 @@ def test_nemo_adapter_layout_across_tp_and_pp(mcore_single):
     pp2 = {(0, p): {k.replace(f"layers.{p}.", "layers.0."): v for k, v in state.items() if f"layers.{p}." in k}
            for p in range(2)}
     for saved, tp, pp in ((tp2, 2, 1), (pp2, 1, 2)):
+        joined = lora.join_nemo_adapter_files(saved, tp, pp, 2, True, "test")  # what the converters read
+        assert joined.keys() == state.keys() and all(torch.equal(joined[k], v) for k, v in state.items())
         assert lora.load_nemo_adapters(fresh.module, saved, tp, pp, 2, "test") == len(state)
         loaded = lora.nemo_adapter_state(fresh.module)
         assert all(torch.equal(loaded[k], v) for k, v in state.items()), (tp, pp)
@@ -599,7 +601,7 @@ def test_canonical_variant_at_tp2_matches_one_process(tmp_path):
     base = tmp_path / "base.nemo"
     run_python(worker, ["--random-arch", json.dumps(TINY_ARCH), "--save", base, "--out", tmp_path / "base.json"])
     common = ["--nemo", base, "--lora", "all", "--lora-variant", "canonical"]
-    run_python(worker, common + ["--out", tmp_path / "one.json"], like_nproc=2)
+    run_python(worker, common + ["--out", tmp_path / "one.json", "--save", tmp_path / "one.nemo"], like_nproc=2)
     run_python(worker, common + ["--tp", "2", "--out", tmp_path / "two.json", "--save", tmp_path / "two.nemo"],
                nproc=2)
     run_python(worker, common + ["--seed", "7", "--lora-restore", tmp_path / "two.nemo",
@@ -608,3 +610,8 @@ def test_canonical_variant_at_tp2_matches_one_process(tmp_path):
     for key in ("loss0", "grad_norm", "loss1"):
         assert two[key] == pytest.approx(one[key], rel=1e-5), key
     assert restored["loss0"] == pytest.approx(two["loss0"], rel=1e-5)  # seed 7's adapters replaced
+    from nemo_aligner.models.nlp.gpt.peft_interop import read_nemo_lora
+
+    whole = {n: read_nemo_lora(str(tmp_path / f"{n}.nemo"), n)[2] for n in ("one", "two")}  # TP=2 files joined
+    assert len(whole["two"]) == 28 and whole["two"].keys() == whole["one"].keys()
+    assert all(torch.equal(whole["two"][k], v) for k, v in whole["one"].items())

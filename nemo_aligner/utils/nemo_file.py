@@ -356,20 +356,43 @@ def save_nemo(model, path: str) -> str:
             yaml.safe_dump(config, f, sort_keys=False)
         for name, src in artifacts:
             shutil.copy(src, os.path.join(staging, name))
-        tmp = f"{path}.tmp"
-        try:
-            with tarfile.open(tmp, "w:") as tar:
-                for name in sorted(os.listdir(staging)):
-                    tar.add(os.path.join(staging, name), arcname=f"./{name}")
-        except OSError as err:  # disk full, a quota
-            shutil.rmtree(staging, ignore_errors=True)
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise CheckpointError(f"{path}: could not be written ({err.strerror or err}); a file already there "
-                                  "is kept as it was") from None
-        os.replace(tmp, path)
-        shutil.rmtree(staging, ignore_errors=True)
+        _tar_staging(staging, path)
     barrier()
+    return path
+
+
+def _tar_staging(staging: str, path: str) -> None:
+    """``staging``'s files as the .nemo ``path`` (written to ``<path>.tmp``, then renamed over it);
+    ``staging`` is removed."""
+    tmp = f"{path}.tmp"
+    try:
+        with tarfile.open(tmp, "w:") as tar:
+            for name in sorted(os.listdir(staging)):
+                tar.add(os.path.join(staging, name), arcname=f"./{name}")
+    except OSError as err:  # disk full, a quota
+        shutil.rmtree(staging, ignore_errors=True)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise CheckpointError(f"{path}: could not be written ({err.strerror or err}); a file already there "
+                              "is kept as it was") from None
+    os.replace(tmp, path)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_adapters_nemo(path: str, config: dict, state: dict) -> str:
+    """An adapters-only .nemo (NeMo's PEFT layout at TP=1, PP=1) from a model config and its adapter
+    tensors, written by this process alone."""
+    import torch
+
+    path = os.path.abspath(path)
+    staging = f"{path}.tmpdir"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    with open(os.path.join(staging, MODEL_CONFIG), "w", encoding="utf-8") as f:
+        yaml.safe_dump(config, f, sort_keys=False)
+    torch.save(state, os.path.join(staging, peft_weights_file(1, 1, 0, 0)))
+    _tar_staging(staging, path)
     return path
 
 

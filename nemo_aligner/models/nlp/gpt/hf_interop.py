@@ -592,21 +592,21 @@ _EXPORT_FILES = {"config.json", "generation_config.json", "tokenizer.json", "tok
                  "model.safetensors.index.json"}
 
 
-def _check_export_target(out_dir: str) -> None:
-    """The export replaces ``out_dir`` whole: refuse a directory holding anything else (the user's
-    files would go with it) or one the process stands in."""
+def check_export_target(out_dir: str, written=_EXPORT_FILES, key: str = "--output-dir") -> None:
+    """The export replaces ``out_dir`` whole: refuse a directory holding anything but the files an export
+    writes (``written``, ``*.safetensors``: the user's files would go with it) or one the process stands in."""
     target = os.path.abspath(out_dir)
     if os.getcwd() == target or os.getcwd().startswith(target + os.sep):
-        raise ConfigError(f"--output-dir {out_dir}: the export replaces the directory whole, so it cannot be the "
+        raise ConfigError(f"{key} {out_dir}: the export replaces the directory whole, so it cannot be the "
                           "current directory or one above it; give a new directory")
     if not os.path.isdir(target):
         if os.path.exists(target):
-            raise ConfigError(f"--output-dir {out_dir} is a file, not a directory")
+            raise ConfigError(f"{key} {out_dir} is a file, not a directory")
         return
     foreign = sorted(name for name in os.listdir(target)
-                     if name not in _EXPORT_FILES and not name.endswith(".safetensors"))
+                     if name not in written and not name.endswith(".safetensors"))
     if foreign:
-        raise ConfigError(f"--output-dir {out_dir} holds files an export does not write ({', '.join(foreign[:5])}"
+        raise ConfigError(f"{key} {out_dir} holds files an export does not write ({', '.join(foreign[:5])}"
                           f"{' ...' if len(foreign) > 5 else ''}); the export replaces the directory whole, so give "
                           "a new or empty directory (or an earlier export)")
 
@@ -651,7 +651,7 @@ def export_to_hf(nemo_path: str, out_dir: str) -> str:
     from nemo_aligner.utils.checkpoint_io import recover_replaced_dir, replace_dir_atomically
     from nemo_aligner.utils.distributed import get_rank
 
-    _check_export_target(out_dir)
+    check_export_target(out_dir)
     _refuse_reward_heads(nemo_path)
     _ensure_single_process_parallel_state()
     model = load_model(GPTSFTModel, OmegaConf.create({"micro_batch_size": 1, "tensor_model_parallel_size": 1,

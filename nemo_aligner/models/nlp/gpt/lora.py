@@ -1,8 +1,8 @@
 """LoRA adapters on megatron-core's parallel linear layers (NeMo's ``model.peft.lora_tuning`` keys).
 
 An adapter adds ``scale * dropout(B(A(x)))`` to its layer's output (``scale = alpha / adapter_dim``;
-``dropout_position: pre`` drops ``x`` instead), through a forward hook: the layer's own weights and their checkpoint names stay as they are. The
-adapter sits where NeMo keeps it, ``<self_attention|mlp>.adapter_layer.<name>.linear_in/linear_out``,
+``dropout_position: pre`` drops ``x`` instead), through a forward hook: the layer's own weights and
+their checkpoint names stay as they are. The adapter sits where NeMo keeps it, ``<self_attention|mlp>.adapter_layer.<name>.linear_in/linear_out``,
 so adapter checkpoints use NeMo's key names. ``variant: canonical`` puts separate query/key/value
 (and gate/up) adapters on the fused ``linear_qkv`` (and gated ``linear_fc1``), as NeMo's unfused adapters.
 
@@ -511,6 +511,46 @@ def _whole(parts: List[torch.Tensor], dim: int, gated_rows: bool) -> torch.Tenso
     return torch.cat(parts, dim=dim)
 
 
+def _parts_by_global_key(rank_states: Dict[Tuple[int, int], dict], saved_tp: int, saved_pp: int,
+                         num_layers: int) -> Dict[str, List[Optional[torch.Tensor]]]:
+    """The per-rank files' tensors by key with global (0-based) layer numbers: each key's
+    tensor-parallel parts in rank order (None where a rank's file lacks it)."""
+    per_stage = num_layers // saved_pp
+    found: Dict[str, List[Optional[torch.Tensor]]] = {}
+    for pp_rank in range(saved_pp):
+        for tp_rank in range(saved_tp):
+            for key, value in rank_states[(tp_rank, pp_rank)].items():
+                parts = key.split(".")
+                if key.startswith("model.decoder.layers.") and len(parts) > 3 and parts[3].isdigit():
+                    parts[3] = str(int(parts[3]) + per_stage * pp_rank)
+                found.setdefault(".".join(parts), [None] * saved_tp)[tp_rank] = value
+    return found
+
+
+_COLUMN_ADAPTERS = (".lora_kqv_adapter.", ".lora_hto4h_adapter.", ".lora_moe_hto4h_adapter.",
+                    ".lora_unfused_kqv_adapter.", ".lora_unfused_hto4h_adapter.")
+
+
+def join_nemo_adapter_files(rank_states: Dict[Tuple[int, int], dict], saved_tp: int, saved_pp: int,
+                            num_layers: int, gated: bool, what: str) -> Dict[str, torch.Tensor]:
+    """A PEFT checkpoint's adapter tensors whole (as one process at TP=1, PP=1 holds them), keyed with
+    global layer numbers; ``gated``: the model's fc1 is gated (each rank's rows are its [gate; up])."""
+    from nemo_aligner.utils.errors import CheckpointError
+
+    out = {}
+    for key, parts in _parts_by_global_key(rank_states, saved_tp, saved_pp, num_layers).items():
+        if ADAPTER_TAG not in key or not key.endswith(("linear_in.weight", "linear_out.weight")):
+            raise CheckpointError(f"{what}: {key} is not a LoRA adapter tensor (a trained head has no place in "
+                                  "an adapters-only conversion)")
+        if any(p is None for p in parts):
+            raise CheckpointError(f"{what}: {key} is missing from a tensor-parallel rank's file")
+        column = any(tag in key for tag in _COLUMN_ADAPTERS)
+        half_in = key.endswith("linear_in.weight")
+        gated_rows = gated and not half_in and (".lora_hto4h_adapter." in key or ".lora_moe_hto4h_adapter." in key)
+        out[key] = _whole(parts, 1 if half_in and not column else 0, gated_rows)
+    return out
+
+
 def load_nemo_adapters(module: torch.nn.Module, rank_states: Dict[Tuple[int, int], dict], saved_tp: int,
                        saved_pp: int, num_layers: int, what: str) -> int:
     """Set this stage's adapters (and other trained tensors) from a PEFT checkpoint's per-rank dicts
@@ -521,16 +561,7 @@ def load_nemo_adapters(module: torch.nn.Module, rank_states: Dict[Tuple[int, int
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
-    per_stage = num_layers // saved_pp
-    # global 0-based layer number -> key suffix -> the saved tensor-parallel parts
-    found: Dict[str, List[torch.Tensor]] = {}
-    for pp_rank in range(saved_pp):
-        for tp_rank in range(saved_tp):
-            for key, value in rank_states[(tp_rank, pp_rank)].items():
-                parts = key.split(".")
-                if key.startswith("model.decoder.layers.") and len(parts) > 3 and parts[3].isdigit():
-                    parts[3] = str(int(parts[3]) + per_stage * pp_rank)
-                found.setdefault(".".join(parts), [None] * saved_tp)[tp_rank] = value
+    found = _parts_by_global_key(rank_states, saved_tp, saved_pp, num_layers)
     count = 0
     with torch.no_grad():
         for layer in getattr(getattr(module, "decoder", None), "layers", []):
