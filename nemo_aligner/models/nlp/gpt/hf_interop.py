@@ -523,6 +523,18 @@ def _ensure_single_process_parallel_state() -> None:
         D.initialize_model_parallel(1, 1)
 
 
+def read_json_object(path: str, where: str) -> dict:
+    """The JSON object in the file ``path``; anything else is a ConfigError naming ``where``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{where}: not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
 def import_hf_model(hf_dir: str, nemo_path: str, precision: str = "32") -> str:
     """Convert a local HF model directory to a ``.nemo`` (rank 0 writes; every rank waits for it);
     ``precision`` (32, bf16 or 16, in any of NeMo's spellings): the dtype its weights are stored in."""
@@ -543,14 +555,7 @@ def import_hf_model(hf_dir: str, nemo_path: str, precision: str = "32") -> str:
                           f"`huggingface-cli download {hf_dir} --local-dir <dir>`, and give that directory)")
     if not os.path.isfile(config_path):
         raise ConfigError(f"{hf_dir}: no config.json (not a Hugging Face model directory)")
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            hf_cfg = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{config_path}: not valid JSON ({err})") from None
-    if not isinstance(hf_cfg, dict):
-        raise ConfigError(f"{config_path}: must hold a JSON object, got {type(hf_cfg).__name__}")
-    arch, cfg = nemo_config_from_hf(hf_cfg, config_path)
+    arch, cfg = nemo_config_from_hf(read_json_object(config_path, config_path), config_path)
     if any(os.path.isfile(os.path.join(hf_dir, n)) for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         tok_cfg = {"library": "huggingface", "type": os.path.abspath(hf_dir)}
         tokenizer = build_tokenizer(tok_cfg)

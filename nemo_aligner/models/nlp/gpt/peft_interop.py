@@ -22,13 +22,14 @@ import math
 import os
 import re
 import shutil
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from nemo_aligner.models.nlp.gpt import lora
 from nemo_aligner.models.nlp.gpt.gpt_builder import activation_from_cfg
-from nemo_aligner.models.nlp.gpt.hf_interop import _fuse_qkv, _split_qkv, check_export_target, hf_config_from_nemo
+from nemo_aligner.models.nlp.gpt.hf_interop import (_fuse_qkv, _split_qkv, check_export_target, hf_config_from_nemo,
+                                                    read_json_object)
 from nemo_aligner.utils.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -250,14 +251,7 @@ def _peft_config(donor: Optional[str], settings: lora.LoraSettings, modules: set
 def _read_json(path: str, key: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"{key}={path}: no such file")
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{key}={path}: not valid JSON ({err})") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{key}={path}: must hold a JSON object, got {type(value).__name__}")
-    return value
+    return read_json_object(path, f"{key}={path}")
 
 
 # ----------------------------------------------------------------------------- PEFT -> NeMo
