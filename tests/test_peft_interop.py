@@ -75,6 +75,15 @@ def test_peft_adapters_convert_both_ways_with_peft_logits(tmp_path, mcore_single
     assert tuning.variant == ("nemo" if arch == "gpt2" else "canonical") and tuning.adapter_dim == 4
     assert list(tuning.layer_selection or []) == ([2] if arch == "gemma" else [])
     torch.testing.assert_close(_ours(base, tmp_path / "lora.nemo", tokens), expected, atol=2e-5, rtol=1e-4)
+    if arch == "llama":  # the converted adapters merge into their base (the .nemo named as base)
+        proc = run_script("merge_lora_weights.py", [f"lora_model_path={tmp_path / 'lora.nemo'}",
+                                                    f"merged_model_path={tmp_path / 'merged.nemo'}",
+                                                    "trainer.precision=32"])
+        assert "8 adapters merged" in proc.stdout, proc.stdout  # 2 layers x qkv, dense, fc1, fc2
+        from test_hf_interop import our_logits
+
+        torch.testing.assert_close(our_logits(str(tmp_path / "merged.nemo"), tokens), expected, atol=2e-5,
+                                   rtol=1e-4)
 
     out = nemo_to_hf_peft(str(tmp_path / "lora.nemo"), str(tmp_path / "back"))
     again = peft.PeftModel.from_pretrained(tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf"), out).eval()
