@@ -184,3 +184,31 @@ def test_what_has_no_counterpart_is_refused_in_one_line(tmp_path, mcore_single):
     canonical = save_nemo(load_model(GPTSFTModel, cfg, "32", gpt2), str(tmp_path / "g" / "lora.nemo"))
     with pytest.raises(AlignerError, match="c_attn is one fused layer"):
         nemo_to_hf_peft(canonical, str(tmp_path / "g" / "out"))
+
+
+def test_mixture_of_experts_adapters(tmp_path, mcore_single):
+    """On a routed model the canonical .nemo keeps the experts' adapters as they are (NeMo's canonical
+    variant does) and gives the same logits; PEFT export refuses the experts' adapters, naming one."""
+    from conftest import TINY_ARCH
+
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.models.nlp.gpt.loading import load_model
+    from nemo_aligner.models.nlp.gpt.peft_interop import nemo_to_canonical, nemo_to_hf_peft
+    from nemo_aligner.utils.nemo_file import save_nemo
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    torch.manual_seed(0)
+    arch = dict(TINY_ARCH, num_moe_experts=4, moe_router_topk=2, micro_batch_size=1)
+    base = save_nemo(GPTSFTModel(OmegaConf.create(arch), ByteTokenizer(), "32"), str(tmp_path / "base.nemo"))
+    cfg = OmegaConf.create({"micro_batch_size": 1, "peft": {"peft_scheme": "lora", "lora_tuning": {
+        "target_modules": ["all"], "adapter_dim": 4, "row_init_method": "normal"}}})
+    model = load_model(GPTSFTModel, cfg, "32", base)
+    model.eval()
+    tokens = torch.randint(0, VOCAB, (2, 11))
+    ours = forward_logits(model, tokens)[..., :VOCAB]
+    adapters = save_nemo(model, str(tmp_path / "lora.nemo"))
+    canonical = nemo_to_canonical(adapters, str(tmp_path / "canonical.nemo"))
+    torch.testing.assert_close(_ours(base, canonical, tokens), ours, atol=1e-5, rtol=1e-5)
+    with pytest.raises(AlignerError, match=r"local_experts\.\d\.adapter_layer.* is an expert's adapter"):
+        nemo_to_hf_peft(adapters, str(tmp_path / "hf_lora"))
+    assert not (tmp_path / "hf_lora").exists()

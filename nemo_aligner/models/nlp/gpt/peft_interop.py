@@ -22,6 +22,7 @@ import math
 import os
 import re
 import shutil
+from functools import cached_property
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -73,7 +74,11 @@ class _Shapes:
         self.groups = int(cfg.get("num_query_groups") or self.heads)
         self.channels = int(cfg.get("kv_channels") or self.hidden // self.heads)
         self.gated = activation_from_cfg(cfg)[1]
-        self.arch = hf_arch(cfg)
+        self._cfg = cfg
+
+    @cached_property
+    def arch(self) -> str:  # read only where a Hugging Face layout is involved
+        return hf_arch(self._cfg)
 
     def features(self, adapter: str) -> Tuple[int, int]:
         q, kv = self.heads * self.channels, self.groups * self.channels
@@ -94,10 +99,10 @@ def hf_arch(cfg: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- NeMo -> canonical / PEFT
-def _split(key: str) -> Tuple[int, str, str]:
+def _split(key: str, what: str = "adapters") -> Tuple[int, str, str]:
     match = _LAYER_KEY.match(key)
     if match is None:
-        raise CheckpointError(f"{key} is not a layer's LoRA adapter tensor")
+        raise CheckpointError(f"{what}: {key} is not a layer's LoRA adapter tensor")
     return int(match.group(1)), match.group(2), match.group(3)
 
 
@@ -105,12 +110,9 @@ def to_canonical(state: Dict[str, torch.Tensor], shapes: _Shapes, what: str) -> 
     """``variant: nemo`` adapters (whole tensors) as ``variant: canonical`` ones: the same sums."""
     out = {}
     for key, value in state.items():
-        layer, adapter, half = _split(key)
+        layer, adapter, half = _split(key, what)
         prefix = f"model.decoder.layers.{layer}."
-        if ".experts." in adapter:
-            raise ConfigError(f"{what}: {key} is an expert's adapter; the canonical variant (and Hugging Face "
-                              "PEFT) has no unfused form for experts")
-        if adapter == _KQV:
+        if adapter == _KQV:  # (an expert's adapters stay as they are, as in NeMo's canonical variant)
             parts = (value,) * 3 if half == "linear_in" else _split_qkv(value, shapes.heads, shapes.groups,
                                                                          shapes.channels)
             for block, part in zip(_BLOCKS[_UNFUSED_KQV], parts):
@@ -198,7 +200,10 @@ def nemo_to_hf_peft(nemo_lora_path: str, output_dir: str, donor_config: Optional
             state = to_canonical(state, shapes, what)
     tensors, modules, layers = {}, set(), set()
     for key, value in state.items():
-        layer, adapter, half = _split(key)
+        layer, adapter, half = _split(key, what)
+        if ".experts." in adapter:
+            raise ConfigError(f"{what}: {key} is an expert's adapter; transformers keeps a Mixtral's experts as "
+                              "one fused tensor, which PEFT does not adapt as layers")
         if adapter not in mapping:
             raise ConfigError(f"{what}: {key} has no Hugging Face PEFT counterpart")
         module = mapping[adapter]
