@@ -694,9 +694,13 @@ def export_to_hf(nemo_path: str, out_dir: str) -> str:
         from transformers import GenerationConfig
 
         GenerationConfig(**{k: v for k, v in ids.items() if v is not None}).save_pretrained(tmp)
-    if getattr(tokenizer, "library", "") != "huggingface":
+    library = getattr(tokenizer, "library", "")
+    if library in ("byte", "byte-level"):
         logger.warning("the model uses the built-in byte tokenizer, which transformers cannot load: %s has "
                        "weights and config only (token ids are UTF-8 bytes; see docs/hf_interop.md)", out_dir)
+    elif library != "huggingface":
+        logger.warning("the model's %s tokenizer is not written: %s has weights and config only; give it the "
+                       "Hugging Face tokenizer files that encode as the model's tokenizer does", library, out_dir)
     replace_dir_atomically(tmp, out_dir)  # an earlier export stays whole until the new one is in
     logger.info("exported %s as %s to %s", nemo_path, arch, out_dir)
     return out_dir
