@@ -7,6 +7,10 @@ ended in a traceback or a hang instead of a one-line refusal or a finished conve
     python tests/reliability/fuzz_hf.py                         # 100 runs, seed 0
     python tests/reliability/fuzz_hf.py --runs 40 --seed 3 --targets llama gpt2
 
+With ``--peft`` the directory is a PEFT LoRA adapter directory (made with ``peft`` on the tiny model)
+and the command ``convert_hf_to_canonical.py --nemo_config <the model's .nemo>``; the changes: an
+``adapter_config.json`` value, a LoRA matrix cut or removed, the weights file overwritten.
+
 Outcomes, output and exit status as ``fuzz_config.py``; ``--json PATH`` also records each run's change.
 """
 
@@ -23,6 +27,8 @@ from fuzz_config import arguments, check_base, finished, outcome, run, run_all, 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONVERT = os.path.join(REPO, "examples", "nlp", "gpt", "convert_hf_to_nemo.py")
+CONVERT_PEFT = os.path.join(REPO, "examples", "nlp", "gpt", "convert_hf_to_canonical.py")
+PEFT_TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"], "mixtral": ["q_proj", "v_proj", "o_proj"]}
 ARCHS = ["llama", "mistral", "mixtral", "gemma", "qwen2", "gpt2"]
 MISSING = object()
 HOSTILE = [MISSING, None, "abc", "", "false", -1, 0, 1.5, 1e18, float("nan"), True, [1, 2], {"a": 1}]
@@ -49,6 +55,54 @@ def tiny_directory(arch: str, path: str) -> None:
                                                            **common))
     model.save_pretrained(path)
     tokenizer_directory(path)
+
+
+def peft_directory(arch: str, model_dir: str, path: str) -> None:
+    """LoRA adapters (random A and B) made with ``peft`` on the model in ``model_dir``."""
+    import peft
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(1)
+    targets = PEFT_TARGETS.get(arch, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False,
+                             fan_in_fan_out=arch == "gpt2")
+    peft.get_peft_model(tf.AutoModelForCausalLM.from_pretrained(model_dir), config).save_pretrained(path)
+
+
+def peft_change(directory: str, rng: random.Random) -> str:
+    """Apply one hostile change to the PEFT adapter directory; returns what was done."""
+    kind = rng.choices(["config", "tensor", "file"], weights=[6, 3, 1])[0]
+    if kind == "config":
+        path = os.path.join(directory, "adapter_config.json")
+        config = json.load(open(path, encoding="utf-8"))
+        key, value = rng.choice(sorted(config)), rng.choice(HOSTILE)
+        if value is MISSING:
+            del config[key]
+        else:
+            config[key] = value
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(config, f)
+        return f"adapter_config.json {key}={'<removed>' if value is MISSING else repr(value)}"
+    if kind == "tensor":
+        from safetensors.torch import load_file, save_file
+
+        path = os.path.join(directory, "adapter_model.safetensors")
+        state = load_file(path)
+        name = rng.choice(sorted(state))
+        if rng.random() < 0.3:
+            del state[name]
+            what = f"tensor {name} removed"
+        else:
+            state[name] = state[name].flatten()[: max(1, state[name].numel() // 2)].clone()
+            what = f"tensor {name} cut to {list(state[name].shape)}"
+        save_file(state, path, metadata={"format": "pt"})
+        return what
+    name = rng.choice(["adapter_model.safetensors", "adapter_config.json"])
+    data = rng.choice([b"", b"[1, 2]", b"{\"a\": 1}", b"\xff\xfe not text"])
+    with open(os.path.join(directory, name), "wb") as f:
+        f.write(data)
+    return f"{name} = {data!r}"
 
 
 def change(directory: str, rng: random.Random) -> str:
@@ -89,24 +143,36 @@ def change(directory: str, rng: random.Random) -> str:
 def main(argv=None) -> int:
     import tempfile
 
-    args = arguments(__doc__, 100, ARCHS).parse_args(argv)
+    parser = arguments(__doc__, 100, ARCHS)
+    parser.add_argument("--peft", action="store_true", help="fuzz PEFT adapter directories instead")
+    args = parser.parse_args(argv)
     work = tempfile.mkdtemp(prefix="fuzz_hf_")
-    for arch in args.targets:  # each base directory must convert
+
+    def command(arch, directory, out):
+        if args.peft:
+            return [sys.executable, CONVERT_PEFT, "--hf_lora_path", directory, "--output_path", out,
+                    "--nemo_config", os.path.join(work, "base", f"{arch}.nemo")]
+        return [sys.executable, CONVERT, "--input-dir", directory, "--output-file", out]
+
+    for arch in args.targets:  # each base directory (and with --peft its adapters) must convert
         tiny_directory(arch, os.path.join(work, "base", arch))
         check_base(arch, [sys.executable, CONVERT, "--input-dir", os.path.join(work, "base", arch), "--output-file",
                           os.path.join(work, "base", f"{arch}.nemo")], work, args.timeout_s)
+        if args.peft:
+            peft_directory(arch, os.path.join(work, "base", arch), os.path.join(work, "base", f"{arch}_lora"))
+            check_base(arch, command(arch, os.path.join(work, "base", f"{arch}_lora"),
+                                     os.path.join(work, "base", f"{arch}_lora.nemo")), work, args.timeout_s)
     rng = random.Random(args.seed)
     cases = []
     for i in range(args.runs):
         arch = rng.choice(args.targets)
         directory = os.path.join(work, "changed", str(i))
-        shutil.copytree(os.path.join(work, "base", arch), directory)
-        cases.append((i, arch, change(directory, rng), directory))
+        shutil.copytree(os.path.join(work, "base", f"{arch}_lora" if args.peft else arch), directory)
+        cases.append((i, arch, (peft_change if args.peft else change)(directory, rng), directory))
 
     def one(case):
         i, arch, what, directory = case
-        cmd = [sys.executable, CONVERT, "--input-dir", directory, "--output-file", os.path.join(directory, "out.nemo")]
-        rc, out = run(cmd, work, args.timeout_s)
+        rc, out = run(command(arch, directory, os.path.join(directory, "out.nemo")), work, args.timeout_s)
         return {"target": arch, "change": what, **outcome(rc, out)}
 
     return finished(work, run_all(cases, one, args.workers, args.json, lambda r: f"{r['target']} {r['change']}"),

@@ -271,6 +271,9 @@ def _check_peft_config(config: dict, where: str) -> Tuple[int, float, float]:
         raise ConfigError(f"{where}: lora_alpha={alpha!r} must be a positive number")
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
         raise ConfigError(f"{where}: lora_dropout={dropout!r} must be in [0, 1)")
+    for flag in ("use_rslora", "use_dora", "lora_bias", "use_qalora"):
+        if config.get(flag) is not None and not isinstance(config[flag], bool):
+            raise ConfigError(f"{where}: {flag}={config[flag]!r} must be true or false")
     refused = {"use_dora": "DoRA's magnitude vectors", "lora_bias": "LoRA biases",
                "modules_to_save": "fully trained modules", "rank_pattern": "per-module ranks",
                "alpha_pattern": "per-module alphas", "target_parameters": "adapters on parameters",
