@@ -2,9 +2,10 @@
 
 An adapter adds ``scale * dropout(B(A(x)))`` to its layer's output (``scale = alpha / adapter_dim``;
 ``dropout_position: pre`` drops ``x`` instead), through a forward hook: the layer's own weights and
-their checkpoint names stay as they are. The adapter sits where NeMo keeps it, ``<self_attention|mlp>.adapter_layer.<name>.linear_in/linear_out``,
-so adapter checkpoints use NeMo's key names. ``variant: canonical`` puts separate query/key/value
-(and gate/up) adapters on the fused ``linear_qkv`` (and gated ``linear_fc1``), as NeMo's unfused adapters.
+their checkpoint names stay as they are. The adapter sits where NeMo keeps it,
+``<self_attention|mlp>.adapter_layer.<name>.linear_in/linear_out``, so adapter checkpoints use NeMo's
+key names. ``variant: canonical`` puts separate query/key/value (and gate/up) adapters on the fused
+``linear_qkv`` (and gated ``linear_fc1``), as NeMo's unfused adapters do.
 
 On a mixture-of-experts layer the ``mlp_fc1``/``mlp_fc2`` targets put one adapter on each routed
 expert's ``linear_fc1``/``linear_fc2`` (NeMo's ``lora_moe_hto4h_adapter``/``lora_moe_4htoh_adapter``;
