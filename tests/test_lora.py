@@ -615,3 +615,25 @@ def test_canonical_variant_at_tp2_matches_one_process(tmp_path):
     whole = {n: read_nemo_lora(str(tmp_path / f"{n}.nemo"), n)[2] for n in ("one", "two")}  # TP=2 files joined
     assert len(whole["two"]) == 28 and whole["two"].keys() == whole["one"].keys()
     assert all(torch.equal(whole["two"][k], v) for k, v in whole["one"].items())
+
+
+def test_adapters_the_settings_place_nowhere_are_refused(mcore_single):
+    """A file's adapters that the run's lora_tuning settings do not place (other targets, layers or
+    variant) are refused naming one, instead of being dropped."""
+    from nemo_aligner.models.nlp.gpt import lora
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
+    from nemo_aligner.utils.errors import CheckpointError
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    state = lora.nemo_adapter_state(MegatronGPTModel(lora_model_cfg(target_modules=["all"], adapter_dim=4),
+                                                     ByteTokenizer()).module)
+    for tuning, named in ((dict(target_modules=["attention_qkv"]), "lora_dense_attention_adapter"),
+                          (dict(target_modules=["all"], layer_selection=[1]), "layers.1."),
+                          (dict(target_modules=["attention"], variant="canonical"), "lora_kqv_adapter")):
+        model = MegatronGPTModel(lora_model_cfg(adapter_dim=4, **tuning), ByteTokenizer())
+        saved = state
+        if tuning.get("variant") == "canonical":  # the canonical blocks present too: only the fused one is extra
+            saved = dict(lora.nemo_adapter_state(model.module),
+                         **{k: v for k, v in state.items() if "lora_kqv_adapter" in k})
+        with pytest.raises(CheckpointError, match=f"holds adapter .*{re.escape(named)}.* place nowhere"):
+            lora.load_nemo_adapters(model.module, {(0, 0): saved}, 1, 1, 2, "test")

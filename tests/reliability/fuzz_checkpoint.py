@@ -7,6 +7,11 @@ hang instead of a one-line refusal or a finished run.
     python tests/reliability/fuzz_checkpoint.py                 # 120 runs, seed 0
     python tests/reliability/fuzz_checkpoint.py --runs 30 --targets dpo generate
     python tests/reliability/fuzz_checkpoint.py --moe            # the base model: 4 routed experts per layer
+    python tests/reliability/fuzz_checkpoint.py --lora           # damaged adapters-only .nemo files instead
+
+With ``--lora`` the damaged file is an adapters-only LoRA .nemo (adapters on every target of the base
+SFT model), given to the PEFT export (``convert_nemo_to_canonical.py --hf_format``), the canonical
+conversion and ``merge_lora_weights.py``.
 
 Outcomes, output and exit status as ``fuzz_config.py``; ``--json PATH`` also records each run's damage.
 A run that finishes is not a failure by itself: bytes flipped inside the weights give other, finite
@@ -37,7 +42,35 @@ CONVERTERS = {
     "to_mcore": lambda nemo, out: [sys.executable, os.path.join(GPT_SCRIPTS, "convert_gpt_nemo_to_mcore.py"),
                                    "--input-name-or-path", nemo, "--output-path", os.path.join(out, "mcore.nemo")],
 }
-TARGETS = [t for t in Targets.CONFIGS if t != "sft"] + list(CONVERTERS)  # SFT here starts from random weights
+# The scripts that read an adapters-only .nemo (--lora): their command for it, a run directory and the base.
+LORA_CONVERTERS = {
+    "lora_to_peft": lambda nemo, out, base: [sys.executable, os.path.join(GPT_SCRIPTS, "convert_nemo_to_canonical.py"),
+                                             "--nemo_lora_path", nemo, "--output_path", os.path.join(out, "hf"),
+                                             "--hf_format"],
+    "lora_canonical": lambda nemo, out, base: [sys.executable, os.path.join(GPT_SCRIPTS, "convert_nemo_to_canonical.py"),
+                                               "--nemo_lora_path", nemo, "--output_path",
+                                               os.path.join(out, "canonical.nemo")],
+    "lora_merge": lambda nemo, out, base: [sys.executable, os.path.join(GPT_SCRIPTS, "merge_lora_weights.py"),
+                                           f"gpt_model_file={base}", f"lora_model_path={nemo}",
+                                           f"merged_model_path={os.path.join(out, 'merged.nemo')}",
+                                           "trainer.precision=32"],
+}
+# Writes LoRA adapters (all targets, random B) for the .nemo argv[1] to the adapters-only .nemo argv[2].
+MAKE_ADAPTERS = """
+import sys
+from omegaconf import OmegaConf
+from nemo_aligner.utils import distributed as D
+D.init_distributed()
+D.initialize_model_parallel(1, 1)
+from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+from nemo_aligner.models.nlp.gpt.loading import load_model
+from nemo_aligner.utils.nemo_file import save_nemo
+cfg = OmegaConf.create({"micro_batch_size": 1, "peft": {"peft_scheme": "lora", "lora_tuning": {
+    "target_modules": ["all"], "adapter_dim": 4, "row_init_method": "normal"}}})
+save_nemo(load_model(GPTSFTModel, cfg, "32", sys.argv[1]), sys.argv[2])
+"""
+TARGETS = ([t for t in Targets.CONFIGS if t != "sft"] + list(CONVERTERS)  # SFT here starts from random weights
+           + list(LORA_CONVERTERS))
 DAMAGE = ["cut", "drop", "empty", "garbage", "flip", "config"]
 
 
@@ -98,26 +131,38 @@ def damage(src: str, dst: str, rng: random.Random) -> str:
 def main(argv=None) -> int:
     parser = arguments(__doc__, 120, TARGETS)
     parser.add_argument("--moe", action="store_true", help="fuzz a mixture-of-experts base model (Mixtral-shaped)")
+    parser.add_argument("--lora", action="store_true", help="fuzz an adapters-only LoRA .nemo (the lora_* targets)")
     args = parser.parse_args(argv)
     if args.moe:
         Targets.SFT_EXTRA = ["++model.num_moe_experts=4", "++model.moe_router_topk=2", "++model.moe_aux_loss_coeff=0.01"]
-    scripts = argparse.Namespace(**dict(vars(args), targets=[t for t in args.targets if t not in CONVERTERS]))
+    chosen = [t for t in args.targets if (t in LORA_CONVERTERS) == args.lora]
+    args.targets = chosen or (list(LORA_CONVERTERS) if args.lora else chosen)
+    if not args.targets:
+        raise SystemExit("--targets: none of them fits (the lora_* targets go with --lora, the others without)")
+    scripts = argparse.Namespace(**dict(vars(args), targets=[t for t in args.targets
+                                                             if t not in CONVERTERS and t not in LORA_CONVERTERS]))
     work, targets = prepared(scripts, "fuzz_checkpoint_")
+    source = targets.sft_nemo
+    if args.lora:  # the file to damage: adapters for the base SFT model
+        source = os.path.join(work, "base", "adapters.nemo")
+        check_base("adapters", [sys.executable, "-c", MAKE_ADAPTERS, targets.sft_nemo, source], work, args.timeout_s)
 
     def command(target: str, nemo: str, out: str) -> list:
-        if target in CONVERTERS:
+        if target in CONVERTERS or target in LORA_CONVERTERS:
             os.makedirs(out, exist_ok=True)
+            if target in LORA_CONVERTERS:
+                return LORA_CONVERTERS[target](nemo, out, targets.sft_nemo)
             return CONVERTERS[target](nemo, out)
         return [a.replace(targets.sft_nemo, nemo) for a in targets.command(target, out)]
 
-    for target in CONVERTERS.keys() & set(args.targets):  # each converter's base run must pass
-        check_base(target, command(target, targets.sft_nemo, os.path.join(work, "base", target)), work, args.timeout_s)
+    for target in (CONVERTERS.keys() | LORA_CONVERTERS.keys()) & set(args.targets):  # each base run must pass
+        check_base(target, command(target, source, os.path.join(work, "base", target)), work, args.timeout_s)
     rng = random.Random(args.seed)
     cases = []
     for i in range(args.runs):
         path = os.path.join(work, "damaged", str(i), "model.nemo")
         os.makedirs(os.path.dirname(path))
-        cases.append((i, rng.choice(args.targets), damage(targets.sft_nemo, path, rng), path))
+        cases.append((i, rng.choice(args.targets), damage(source, path, rng), path))
 
     def one(case):
         i, target, what, path = case

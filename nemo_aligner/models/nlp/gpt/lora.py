@@ -552,6 +552,28 @@ def join_nemo_adapter_files(rank_states: Dict[Tuple[int, int], dict], saved_tp: 
     return out
 
 
+def _refuse_unplaced(found: Dict[str, list], layer, number: int, what: str) -> None:
+    """A CheckpointError if the file holds an adapter of this layer that the model has no place for (it
+    would be dropped silently: adapters trained with other ``lora_tuning`` settings)."""
+    from nemo_aligner.utils.errors import CheckpointError
+
+    placed = {f"model.decoder.layers.{number}.{path}{half}.weight" for path, _ in _nemo_slots(layer)
+              for half in ("linear_in", "linear_out")}
+    local = {str(i) for i, _ in local_experts(layer.mlp) or []}
+    prefix = f"model.decoder.layers.{number}."
+    for key in found:
+        if not key.startswith(prefix) or ADAPTER_TAG not in key or key in placed:
+            continue
+        parts = key[len(prefix):].split(".")
+        if parts[:2] == ["mlp", "experts"] and len(parts) > 3:
+            entry = parts[parts.index("expert_adapters") + 1] if "expert_adapters" in parts[:-1] else parts[3]
+            if parts[3] not in local or entry != parts[3]:
+                continue  # another expert-parallel rank's expert, or an entry NeMo's per-expert list leaves unread
+        raise CheckpointError(f"{what}: holds adapter {key}, which this model's model.peft.lora_tuning settings "
+                              "(target_modules, layer_selection, variant) place nowhere; give the settings the "
+                              "adapters were trained with")
+
+
 def load_nemo_adapters(module: torch.nn.Module, rank_states: Dict[Tuple[int, int], dict], saved_tp: int,
                        saved_pp: int, num_layers: int, what: str) -> int:
     """Set this stage's adapters (and other trained tensors) from a PEFT checkpoint's per-rank dicts
@@ -567,6 +589,7 @@ def load_nemo_adapters(module: torch.nn.Module, rank_states: Dict[Tuple[int, int
     with torch.no_grad():
         for layer in getattr(getattr(module, "decoder", None), "layers", []):
             number = int(layer.layer_number) - 1
+            _refuse_unplaced(found, layer, number, what)
             for path, adapter in _nemo_slots(layer):
                 prefix = f"model.decoder.layers.{number}.{path}"
                 in_dim, out_dim = _nemo_dims(adapter.kind)
