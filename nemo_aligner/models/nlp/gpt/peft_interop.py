@@ -58,7 +58,6 @@ _HF_PREFIX = {"gpt2": "base_model.model.transformer.h.", "llama": "base_model.mo
 _HF_KEY = re.compile(r"^base_model\.model\.(?:model\.layers|transformer\.h)\.(\d+)\.(.+)\.lora_([AB])"
                      r"(?:\.[A-Za-z0-9_-]+)?\.weight$")
 _DTYPES = {"32": torch.float32, "bf16": torch.bfloat16, "16": torch.float16}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 class _Shapes:
@@ -156,24 +155,30 @@ def nemo_to_canonical(nemo_lora_path: str, output_path: str, precision: Optional
     """An adapters-only .nemo (either variant, any TP/PP) as a canonical one at TP=1, PP=1."""
     from nemo_aligner.utils.nemo_file import write_adapters_nemo
 
+    dtype = _dtype(precision)
     cfg, settings, state = read_nemo_lora(nemo_lora_path, "--nemo_lora_path")
     shapes = _Shapes(cfg, f"--nemo_lora_path={nemo_lora_path}")
     if settings.variant == "nemo":
         state = to_canonical(state, shapes, f"--nemo_lora_path={nemo_lora_path}")
     cfg["peft"].setdefault("lora_tuning", {})["variant"] = "canonical"
     cfg.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    return write_adapters_nemo(output_path, cfg, _cast(state, precision))
+    return write_adapters_nemo(output_path, cfg, _cast(state, dtype))
 
 
-def _cast(state: Dict[str, torch.Tensor], precision: Optional[str]) -> Dict[str, torch.Tensor]:
+def _dtype(precision: Optional[str]) -> Optional[torch.dtype]:
+    """``--precision``'s dtype (None: as stored), checked before any work."""
     if precision is None:
-        return state
+        return None
     from nemo_aligner.utils.config_checks import precision_name
 
     name = precision_name(precision)
     if name is None:
         raise ConfigError(f"--precision={precision!r} is not one of 32, bf16, 16")
-    return {k: v.to(_DTYPES[name]) for k, v in state.items()}
+    return _DTYPES[name]
+
+
+def _cast(state: Dict[str, torch.Tensor], dtype: Optional[torch.dtype]) -> Dict[str, torch.Tensor]:
+    return state if dtype is None else {k: v.to(dtype) for k, v in state.items()}
 
 
 def nemo_to_hf_peft(nemo_lora_path: str, output_dir: str, donor_config: Optional[str] = None,
@@ -183,6 +188,7 @@ def nemo_to_hf_peft(nemo_lora_path: str, output_dir: str, donor_config: Optional
 
     from nemo_aligner.utils.checkpoint_io import recover_replaced_dir, replace_dir_atomically
 
+    dtype = _dtype(precision)
     check_export_target(output_dir, {ADAPTER_CONFIG, "README.md"}, key="--output_path")
     what = f"--nemo_lora_path={nemo_lora_path}"
     cfg, settings, state = read_nemo_lora(nemo_lora_path, "--nemo_lora_path")
@@ -218,7 +224,7 @@ def nemo_to_hf_peft(nemo_lora_path: str, output_dir: str, donor_config: Optional
     recover_replaced_dir(output_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    save_file({k: v.contiguous() for k, v in _cast(tensors, precision).items()}, os.path.join(tmp, ADAPTER_WEIGHTS),
+    save_file({k: v.contiguous() for k, v in _cast(tensors, dtype).items()}, os.path.join(tmp, ADAPTER_WEIGHTS),
               metadata={"format": "pt"})
     with open(os.path.join(tmp, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2, sort_keys=True)
@@ -321,6 +327,7 @@ def hf_peft_to_nemo(hf_lora_path: str, output_path: str, nemo_config: str, preci
 
     from nemo_aligner.utils.nemo_file import read_model_config, write_adapters_nemo
 
+    dtype = _dtype(precision)
     where = os.path.join(hf_lora_path, ADAPTER_CONFIG)
     config = _read_json(where, "--hf_lora_path")
     r, alpha, dropout = _check_peft_config(config, where)
@@ -343,7 +350,7 @@ def hf_peft_to_nemo(hf_lora_path: str, output_path: str, nemo_config: str, preci
     scale_fix = math.sqrt(r) if config.get("use_rslora") else 1.0  # PEFT: alpha / sqrt(r); NeMo: alpha / r
     found: Dict[Tuple[int, str], Dict[str, torch.Tensor]] = {}
     weights = _read_peft_weights(hf_lora_path)
-    dtype = next(iter(weights.values())).dtype if weights else torch.float32
+    stored = next(iter(weights.values())).dtype if weights else torch.float32
     for key, value in weights.items():
         match = _HF_KEY.match(key)
         if match is None or match.group(2) not in mapping:
@@ -367,7 +374,8 @@ def hf_peft_to_nemo(hf_lora_path: str, output_path: str, nemo_config: str, preci
         "alpha": alpha, "adapter_dropout": dropout, "dropout_position": "pre", "column_init_method": "xavier",
         "row_init_method": "zero", "layer_selection": None if len(layers) == shapes.layers else
         [n + 1 for n in layers]}}
-    return write_adapters_nemo(output_path, cfg, _cast(state, precision or _DTYPE_NAMES.get(dtype, "32")))
+    # the zero adapters and the rsLoRA fold were made in float32: back to the file's dtype
+    return write_adapters_nemo(output_path, cfg, _cast(state, dtype or stored))
 
 
 def _parent(adapter: str) -> str:
