@@ -70,74 +70,62 @@ def peft_directory(arch: str, model_dir: str, path: str) -> None:
     peft.get_peft_model(tf.AutoModelForCausalLM.from_pretrained(model_dir), config).save_pretrained(path)
 
 
-def peft_change(directory: str, rng: random.Random) -> str:
-    """Apply one hostile change to the PEFT adapter directory; returns what was done."""
-    kind = rng.choices(["config", "tensor", "file"], weights=[6, 3, 1])[0]
-    if kind == "config":
-        path = os.path.join(directory, "adapter_config.json")
-        config = json.load(open(path, encoding="utf-8"))
-        key, value = rng.choice(sorted(config)), rng.choice(HOSTILE)
-        if value is MISSING:
-            del config[key]
-        else:
-            config[key] = value
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(config, f)
-        return f"adapter_config.json {key}={'<removed>' if value is MISSING else repr(value)}"
-    if kind == "tensor":
-        from safetensors.torch import load_file, save_file
+def _change_json(directory: str, name: str, rng: random.Random) -> str:
+    """One key of the JSON object ``name`` set to a hostile value or removed."""
+    path = os.path.join(directory, name)
+    config = json.load(open(path, encoding="utf-8"))
+    key, value = rng.choice(sorted(config)), rng.choice(HOSTILE)
+    if value is MISSING:
+        del config[key]
+    else:
+        config[key] = value
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f)  # NaN as JSON's NaN, which json.load reads back
+    return f"{name} {key}={'<removed>' if value is MISSING else repr(value)}"
 
-        path = os.path.join(directory, "adapter_model.safetensors")
-        state = load_file(path)
-        name = rng.choice(sorted(state))
-        if rng.random() < 0.3:
-            del state[name]
-            what = f"tensor {name} removed"
-        else:
-            state[name] = state[name].flatten()[: max(1, state[name].numel() // 2)].clone()
-            what = f"tensor {name} cut to {list(state[name].shape)}"
-        save_file(state, path, metadata={"format": "pt"})
-        return what
-    name = rng.choice(["adapter_model.safetensors", "adapter_config.json"])
+
+def _change_tensor(directory: str, name: str, rng: random.Random) -> str:
+    """One tensor of the safetensors file ``name`` removed or cut to another shape."""
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(directory, name)
+    state = load_file(path)
+    key = rng.choice(sorted(state))
+    if rng.random() < 0.3:
+        del state[key]
+        what = f"tensor {key} removed"
+    else:
+        state[key] = state[key].flatten()[: max(1, state[key].numel() // 2)].clone()
+        what = f"tensor {key} cut to {list(state[key].shape)}"
+    save_file(state, path, metadata={"format": "pt"})
+    return what
+
+
+def _overwrite(directory: str, names: list, rng: random.Random) -> str:
+    name = rng.choice(names)
     data = rng.choice([b"", b"[1, 2]", b"{\"a\": 1}", b"\xff\xfe not text"])
     with open(os.path.join(directory, name), "wb") as f:
         f.write(data)
     return f"{name} = {data!r}"
 
 
-def change(directory: str, rng: random.Random) -> str:
-    """Apply one hostile change to the model directory; returns what was done."""
-    kind = rng.choices(["config", "tensor", "tokenizer"], weights=[6, 2, 1])[0]
-    if kind == "config":
-        path = os.path.join(directory, "config.json")
-        config = json.load(open(path, encoding="utf-8"))
-        key, value = rng.choice(sorted(config)), rng.choice(HOSTILE)
-        if value is MISSING:
-            del config[key]
-        else:
-            config[key] = value
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(config, f)  # NaN as JSON's NaN, which json.load reads back
-        return f"config.json {key}={'<removed>' if value is MISSING else repr(value)}"
-    if kind == "tensor":
-        from safetensors.torch import load_file, save_file
+# What a change touches in each kind of directory: (JSON config, safetensors weights, files to
+# overwrite, weights of the config/tensor/file kinds of change).
+LAYOUTS = {"model": ("config.json", "model.safetensors",
+                     ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"], [6, 2, 1]),
+           "peft": ("adapter_config.json", "adapter_model.safetensors",
+                    ["adapter_model.safetensors", "adapter_config.json"], [6, 3, 1])}
 
-        path = os.path.join(directory, "model.safetensors")
-        state = load_file(path)
-        name = rng.choice(sorted(state))
-        if rng.random() < 0.3:
-            del state[name]
-            what = f"tensor {name} removed"
-        else:
-            state[name] = state[name].flatten()[: max(1, state[name].numel() // 2)].clone()
-            what = f"tensor {name} cut to {list(state[name].shape)}"
-        save_file(state, path, metadata={"format": "pt"})
-        return what
-    name = rng.choice(["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"])
-    data = rng.choice([b"", b"[1, 2]", b"{\"a\": 1}", b"\xff\xfe not text"])
-    with open(os.path.join(directory, name), "wb") as f:
-        f.write(data)
-    return f"{name} = {data!r}"
+
+def change(directory: str, rng: random.Random, layout: str = "model") -> str:
+    """Apply one hostile change to the model (or PEFT adapter) directory; returns what was done."""
+    config, weights, files, odds = LAYOUTS[layout]
+    kind = rng.choices(["config", "tensor", "file"], weights=odds)[0]
+    if kind == "config":
+        return _change_json(directory, config, rng)
+    if kind == "tensor":
+        return _change_tensor(directory, weights, rng)
+    return _overwrite(directory, files, rng)
 
 
 def main(argv=None) -> int:
@@ -168,7 +156,7 @@ def main(argv=None) -> int:
         arch = rng.choice(args.targets)
         directory = os.path.join(work, "changed", str(i))
         shutil.copytree(os.path.join(work, "base", f"{arch}_lora" if args.peft else arch), directory)
-        cases.append((i, arch, (peft_change if args.peft else change)(directory, rng), directory))
+        cases.append((i, arch, change(directory, rng, "peft" if args.peft else "model"), directory))
 
     def one(case):
         i, arch, what, directory = case
