@@ -528,8 +528,11 @@ def _parts_by_global_key(rank_states: Dict[Tuple[int, int], dict], saved_tp: int
     return found
 
 
-_COLUMN_ADAPTERS = (".lora_kqv_adapter.", ".lora_hto4h_adapter.", ".lora_moe_hto4h_adapter.",
-                    ".lora_unfused_kqv_adapter.", ".lora_unfused_hto4h_adapter.")
+# NeMo's adapter names on column-parallel layers (dense, expert and canonical), and those whose B
+# holds each rank's [gate; up] rows
+_COLUMN_ADAPTERS = tuple(f".{name}." for _, _, name, kind in TARGETS.values() if kind == "column") + \
+    (f".{MOE_ADAPTERS['mlp_fc1']}.",) + tuple(f".{name}." for name, _ in CANONICAL.values())
+_GATED_ADAPTERS = (f".{TARGETS['mlp_fc1'][2]}.", f".{MOE_ADAPTERS['mlp_fc1']}.")
 
 
 def join_nemo_adapter_files(rank_states: Dict[Tuple[int, int], dict], saved_tp: int, saved_pp: int,
@@ -545,10 +548,10 @@ def join_nemo_adapter_files(rank_states: Dict[Tuple[int, int], dict], saved_tp: 
                                   "an adapters-only conversion)")
         if any(p is None for p in parts):
             raise CheckpointError(f"{what}: {key} is missing from a tensor-parallel rank's file")
-        column = any(tag in key for tag in _COLUMN_ADAPTERS)
         half_in = key.endswith("linear_in.weight")
-        gated_rows = gated and not half_in and (".lora_hto4h_adapter." in key or ".lora_moe_hto4h_adapter." in key)
-        out[key] = _whole(parts, 1 if half_in and not column else 0, gated_rows)
+        dims = _nemo_dims("column" if any(tag in key for tag in _COLUMN_ADAPTERS) else "row")
+        gated_rows = gated and not half_in and any(tag in key for tag in _GATED_ADAPTERS)
+        out[key] = _whole(parts, dims[0 if half_in else 1], gated_rows)
     return out
 
 

@@ -28,7 +28,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from nemo_aligner.models.nlp.gpt import lora
-from nemo_aligner.models.nlp.gpt.gpt_builder import activation_from_cfg
+from nemo_aligner.models.nlp.gpt.gpt_builder import activation_from_cfg, precision_dtype
 from nemo_aligner.models.nlp.gpt.hf_interop import (_fuse_qkv, _split_qkv, check_export_target, hf_config_from_nemo,
                                                     read_json_object)
 from nemo_aligner.utils.errors import CheckpointError, ConfigError
@@ -37,12 +37,16 @@ logger = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-_KQV = "self_attention.adapter_layer.lora_kqv_adapter"
-_DENSE = "self_attention.adapter_layer.lora_dense_attention_adapter"
-_HTO4H = "mlp.adapter_layer.lora_hto4h_adapter"
-_4HTOH = "mlp.adapter_layer.lora_4htoh_adapter"
-_UNFUSED_KQV = "self_attention.adapter_layer.lora_unfused_kqv_adapter"
-_UNFUSED_HTO4H = "mlp.adapter_layer.lora_unfused_hto4h_adapter"
+
+
+def _slot(target: str, canonical: bool = False) -> str:
+    """Where a target's adapter sits in a layer (NeMo's key), from lora's names."""
+    parent, _, name, _ = lora.TARGETS[target]
+    return f"{parent}.adapter_layer.{lora.CANONICAL[target][0] if canonical else name}"
+
+
+_KQV, _DENSE, _HTO4H, _4HTOH = (_slot(t) for t in ("attention_qkv", "attention_dense", "mlp_fc1", "mlp_fc2"))
+_UNFUSED_KQV, _UNFUSED_HTO4H = _slot("attention_qkv", True), _slot("mlp_fc1", True)
 # NeMo adapter (within a layer) -> Hugging Face module (within a layer), by architecture family
 _LLAMA = {f"{_UNFUSED_KQV}.q_adapter": "self_attn.q_proj", f"{_UNFUSED_KQV}.k_adapter": "self_attn.k_proj",
           f"{_UNFUSED_KQV}.v_adapter": "self_attn.v_proj", _DENSE: "self_attn.o_proj",
@@ -50,14 +54,12 @@ _LLAMA = {f"{_UNFUSED_KQV}.q_adapter": "self_attn.q_proj", f"{_UNFUSED_KQV}.k_ad
           _4HTOH: "mlp.down_proj"}
 _GPT2 = {_KQV: "attn.c_attn", _DENSE: "attn.c_proj", _HTO4H: "mlp.c_fc", _4HTOH: "mlp.c_proj"}
 # The NeMo target each adapter belongs to, and the blocks a canonical adapter must have together
-_TARGET = {_KQV: "attention_qkv", _UNFUSED_KQV: "attention_qkv", _DENSE: "attention_dense",
-           _HTO4H: "mlp_fc1", _UNFUSED_HTO4H: "mlp_fc1", _4HTOH: "mlp_fc2"}
-_BLOCKS = {_UNFUSED_KQV: ("q_adapter", "k_adapter", "v_adapter"), _UNFUSED_HTO4H: ("gate_adapter", "up_adapter")}
+_TARGET = dict({_slot(t): t for t in lora.TARGETS}, **{_slot(t, True): t for t in lora.CANONICAL})
+_BLOCKS = {_slot(t, True): blocks for t, (_, blocks) in lora.CANONICAL.items()}
 _LAYER_KEY = re.compile(r"^model\.decoder\.layers\.(\d+)\.(.+)\.(linear_in|linear_out)\.weight$")
 _HF_PREFIX = {"gpt2": "base_model.model.transformer.h.", "llama": "base_model.model.model.layers."}
 _HF_KEY = re.compile(r"^base_model\.model\.(?:model\.layers|transformer\.h)\.(\d+)\.(.+)\.lora_([AB])"
                      r"(?:\.[A-Za-z0-9_-]+)?\.weight$")
-_DTYPES = {"32": torch.float32, "bf16": torch.bfloat16, "16": torch.float16}
 
 
 class _Shapes:
@@ -73,11 +75,11 @@ class _Shapes:
         self.groups = int(cfg.get("num_query_groups") or self.heads)
         self.channels = int(cfg.get("kv_channels") or self.hidden // self.heads)
         self.gated = activation_from_cfg(cfg)[1]
-        self._cfg = cfg
+        self.cfg = cfg
 
     @cached_property
     def arch(self) -> str:  # read only where a Hugging Face layout is involved
-        return hf_arch(self._cfg)
+        return hf_arch(self.cfg)
 
     def features(self, adapter: str) -> Tuple[int, int]:
         q, kv = self.heads * self.channels, self.groups * self.channels
@@ -128,9 +130,9 @@ def to_canonical(state: Dict[str, torch.Tensor], shapes: _Shapes, what: str) -> 
     return out
 
 
-def read_nemo_lora(path: str, key: str) -> Tuple[dict, lora.LoraSettings, Dict[str, torch.Tensor]]:
-    """``(model config, LoRA settings, whole adapter tensors)`` of an adapters-only .nemo saved at any
-    TP/PP size; refusals name ``key``."""
+def read_nemo_lora(path: str, key: str) -> Tuple[_Shapes, lora.LoraSettings, Dict[str, torch.Tensor]]:
+    """``(model config's sizes, LoRA settings, whole adapter tensors)`` of an adapters-only .nemo saved at
+    any TP/PP size; refusals name ``key``."""
     from omegaconf import OmegaConf
 
     from nemo_aligner.models.nlp.gpt.loading import read_peft_states
@@ -148,7 +150,7 @@ def read_nemo_lora(path: str, key: str) -> Tuple[dict, lora.LoraSettings, Dict[s
     state = lora.join_nemo_adapter_files(states, tp, pp, shapes.layers, shapes.gated, what)
     if not state:
         raise CheckpointError(f"{what}: holds no adapter tensors")
-    return cfg, settings, state
+    return shapes, settings, state
 
 
 def nemo_to_canonical(nemo_lora_path: str, output_path: str, precision: Optional[str] = None) -> str:
@@ -156,10 +158,10 @@ def nemo_to_canonical(nemo_lora_path: str, output_path: str, precision: Optional
     from nemo_aligner.utils.nemo_file import write_adapters_nemo
 
     dtype = _dtype(precision)
-    cfg, settings, state = read_nemo_lora(nemo_lora_path, "--nemo_lora_path")
-    shapes = _Shapes(cfg, f"--nemo_lora_path={nemo_lora_path}")
+    shapes, settings, state = read_nemo_lora(nemo_lora_path, "--nemo_lora_path")
     if settings.variant == "nemo":
         state = to_canonical(state, shapes, f"--nemo_lora_path={nemo_lora_path}")
+    cfg = shapes.cfg
     cfg["peft"].setdefault("lora_tuning", {})["variant"] = "canonical"
     cfg.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     return write_adapters_nemo(output_path, cfg, _cast(state, dtype))
@@ -167,14 +169,7 @@ def nemo_to_canonical(nemo_lora_path: str, output_path: str, precision: Optional
 
 def _dtype(precision: Optional[str]) -> Optional[torch.dtype]:
     """``--precision``'s dtype (None: as stored), checked before any work."""
-    if precision is None:
-        return None
-    from nemo_aligner.utils.config_checks import precision_name
-
-    name = precision_name(precision)
-    if name is None:
-        raise ConfigError(f"--precision={precision!r} is not one of 32, bf16, 16")
-    return _DTYPES[name]
+    return None if precision is None else precision_dtype(precision, "--precision")
 
 
 def _cast(state: Dict[str, torch.Tensor], dtype: Optional[torch.dtype]) -> Dict[str, torch.Tensor]:
@@ -191,8 +186,7 @@ def nemo_to_hf_peft(nemo_lora_path: str, output_dir: str, donor_config: Optional
     dtype = _dtype(precision)
     check_export_target(output_dir, {ADAPTER_CONFIG, "README.md"}, key="--output_path")
     what = f"--nemo_lora_path={nemo_lora_path}"
-    cfg, settings, state = read_nemo_lora(nemo_lora_path, "--nemo_lora_path")
-    shapes = _Shapes(cfg, what)
+    shapes, settings, state = read_nemo_lora(nemo_lora_path, "--nemo_lora_path")
     if shapes.arch == "gpt2":
         if settings.variant == "canonical":
             raise ConfigError(f"{what}: canonical adapters on a GPT-2-shaped model have no PEFT form (GPT-2's "
