@@ -326,8 +326,8 @@ def test_zarr_distributed_checkpoint(llama_like):
 
 def test_sentencepiece_nemo_round_trip_keeps_nemo_keys(llama_like, sp_model, tmp_path, caplog):
     """A .nemo whose tokenizer is a packed sentencepiece model (nemo:<uuid>_tokenizer.model) loads with
-    that tokenizer, and saving writes the same keys back (no local paths); its HF export has no
-    tokenizer files, and the warning names the sentencepiece tokenizer."""
+    that tokenizer, and saving writes the same keys back (no local paths); its HF export has the
+    tokenizer converted to Hugging Face files that encode as sentencepiece does, with Llama's BOS."""
     from nemo_aligner.utils.nemo_file import save_nemo
 
     tiny, _, state, tokens, _, work = llama_like
@@ -355,10 +355,17 @@ def test_sentencepiece_nemo_round_trip_keeps_nemo_keys(llama_like, sp_model, tmp
     torch.testing.assert_close(forward_logits(again, tokens), forward_logits(loaded, tokens), rtol=0, atol=0)
     from nemo_aligner.models.nlp.gpt.hf_interop import export_to_hf
 
+    from transformers import AutoTokenizer
+
     with caplog.at_level("WARNING"):
         export_to_hf(out, str(tmp_path / "hf"))
-    assert "the model's sentencepiece tokenizer is not written" in caplog.text, caplog.text
-    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert "tokenizer" not in caplog.text, caplog.text
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "generation_config.json", "model.safetensors",
+                                                   "tokenizer.json", "tokenizer.model", "tokenizer_config.json"]
+    hf = AutoTokenizer.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    sp = spm.SentencePieceProcessor(model_file=sp_model)
+    for text in TEXTS:
+        assert hf.encode(text) == [1] + sp.encode(text), text
 
 
 def test_hf_hub_name_with_packed_tokenizer_files(llama_like, tmp_path):

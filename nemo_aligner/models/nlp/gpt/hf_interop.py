@@ -31,6 +31,8 @@ _ONE_CENTRED_NORMS = ("gemma",)
 LLAMA_LIKE = ("mistral",)
 # Llama's attention with routed experts (block_sparse_moe.*): imported and exported as Mixtral.
 MIXTRAL = "mixtral"
+# Architectures whose Hugging Face tokenizers add BOS in encode(): an exported tokenizer does too.
+_ADDS_BOS = ("llama", "gemma", MIXTRAL) + LLAMA_LIKE
 
 
 # ----------------------------------------------------------------------------- configs
@@ -655,6 +657,7 @@ def export_to_hf(nemo_path: str, out_dir: str) -> str:
     from nemo_aligner.models.nlp.gpt.loading import load_model
     from nemo_aligner.utils.checkpoint_io import recover_replaced_dir, replace_dir_atomically
     from nemo_aligner.utils.distributed import get_rank
+    from nemo_aligner.utils.tokenizers.hf_export import NotExportable, write_hf_tokenizer
 
     check_export_target(out_dir)
     _refuse_reward_heads(nemo_path)
@@ -683,24 +686,15 @@ def export_to_hf(nemo_path: str, out_dir: str) -> str:
     hf_cfg.update({k: v for k, v in ids.items() if v is not None})
     with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
         json.dump(hf_cfg, f, indent=2)
-    if getattr(tokenizer, "library", "") == "huggingface":
-        # the files as imported (chat template, generation settings included), not a re-save of the
-        # tokenizer as loaded here (which sets pad = eos where it had no pad token)
-        for source in tokenizer.files():
-            shutil.copy(source, os.path.join(tmp, os.path.basename(source)))
-        if not tokenizer.files():
-            tokenizer.tokenizer.save_pretrained(tmp)
+    try:
+        for caveat in write_hf_tokenizer(tokenizer, tmp, add_bos=arch in _ADDS_BOS):
+            logger.warning("%s: %s", out_dir, caveat)
+    except NotExportable as why:
+        logger.warning("%s has weights and config only, no tokenizer files: %s", out_dir, why)
     if not os.path.exists(os.path.join(tmp, "generation_config.json")):
         from transformers import GenerationConfig
 
         GenerationConfig(**{k: v for k, v in ids.items() if v is not None}).save_pretrained(tmp)
-    library = getattr(tokenizer, "library", "")
-    if library in ("byte", "byte-level"):
-        logger.warning("the model uses the built-in byte tokenizer, which transformers cannot load: %s has "
-                       "weights and config only (token ids are UTF-8 bytes; see docs/hf_interop.md)", out_dir)
-    elif library != "huggingface":
-        logger.warning("the model's %s tokenizer is not written: %s has weights and config only; give it the "
-                       "Hugging Face tokenizer files that encode as the model's tokenizer does", library, out_dir)
     replace_dir_atomically(tmp, out_dir)  # an earlier export stays whole until the new one is in
     logger.info("exported %s as %s to %s", nemo_path, arch, out_dir)
     return out_dir

@@ -1,0 +1,248 @@
+"""A model's tokenizer as Hugging Face tokenizer files, checked against the model's own tokenizer.
+
+``library: huggingface`` copies the files it was built from. Megatron's GPT2BPE, ``sentencepiece``
+and ``tiktoken`` are converted with the ``tokenizers``/``transformers`` converters into a
+``tokenizer.json`` that ``AutoTokenizer`` loads (``PreTrainedTokenizerFast``, so transformers 4
+and 5 both read it). Each conversion is loaded back and must give the model tokenizer's ids on a
+set of probe texts (whitespace runs, newlines, tabs, Unicode, bytes outside the vocabulary, the
+special tokens' strings) before it is kept: a tokenizer that encodes differently is not written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import List, Optional, Tuple
+
+PROBE_TEXTS = (
+    "Hello world! The quick brown fox jumps over the lazy dog.",
+    "  leading spaces, two  inner  spaces and trailing   ",
+    "new\nline\n\nparagraph\r\nwindows\tand\ttabs",
+    "digits 0123456789, 3.14159 and 1,000,000",
+    "Unicode: ünïcödé ＡＢＣ ﬁ café naïve 中文 日本語 한국어 🙂",
+    "def f(x):\n    return {'a': [x ** 2, None]}  # code",
+    "User: hi\nAssistant: hello!",
+    " ",
+    "\n",
+    "a\u00a0b\u2003c",
+)
+
+
+class NotExportable(Exception):
+    """Why a tokenizer gets no Hugging Face files (one line, for a warning)."""
+
+
+def write_hf_tokenizer(tokenizer, out_dir: str, add_bos: bool) -> List[str]:
+    """Write ``tokenizer`` as Hugging Face files into ``out_dir`` and return what differs only on
+    text holding special-token strings; raise :class:`NotExportable` (and write nothing) where it
+    cannot be converted or the conversion encodes ordinary text differently.
+
+    ``add_bos``: whether the written tokenizer adds BOS (Llama, Mistral and Gemma's convention)
+    when ``encode`` is asked for special tokens; ``text_to_ids`` here never adds it."""
+    library = getattr(tokenizer, "library", "")
+    if library in ("byte", "byte-level"):
+        raise NotExportable("the model uses the built-in byte tokenizer, which transformers cannot load "
+                            "(token ids are UTF-8 bytes; see docs/hf_interop.md)")
+    if library == "huggingface":
+        _copy_huggingface(tokenizer, out_dir)
+        return []
+    builders = {"megatron": _gpt2_bpe, "sentencepiece": _sentencepiece, "tiktoken": _tiktoken}
+    from nemo_aligner.utils.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer
+
+    build = _sentencepiece if isinstance(tokenizer, SentencePieceTokenizer) else builders.get(library)
+    if build is None:
+        raise NotExportable(f"the model's {library} tokenizer has no Hugging Face conversion")
+    staging = tempfile.mkdtemp(prefix="hf_tokenizer_", dir=out_dir)
+    try:
+        build(tokenizer, staging, add_bos)
+        caveats = check_same_encoding(tokenizer, staging, add_bos)
+        for name in os.listdir(staging):
+            os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
+        return caveats
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _copy_huggingface(tokenizer, out_dir: str) -> None:
+    # the files as imported (chat template, generation settings included), not a re-save of the
+    # tokenizer as loaded here (which sets pad = eos where it had no pad token)
+    for source in tokenizer.files():
+        shutil.copy(source, os.path.join(out_dir, os.path.basename(source)))
+    if not tokenizer.files():
+        tokenizer.tokenizer.save_pretrained(out_dir)
+
+
+def probe_texts(tokenizer) -> Tuple[List[str], List[str]]:
+    """The texts a conversion must encode as ``tokenizer`` does (:data:`PROBE_TEXTS`), and those
+    with special-token strings inside (sentencepiece never reads a control token out of text, NeMo's
+    legacy mode splits its special tokens out and drops a lone "▁" after one; not every conversion
+    can express these)."""
+    tokens = ["<s>", "</s>", "<unk>", "<pad>", "<|endoftext|>"]
+    if getattr(tokenizer, "legacy", False):
+        tokens += [t for t in getattr(tokenizer, "special_token_to_id", {}) if t not in tokens]
+    special = [" ".join(tokens)]
+    for token in tokens:
+        special += [f"{token}User", f"x{token}y", f"a {token} b\n{token}\nc", f"{token}{token} z"]
+    return list(PROBE_TEXTS), special
+
+
+def _first_difference(tokenizer, hf, texts, decode: bool = False) -> Optional[str]:
+    for text in texts:
+        ours, theirs = tokenizer.text_to_ids(text), hf.encode(text, add_special_tokens=False)
+        if ours != theirs:
+            at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            return f"encodes {text!r} differently (token {at}: model {ours[at:at + 4]}, transformers {theirs[at:at + 4]})"
+        # an unknown piece decodes as each library's own mark (sentencepiece " ⁇ ")
+        if decode and hf.unk_token_id not in ours:
+            back, hf_back = tokenizer.ids_to_text(ours), hf.decode(ours, skip_special_tokens=True)
+            if back != hf_back:
+                return f"decodes the ids of {text!r} differently (model {back!r}, transformers {hf_back!r})"
+    return None
+
+
+def check_same_encoding(tokenizer, hf_dir: str, add_bos: bool) -> List[str]:
+    """Load ``hf_dir`` with ``AutoTokenizer`` and compare it with ``tokenizer``: the ids of every
+    probe text, BOS/EOS, and BOS added (or not) by ``encode``. Raise :class:`NotExportable` naming
+    the first difference on ordinary text; return the differences on text with special-token strings."""
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    except Exception as err:  # a conversion transformers cannot load back is a failed conversion
+        raise NotExportable(f"transformers cannot load the converted tokenizer ({type(err).__name__}: {err})")
+    ordinary, special = probe_texts(tokenizer)
+    differs = _first_difference(tokenizer, hf, ordinary, decode=True)
+    if differs:
+        raise NotExportable(f"the converted tokenizer {differs}")
+    for name in ("bos", "eos"):
+        ours, theirs = getattr(tokenizer, f"{name}_id"), getattr(hf, f"{name}_token_id")
+        if ours is not None and ours != theirs:
+            raise NotExportable(f"the converted tokenizer's {name} id is {theirs}, the model's {ours}")
+    starts = hf.encode("hi", add_special_tokens=True)[:1]
+    if (starts == [tokenizer.bos_id]) != bool(add_bos and tokenizer.bos_id is not None):
+        raise NotExportable("the converted tokenizer does not add BOS as the architecture's tokenizers do")
+    differs = _first_difference(tokenizer, hf, special)
+    return [f"on text with special-token strings the converted tokenizer {differs}"] if differs else []
+
+
+def _save(backend, out_dir: str, add_bos: bool, specials: dict, extra: Optional[dict] = None) -> None:
+    """Save a ``tokenizers.Tokenizer`` as ``PreTrainedTokenizerFast`` files with BOS added when asked."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    bos = specials.get("bos_token")
+    if add_bos and bos is not None:
+        bos_id = backend.token_to_id(bos)
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, **{k: v for k, v in specials.items() if v is not None},
+                                 **(extra or {}))
+    hf.save_pretrained(out_dir)
+    config_path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    # the generic class, which reads tokenizer.json as written (a model class may rebuild it)
+    config.update({"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": bool(add_bos and bos),
+                   "add_eos_token": False})
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
+
+
+# ------------------------------------------------------------------------------ Megatron GPT2BPE
+def _gpt2_bpe(tokenizer, out_dir: str, add_bos: bool) -> None:
+    if not hasattr(tokenizer, "tokenizer"):
+        raise NotExportable(f"the model's {tokenizer.library} tokenizer has no Hugging Face conversion")
+    tokenizer.tokenizer.save_pretrained(out_dir)
+
+
+# ------------------------------------------------------------------------------ sentencepiece
+def _sentencepiece_proto(model_path: str):
+    """The model file's ``ModelProto``, through transformers' copy of the schema first: the module
+    sentencepiece 0.2.3 ships refuses protobuf runtimes older than its generator (7.36), which
+    tritonclient's protobuf<7 rules out."""
+    try:
+        from transformers.utils import sentencepiece_model_pb2_new as pb2
+    except Exception:
+        try:
+            from sentencepiece import sentencepiece_model_pb2 as pb2
+        except Exception as err:
+            raise NotExportable(f"no sentencepiece model schema can be loaded ({type(err).__name__}: {err})")
+    proto = pb2.ModelProto()
+    with open(model_path, "rb") as f:
+        proto.ParseFromString(f.read())
+    return proto
+
+
+def _sentencepiece(tokenizer, out_dir: str, add_bos: bool) -> None:
+    from tokenizers import AddedToken
+
+    try:
+        from transformers.convert_slow_tokenizer import SpmConverter
+
+        build = SpmConverter.build_tokenizer_from_spm_proto
+    except (ImportError, AttributeError):
+        raise NotExportable("this transformers has no SpmConverter.build_tokenizer_from_spm_proto (transformers 5 "
+                            "converts a sentencepiece model by its own normalizer settings)")
+    proto = _sentencepiece_proto(tokenizer.model_path)
+    pieces = list(proto.pieces)
+    if proto.trainer_spec.model_type == 1:  # unigram
+        vocab = [(p.piece, p.score) for p in pieces]
+    elif proto.trainer_spec.model_type == 2:
+        vocab = {p.piece: i for i, p in enumerate(pieces)}
+    else:
+        raise NotExportable(f"sentencepiece model type {proto.trainer_spec.model_type} (only BPE and unigram "
+                            "convert)")
+    # `legacy=True` gives each chunk the dummy prefix as sentencepiece does, also on text that starts with "▁"
+    backend = build(proto=proto, vocab=vocab, legacy=True)
+    if backend is None:
+        raise NotExportable("transformers could not build a tokenizer from the sentencepiece model")
+    ts = proto.trainer_spec
+
+    def piece(i: int) -> Optional[str]:
+        return pieces[i].piece if 0 <= i < len(pieces) else None
+
+    specials = {"bos_token": piece(ts.bos_id), "eos_token": piece(ts.eos_id), "unk_token": piece(ts.unk_id),
+                "pad_token": piece(ts.pad_id)}
+    # control and unknown pieces keep their ids as special tokens (decode skips them)
+    backend.add_special_tokens([AddedToken(p.piece, special=True, normalized=False) for p in pieces
+                                if p.type in (2, 3)])
+    legacy_specials = tokenizer.special_token_to_id if tokenizer.legacy else {}
+    for token_id, token in sorted(tokenizer.id_to_special_token.items()) if legacy_specials else ():
+        if token_id >= len(pieces) and token_id != backend.get_vocab_size(with_added_tokens=True):
+            raise NotExportable(f"the special token {token!r} has id {token_id}, which a converted vocabulary "
+                                "cannot give it")
+        backend.add_special_tokens([AddedToken(token, special=True, normalized=False)])
+    for name, token in getattr(tokenizer, "_named", {}).items():
+        if name in specials and tokenizer.legacy:
+            specials[name] = token
+    # NeMo's non-legacy mode encodes special-token strings in text as text, as sentencepiece does
+    _save(backend, out_dir, add_bos, specials, {"split_special_tokens": not legacy_specials})
+    shutil.copy(tokenizer.model_path, os.path.join(out_dir, "tokenizer.model"))
+
+
+# ------------------------------------------------------------------------------ tiktoken
+def _tiktoken(tokenizer, out_dir: str, add_bos: bool) -> None:
+    """NeMo's ids: the special tokens first, then each byte sequence at its rank + ``num_special_tokens``."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from nemo_aligner.utils.tokenizers.tiktoken_tokenizer import load_mergeable_ranks
+
+    ranks = load_mergeable_ranks(tokenizer.vocab_file, max_vocab=tokenizer.vocab_size - tokenizer.num_special_tokens)
+    converter = TikTokenConverter(pattern=tokenizer.pattern, extra_special_tokens=tokenizer.special_tokens)
+    converter.load_tiktoken_bpe = lambda _: ranks  # the vocabulary as read here (a JSON list, not a .tiktoken file)
+    vocab, merges = converter.extract_vocab_merges_from_model(None)
+    vocab = {piece: rank + tokenizer.num_special_tokens for piece, rank in vocab.items()}
+    clash = next((t for t in tokenizer.special_tokens if t in vocab), None)
+    if clash is not None:
+        raise NotExportable(f"the special token {clash!r} is also a byte sequence of the vocabulary")
+    vocab.update({token: i for i, token in enumerate(tokenizer.special_tokens)})
+    # the converter's tokenizer (tiktoken's split pattern, GPT-2's byte mapping) over NeMo's ids
+    converter.extract_vocab_merges_from_model = lambda _: (vocab, merges)
+    backend = converter.converted()
+    names = {"unk_token": tokenizer.unk_id, "bos_token": tokenizer.bos_id, "eos_token": tokenizer.eos_id,
+             "pad_token": tokenizer.pad_id}
+    specials = {name: tokenizer.special_tokens[i] for name, i in names.items()}
+    # NeMo encodes special-token strings in text as text (tiktoken with no allowed special tokens)
+    _save(backend, out_dir, add_bos, specials, {"split_special_tokens": True})
