@@ -202,3 +202,29 @@ def test_byte_tokenizer_is_not_exportable(tmp_path):
     with pytest.raises(NotExportable, match="built-in byte tokenizer"):
         write_hf_tokenizer(ByteTokenizer(), str(tmp_path), add_bos=False)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_hugging_face_directory_with_only_tokenizer_model_loads(sp_models, tmp_path):
+    """Llama's slow-tokenizer layout (tokenizer.model, no tokenizer.json): transformers reads the file
+    through sentencepiece's protobuf schema, which sentencepiece 0.2.3 ships for protobuf >= 7.36
+    only (PyTriton's client needs < 7); the schema transformers ships stands in for it."""
+    import shutil
+
+    import sentencepiece as spm
+
+    from nemo_aligner.utils.tokenizers import build_tokenizer
+
+    directory = tmp_path / "llama_tokenizer"
+    directory.mkdir()
+    shutil.copy(sp_models["llama"], directory / "tokenizer.model")
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    tok = build_tokenizer({"library": "huggingface", "type": str(directory)})
+    sp = spm.SentencePieceProcessor(model_file=sp_models["llama"])
+    for text in ["hello world, the quick brown fox", "User System\nAssistant turn 123", "ünïcödé 🙂"]:
+        assert tok.text_to_ids(text) == sp.encode(text), text
+    assert (tok.bos_id, tok.eos_id) == (1, 2)
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString((directory / "tokenizer.model").read_bytes())
+    assert [p.piece for p in proto.pieces] == [sp.id_to_piece(i) for i in range(sp.get_piece_size())]

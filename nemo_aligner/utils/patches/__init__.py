@@ -1,5 +1,5 @@
-"""Every change this package makes to torch's or megatron-core's behaviour, one module per concern,
-applied from here only:
+"""Every change this package makes to torch's, megatron-core's or another library's behaviour, one
+module per concern, applied from here only:
 
 - :func:`apply_at_import` (from ``import nemo_aligner``, before megatron-core is imported):
   ``deferred_compile``, megatron-core's import-time ``torch.compile`` decorators compile on first call.
@@ -9,6 +9,9 @@ applied from here only:
   router where Transformer Engine is absent), ``moe_equal_tokens`` (MoE layers with experts split
   over ranks that hold different numbers of tokens).
 - :func:`use_lean_rope` (by the GPT builder, which owns the replacement): ``rope``.
+- :func:`use_sentencepiece_schema` (before transformers reads a sentencepiece model):
+  ``sentencepiece_schema``, the model file's protobuf schema where sentencepiece's own module
+  refuses the installed protobuf.
 - ``rendezvous_store``: torch's rendezvous store listening on its host only (used by the launch
   code around the calls it covers).
 """
@@ -34,6 +37,12 @@ def apply() -> bool:
     moe_without_te.install()
     moe_equal_tokens.install()
     return apply_cpu_patches()
+
+
+def use_sentencepiece_schema() -> None:
+    from nemo_aligner.utils.patches import sentencepiece_schema
+
+    sentencepiece_schema.install()
 
 
 def use_lean_rope(apply_rotary: Callable) -> None:

@@ -106,10 +106,10 @@ def check_same_encoding(tokenizer, hf_dir: str, add_bos: bool) -> List[str]:
     """Load ``hf_dir`` with ``AutoTokenizer`` and compare it with ``tokenizer``: the ids of every
     probe text, BOS/EOS, and BOS added (or not) by ``encode``. Raise :class:`NotExportable` naming
     the first difference on ordinary text; return the differences on text with special-token strings."""
-    from transformers import AutoTokenizer
+    from nemo_aligner.utils.tokenizers.huggingface import auto_tokenizer
 
     try:
-        hf = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+        hf = auto_tokenizer(hf_dir)
     except Exception as err:  # a conversion transformers cannot load back is a failed conversion
         raise NotExportable(f"transformers cannot load the converted tokenizer ({type(err).__name__}: {err})")
     ordinary, special = probe_texts(tokenizer)
@@ -159,16 +159,14 @@ def _gpt2_bpe(tokenizer, out_dir: str, add_bos: bool) -> None:
 
 # ------------------------------------------------------------------------------ sentencepiece
 def _sentencepiece_proto(model_path: str):
-    """The model file's ``ModelProto``, through transformers' copy of the schema first: the module
-    sentencepiece 0.2.3 ships refuses protobuf runtimes older than its generator (7.36), which
-    tritonclient's protobuf<7 rules out."""
+    """The model file's ``ModelProto``."""
+    from nemo_aligner.utils.patches import use_sentencepiece_schema
+
+    use_sentencepiece_schema()
     try:
-        from transformers.utils import sentencepiece_model_pb2_new as pb2
-    except Exception:
-        try:
-            from sentencepiece import sentencepiece_model_pb2 as pb2
-        except Exception as err:
-            raise NotExportable(f"no sentencepiece model schema can be loaded ({type(err).__name__}: {err})")
+        from sentencepiece import sentencepiece_model_pb2 as pb2
+    except Exception as err:
+        raise NotExportable(f"no sentencepiece model schema can be loaded ({type(err).__name__}: {err})")
     proto = pb2.ModelProto()
     with open(model_path, "rb") as f:
         proto.ParseFromString(f.read())

@@ -31,9 +31,7 @@ class HFTokenizer:
         if tokenizer is None:
             if not path or not os.path.isdir(path):
                 raise ConfigError(f"tokenizer directory {path!r} does not exist (model.tokenizer.type)")
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=use_fast)
+            tokenizer = auto_tokenizer(path, use_fast=use_fast)
         self.path = path
         self.type_name = type_name if type_name is not None else (os.path.abspath(path) if path else None)
         self.tokenizer = tokenizer
@@ -143,6 +141,17 @@ def add_special_tokens(tokenizer, special_tokens: dict) -> None:
     tokenizer.add_special_tokens({k: v for k, v in special_tokens.items() if v})
 
 
+def auto_tokenizer(name_or_path: str, use_fast: bool = True):
+    """``AutoTokenizer.from_pretrained`` offline, able to read a ``tokenizer.model`` whatever protobuf
+    is installed."""
+    from transformers import AutoTokenizer
+
+    from nemo_aligner.utils.patches import use_sentencepiece_schema
+
+    use_sentencepiece_schema()
+    return AutoTokenizer.from_pretrained(name_or_path, local_files_only=True, use_fast=use_fast)
+
+
 def _has_tokenizer_files(directory: str) -> bool:
     return any(os.path.isfile(os.path.join(directory, n)) for n in ("tokenizer.json", "tokenizer_config.json"))
 
@@ -165,10 +174,8 @@ def resolve_hf_tokenizer(cfg, packed_dir: Optional[str] = None) -> HFTokenizer:
         return HFTokenizer(type_name, special_tokens=special, use_fast=use_fast)
     looks_like_hub_name = not os.path.isabs(type_name) and type_name.count("/") <= 1
     if looks_like_hub_name:
-        from transformers import AutoTokenizer
-
         try:
-            tokenizer = AutoTokenizer.from_pretrained(type_name, local_files_only=True, use_fast=use_fast)
+            tokenizer = auto_tokenizer(type_name, use_fast=use_fast)
         except Exception:  # not in the cache: transformers raises OSError or ValueError, by version
             tokenizer = None
         if tokenizer is not None:
