@@ -228,3 +228,23 @@ def test_a_hugging_face_directory_with_only_tokenizer_model_loads(sp_models, tmp
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString((directory / "tokenizer.model").read_bytes())
     assert [p.piece for p in proto.pieces] == [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+
+
+def test_a_converter_error_is_a_warning_not_a_traceback(corpus, tmp_path, monkeypatch):
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from nemo_aligner.utils.tokenizers import build_tokenizer
+    from nemo_aligner.utils.tokenizers.hf_export import NotExportable, write_hf_tokenizer
+
+    _tiktoken_vocab(tmp_path / "vocab.json", corpus.read_text(encoding="utf-8"))
+    tok = build_tokenizer({"library": "tiktoken", "vocab_file": str(tmp_path / "vocab.json")})
+
+    def broken(self, *args):
+        raise KeyError("pattern")
+
+    monkeypatch.setattr(TikTokenConverter, "converted", broken)
+    out = tmp_path / "hf"
+    out.mkdir()
+    with pytest.raises(NotExportable, match=r"the tiktoken tokenizer's conversion failed \(KeyError: 'pattern'\)"):
+        write_hf_tokenizer(tok, str(out), add_bos=False)
+    assert os.listdir(out) == []

@@ -56,7 +56,12 @@ def write_hf_tokenizer(tokenizer, out_dir: str, add_bos: bool) -> List[str]:
         raise NotExportable(f"the model's {library} tokenizer has no Hugging Face conversion")
     staging = tempfile.mkdtemp(prefix="hf_tokenizer_", dir=out_dir)
     try:
-        build(tokenizer, staging, add_bos)
+        try:
+            build(tokenizer, staging, add_bos)
+        except NotExportable:
+            raise
+        except Exception as err:  # the converters' own errors: the export goes on without a tokenizer
+            raise NotExportable(f"the {library} tokenizer's conversion failed ({type(err).__name__}: {err})")
         caveats = check_same_encoding(tokenizer, staging, add_bos)
         for name in os.listdir(staging):
             os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
