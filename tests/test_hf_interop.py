@@ -105,7 +105,8 @@ def test_import_export_logits_match(tmp_path, mcore_single, arch, tie):
         assert (cfg["num_moe_experts"], cfg["moe_router_topk"], cfg["moe_aux_loss_coeff"]) == (4, 2, 0.02)
         assert (exported["num_local_experts"], exported["num_experts_per_tok"]) == (4, 2)
         with torch.no_grad():
-            hf.model.layers[1].mlp.gate.weight.mul_(-1.0)
+            layer = hf.model.layers[1]  # the router: mlp.gate (transformers 5), block_sparse_moe.gate (4)
+            (layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe).gate.weight.mul_(-1.0)
             assert not torch.allclose(hf(tokens).logits, expected, atol=1e-3)
     if arch == "mistral":  # Hugging Face's window counts the query's own position, Transformer Engine's not
         assert list(read_model_config(nemo, "model.restore_from_path")["window_size"]) == [7, 0]

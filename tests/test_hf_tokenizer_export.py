@@ -10,6 +10,22 @@ import random
 
 import pytest
 
+
+def exact_sentencepiece_conversion() -> bool:
+    """transformers 5.24+: build_tokenizer_from_spm_proto follows the model's normalizer settings."""
+    import inspect
+
+    from transformers.convert_slow_tokenizer import SpmConverter
+
+    build = getattr(SpmConverter, "build_tokenizer_from_spm_proto", None)
+    return build is not None and "legacy" in inspect.signature(build).parameters
+
+
+needs_exact_conversion = pytest.mark.skipif(
+    not exact_sentencepiece_conversion(),
+    reason="this transformers converts no sentencepiece model exactly (5.24+ does); the export refuses it, as "
+           "test_a_transformers_without_the_exact_sentencepiece_conversion_is_named checks")
+
 LINES = ["the quick brown fox jumps over the lazy dog", "hello world, alignment with nemo aligner",
          "ünïcödé text 123 and more words here", "User System Assistant turn",
          "def f(x):\n\treturn x  +  1", "numbers 42 and 3.14, quotes 'a' \"b\""] * 40
@@ -71,6 +87,7 @@ def _export(tokenizer, out, add_bos=True):
     return AutoTokenizer.from_pretrained(str(out), local_files_only=True), caveats
 
 
+@needs_exact_conversion
 @pytest.mark.parametrize("kind", sorted(SP_KINDS))
 def test_sentencepiece_export_encodes_as_the_sentencepiece_library(sp_models, kind, tmp_path):
     import sentencepiece as spm
@@ -93,6 +110,7 @@ def test_sentencepiece_export_encodes_as_the_sentencepiece_library(sp_models, ki
     assert hf.decode([1, *sp.encode("hello world"), 2], skip_special_tokens=True) == "hello world"
 
 
+@needs_exact_conversion
 def test_sentencepiece_export_without_bos_for_architectures_that_add_none(sp_models, tmp_path):
     from nemo_aligner.utils.tokenizers import build_tokenizer
 
@@ -104,6 +122,7 @@ def test_sentencepiece_export_without_bos_for_architectures_that_add_none(sp_mod
     assert config["tokenizer_class"] == "PreTrainedTokenizerFast" and config["add_bos_token"] is False
 
 
+@needs_exact_conversion
 def test_sentencepiece_legacy_special_tokens_keep_nemo_ids(sp_models, tmp_path):
     """NeMo's legacy mode: added special tokens get the ids after the pieces, and text with them
     encodes as NeMo does, except a lone '▁' piece NeMo drops after one (named in the caveat)."""
@@ -170,6 +189,7 @@ def test_gpt2_bpe_export(corpus, tmp_path):
     assert hf.eos_token_id == tok.eos_id
 
 
+@needs_exact_conversion
 def test_a_conversion_that_encodes_differently_is_not_written(sp_models, tmp_path, monkeypatch):
     """The nmt_nfkc model without its normalizer (what transformers' Llama conversion builds): the
     probe texts catch it, and nothing is left in the directory."""
@@ -180,8 +200,8 @@ def test_a_conversion_that_encodes_differently_is_not_written(sp_models, tmp_pat
 
     build = SpmConverter.build_tokenizer_from_spm_proto
 
-    def without_normalizer(*args, **kwargs):
-        backend = build(*args, **kwargs)
+    def without_normalizer(proto, vocab, merges=None, legacy=True):
+        backend = build(proto, vocab, merges=merges, legacy=legacy)
         backend.normalizer = None
         return backend
 
@@ -193,6 +213,23 @@ def test_a_conversion_that_encodes_differently_is_not_written(sp_models, tmp_pat
     with pytest.raises(NotExportable, match="encodes '.*' differently"):
         write_hf_tokenizer(tok, str(out), add_bos=True)
     assert os.listdir(out) == []
+
+
+def test_a_transformers_without_the_exact_sentencepiece_conversion_is_named(sp_models, tmp_path, monkeypatch):
+    """transformers 5.3-5.23 have build_tokenizer_from_spm_proto without the model's normalizer
+    settings (no ``legacy``), 4.x none."""
+    import transformers
+    from transformers.convert_slow_tokenizer import SpmConverter
+
+    from nemo_aligner.utils.tokenizers import build_tokenizer
+    from nemo_aligner.utils.tokenizers.hf_export import NotExportable, write_hf_tokenizer
+
+    monkeypatch.setattr(SpmConverter, "build_tokenizer_from_spm_proto",
+                        staticmethod(lambda proto, vocab, merges=None: None), raising=False)
+    tok = build_tokenizer({"library": "sentencepiece", "model": sp_models["llama"], "sentencepiece_legacy": False})
+    with pytest.raises(NotExportable, match=rf"needs transformers 5.24 or newer \(this is {transformers.__version__}\)"):
+        write_hf_tokenizer(tok, str(tmp_path), add_bos=True)
+    assert os.listdir(tmp_path) == []
 
 
 def test_byte_tokenizer_is_not_exportable(tmp_path):

@@ -10,6 +10,7 @@ special tokens' strings) before it is kept: a tokenizer that encodes differently
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -179,15 +180,17 @@ def _sentencepiece_proto(model_path: str):
 
 
 def _sentencepiece(tokenizer, out_dir: str, add_bos: bool) -> None:
+    import inspect
+
+    import transformers
     from tokenizers import AddedToken
+    from transformers.convert_slow_tokenizer import SpmConverter
 
-    try:
-        from transformers.convert_slow_tokenizer import SpmConverter
-
-        build = SpmConverter.build_tokenizer_from_spm_proto
-    except (ImportError, AttributeError):
-        raise NotExportable("this transformers has no SpmConverter.build_tokenizer_from_spm_proto (transformers 5 "
-                            "converts a sentencepiece model by its own normalizer settings)")
+    build = getattr(SpmConverter, "build_tokenizer_from_spm_proto", None)
+    # the form that follows the model's normalizer settings (dummy prefix, extra whitespace) came with 5.24
+    if build is None or "legacy" not in inspect.signature(build).parameters:
+        raise NotExportable(f"converting a sentencepiece model needs transformers 5.24 or newer (this is "
+                            f"{transformers.__version__}); export with a newer transformers, e.g. in a separate venv")
     proto = _sentencepiece_proto(tokenizer.model_path)
     pieces = list(proto.pieces)
     if proto.trainer_spec.model_type == 1:  # unigram
@@ -233,9 +236,16 @@ def _tiktoken(tokenizer, out_dir: str, add_bos: bool) -> None:
     from nemo_aligner.utils.tokenizers.tiktoken_tokenizer import load_mergeable_ranks
 
     ranks = load_mergeable_ranks(tokenizer.vocab_file, max_vocab=tokenizer.vocab_size - tokenizer.num_special_tokens)
-    converter = TikTokenConverter(pattern=tokenizer.pattern, extra_special_tokens=tokenizer.special_tokens)
-    converter.load_tiktoken_bpe = lambda _: ranks  # the vocabulary as read here (a JSON list, not a .tiktoken file)
-    vocab, merges = converter.extract_vocab_merges_from_model(None)
+    # transformers 4 calls it additional_special_tokens, 5 extra_special_tokens
+    converter = TikTokenConverter(pattern=tokenizer.pattern, extra_special_tokens=tokenizer.special_tokens,
+                                  additional_special_tokens=tokenizer.special_tokens)
+    # the vocabulary as a .tiktoken file (base64 bytes and rank per line), the converter's input
+    with tempfile.NamedTemporaryFile("w", suffix=".tiktoken", dir=out_dir, delete=False) as f:
+        f.writelines(f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in ranks.items())
+    try:
+        vocab, merges = converter.extract_vocab_merges_from_model(f.name)
+    finally:
+        os.remove(f.name)
     vocab = {piece: rank + tokenizer.num_special_tokens for piece, rank in vocab.items()}
     clash = next((t for t in tokenizer.special_tokens if t in vocab), None)
     if clash is not None:
