@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import tarfile
 
 import pytest
@@ -209,7 +210,9 @@ def test_hf_tokenizer_travels_inside_the_nemo(tmp_path, mcore_single):
         with pytest.raises(CheckpointError) as refusal:
             load()
         message = str(refusal.value)
-        assert damaged in message and "the tokenizer files cannot be read (JSONDecodeError" in message, message
+        # the library's complaint: JSONDecodeError from transformers 5, the tokenizers library's Exception from 4
+        assert damaged in message and re.search(r"the tokenizer files cannot be read \((JSONDecodeError|Exception): "
+                                                r".*(line 1 column|char 1)", message), message
         assert "\n" not in message
 
 
