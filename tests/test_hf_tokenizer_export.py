@@ -97,8 +97,13 @@ def test_sentencepiece_export_encodes_as_the_sentencepiece_library(sp_models, ki
     sp = spm.SentencePieceProcessor(model_file=sp_models[kind])
     tok = build_tokenizer({"library": "sentencepiece", "model": sp_models[kind], "sentencepiece_legacy": False})
     hf, caveats = _export(tok, tmp_path / "hf")
-    # a unigram lattice takes a control piece's string whole; sentencepiece never reads one out of text
-    assert len(caveats) == (kind == "unigram") and all("'<s> </s> <unk>" in c for c in caveats)
+    # reported, not refused: tokenizers' NFKC drops a combining mark after a character it replaces (the
+    # identity normalizers of Llama and Gemma replace none), and a unigram lattice takes a control piece's
+    # string whole (sentencepiece never reads one out of text)
+    expected = {"on text with a combining mark after a character NFKC replaces"} if kind not in ("llama", "gemma") \
+        else set()
+    expected |= {"on text with special-token strings"} if kind == "unigram" else set()
+    assert {c.split(" the converted tokenizer")[0] for c in caveats} == expected, caveats
     assert sorted(os.listdir(tmp_path / "hf")) == ["tokenizer.json", "tokenizer.model", "tokenizer_config.json"]
     for text in held_out_texts(seed=len(kind)) + ["<s> literal </s> <unk>"] * (kind != "unigram"):
         ids = sp.encode(text)
@@ -106,6 +111,13 @@ def test_sentencepiece_export_encodes_as_the_sentencepiece_library(sp_models, ki
         assert hf.encode(text) == [1] + ids  # Llama-style BOS
         if sp.unk_id() not in ids:
             assert hf.decode(ids) == sp.decode(ids), (kind, text)
+    # generated ids need not be an encoding: lone "▁" pieces first (sentencepiece drops the "▁" of every
+    # leading piece under remove_extra_whitespaces, of the first one only otherwise)
+    lone = sp.piece_to_id("\u2581")
+    if lone != sp.unk_id():
+        for ids in ([lone, *sp.encode("!")], [lone, lone, *sp.encode("hello world")], [*sp.encode("a"), lone, lone]):
+            if sp.unk_id() not in ids:  # an unknown piece decodes as each library's own mark
+                assert hf.decode(ids) == sp.decode(ids), (kind, [sp.id_to_piece(i) for i in ids])
     assert (hf.bos_token_id, hf.eos_token_id, len(hf)) == (1, 2, sp.get_piece_size())
     assert hf.decode([1, *sp.encode("hello world"), 2], skip_special_tokens=True) == "hello world"
 
@@ -136,7 +148,7 @@ def test_sentencepiece_legacy_special_tokens_keep_nemo_ids(sp_models, tmp_path):
     assert len(hf) == tok.vocab_size == 403
     for text in ["<extra_id_0>User\nhi<extra_id_1>Assistant\nhello</s>", "x<extra_id_0>y", "plain text only"]:
         assert hf.encode(text, add_special_tokens=False) == tok.text_to_ids(text), text
-    assert len(caveats) == 1 and "special-token strings" in caveats[0]
+    assert len(caveats) == 1 and caveats[0].startswith("on text with special-token strings"), caveats
     assert hf.encode(" after", add_special_tokens=False) == tok.text_to_ids(" after")
 
 

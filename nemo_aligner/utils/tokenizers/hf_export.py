@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 PROBE_TEXTS = (
     "Hello world! The quick brown fox jumps over the lazy dog.",
@@ -28,6 +28,19 @@ PROBE_TEXTS = (
     " ",
     "\n",
     "a\u00a0b\u2003c",
+    # what normalizers treat unevenly: combining marks (also after spaces and changed characters),
+    # case, emoji modifiers and joiners, compatibility forms, invisible characters, a literal "▁"
+    "Combining: e\u0301 E\u0301 \u00cd \u00c9\u00d6 \u015a \u015b 2\u0301 x\u0301\u0302 B\u0301",
+    "Emoji: \U0001f44d\U0001f3fd Y\U0001f3fd \U0001f469\u200d\U0001f4bb \u2764\ufe0f \U0001f1eb\U0001f1f7",
+    "Compatibility: \u2460 \u00b2 \ufb01 \u01c5 \uff21 \u338f \u00bd \u216b \u1e3e \u0130",
+    "zero\u200bwidth\u200djoin\ufeffbom \u00adsoft",
+    "\u2581 lone \u2581\u2581 marks\u2581inside",
+    "\u2581starts with the mark",
+    "\u2581!",
+    "\u2581 \u2581 x",
+    "ends with the mark\u2581",
+    "x \u2581\u2581",
+    "carriage\ronly\r",
 )
 
 
@@ -58,12 +71,12 @@ def write_hf_tokenizer(tokenizer, out_dir: str, add_bos: bool) -> List[str]:
     staging = tempfile.mkdtemp(prefix="hf_tokenizer_", dir=out_dir)
     try:
         try:
-            build(tokenizer, staging, add_bos)
+            extra_probes = build(tokenizer, staging, add_bos) or []
         except NotExportable:
             raise
         except Exception as err:  # the converters' own errors: the export goes on without a tokenizer
             raise NotExportable(f"the {library} tokenizer's conversion failed ({type(err).__name__}: {err})")
-        caveats = check_same_encoding(tokenizer, staging, add_bos)
+        caveats = check_same_encoding(tokenizer, staging, add_bos, extra_probes)
         for name in os.listdir(staging):
             os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
         return caveats
@@ -80,18 +93,27 @@ def _copy_huggingface(tokenizer, out_dir: str) -> None:
         tokenizer.tokenizer.save_pretrained(out_dir)
 
 
-def probe_texts(tokenizer) -> Tuple[List[str], List[str]]:
-    """The texts a conversion must encode as ``tokenizer`` does (:data:`PROBE_TEXTS`), and those
-    with special-token strings inside (sentencepiece never reads a control token out of text, NeMo's
-    legacy mode splits its special tokens out and drops a lone "▁" after one; not every conversion
-    can express these)."""
+# Text some conversions cannot follow, each with what it is: a written tokenizer that differs only
+# on these is kept, and the export's warning names the difference.
+COMBINING_AFTER_COMPATIBILITY = "a combining mark after a character NFKC replaces"
+SPECIAL_TOKEN_STRINGS = "special-token strings"
+
+
+def probe_texts(tokenizer) -> Tuple[List[str], dict]:
+    """The texts a conversion must encode as ``tokenizer`` does (:data:`PROBE_TEXTS`), and, by what
+    they hold, those where a difference is reported instead:
+    - a combining mark after a character the NFKC normalizer replaces (``tokenizers``' precompiled
+      normalizer drops the mark; sentencepiece keeps it);
+    - special-token strings (sentencepiece never reads a control token out of text; NeMo's legacy
+      mode splits its special tokens out and drops a lone "▁" after one)."""
     tokens = ["<s>", "</s>", "<unk>", "<pad>", "<|endoftext|>"]
     if getattr(tokenizer, "legacy", False):
         tokens += [t for t in getattr(tokenizer, "special_token_to_id", {}) if t not in tokens]
     special = [" ".join(tokens)]
     for token in tokens:
         special += [f"{token}User", f"x{token}y", f"a {token} b\n{token}\nc", f"{token}{token} z"]
-    return list(PROBE_TEXTS), special
+    combining = ["\u00b2\u0301", "\u00a0\u0301", "x \u2003\u0301y", "\u210c\u0301", "\u2460\u0301"]
+    return list(PROBE_TEXTS), {COMBINING_AFTER_COMPATIBILITY: combining, SPECIAL_TOKEN_STRINGS: special}
 
 
 def _first_difference(tokenizer, hf, texts, decode: bool = False) -> Optional[str]:
@@ -108,18 +130,20 @@ def _first_difference(tokenizer, hf, texts, decode: bool = False) -> Optional[st
     return None
 
 
-def check_same_encoding(tokenizer, hf_dir: str, add_bos: bool) -> List[str]:
+def check_same_encoding(tokenizer, hf_dir: str, add_bos: bool, extra_probes: Sequence[str] = ()) -> List[str]:
     """Load ``hf_dir`` with ``AutoTokenizer`` and compare it with ``tokenizer``: the ids of every
-    probe text, BOS/EOS, and BOS added (or not) by ``encode``. Raise :class:`NotExportable` naming
-    the first difference on ordinary text; return the differences on text with special-token strings."""
+    probe text (and ``extra_probes``, the conversion's own), BOS/EOS, and BOS added (or not) by
+    ``encode``. Raise :class:`NotExportable` naming
+    the first difference on ordinary text; return the differences on the texts of :func:`probe_texts`'
+    second kind, one line for each kind that differs."""
     from nemo_aligner.utils.tokenizers.huggingface import auto_tokenizer
 
     try:
         hf = auto_tokenizer(hf_dir)
     except Exception as err:  # a conversion transformers cannot load back is a failed conversion
         raise NotExportable(f"transformers cannot load the converted tokenizer ({type(err).__name__}: {err})")
-    ordinary, special = probe_texts(tokenizer)
-    differs = _first_difference(tokenizer, hf, ordinary, decode=True)
+    ordinary, reported = probe_texts(tokenizer)
+    differs = _first_difference(tokenizer, hf, ordinary + list(extra_probes), decode=True)
     if differs:
         raise NotExportable(f"the converted tokenizer {differs}")
     for name in ("bos", "eos"):
@@ -129,8 +153,12 @@ def check_same_encoding(tokenizer, hf_dir: str, add_bos: bool) -> List[str]:
     starts = hf.encode("hi", add_special_tokens=True)[:1]
     if (starts == [tokenizer.bos_id]) != bool(add_bos and tokenizer.bos_id is not None):
         raise NotExportable("the converted tokenizer does not add BOS as the architecture's tokenizers do")
-    differs = _first_difference(tokenizer, hf, special)
-    return [f"on text with special-token strings the converted tokenizer {differs}"] if differs else []
+    caveats = []
+    for kind, texts in reported.items():
+        differs = _first_difference(tokenizer, hf, texts)
+        if differs:
+            caveats.append(f"on text with {kind} the converted tokenizer {differs}")
+    return caveats
 
 
 def _save(backend, out_dir: str, add_bos: bool, specials: dict, extra: Optional[dict] = None) -> None:
@@ -179,7 +207,8 @@ def _sentencepiece_proto(model_path: str):
     return proto
 
 
-def _sentencepiece(tokenizer, out_dir: str, add_bos: bool) -> None:
+def _sentencepiece(tokenizer, out_dir: str, add_bos: bool) -> List[str]:
+    """The conversion, and probe texts of its own (built from the model's user-defined pieces)."""
     import inspect
 
     import transformers
@@ -204,6 +233,13 @@ def _sentencepiece(tokenizer, out_dir: str, add_bos: bool) -> None:
     backend = build(proto=proto, vocab=vocab, legacy=True)
     if backend is None:
         raise NotExportable("transformers could not build a tokenizer from the sentencepiece model")
+    if proto.normalizer_spec.remove_extra_whitespaces:
+        # sentencepiece's decoder then drops the "▁" of every leading piece until text comes out (the
+        # converter's strips one space, as sentencepiece does without remove_extra_whitespaces)
+        from tokenizers import decoders
+
+        steps = [decoders.Replace("\u2581", " ")] + [decoders.ByteFallback()] * proto.trainer_spec.byte_fallback
+        backend.decoder = decoders.Sequence(steps + [decoders.Fuse(), decoders.Strip(content=" ", left=2**32, right=0)])
     ts = proto.trainer_spec
 
     def piece(i: int) -> Optional[str]:
@@ -226,6 +262,10 @@ def _sentencepiece(tokenizer, out_dir: str, add_bos: bool) -> None:
     # NeMo's non-legacy mode encodes special-token strings in text as text, as sentencepiece does
     _save(backend, out_dir, add_bos, specials, {"split_special_tokens": not legacy_specials})
     shutil.copy(tokenizer.model_path, os.path.join(out_dir, "tokenizer.model"))
+    # user-defined pieces repeated or overlapping (sentencepiece and a split pattern may cut "\n\n\n"
+    # differently around a user-defined "\n\n")
+    return [text for p in pieces if p.type == 4 for text in (p.piece * 2 + p.piece[:1], p.piece[-1:] + p.piece,
+                                                             f"a{p.piece}b {p.piece}")]
 
 
 # ------------------------------------------------------------------------------ tiktoken
