@@ -9,6 +9,10 @@ tokenizer that differs is a failure: the probes let a wrong conversion through.
 
     python tests/reliability/fuzz_tokenizer_export.py                 # 60 runs, seed 0
     python tests/reliability/fuzz_tokenizer_export.py --runs 200 --seed 3
+    python tests/reliability/fuzz_tokenizer_export.py --tiktoken      # NeMo's tiktoken vocabularies
+
+With ``--tiktoken`` each run trains a byte-level BPE vocabulary of random size with tiktoken's own
+trainer on a random corpus and writes it as NeMo's tiktoken JSON (random ``num_special_tokens``).
 
 Texts of a kind the export reported a difference on (special-token strings; a combining mark, where
 it reported one after a character NFKC replaces) are not held against it.
@@ -18,6 +22,7 @@ Exit status 1 if any run failed (a wrong tokenizer written, or a traceback).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import shutil
@@ -106,10 +111,53 @@ def one_run(run: int, rng: random.Random, work: str) -> tuple:
     return ("exact, with a reported difference" if caveats else "exact"), described
 
 
+def one_tiktoken_run(run: int, rng: random.Random, work: str) -> tuple:
+    import base64
+    import json
+
+    from tiktoken._educational import bpe_train
+
+    from nemo_aligner.utils.tokenizers import build_tokenizer
+    from nemo_aligner.utils.tokenizers.hf_export import NotExportable, write_hf_tokenizer
+    from nemo_aligner.utils.tokenizers.huggingface import auto_tokenizer
+    from nemo_aligner.utils.tokenizers.tiktoken_tokenizer import PATTERN_TIKTOKEN
+
+    corpus = "\n".join(random_text(rng, 120) for _ in range(200))
+    size = rng.choice([260, 300, 400])
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):  # the trainer draws its merges
+        ranks = bpe_train(corpus, size, PATTERN_TIKTOKEN)
+    path = os.path.join(work, f"vocab{run}.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump([{"rank": r, "token_bytes": base64.b64encode(b).decode(), "token_str": b.decode("utf-8", "replace")}
+                   for b, r in sorted(ranks.items(), key=lambda item: item[1])], f)
+    specials = rng.choice([10, 100, 1000])
+    tok = build_tokenizer({"library": "tiktoken", "vocab_file": path, "num_special_tokens": specials,
+                           "vocab_size": specials + size})
+    out = os.path.join(work, f"hf{run}")
+    os.makedirs(out)
+    described = f"tiktoken vocabulary of {size}, {specials} special ids"
+    try:
+        caveats = write_hf_tokenizer(tok, out, add_bos=rng.random() < 0.5)
+    except NotExportable as why:
+        return ("WRONG", f"{described}: refused but left files") if os.listdir(out) else ("refused", f"{why}")
+    hf = auto_tokenizer(out)
+    for _ in range(300):
+        text = random_text(rng)
+        if rng.random() < 0.2:
+            text = text[: len(text) // 2] + rng.choice(["<s>", "</s>", "<unk>", "<SPECIAL_5>"]) + text[len(text) // 2:]
+        ours, theirs = tok.text_to_ids(text), hf.encode(text, add_special_tokens=False)
+        if ours != theirs:
+            return "WRONG", f"{described}: {text!r} model {ours[:12]} transformers {theirs[:12]}"
+        if tok.ids_to_text(ours) != hf.decode(ours, skip_special_tokens=True):
+            return "WRONG", f"{described}: decoding {text!r}: {tok.ids_to_text(ours)!r} vs {hf.decode(ours)!r}"
+    return ("exact, with a reported difference" if caveats else "exact"), described
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tiktoken", action="store_true", help="NeMo tiktoken vocabularies instead of sentencepiece")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (kept anyway after a failure)")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
@@ -118,7 +166,7 @@ def main(argv=None) -> int:
     try:
         for run in range(args.runs):
             try:
-                result, detail = one_run(run, rng, work)
+                result, detail = (one_tiktoken_run if args.tiktoken else one_run)(run, rng, work)
             except Exception:
                 result, detail = "TRACEBACK", traceback.format_exc(limit=4)
             counts[result] = counts.get(result, 0) + 1
