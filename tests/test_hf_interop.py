@@ -433,6 +433,55 @@ def test_nemo_converter_command_line_and_bf16_weights(tmp_path, mcore_single, ca
         script.main(["--input_name_or_path", "mistralai/Mistral-7B-v0.1", "--output_path", str(tmp_path / "x.nemo")])
 
 
+def test_nemo_to_hf_takes_nemos_command_line(tmp_path, mcore_single, capsys, caplog):
+    """NeMo's convert_*_nemo_to_hf.py spellings: --output_path alone writes the weights as one torch
+    state dict in Hugging Face's names; with --hf_output_path the directory too; --precision defaults to
+    the .nemo's (bf16 here); --hf_input_path and --input_tokenizer are named as not read."""
+    import importlib.util
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from conftest import SCRIPTS
+
+    def script(name):
+        spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    hf = tiny_hf("llama")
+    hf.save_pretrained(tmp_path / "hf")
+    nemo = str(tmp_path / "bf16.nemo")
+    script("convert_hf_to_nemo").main(["--input_name_or_path", str(tmp_path / "hf"), "--output_path", nemo,
+                                       "--precision", "bf16"])
+    to_hf = script("convert_nemo_to_hf")
+    weights = tmp_path / "pytorch_model.bin"
+    to_hf.main(["--input_name_or_path", nemo, "--output_path", str(weights)])
+    assert f"weights written to {weights}" in capsys.readouterr().out
+    state = torch.load(weights)
+    assert set(state) == set(hf.state_dict()) and {v.dtype for v in state.values()} == {torch.bfloat16}
+    torch.testing.assert_close(state["model.layers.1.mlp.down_proj.weight"],
+                               hf.state_dict()["model.layers.1.mlp.down_proj.weight"].bfloat16())
+    out = tmp_path / "out"
+    with caplog.at_level("WARNING"):
+        to_hf.main(["--input_name_or_path", nemo, "--output_path", str(tmp_path / "again.bin"),
+                    "--hf_input_path", str(tmp_path / "hf"), "--hf_output_path", str(out), "--precision", "fp32",
+                    "--input_tokenizer", "tok.model", "--cpu-only"])
+    assert "--hf_input_path=" in caplog.text and "--input_tokenizer=tok.model is not read" in caplog.text
+    assert (tmp_path / "again.bin").is_file()
+    assert {v.dtype for v in load_file(out / "model.safetensors").values()} == {torch.float32}
+    assert json.load(open(out / "config.json"))["torch_dtype"] == "float32"
+    tokens = torch.randint(0, VOCAB, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out)(tokens).logits, hf(tokens).logits,
+                                   atol=3e-2, rtol=3e-2)  # bf16 in the .nemo
+    with pytest.raises(SystemExit):
+        to_hf.main(["--input_name_or_path", nemo])
+    with pytest.raises(ConfigError, match=r"precision='fp8' is not one of 32, bf16, 16"):
+        to_hf.main(["--input_name_or_path", nemo, "--output_path", str(weights), "--precision", "fp8"])
+
+
 def test_export_and_resave_name_what_is_damaged_in_a_nemo(tmp_path, mcore_single):
     """An emptied weights index (.metadata) and model_config.yaml values of the wrong type are one-line
     errors from the HF export and the mcore re-save, as from training (they were tracebacks)."""

@@ -44,6 +44,12 @@ PROBE_TEXTS = (
 )
 
 
+# What a tokenizer's save_pretrained (or this export) may write.
+TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                        "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                        "vocab.txt", "spiece.model")
+
+
 class NotExportable(Exception):
     """Why a tokenizer gets no Hugging Face files (one line, for a warning)."""
 

@@ -21,6 +21,7 @@ import torch
 
 from nemo_aligner.models.nlp.gpt.gpt_builder import attention_window, num_moe_experts, rope_scaling_factor
 from nemo_aligner.utils.errors import CheckpointError, ConfigError
+from nemo_aligner.utils.tokenizers.hf_export import TOKENIZER_FILE_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -593,10 +594,7 @@ def import_hf_model(hf_dir: str, nemo_path: str, precision: str = "32") -> str:
 
 
 # What save_pretrained writes for a causal LM and its tokenizer: an export may replace these.
-_EXPORT_FILES = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
-                 "chat_template.jinja", "chat_template.json", "vocab.txt", "spiece.model",
-                 "model.safetensors.index.json"}
+_EXPORT_FILES = {"config.json", "generation_config.json", "model.safetensors.index.json", *TOKENIZER_FILE_NAMES}
 
 
 def check_export_target(out_dir: str, written=_EXPORT_FILES, key: str = "--output-dir") -> None:
@@ -648,18 +646,33 @@ def _refuse_reward_heads(nemo_path: str) -> None:
                           "export would drop its reward head, so it is not exported")
 
 
-def export_to_hf(nemo_path: str, out_dir: str) -> str:
-    """Write a ``.nemo`` as a Hugging Face directory (config.json, model.safetensors, tokenizer files)."""
+def export_to_hf(nemo_path: str, out_dir: Optional[str] = None, precision="32",
+                 weights_file: Optional[str] = None) -> str:
+    """Write a ``.nemo`` as a Hugging Face directory (config.json, model.safetensors, tokenizer files).
+
+    ``precision`` (32, bf16 or 16, in any of NeMo's spellings): the dtype of the weights written.
+    ``weights_file``: the weights also (or, without ``out_dir``, only) as one torch state dict in
+    Hugging Face's names, the ``pytorch_model.bin`` NeMo's ``convert_*_nemo_to_hf.py`` writes to
+    ``--output_path``."""
     from omegaconf import OmegaConf
     from safetensors.torch import save_file
 
+    from nemo_aligner.models.nlp.gpt.gpt_builder import precision_dtype
     from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
     from nemo_aligner.models.nlp.gpt.loading import load_model
     from nemo_aligner.utils.checkpoint_io import recover_replaced_dir, replace_dir_atomically
     from nemo_aligner.utils.distributed import get_rank
     from nemo_aligner.utils.tokenizers.hf_export import NotExportable, write_hf_tokenizer
 
-    check_export_target(out_dir)
+    dtype = precision_dtype(precision, key="precision")
+    if out_dir is None and weights_file is None:
+        raise ConfigError("nothing to write: give an output directory, a weights file, or both")
+    if out_dir is not None:
+        check_export_target(out_dir)
+    if weights_file is not None and (os.path.isdir(weights_file) or not os.path.isdir(
+            os.path.dirname(os.path.abspath(weights_file)))):
+        raise ConfigError(f"--output_path {weights_file}: a weights file is written there, so it must be a file "
+                          "path in an existing directory")
     _refuse_reward_heads(nemo_path)
     _ensure_single_process_parallel_state()
     model = load_model(GPTSFTModel, OmegaConf.create({"micro_batch_size": 1, "tensor_model_parallel_size": 1,
@@ -670,14 +683,22 @@ def export_to_hf(nemo_path: str, out_dir: str) -> str:
     # as built (a null in the .nemo is NeMo's default, tied), so the config and the weights written agree
     cfg["share_embeddings_and_output_weights"] = bool(model.module.share_embeddings_and_output_weights)
     arch, hf_cfg = hf_config_from_nemo(cfg)
+    hf_cfg["torch_dtype"] = str(dtype).replace("torch.", "")
     if get_rank() != 0:
-        return out_dir
+        return out_dir or weights_file
+    state = {k: v.cpu() for k, v in model.module.state_dict().items() if isinstance(v, torch.Tensor)}
+    hf_state = {k: v.to(dtype).contiguous() for k, v in mcore_to_hf(state, arch, cfg).items()}
+    if weights_file is not None:
+        torch.save(hf_state, weights_file + ".tmp")
+        os.replace(weights_file + ".tmp", weights_file)
+        logger.info("weights of %s written to %s", nemo_path, weights_file)
+    if out_dir is None:
+        return weights_file
     tmp = f"{out_dir.rstrip('/')}.tmp"
     recover_replaced_dir(out_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    state = {k: v.cpu() for k, v in model.module.state_dict().items() if isinstance(v, torch.Tensor)}
-    save_file(mcore_to_hf(state, arch, cfg), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    save_file(hf_state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     tokenizer = model.tokenizer
     # The special-token ids generate() stops and pads with (a config without them falls back to the
     # architecture's defaults: Llama's eos 2, Qwen2's none).
