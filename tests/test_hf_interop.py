@@ -476,8 +476,14 @@ def test_nemo_to_hf_takes_nemos_command_line(tmp_path, mcore_single, capsys, cap
     with torch.no_grad():
         torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out)(tokens).logits, hf(tokens).logits,
                                    atol=3e-2, rtol=3e-2)  # bf16 in the .nemo
+    mistral_style = tmp_path / "mistral_style"  # the Mistral/Mixtral scripts: --output_path is the directory
+    to_hf.main(["--input_name_or_path", nemo, "--output_path", str(mistral_style), "--hf_model_name", "x/y"])
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(mistral_style))
+    assert {v.dtype for v in load_file(mistral_style / "model.safetensors").values()} == {torch.bfloat16}
     with pytest.raises(SystemExit):
         to_hf.main(["--input_name_or_path", nemo])
+    with pytest.raises(SystemExit):
+        to_hf.main(["--input_name_or_path", nemo, "--output_path", str(mistral_style), "--hf_output_path", str(out)])
     with pytest.raises(ConfigError, match=r"precision='fp8' is not one of 32, bf16, 16"):
         to_hf.main(["--input_name_or_path", nemo, "--output_path", str(weights), "--precision", "fp8"])
 

@@ -9,8 +9,10 @@ NeMo's ``convert_*_nemo_to_hf.py`` command lines work too:
         --output_path hf_model/pytorch_model.bin [--hf_input_path base_hf --hf_output_path hf_model] \\
         [--hf_output_tokenizer tokenizer_dir] [--precision bf16] [--cpu-only]
 
-``--output_path`` is a weights file (one torch state dict in Hugging Face's names); with
-``--hf_output_path`` the whole directory is written there as well. The config comes from the
+``--output_path`` ending in ``.bin`` (``.pt``, ``.pth``) is a weights file (one torch state dict in
+Hugging Face's names, as the Llama/Qwen2/Nemotron scripts write); with ``--hf_output_path`` the whole
+directory is written there as well. Any other ``--output_path`` is the directory itself, as the
+Mistral and Mixtral scripts write it. The config comes from the
 .nemo, so ``--hf_input_path`` (whose config.json NeMo's scripts read) is not needed; the .nemo's own
 tokenizer is written, so ``--input_tokenizer`` is not needed either (each gets a warning if given).
 ``--precision`` defaults to the .nemo's ``precision``, as in NeMo's scripts.
@@ -24,6 +26,7 @@ import shutil
 from nemo_aligner.utils.hydra_runner import run_cli
 
 logger = logging.getLogger("convert_nemo_to_hf")
+WEIGHTS_SUFFIXES = (".bin", ".pt", ".pth")
 
 
 def main(argv=None):
@@ -37,19 +40,26 @@ def main(argv=None):
     parser.add_argument("--precision", help="32, bf16 or 16 (NeMo's spellings too); default: the .nemo's")
     parser.add_argument("--hf_output_tokenizer", help="also write the tokenizer files here")
     parser.add_argument("--hf_input_path", help="NeMo's: not read (the config comes from the .nemo)")
+    parser.add_argument("--hf_model_name", help="NeMo's Mistral/Mixtral scripts': not read (the config comes from "
+                        "the .nemo)")
     parser.add_argument("--input_tokenizer", help="NeMo's: not read (the .nemo's own tokenizer is written)")
     parser.add_argument("--cpu-only", "--cpu_only", action="store_true", help="NeMo's: the conversion runs on the CPU")
     args = parser.parse_args(argv)
+    if args.weights_file and not args.weights_file.endswith(WEIGHTS_SUFFIXES):  # the Mistral/Mixtral scripts' form
+        if args.output_dir is not None:
+            parser.error(f"--output_path {args.weights_file} is a directory (no {'/'.join(WEIGHTS_SUFFIXES)} "
+                         "suffix) and so is --hf_output_path/--output-dir: give one")
+        args.output_dir, args.weights_file = args.weights_file, None
     if args.output_dir is None and args.weights_file is None:
         parser.error("give --output-dir (or NeMo's --hf_output_path), --output_path, or both")
     if args.hf_output_tokenizer and args.output_dir is None:
         parser.error("--hf_output_tokenizer needs --output-dir or --hf_output_path (the tokenizer is written with "
                      "the directory)")
-    for key in ("hf_input_path", "input_tokenizer"):
+    for key in ("hf_input_path", "hf_model_name", "input_tokenizer"):
         if getattr(args, key):
             logger.warning("--%s=%s is not read: %s", key, getattr(args, key),
-                           "the config comes from the .nemo" if key == "hf_input_path"
-                           else "the .nemo's own tokenizer is written")
+                           "the .nemo's own tokenizer is written" if key == "input_tokenizer"
+                           else "the config comes from the .nemo")
     from nemo_aligner.models.nlp.gpt.hf_interop import export_to_hf
     from nemo_aligner.utils.config_checks import precision_name
     from nemo_aligner.utils.nemo_file import read_model_config
