@@ -524,7 +524,9 @@ def test_export_and_resave_name_what_is_damaged_in_a_nemo(tmp_path, mcore_single
              (damaged("vocab.nemo", config_edit(padded_vocab_size={"x": 1})), ConfigError,
               r"model\.padded_vocab_size=\{'x': 1\} must be an integer, got a dict"),
              (damaged("layers.nemo", config_edit(num_layers=None)), ConfigError, r"model\.num_layers=null: this key needs"),
-             (damaged("eps.nemo", config_edit(layernorm_epsilon=[1])), ConfigError, r"model\.layernorm_epsilon=\[1\] must")]
+             (damaged("eps.nemo", config_edit(layernorm_epsilon=[1])), ConfigError, r"model\.layernorm_epsilon=\[1\] must"),
+             (damaged("recompute.nemo", config_edit(activations_checkpoint_granularity=-1)), ConfigError,
+              r"model\.activations_checkpoint_granularity=-1 must be one of full, selective, null")]
     for path, error, pattern in cases:
         for convert in (lambda: export_to_hf(path, str(tmp_path / "out")),
                         lambda: resave_as_mcore(path, str(tmp_path / "mcore.nemo"))):

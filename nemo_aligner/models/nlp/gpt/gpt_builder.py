@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from nemo_aligner.utils.config_checks import precision_name
+from nemo_aligner.utils.config_checks import check_config_values, precision_name
 from nemo_aligner.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -186,8 +186,6 @@ def _check_moe_values(kwargs: dict) -> None:
     what they must satisfy together, which megatron-core would take and fail on in the first forward."""
     from omegaconf import OmegaConf
 
-    from nemo_aligner.utils.config_checks import check_config_values
-
     check_config_values(OmegaConf.create({"model": {k: v for k, v in kwargs.items() if k != "moe_layer_freq"}}))
     freq = kwargs.get("moe_layer_freq", 1)
     if not (isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1) and not (
@@ -341,6 +339,12 @@ def transformer_config_from_cfg(cfg, precision="32"):
     dtype = precision_dtype(precision)
     bias = bool(_get(cfg, "bias", True))
     granularity = _get(cfg, "activations_checkpoint_granularity")
+    recompute = {k: _get(cfg, k) for k in ("activations_checkpoint_granularity", "activations_checkpoint_method",
+                                           "activations_checkpoint_num_layers")}
+    # the config rules over a checkpoint's values too (a .nemo loaded for export or generation only)
+    from omegaconf import OmegaConf
+
+    check_config_values(OmegaConf.create({"model": {k: v for k, v in recompute.items() if v is not None}}))
     kwargs = dict(
         num_layers=int(_get(cfg, "num_layers")),
         hidden_size=hidden,
