@@ -4,8 +4,10 @@
 and ``tiktoken`` are converted with the ``tokenizers``/``transformers`` converters into a
 ``tokenizer.json`` that ``AutoTokenizer`` loads (``PreTrainedTokenizerFast``, so transformers 4
 and 5 both read it). Each conversion is loaded back and must give the model tokenizer's ids on a
-set of probe texts (whitespace runs, newlines, tabs, Unicode, bytes outside the vocabulary, the
-special tokens' strings) before it is kept: a tokenizer that encodes differently is not written.
+set of probe texts (whitespace, Unicode that normalizers treat unevenly, the model's user-defined
+pieces) and decode them back before it is kept: a tokenizer that differs is not written. Texts
+of a few kinds some conversions cannot follow (special-token strings; a combining mark after a
+character NFKC replaces) are reported instead, one warning line per kind.
 """
 
 from __future__ import annotations
@@ -55,9 +57,9 @@ class NotExportable(Exception):
 
 
 def write_hf_tokenizer(tokenizer, out_dir: str, add_bos: bool) -> List[str]:
-    """Write ``tokenizer`` as Hugging Face files into ``out_dir`` and return what differs only on
-    text holding special-token strings; raise :class:`NotExportable` (and write nothing) where it
-    cannot be converted or the conversion encodes ordinary text differently.
+    """Write ``tokenizer`` as Hugging Face files into ``out_dir`` and return the differences on the
+    reported kinds of text (:func:`probe_texts`); raise :class:`NotExportable` (and write nothing)
+    where it cannot be converted or the conversion differs on ordinary text.
 
     ``add_bos``: whether the written tokenizer adds BOS (Llama, Mistral and Gemma's convention)
     when ``encode`` is asked for special tokens; ``text_to_ids`` here never adds it."""
@@ -68,10 +70,11 @@ def write_hf_tokenizer(tokenizer, out_dir: str, add_bos: bool) -> List[str]:
     if library == "huggingface":
         _copy_huggingface(tokenizer, out_dir)
         return []
-    builders = {"megatron": _gpt2_bpe, "sentencepiece": _sentencepiece, "tiktoken": _tiktoken}
     from nemo_aligner.utils.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer
 
-    build = _sentencepiece if isinstance(tokenizer, SentencePieceTokenizer) else builders.get(library)
+    # sentencepiece also as Megatron's GPTSentencePieceTokenizer (library megatron)
+    build = _sentencepiece if isinstance(tokenizer, SentencePieceTokenizer) else \
+        {"megatron": _gpt2_bpe, "tiktoken": _tiktoken}.get(library)
     if build is None:
         raise NotExportable(f"the model's {library} tokenizer has no Hugging Face conversion")
     staging = tempfile.mkdtemp(prefix="hf_tokenizer_", dir=out_dir)
