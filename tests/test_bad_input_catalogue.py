@@ -617,6 +617,30 @@ def test_nemo_with_a_bad_model_config(workdir, saved_nemo, case):
           lambda: read_model_config(broken, "model.restore_from_path"))
 
 
+def test_a_checkpoints_sizes_are_checked_before_the_run_reads_them(workdir, saved_nemo):
+    """A run checks its parallel sizes against the checkpoint's heads and layers before starting: a
+    list there (as a fuzzed model_config.yaml had) is one line naming the key and the checkpoint."""
+    import io
+
+    import yaml
+
+    from nemo_aligner.utils.nemo_file import read_model_config
+    from nemo_aligner.utils.run_setup import init_run
+
+    config = dict(read_model_config(saved_nemo, "x"), num_attention_heads=[1])
+    text = yaml.safe_dump(OmegaConf.to_container(OmegaConf.create(config))).encode()
+    broken = repack(saved_nemo, workdir / "heads.nemo", drop="model_config.yaml")
+    with tarfile.open(broken, "a") as tar:
+        info = tarfile.TarInfo("./model_config.yaml")
+        info.size = len(text)
+        tar.addfile(info, io.BytesIO(text))
+    cfg = OmegaConf.create({"trainer": {"devices": 1, "num_nodes": 1, "accelerator": "cpu", "precision": 32},
+                            "model": {"micro_batch_size": 1, "global_batch_size": 1}})
+    check(workdir, ConfigError, r"model\.num_attention_heads=\[1\] must be an integer, got a list \(when restoring, "
+                                r"architecture values come from the checkpoint's model_config\.yaml\)",
+          lambda: init_run(cfg, broken, "pretrained_checkpoint.restore_from_path"))
+
+
 ARCHITECTURE_CASES = {
     "query-groups-not-dividing-heads": (dict(num_query_groups=3),
                                         r"model\.num_query_groups=3 must divide model\.num_attention_heads=4"),

@@ -595,7 +595,7 @@ def test_zarr_bfloat16_and_uncompressed_arrays(tmp_path):
 def test_model_config_numbers_in_short_exponent_form_are_numbers(tmp_path):
     """``layernorm_epsilon: 1e-5`` (no dot: a string to YAML 1.1) is the number NeMo's OmegaConf reads, so a
     hand-written model_config.yaml passes the architecture checks."""
-    from nemo_aligner.models.nlp.gpt.gpt_builder import check_architecture_values
+    from nemo_aligner.utils.model_config import check_architecture_values
     from nemo_aligner.utils.nemo_file import read_model_config
 
     (tmp_path / "m").mkdir()

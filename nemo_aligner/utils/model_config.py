@@ -107,3 +107,24 @@ def drop_overwritten(base: dict, overwrite: dict) -> None:
                 drop_overwritten(base[key], flag)
         elif flag:
             base.pop(key, None)
+
+
+def check_architecture_values(cfg) -> None:
+    """The architecture keys' types and ranges (``model.ffn_hidden_size=-1`` names the key rather than
+    failing inside megatron-core). These come from the checkpoint's model_config.yaml when restoring,
+    after the run config's own checks."""
+    from nemo_aligner.utils.config_checks import NOT_NULL
+
+    def get(key):
+        return cfg.get(key) if hasattr(cfg, "get") else getattr(cfg, key, None)
+
+    # init_method_std: a restored model's new weights (a reward head) start from the checkpoint's spread
+    keys = [key for key in ARCHITECTURE_KEYS + ("init_method_std",) if key != "tokenizer"]
+    # null or absent is the default, except for the sizes nothing can default (they are then refused)
+    values = {key: get(key) for key in keys if get(key) is not None or key in NOT_NULL}
+    values = {k: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for k, v in values.items()}
+    try:
+        check_config_values(OmegaConf.create({"model": values}))
+    except ConfigError as err:
+        raise ConfigError(f"{err} (when restoring, architecture values come from the checkpoint's "
+                          "model_config.yaml)") from None

@@ -15,7 +15,7 @@ from nemo_aligner.utils.config_checks import check_config_values, check_run_limi
 from nemo_aligner.utils.distributed import (check_expert_parallel_size, check_parallel_sizes, expert_parallel_refused,
                                             init_distributed, initialize_model_parallel)
 from nemo_aligner.utils.errors import ConfigError
-from nemo_aligner.utils.model_config import merge_checkpoint_config
+from nemo_aligner.utils.model_config import check_architecture_values, merge_checkpoint_config
 
 logger = logging.getLogger(__name__)
 
@@ -95,14 +95,15 @@ def init_run(cfg: DictConfig, restore_path: Optional[str] = None,
     resolve_sequence_length(cfg.model, arch, restore_path)
     check_config_values(cfg)
     check_run_limits_keys(cfg)
+    for key in ("num_attention_heads", "num_layers"):
+        if arch.get(key) is None:
+            raise ConfigError(f"model.{key} is required when model.restore_from_path is empty")
+    check_architecture_values(arch)  # the checkpoint's values, before the sizes below are read
     init_distributed(devices=cfg.trainer.get("devices", 1), num_nodes=cfg.trainer.get("num_nodes", 1),
                      timeout_minutes=timeout_minutes)
     world = dist.get_world_size()
     tp = int(cfg.model.get("tensor_model_parallel_size", 1) or 1)
     pp = int(cfg.model.get("pipeline_model_parallel_size", 1) or 1)
-    for key in ("num_attention_heads", "num_layers"):
-        if arch.get(key) is None:
-            raise ConfigError(f"model.{key} is required when model.restore_from_path is empty")
     dp = check_parallel_sizes(world, tp, pp, int(arch.num_attention_heads), arch.get("num_query_groups"),
                               int(arch.num_layers))
     if bool(cfg.model.get("sequence_parallel", False)) and not torch.cuda.is_available():

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from nemo_aligner.utils.config_checks import check_config_values, precision_name
 from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.utils.model_config import check_architecture_values
 
 logger = logging.getLogger(__name__)
 
@@ -272,27 +273,6 @@ def attention_window(cfg) -> Optional[int]:
         raise ConfigError(f"model.window_size={values if listed else window!r} must be [left, 0] with left >= 0 "
                           "(or -1: no window), a causal sliding window as Transformer Engine's")
     return None if values[0] == -1 else values[0]
-
-
-def check_architecture_values(cfg) -> None:
-    """The architecture keys' types and ranges (``model.ffn_hidden_size=-1`` names the key rather than
-    failing inside megatron-core). These come from the checkpoint's model_config.yaml when restoring,
-    after the run config's own checks."""
-    from omegaconf import OmegaConf
-
-    from nemo_aligner.utils.config_checks import NOT_NULL, check_config_values
-    from nemo_aligner.utils.model_config import ARCHITECTURE_KEYS
-
-    # init_method_std: a restored model's new weights (a reward head) start from the checkpoint's spread
-    keys = [key for key in ARCHITECTURE_KEYS + ("init_method_std",) if key != "tokenizer"]
-    # null or absent is the default, except for the sizes nothing can default (they are then refused)
-    values = {key: _get(cfg, key) for key in keys if _get(cfg, key) is not None or key in NOT_NULL}
-    values = {k: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for k, v in values.items()}
-    try:
-        check_config_values(OmegaConf.create({"model": values}))
-    except ConfigError as err:
-        raise ConfigError(f"{err} (when restoring, architecture values come from the checkpoint's "
-                          "model_config.yaml)") from None
 
 
 def transformer_config_from_cfg(cfg, precision="32"):
