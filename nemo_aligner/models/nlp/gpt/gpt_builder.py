@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
 from nemo_aligner.utils.config_checks import check_config_values, precision_name
 from nemo_aligner.utils.errors import ConfigError
@@ -185,8 +186,6 @@ def num_moe_experts(cfg) -> Optional[int]:
 def _check_moe_values(kwargs: dict) -> None:
     """The MoE settings' types, ranges and choices (the config rules; a checkpoint's values too), then
     what they must satisfy together, which megatron-core would take and fail on in the first forward."""
-    from omegaconf import OmegaConf
-
     check_config_values(OmegaConf.create({"model": {k: v for k, v in kwargs.items() if k != "moe_layer_freq"}}))
     freq = kwargs.get("moe_layer_freq", 1)
     if not (isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1) and not (
@@ -210,7 +209,6 @@ def moe_config_kwargs(cfg) -> dict:
     """TransformerConfig keywords for NeMo's mixture-of-experts keys (``num_moe_experts`` and the
     ``moe_*`` fields); empty for a dense model."""
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from omegaconf import OmegaConf
 
     experts = num_moe_experts(cfg)
     if experts is None:
@@ -322,8 +320,6 @@ def transformer_config_from_cfg(cfg, precision="32"):
     recompute = {k: _get(cfg, k) for k in ("activations_checkpoint_granularity", "activations_checkpoint_method",
                                            "activations_checkpoint_num_layers")}
     # the config rules over a checkpoint's values too (a .nemo loaded for export or generation only)
-    from omegaconf import OmegaConf
-
     check_config_values(OmegaConf.create({"model": {k: v for k, v in recompute.items() if v is not None}}))
     kwargs = dict(
         num_layers=int(_get(cfg, "num_layers")),
