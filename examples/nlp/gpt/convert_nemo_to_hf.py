@@ -61,13 +61,9 @@ def main(argv=None):
                            "the .nemo's own tokenizer is written" if key == "input_tokenizer"
                            else "the config comes from the .nemo")
     from nemo_aligner.models.nlp.gpt.hf_interop import export_to_hf
-    from nemo_aligner.utils.config_checks import precision_name
-    from nemo_aligner.utils.nemo_file import read_model_config
 
-    precision = args.precision
-    if precision is None:
-        precision = precision_name(read_model_config(args.input_file, "--input_name_or_path").get("precision", 32)) or "32"
-    written = export_to_hf(args.input_file, args.output_dir, precision=precision, weights_file=args.weights_file)
+    # precision None: the .nemo's own, as NeMo's scripts default
+    written = export_to_hf(args.input_file, args.output_dir, precision=args.precision, weights_file=args.weights_file)
     if args.hf_output_tokenizer and os.path.abspath(args.hf_output_tokenizer) != os.path.abspath(args.output_dir):
         from nemo_aligner.utils.tokenizers.hf_export import TOKENIZER_FILE_NAMES
 

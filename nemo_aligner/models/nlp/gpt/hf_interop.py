@@ -646,11 +646,20 @@ def _refuse_reward_heads(nemo_path: str) -> None:
                           "export would drop its reward head, so it is not exported")
 
 
+def nemo_precision(nemo_path: str, key: str) -> str:
+    """The precision a ``.nemo`` records ("32", "bf16" or "16"; "32" where it records none NeMo names)."""
+    from nemo_aligner.utils.config_checks import precision_name
+    from nemo_aligner.utils.nemo_file import read_model_config
+
+    return precision_name(read_model_config(nemo_path, key).get("precision", 32)) or "32"
+
+
 def export_to_hf(nemo_path: str, out_dir: Optional[str] = None, precision="32",
                  weights_file: Optional[str] = None) -> str:
     """Write a ``.nemo`` as a Hugging Face directory (config.json, model.safetensors, tokenizer files).
 
-    ``precision`` (32, bf16 or 16, in any of NeMo's spellings): the dtype of the weights written.
+    ``precision`` (32, bf16 or 16, in any of NeMo's spellings): the dtype of the weights written;
+    None: the ``.nemo``'s own.
     ``weights_file``: the weights also (or, without ``out_dir``, only) as one torch state dict in
     Hugging Face's names, the ``pytorch_model.bin`` NeMo's ``convert_*_nemo_to_hf.py`` writes to
     ``--output_path``."""
@@ -664,7 +673,8 @@ def export_to_hf(nemo_path: str, out_dir: Optional[str] = None, precision="32",
     from nemo_aligner.utils.distributed import get_rank
     from nemo_aligner.utils.tokenizers.hf_export import NotExportable, write_hf_tokenizer
 
-    dtype = precision_dtype(precision, key="precision")
+    dtype = precision_dtype(nemo_precision(nemo_path, "nemo_file") if precision is None else precision,
+                            key="precision")
     if out_dir is None and weights_file is None:
         raise ConfigError("nothing to write: give an output directory, a weights file, or both")
     if out_dir is not None:
@@ -729,11 +739,10 @@ def resave_as_mcore(nemo_path: str, out_path: str) -> str:
 
     from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
     from nemo_aligner.models.nlp.gpt.loading import load_model
-    from nemo_aligner.utils.config_checks import precision_name
-    from nemo_aligner.utils.nemo_file import read_model_config, save_nemo
+    from nemo_aligner.utils.nemo_file import save_nemo
 
     _refuse_reward_heads(nemo_path)
-    precision = precision_name(read_model_config(nemo_path, "--input-name-or-path").get("precision", 32)) or "32"
+    precision = nemo_precision(nemo_path, "--input-name-or-path")
     _ensure_single_process_parallel_state()
     model = load_model(GPTSFTModel, OmegaConf.create({"micro_batch_size": 1, "tensor_model_parallel_size": 1,
                                                       "pipeline_model_parallel_size": 1}),
