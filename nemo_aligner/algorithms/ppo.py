@@ -152,6 +152,12 @@ class PPOTrainer(StepSchedule):
         # NeMo-Aligner's batch_iterator.use_flask: the data-parallel ranks share out the rollout
         # micro-batches as they go (see utils/shared_work.py), then each trains on its own rows.
         self.share_rollouts = bool((cfg.get("batch_iterator") or {}).get("use_flask", False))
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        if self.share_rollouts and ep > 1:
+            # sharing talks over the data-parallel ranks between generation calls, while expert-parallel
+            # ranks generate in rounds of their expert group (expert_lockstep)
+            raise ConfigError(f"trainer.{name}.batch_iterator.use_flask=True is not supported with "
+                              f"model.expert_model_parallel_size={ep}; set it to False")
         self.step = 0
         self.consumed_samples = 0
         self.ppo_optimization_step = 0

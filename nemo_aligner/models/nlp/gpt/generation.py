@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from nemo_aligner.models.alignable_interface import LengthParams, SamplingParams  # noqa: F401 (re-exported)
 from nemo_aligner.models.nlp.gpt.lean_ops import rotary_from_tables
 from nemo_aligner.models.nlp.gpt import lora
+from nemo_aligner.models.nlp.gpt.expert_lockstep import is_moe_layer, lockstep_for, moe_inference_call
 from nemo_aligner.utils import cpu_gemm, cpu_kernels
-from nemo_aligner.utils.distributed import expert_parallel_refused
 from nemo_aligner.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -93,30 +93,6 @@ def _pack_linear_weights(module, batch: int, backend: str, weight_of) -> dict:
             if matrix is not None:
                 packed[id(param)] = matrix
     return packed
-
-
-def is_moe_layer(mlp) -> bool:
-    """Whether a layer's MLP is a mixture of experts (megatron-core's ``MoELayer``: a router and
-    experts instead of ``linear_fc1``/``linear_fc2``)."""
-    return getattr(mlp, "router", None) is not None and not hasattr(mlp, "linear_fc1")
-
-
-def _moe_call(mlp):
-    """A routed MLP as ``x [S, B, H] -> [S, B, H]``, evaluated as at inference (no router jitter and
-    no load-balancing loss) whatever the module's mode."""
-
-    def call(x):
-        training = mlp.training
-        if training:
-            mlp.train(False)
-        try:
-            out, bias = mlp(x)
-        finally:
-            if training:
-                mlp.train(True)
-        return out + bias if bias is not None else out
-
-    return call
 
 
 def _rotate_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -189,8 +165,6 @@ class KVCacheDecoder:
     def __init__(self, module, batch: int, max_len: int):
         from megatron.core import parallel_state
 
-        if parallel_state.get_expert_model_parallel_world_size() > 1:
-            raise expert_parallel_refused(parallel_state.get_expert_model_parallel_world_size(), "generation")
         self.pp = parallel_state.get_pipeline_model_parallel_world_size()
         self.first_stage = parallel_state.is_pipeline_first_stage()
         self.last_stage = parallel_state.is_pipeline_last_stage()
@@ -308,7 +282,7 @@ class KVCacheDecoder:
         return dict(norm1=_direct_norm(layer.input_layernorm), qkv=self._linear(attn.linear_qkv),
                     proj=self._linear(attn.linear_proj), norm2=_direct_norm(layer.pre_mlp_layernorm),
                     fc1=None if moe else self._linear(mlp.linear_fc1), fc2=None if moe else self._linear(mlp.linear_fc2),
-                    moe=_moe_call(mlp) if moe else None,
+                    moe=moe_inference_call(mlp) if moe else None,
                     q_norm=None if identity(q_norm) else q_norm, k_norm=None if identity(k_norm) else k_norm)
 
     def _attention(self, plan: dict, x: torch.Tensor, rope, start, mask, index: int,
@@ -618,8 +592,8 @@ def generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Samp
     ``max_sequence_length`` tokens per row in all (each row's own limit: a long prompt does not cut
     the others' responses short).
 
-    Collective over the model-parallel group (every rank must pass the same prompts); the
-    sampled tokens come from TP rank 0 of the last pipeline stage. A row stops at EOS or when its decoded tail ends with
+    Collective over the model-parallel group (every rank must pass the same prompts) and, with
+    expert parallelism, over the expert group in rounds (``expert_lockstep``); the sampled tokens come from TP rank 0 of the last pipeline stage. A row stops at EOS or when its decoded tail ends with
     one of ``sampling.end_strings``; EOS is refused before ``length.min_length`` tokens.
     """
     # Inference mode skips autograd's per-op bookkeeping (a decode step is a few hundred small ops);
@@ -679,8 +653,13 @@ def _generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Sam
     if len(distinct) < batch:
         fed = torch.tensor(sorted(distinct.values()), dtype=torch.long)
         rows = torch.searchsorted(fed, first)  # cache row -> its prompt's row among those fed
+    # With expert parallelism each forward joins a round of the expert group (expert_lockstep): the
+    # group's ranks run their MoE layers together whatever each one's own rows need.
+    lockstep = lockstep_for(module)
+    if lockstep is not None:
+        lockstep.before_forward()
     logits = decoder.forward(tokens[fed, :longest], positions[fed, :longest], 0, key_mask[fed], padded, rows)
-    graphed = _graphed_step(decoder, key_mask, longest, new_tokens)
+    graphed = _graphed_step(decoder, key_mask, longest, new_tokens) if lockstep is None else None
     for step in range(new_tokens):
         if last_stage:
             logits = logits[:, : tokenizer.vocab_size]  # vocabulary padding rows are never sampled
@@ -710,6 +689,8 @@ def _generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Sam
         done |= stop | (generated >= budget)
         if bool(done.all()) or step == new_tokens - 1:
             break
+        if lockstep is not None:
+            lockstep.before_forward()
         if graphed is not None:
             logits = graphed(token.unsqueeze(1), positions[:, slot : slot + 1], slot)
         else:

@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, Optional, Union
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from nemo_aligner.models.nlp.gpt import lora
+from nemo_aligner.models.nlp.gpt import expert_lockstep, lora
 from nemo_aligner.models.nlp.gpt.gpt_builder import (
     build_gpt_model,
     padded_vocab_size,
@@ -247,6 +247,7 @@ class MegatronGPTModel:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         micro_batches = batch if isinstance(batch, list) else split_micro_batches(batch, micro_batch_size)
+        expert_lockstep.drain(self.module, len(micro_batches))  # expert-parallel ranks done generating
         forward_fn = forward_fn or (lambda model, mb: self.gpt_forward(model, mb, labels=mb.get("labels")))
         device = self.device
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from nemo_aligner.models.alignable_interface import AlignableGenerativeInterface
+from nemo_aligner.models.nlp.gpt import expert_lockstep
 from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel, split_micro_batches
 from nemo_aligner.models.nlp.gpt.shared_prompt_forward import packed_forward, prompt_sharing_unsupported
 from nemo_aligner.utils import ppo_utils, prompt_sharing
@@ -52,7 +53,6 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
     ``sampling_params``, ``length_params``, ``share_prompt_prefix``."""
 
     supports_sequence_parallel = False  # generation decodes one token at a time
-    supports_expert_parallel = False  # each rank decodes its own prompts
 
     def __init__(self, cfg, tokenizer, precision="32", trainable: bool = True, section: str = "ppo"):
         super().__init__(cfg, tokenizer, precision, trainable)
@@ -89,6 +89,7 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
             self.optimizer_offload.offload()
 
     def finish_inference(self) -> None:
+        expert_lockstep.drain(self.module)
         self.train()
 
     def prepare_for_training(self) -> None:
@@ -147,6 +148,7 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
         ``seconds`` receives the swap's ``swap_in`` and ``swap_out`` times (``swapped_weights``)."""
         if self.init_policy_state is None:
             raise RuntimeError("snapshot_initial_policy() was not called")
+        expert_lockstep.drain(self.module)  # expert-parallel peers still generating meet the policy's experts
         with swapped_weights(self.module, self.init_policy_state, seconds):
             return self.get_logprobs(tokens, prompt_lengths, response_lengths)
 

@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from nemo_aligner.models.alignable_interface import SelfPlayInterface
+from nemo_aligner.models.nlp.gpt import expert_lockstep
 from nemo_aligner.models.nlp.gpt.generation import GenerationOutput, LengthParams, SamplingParams, generate
 from nemo_aligner.models.nlp.gpt.gpt_sft_model import masked_token_loss
 from nemo_aligner.models.nlp.gpt.megatron_gpt_dpo_model import MegatronGPTDPOModel
@@ -44,7 +45,6 @@ class MegatronGPTSPINModel(MegatronGPTDPOModel, SelfPlayInterface):
     section = "spin"
     saves_reference_policy = True  # the reference moves each iteration: checkpoints keep it
     supports_sequence_parallel = False  # generation decodes one token at a time
-    supports_expert_parallel = False  # each rank decodes its own prompts
 
     def __init__(self, cfg, tokenizer, precision="32", trainable: bool = True):
         spin = cfg.get("spin") or {}
@@ -84,6 +84,7 @@ class MegatronGPTSPINModel(MegatronGPTDPOModel, SelfPlayInterface):
             self.optimizer_offload.offload()
 
     def finish_inference(self) -> None:
+        expert_lockstep.drain(self.module)
         if self.offload_adam_states and self.device.type == "cuda" and self.optimizer is not None:
             self.optimizer_offload.restore()
         self.train()
@@ -94,10 +95,15 @@ class MegatronGPTSPINModel(MegatronGPTDPOModel, SelfPlayInterface):
         """Responses of the reference policy to token-id prompts (collective over the model-parallel group)."""
         if self.ref_state is None:
             raise RuntimeError("snapshot_reference_policy() was not called")
+        # Expert-parallel ranks drain before each swap: a peer's routed tokens meet the experts of
+        # the policy that generates them.
+        expert_lockstep.drain(self.module)
         with swapped_weights(self.module, self.ref_state):
-            return generate(self.module, self.tokenizer, prompts, sampling or self.sampling_params,
-                            length or self.length_params, max_sequence_length=int(self.cfg.encoder_seq_length),
-                            seed=seed)
+            out = generate(self.module, self.tokenizer, prompts, sampling or self.sampling_params,
+                           length or self.length_params, max_sequence_length=int(self.cfg.encoder_seq_length),
+                           seed=seed)
+            expert_lockstep.drain(self.module)
+        return out
 
     # ----------------------------------------------------------------- validation
     def _sft_loss(self, mb, per_token_ce):

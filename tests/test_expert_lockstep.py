@@ -1,0 +1,135 @@
+"""Generating roles with their experts split over the ranks (model.expert_model_parallel_size=2): the
+ranks generate for their own prompts in rounds of the expert group (expert_lockstep), and give what
+one process holding every expert, or two data-parallel ranks each holding every expert, give."""
+
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from conftest import WORKERS, read_metrics, run_python, run_script
+
+
+def upcycle(dense_nemo: str, out: str) -> str:
+    """A mixture-of-experts copy of a dense .nemo (4 experts, 2 per token): each expert is the dense
+    MLP plus its own noise (10% of the weights' spread), the router random. It answers the built-in
+    task as the dense model does, and its rows stop at different steps."""
+    from omegaconf import OmegaConf, open_dict
+
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.models.nlp.gpt.loading import load_model
+    from nemo_aligner.utils.nemo_file import save_nemo
+
+    dense = load_model(GPTSFTModel, OmegaConf.create({}), "32", dense_nemo, trainable=False)
+    cfg = OmegaConf.create(OmegaConf.to_container(dense.cfg, resolve=True))
+    with open_dict(cfg):
+        cfg.num_moe_experts, cfg.moe_router_topk = 4, 2
+    torch.manual_seed(0)
+    moe = GPTSFTModel(cfg, dense.tokenizer, "32", trainable=False)
+    source = dense.module.state_dict()
+    noise = torch.Generator().manual_seed(1)
+    state = {}
+    for key in moe.module.state_dict():
+        if key.endswith("_extra_state"):
+            continue
+        expert = re.match(r"(decoder\.layers\.\d+\.mlp\.)experts\.local_experts\.\d+\.(.*)", key)
+        if expert:
+            weight = source[expert.group(1) + expert.group(2)]
+            state[key] = weight + 0.1 * weight.std() * torch.randn(weight.shape, generator=noise)
+        elif key in source:
+            state[key] = source[key]
+    missing = moe.module.load_state_dict(state, strict=False).missing_keys
+    assert [k for k in missing if not k.endswith("_extra_state")] == [k for k in missing if "router" in k]
+    return save_nemo(moe, out)
+
+
+@pytest.fixture(scope="module")
+def moe_nemo(mcore_single, sft_nemo, tmp_path_factory):
+    return upcycle(sft_nemo, str(tmp_path_factory.mktemp("moe") / "moe.nemo"))
+
+
+def test_generating_ranks_match_one_process_holding_every_expert(moe_nemo, tmp_path):
+    """Two ranks, each with 2 of the 4 experts, run different numbers of generation calls (greedy and
+    sampled) whose rows stop at different steps, then the initial-policy log-probs (a weight swap)
+    and the current ones: the tokens are those of one process holding every expert, the log-probs
+    equal. The initial policy's experts differ from the current one's, so a rank that swapped while
+    its peer still generated would change the peer's tokens."""
+    worker = os.path.join(WORKERS, "expert_lockstep_worker.py")
+    run_python(worker, ["--nemo", moe_nemo, "--out", tmp_path / "one.json"], like_nproc=2)
+    run_python(worker, ["--nemo", moe_nemo, "--ep", "2", "--out", tmp_path / "two.json"], nproc=2)
+    one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
+    lengths = [[len(row) for row in part["tokens"]] for part in one]
+    assert len(set(lengths[0])) > 1 and len(lengths[0]) != len(lengths[1])  # the ranks' work differs
+    for rank in range(2):
+        assert two[rank]["tokens"] == one[rank]["tokens"], rank
+        for key in ("init_logprobs", "logprobs"):
+            torch.testing.assert_close(torch.tensor(two[rank][key]), torch.tensor(one[rank][key]), rtol=0, atol=1e-5)
+        assert (torch.tensor(one[rank]["init_logprobs"]) - torch.tensor(one[rank]["logprobs"])).abs().max() > 0.1
+
+
+def test_ranks_with_different_micro_batch_counts_are_stopped_with_a_message(moe_nemo, tmp_path):
+    """Log-probs of 4 rows in micro-batches of 1 on one rank and 3 rows in one micro-batch on the other:
+    both ranks stop with the same message instead of waiting on each other's MoE layers."""
+    run_python(os.path.join(WORKERS, "expert_lockstep_worker.py"),
+               ["--nemo", moe_nemo, "--ep", "2", "--uneven", "--out", tmp_path / "out.json"], nproc=2, timeout=120)
+    for rank in range(2):
+        assert (tmp_path / f"out.json.{rank}").read_text() == (
+            "the ranks of model.expert_model_parallel_size=2 hold from 1 to 4 micro-batches in one forward/backward "
+            "pass; their MoE layers need the same number on every rank")
+
+
+def grpo(model, data, log_dir, *extra, nproc=2, check=True):
+    return run_script("train_gpt_grpo.py", [
+        f"pretrained_checkpoint.restore_from_path={model}",
+        f"++model.data.data_prefix={{train: [{data['prompts_train']}], validation: [{data['prompts_val']}]}}",
+        "reward_fn=nemo_aligner.data.nlp.builtin_task:reward", f"exp_manager.explicit_log_dir={log_dir}",
+        "trainer.grpo.max_steps=2", "trainer.grpo.max_epochs=100", "trainer.grpo.val_check_interval=2",
+        "model.grpo.num_rollout_samples=8", "model.grpo.num_responses_per_prompt=4",
+        "model.grpo.rollout_micro_batch_size=4", "model.grpo.num_val_samples=10", "model.grpo.val_rollout_micro_batch_size=4",
+        "model.global_batch_size=32", "model.micro_batch_size=8", "model.grpo.length_params.max_length=9",
+        "model.optim.lr=5e-5", "trainer.devices=2", *extra], nproc=nproc, check=check)
+
+
+def assert_same_metrics(a, b, keys):
+    for key in keys:
+        x = [(r["step"], r[key]) for r in a if key in r]
+        y = [(r["step"], r[key]) for r in b if key in r]
+        assert x and [s for s, _ in y] == [s for s, _ in x], key
+        assert [v for _, v in y] == pytest.approx([v for _, v in x], rel=1e-5, abs=1e-6), key
+
+
+def test_grpo_with_experts_split_trains_like_data_parallel(moe_nemo, builtin_data, tmp_path):
+    """GRPO at data parallel 2, the experts split over the two ranks or each rank holding all four: the
+    same responses, rewards, losses and validation scores; batch_iterator.use_flask, which talks over
+    the data-parallel ranks between generation calls, is refused in one line."""
+    grpo(moe_nemo, builtin_data, tmp_path / "dp")
+    proc = grpo(moe_nemo, builtin_data, tmp_path / "ep", "++model.expert_model_parallel_size=2")
+    assert "(experts split over 2 of them)" in proc.stdout + proc.stderr
+    assert_same_metrics(read_metrics(tmp_path / "dp"), read_metrics(tmp_path / "ep"),
+                        ("train/rewards", "train/actor_loss", "train/kl_loss", "train/response_length",
+                         "val/global_rewards"))
+    proc = grpo(moe_nemo, builtin_data, tmp_path / "flask", "++model.expert_model_parallel_size=2",
+                "trainer.grpo.batch_iterator.use_flask=True", nproc=1, check=False)  # the script starts its ranks
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert ("error: trainer.grpo.batch_iterator.use_flask=True is not supported with "
+            "model.expert_model_parallel_size=2; set it to False") in proc.stderr
+
+
+def test_spin_with_experts_split_trains_like_data_parallel(moe_nemo, builtin_data, tmp_path):
+    """SPIN generates with the reference policy's weights swapped in, call by call: with the experts split
+    over two ranks it generates and trains as two data-parallel ranks holding every expert do."""
+    def spin(log_dir, *extra):
+        return run_script("train_gpt_spin.py", [
+            f"pretrained_checkpoint.restore_from_path={moe_nemo}", f"model.data.train_ds.file_path={builtin_data['sft_train']}",
+            f"model.data.validation_ds.file_path={builtin_data['sft_val']}", f"exp_manager.explicit_log_dir={log_dir}",
+            "model.global_batch_size=8", "model.micro_batch_size=2", "model.spin.rollout_micro_batch_size=3",
+            "model.spin.length_params.max_length=9", "model.optim.lr=2e-5", "model.spin.ref_policy_kl_penalty=0.1",
+            "trainer.spin.max_steps=2", "trainer.spin.val_check_interval=2", "trainer.spin.limit_val_batches=1",
+            "trainer.devices=2", *extra], nproc=2)
+
+    spin(tmp_path / "dp")
+    spin(tmp_path / "ep", "++model.expert_model_parallel_size=2")
+    assert_same_metrics(read_metrics(tmp_path / "dp"), read_metrics(tmp_path / "ep"),
+                        ("train/generated_length", "train/sft_loss", "train/loss", "train/grad_norm", "val/loss"))
