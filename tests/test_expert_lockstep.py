@@ -55,27 +55,32 @@ def test_generating_ranks_match_one_process_holding_every_expert(moe_nemo, tmp_p
     sampled) whose rows stop at different steps, then the initial-policy log-probs (a weight swap)
     and the current ones: the tokens are those of one process holding every expert, the log-probs
     equal. The initial policy's experts differ from the current one's, so a rank that swapped while
-    its peer still generated would change the peer's tokens."""
+    its peer still generated would change the peer's tokens. SPIN's model, which swaps the reference
+    policy in and out around each generation call, likewise."""
     worker = os.path.join(WORKERS, "expert_lockstep_worker.py")
     run_python(worker, ["--nemo", moe_nemo, "--out", tmp_path / "one.json"], like_nproc=2)
     run_python(worker, ["--nemo", moe_nemo, "--ep", "2", "--out", tmp_path / "two.json"], nproc=2)
     one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
-    lengths = [[len(row) for row in part["tokens"]] for part in one]
+    lengths = [[len(row) for row in part["tokens"]] for part in one["actor"]]
     assert len(set(lengths[0])) > 1 and len(lengths[0]) != len(lengths[1])  # the ranks' work differs
     for rank in range(2):
-        assert two[rank]["tokens"] == one[rank]["tokens"], rank
+        actor_one, actor_two = one["actor"][rank], two["actor"][rank]
+        assert actor_two["tokens"] == actor_one["tokens"], rank
         for key in ("init_logprobs", "logprobs"):
-            torch.testing.assert_close(torch.tensor(two[rank][key]), torch.tensor(one[rank][key]), rtol=0, atol=1e-5)
-        assert (torch.tensor(one[rank]["init_logprobs"]) - torch.tensor(one[rank]["logprobs"])).abs().max() > 0.1
+            torch.testing.assert_close(torch.tensor(actor_two[key]), torch.tensor(actor_one[key]), rtol=0, atol=1e-5)
+        assert (torch.tensor(actor_one["init_logprobs"]) - torch.tensor(actor_one["logprobs"])).abs().max() > 0.1
+    assert [len(row) for row in one["spin"][0]["tokens"]] != [len(row) for row in one["spin"][1]["tokens"]]
+    assert two["spin"] == one["spin"]
 
 
 def test_ranks_with_different_micro_batch_counts_are_stopped_with_a_message(moe_nemo, tmp_path):
     """Log-probs of 4 rows in micro-batches of 1 on one rank and 3 rows in one micro-batch on the other:
     both ranks stop with the same message instead of waiting on each other's MoE layers."""
     run_python(os.path.join(WORKERS, "expert_lockstep_worker.py"),
-               ["--nemo", moe_nemo, "--ep", "2", "--uneven", "--out", tmp_path / "out.json"], nproc=2, timeout=120)
-    for rank in range(2):
-        assert (tmp_path / f"out.json.{rank}").read_text() == (
+               ["--nemo", moe_nemo, "--ep", "2", "--uneven", "--roles", "actor", "--out", tmp_path / "out.json"],
+               nproc=2, timeout=120)
+    for name in ("out.json", "out.json.1"):
+        assert json.loads((tmp_path / name).read_text())["actor"] == (
             "the ranks of model.expert_model_parallel_size=2 hold from 1 to 4 micro-batches in one forward/backward "
             "pass; their MoE layers need the same number on every rank")
 
@@ -115,21 +120,3 @@ def test_grpo_with_experts_split_trains_like_data_parallel(moe_nemo, builtin_dat
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert ("error: trainer.grpo.batch_iterator.use_flask=True is not supported with "
             "model.expert_model_parallel_size=2; set it to False") in proc.stderr
-
-
-def test_spin_with_experts_split_trains_like_data_parallel(moe_nemo, builtin_data, tmp_path):
-    """SPIN generates with the reference policy's weights swapped in, call by call: with the experts split
-    over two ranks it generates and trains as two data-parallel ranks holding every expert do."""
-    def spin(log_dir, *extra):
-        return run_script("train_gpt_spin.py", [
-            f"pretrained_checkpoint.restore_from_path={moe_nemo}", f"model.data.train_ds.file_path={builtin_data['sft_train']}",
-            f"model.data.validation_ds.file_path={builtin_data['sft_val']}", f"exp_manager.explicit_log_dir={log_dir}",
-            "model.global_batch_size=8", "model.micro_batch_size=2", "model.spin.rollout_micro_batch_size=3",
-            "model.spin.length_params.max_length=9", "model.optim.lr=2e-5", "model.spin.ref_policy_kl_penalty=0.1",
-            "trainer.spin.max_steps=2", "trainer.spin.val_check_interval=2", "trainer.spin.limit_val_batches=1",
-            "trainer.devices=2", *extra], nproc=2)
-
-    spin(tmp_path / "dp")
-    spin(tmp_path / "ep", "++model.expert_model_parallel_size=2")
-    assert_same_metrics(read_metrics(tmp_path / "dp"), read_metrics(tmp_path / "ep"),
-                        ("train/generated_length", "train/sft_loss", "train/loss", "train/grad_norm", "val/loss"))
