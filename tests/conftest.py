@@ -279,6 +279,44 @@ def reward_model(tmp_path_factory, task_data, sft_nemo):
     return nemo, Path(log_dir), stdout
 
 
+def upcycle_to_experts(dense_nemo: str, out: str, model_cls=None) -> str:
+    """A mixture-of-experts copy of a dense .nemo (4 experts, 2 per token): each expert is the dense
+    MLP plus its own noise (10% of the weights' spread), the router random. It answers the built-in
+    task as the dense model does. ``model_cls``: the role to load and save it as (GPTSFTModel by
+    default; MegatronGPTRewardModel keeps a reward model's head). Needs ``mcore_single``."""
+    import re
+
+    import torch
+    from omegaconf import OmegaConf, open_dict
+
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.models.nlp.gpt.loading import load_model
+    from nemo_aligner.utils.nemo_file import save_nemo
+
+    model_cls = model_cls or GPTSFTModel
+    dense = load_model(model_cls, OmegaConf.create({}), "32", dense_nemo, trainable=False)
+    cfg = OmegaConf.create(OmegaConf.to_container(dense.cfg, resolve=True))
+    with open_dict(cfg):
+        cfg.num_moe_experts, cfg.moe_router_topk = 4, 2
+    torch.manual_seed(0)
+    moe = model_cls(cfg, dense.tokenizer, "32", trainable=False)
+    source = dense.module.state_dict()
+    noise = torch.Generator().manual_seed(1)
+    state = {}
+    for key in moe.module.state_dict():
+        if key.endswith("_extra_state"):
+            continue
+        expert = re.match(r"(decoder\.layers\.\d+\.mlp\.)experts\.local_experts\.\d+\.(.*)", key)
+        if expert:
+            weight = source[expert.group(1) + expert.group(2)]
+            state[key] = weight + 0.1 * weight.std() * torch.randn(weight.shape, generator=noise)
+        elif key in source:
+            state[key] = source[key]
+    missing = moe.module.load_state_dict(state, strict=False).missing_keys
+    assert [k for k in missing if not k.endswith("_extra_state")] == [k for k in missing if "router" in k]
+    return save_nemo(moe, out)
+
+
 class ServerProcess:
     """A server script (python or torchrun) in its own session, whose output goes to a log; always stopped."""
 

@@ -1,16 +1,20 @@
-"""The PPO critic server on its own: critic_infer, critic_train and critic_save at PP=2 and DP=2 equal one
+"""The PPO critic server on its own: critic_infer, critic_train and critic_save at PP=2, DP=2 and EP=2 equal one
 process's (in its own file so the test suite's two workers can share PPO's tests)."""
 
 import os
 
 import pytest
 
-from conftest import free_port
+from conftest import free_port, upcycle_to_experts
 
 
 @pytest.fixture(scope="module")
-def rm_nemo(reward_model):
-    return reward_model[0]
+def rm_nemo(mcore_single, reward_model, tmp_path_factory):
+    """The trained reward model with its MLPs made 4 experts (2 per token): the critic's weights."""
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import MegatronGPTRewardModel
+
+    return upcycle_to_experts(reward_model[0], str(tmp_path_factory.mktemp("moe_rm") / "rm.nemo"),
+                              MegatronGPTRewardModel)
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +57,16 @@ def query_critic(port, batch):
 
 
 def test_critic_server_two_processes_match_one(tmp_path, rm_nemo, critic_batch):
-    """critic_infer, critic_train and critic_save from a PP=2 and a DP=2 critic equal one process's (TP=2
-    serving is checked on the reward-model server, tests/test_reward_server.py, and TP=2 training of the
-    same model code in tests/test_parallel.py)."""
+    """critic_infer, critic_train and critic_save from a PP=2, a DP=2 and an EP=2 critic (a mixture of
+    experts, split over the two ranks) equal one process's (TP=2 serving is checked on the reward-model
+    server, tests/test_reward_server.py, and TP=2 training of the same model code in tests/test_parallel.py)."""
     import numpy as np
 
     from conftest import ServerProcess
 
     results = {}
-    for tag, nproc, extra in (("one", 1, []), ("pp2", 2, ["model.pipeline_model_parallel_size=2"]), ("dp2", 2, [])):
+    for tag, nproc, extra in (("one", 1, []), ("pp2", 2, ["model.pipeline_model_parallel_size=2"]), ("dp2", 2, []),
+                              ("ep2", 2, ["++model.expert_model_parallel_size=2"])):
         srv = ServerProcess(tmp_path, "serve_ppo_critic.py", "critic server ready", nproc=nproc, like_nproc=2)
         srv.start([f"pretrained_checkpoint.restore_from_path={rm_nemo}", f"exp_manager.explicit_log_dir={tmp_path / tag}",
                    f"trainer.ppo.port={srv.port}", f"trainer.ppo.grpc_port={free_port()}",
@@ -73,7 +78,7 @@ def test_critic_server_two_processes_match_one(tmp_path, rm_nemo, critic_batch):
         assert any("step=" in c for c in os.listdir(tmp_path / tag / "checkpoints")), tag  # critic_save wrote one
     one = results["one"]
     assert one[1][1] < one[1][0]  # the second pass over the same data has a lower loss: it trained
-    for tag in ("pp2", "dp2"):
+    for tag in ("pp2", "dp2", "ep2"):
         out, losses, after, status = results[tag]
         np.testing.assert_allclose(out["rewards"], one[0]["rewards"], rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(out["values"], one[0]["values"], rtol=1e-4, atol=1e-5)

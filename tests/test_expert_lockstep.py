@@ -4,50 +4,16 @@ one process holding every expert, or two data-parallel ranks each holding every 
 
 import json
 import os
-import re
 
 import pytest
 import torch
 
-from conftest import WORKERS, read_metrics, run_python, run_script
-
-
-def upcycle(dense_nemo: str, out: str) -> str:
-    """A mixture-of-experts copy of a dense .nemo (4 experts, 2 per token): each expert is the dense
-    MLP plus its own noise (10% of the weights' spread), the router random. It answers the built-in
-    task as the dense model does, and its rows stop at different steps."""
-    from omegaconf import OmegaConf, open_dict
-
-    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
-    from nemo_aligner.models.nlp.gpt.loading import load_model
-    from nemo_aligner.utils.nemo_file import save_nemo
-
-    dense = load_model(GPTSFTModel, OmegaConf.create({}), "32", dense_nemo, trainable=False)
-    cfg = OmegaConf.create(OmegaConf.to_container(dense.cfg, resolve=True))
-    with open_dict(cfg):
-        cfg.num_moe_experts, cfg.moe_router_topk = 4, 2
-    torch.manual_seed(0)
-    moe = GPTSFTModel(cfg, dense.tokenizer, "32", trainable=False)
-    source = dense.module.state_dict()
-    noise = torch.Generator().manual_seed(1)
-    state = {}
-    for key in moe.module.state_dict():
-        if key.endswith("_extra_state"):
-            continue
-        expert = re.match(r"(decoder\.layers\.\d+\.mlp\.)experts\.local_experts\.\d+\.(.*)", key)
-        if expert:
-            weight = source[expert.group(1) + expert.group(2)]
-            state[key] = weight + 0.1 * weight.std() * torch.randn(weight.shape, generator=noise)
-        elif key in source:
-            state[key] = source[key]
-    missing = moe.module.load_state_dict(state, strict=False).missing_keys
-    assert [k for k in missing if not k.endswith("_extra_state")] == [k for k in missing if "router" in k]
-    return save_nemo(moe, out)
+from conftest import SCRIPTS, WORKERS, read_metrics, run_python, run_script, upcycle_to_experts
 
 
 @pytest.fixture(scope="module")
 def moe_nemo(mcore_single, sft_nemo, tmp_path_factory):
-    return upcycle(sft_nemo, str(tmp_path_factory.mktemp("moe") / "moe.nemo"))
+    return upcycle_to_experts(sft_nemo, str(tmp_path_factory.mktemp("moe") / "moe.nemo"))
 
 
 def test_generating_ranks_match_one_process_holding_every_expert(moe_nemo, tmp_path):
@@ -56,10 +22,13 @@ def test_generating_ranks_match_one_process_holding_every_expert(moe_nemo, tmp_p
     and the current ones: the tokens are those of one process holding every expert, the log-probs
     equal. The initial policy's experts differ from the current one's, so a rank that swapped while
     its peer still generated would change the peer's tokens. SPIN's model, which swaps the reference
-    policy in and out around each generation call, likewise."""
+    policy in and out around each generation call, likewise. Then the ranks ask for log-probs of
+    4 rows in micro-batches of 1 and 3 rows in one micro-batch: both stop with the same message
+    instead of waiting on each other's MoE layers."""
     worker = os.path.join(WORKERS, "expert_lockstep_worker.py")
     run_python(worker, ["--nemo", moe_nemo, "--out", tmp_path / "one.json"], like_nproc=2)
-    run_python(worker, ["--nemo", moe_nemo, "--ep", "2", "--out", tmp_path / "two.json"], nproc=2)
+    run_python(worker, ["--nemo", moe_nemo, "--ep", "2", "--roles", "actor,spin,uneven", "--out", tmp_path / "two.json"],
+               nproc=2)
     one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
     lengths = [[len(row) for row in part["tokens"]] for part in one["actor"]]
     assert len(set(lengths[0])) > 1 and len(lengths[0]) != len(lengths[1])  # the ranks' work differs
@@ -71,16 +40,8 @@ def test_generating_ranks_match_one_process_holding_every_expert(moe_nemo, tmp_p
         assert (torch.tensor(actor_one["init_logprobs"]) - torch.tensor(actor_one["logprobs"])).abs().max() > 0.1
     assert [len(row) for row in one["spin"][0]["tokens"]] != [len(row) for row in one["spin"][1]["tokens"]]
     assert two["spin"] == one["spin"]
-
-
-def test_ranks_with_different_micro_batch_counts_are_stopped_with_a_message(moe_nemo, tmp_path):
-    """Log-probs of 4 rows in micro-batches of 1 on one rank and 3 rows in one micro-batch on the other:
-    both ranks stop with the same message instead of waiting on each other's MoE layers."""
-    run_python(os.path.join(WORKERS, "expert_lockstep_worker.py"),
-               ["--nemo", moe_nemo, "--ep", "2", "--uneven", "--roles", "actor", "--out", tmp_path / "out.json"],
-               nproc=2, timeout=120)
-    for name in ("out.json", "out.json.1"):
-        assert json.loads((tmp_path / name).read_text())["actor"] == (
+    for name in ("two.json", "two.json.1"):
+        assert json.loads((tmp_path / name).read_text())["uneven"] == (
             "the ranks of model.expert_model_parallel_size=2 hold from 1 to 4 micro-batches in one forward/backward "
             "pass; their MoE layers need the same number on every rank")
 
@@ -120,3 +81,27 @@ def test_grpo_with_experts_split_trains_like_data_parallel(moe_nemo, builtin_dat
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert ("error: trainer.grpo.batch_iterator.use_flask=True is not supported with "
             "model.expert_model_parallel_size=2; set it to False") in proc.stderr
+
+
+def test_generate_and_top_k_logits_scripts_with_experts_split(moe_nemo, builtin_data, tmp_path):
+    """generate_gpt.py shares its prompt batches out over the data-parallel ranks (here 2, the experts split
+    over them) and writes what one process writes, sampled responses included; compute_topk_logits.py
+    (a partial last block: 5 samples over 2 ranks) writes one process's records."""
+    topk_script = os.path.join(os.path.dirname(SCRIPTS), "synthetic_data_gen", "compute_topk_logits.py")
+    for tag, nproc, extra in (("one", 1, []), ("ep2", 2, ["trainer.devices=2", "++model.expert_model_parallel_size=2"])):
+        run_script("generate_gpt.py", [
+            f"gpt_model_file={moe_nemo}", f"prompts_file={builtin_data['prompts_val']}",
+            f"output_file={tmp_path / tag}.jsonl", "inference.greedy=False", "inference.seed=3",
+            "inference.tokens_to_generate=9", "batch_size=8", *extra], nproc=nproc)
+        run_python(topk_script, [f"pretrained_checkpoint.restore_from_path={moe_nemo}",
+                                 f"data.data.file_path={builtin_data['sft_val']}", f"output_path={tmp_path / tag}.topk.jsonl",
+                                 "top_k=4", "end_at_idx=20", "model.global_batch_size=16", "model.micro_batch_size=2",
+                                 *extra], nproc=nproc)
+    one, two = ((tmp_path / f"{tag}.jsonl").read_text().splitlines() for tag in ("one", "ep2"))
+    assert len(one) == 64 and two == one
+    one, two = ([json.loads(line) for line in (tmp_path / f"{tag}.topk.jsonl").read_text().splitlines()]
+                for tag in ("one", "ep2"))
+    assert [r["index"] for r in two] == [r["index"] for r in one] == list(range(21))
+    for a, b in zip(one, two):
+        assert b["topk_token_ids"] == a["topk_token_ids"]
+        torch.testing.assert_close(torch.tensor(b["topk_logits"]), torch.tensor(a["topk_logits"]), rtol=0, atol=1e-4)

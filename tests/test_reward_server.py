@@ -1,6 +1,6 @@
 """The reward-model PyTriton server, started as a subprocess on free ports: same rewards as the
 model in this process, concurrent clients, bad requests, unreachable servers, clean shutdown,
-and TP=2 / DP=2 serving."""
+and TP=2 / DP=2 / EP=2 serving."""
 
 import json
 import os
@@ -489,3 +489,24 @@ def test_library_path_puts_python_and_pytriton_libraries_first_once(monkeypatch)
     prepare_library_path()
     assert os.environ["LD_LIBRARY_PATH"].split(os.pathsep) == [sysconfig.get_config_var("LIBDIR"), pytriton_libs_dir(),
                                                                "/opt/x"]
+
+
+def test_experts_split_over_two_ranks_score_as_one_process(tmp_path, mcore_single):
+    """A mixture-of-experts reward model served by two ranks, each holding 2 of its 4 experts
+    (model.expert_model_parallel_size=2): a request's rows are split over the ranks, whose texts differ in
+    length, and the rewards are this process's."""
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import MegatronGPTRewardModel
+    from nemo_aligner.utils.nemo_file import save_nemo
+
+    torch.manual_seed(12)
+    cfg = OmegaConf.create(dict(TINY_ARCH, num_moe_experts=4, moe_router_topk=2, micro_batch_size=2,
+                                encoder_seq_length=32))
+    model = MegatronGPTRewardModel(cfg, ByteTokenizer(), trainable=False)
+    nemo = save_nemo(model, str(tmp_path / "moe_rm.nemo"))
+    model.prepare_for_inference()
+    expected = [score(model, [text])[0] for text in TEXTS]
+    with Server(tmp_path, nemo, nproc=2, extra=["++model.expert_model_parallel_size=2"]) as srv:
+        with client(srv.port) as c:
+            got = c.infer_texts(TEXTS).result()
+        assert "(experts split over 2 of them)" in srv.text()
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)

@@ -104,8 +104,7 @@ def run_compute_topk_logits(cfg: DictConfig) -> Dict:
     top_k = int(cfg.get("top_k") or 0)
     if top_k < 1:
         raise ConfigError(f"top_k={cfg.get('top_k')} must be >= 1")
-    # the ranks score their own share of the records, not in lockstep: no experts split over them
-    info = init_run(cfg, restore, "pretrained_checkpoint.restore_from_path", expert_parallel=False)
+    info = init_run(cfg, restore, "pretrained_checkpoint.restore_from_path")
     model = load_model(MegatronGPTModel, cfg.model, cfg.trainer.precision, restore,
                        key="pretrained_checkpoint.restore_from_path", trainable=False)
     if top_k > model.tokenizer.vocab_size:
@@ -140,9 +139,12 @@ def run_compute_topk_logits(cfg: DictConfig) -> Dict:
     for first in range(0, len(todo), gbs):
         chunk = todo[first:first + gbs]
         per_rank = -(-len(chunk) // info.dp)
-        mine = chunk[info.dp_rank * per_rank:(info.dp_rank + 1) * per_rank] or chunk[-1:]  # every rank runs a forward
-        # a partial last block: the largest micro-batch that divides this rank's samples and micro_batch_size
-        records = topk_records(model, [dataset[i] for i in mine], mine, top_k, math.gcd(mbs, len(mine)))
+        mine = chunk[info.dp_rank * per_rank:(info.dp_rank + 1) * per_rank] or chunk[-1:]
+        # Every rank runs as many micro-batches (the experts of an expert-parallel group compute
+        # together): a rank short of samples in a partial last block repeats its last one, and the
+        # micro-batch is the largest that divides the block's share and micro_batch_size.
+        mine = mine + mine[-1:] * (per_rank - len(mine))
+        records = topk_records(model, [dataset[i] for i in mine], mine, top_k, math.gcd(mbs, per_rank))
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, records if writes else [])
         if is_global_rank_zero():

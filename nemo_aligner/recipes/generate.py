@@ -148,7 +148,7 @@ def run_generate(cfg: DictConfig) -> List[dict]:
     if not cfg.get("gpt_model_file"):
         raise ConfigError("gpt_model_file is required: the .nemo to generate with")
     apply_eval_parallel_sizes(cfg)
-    init_run(cfg, cfg.gpt_model_file, "gpt_model_file", expert_parallel=False)
+    init_run(cfg, cfg.gpt_model_file, "gpt_model_file")
     if bool(cfg.get("server", False)):
         if is_global_rank_zero():  # before minutes of loading; rank 0 binds (a failure here ends every rank)
             check_bindable(server_host(cfg), {"port": server_port(cfg)})
@@ -179,7 +179,7 @@ def run_generate(cfg: DictConfig) -> List[dict]:
                   for p, attrs in prompts]
     length = LengthParams(max_length=int(inf.tokens_to_generate), min_length=int(inf.min_tokens_to_generate))
     responses = generate_texts(model, prompts_in, sampling, length, seed=inf.get("seed"),
-                               batch_size=int(cfg.get("batch_size", 16)))
+                               batch_size=int(cfg.get("batch_size", 16)), data_parallel=True)
     results = []
     for (prompt, attrs), response in zip(prompts, responses):
         row = {"prompt": prompt, "response": response}

@@ -21,8 +21,7 @@ def serve_reward_model(cfg) -> None:
     inference = cfg.inference
     address = server_address(inference, "inference")
     parallel = init_run(cfg, path, "rm_model_file",
-                        timeout_minutes=int(inference.get("dist_timeout_minutes") or 7 * 24 * 60),
-                        expert_parallel=False)
+                        timeout_minutes=int(inference.get("dist_timeout_minutes") or 7 * 24 * 60))
     check_batch_limits(inference.get("max_batch_size"), int(inference.get("micro_batch_size") or 4), parallel.dp,
                        "inference.max_batch_size", "inference.micro_batch_size")
     setup_console_logging()

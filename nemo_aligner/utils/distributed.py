@@ -180,14 +180,6 @@ def check_parallel_sizes(world_size: int, tp: int, pp: int, num_attention_heads:
     return world_size // (tp * pp)
 
 
-def expert_parallel_refused(ep: int, by: str) -> ConfigError:
-    """The refusal of expert parallelism by ``by``, whose ranks generate or serve each on their own
-    (for as many steps as their own prompts need), while a routed token needs every rank of its
-    expert group at every step."""
-    return ConfigError(f"model.expert_model_parallel_size={ep} is not supported by {by}: its ranks generate or serve "
-                       "on their own, which routed tokens shared between ranks cannot follow; set it to 1")
-
-
 def check_expert_parallel_size(ep: int, dp: int, num_experts: Optional[int]) -> None:
     """Expert parallelism splits each MoE layer's experts over ``ep`` of the data-parallel ranks."""
     if ep == 1:

@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from nemo_aligner.utils import nemo_file
 from nemo_aligner.utils.config_checks import check_config_values, check_run_limits_keys
-from nemo_aligner.utils.distributed import (check_expert_parallel_size, check_parallel_sizes, expert_parallel_refused,
+from nemo_aligner.utils.distributed import (check_expert_parallel_size, check_parallel_sizes,
                                             init_distributed, initialize_model_parallel)
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.model_config import check_architecture_values, merge_checkpoint_config
@@ -77,15 +77,13 @@ def check_accelerator(trainer_cfg: DictConfig) -> None:
 
 
 def init_run(cfg: DictConfig, restore_path: Optional[str] = None,
-             restore_key: str = "model.restore_from_path", timeout_minutes: int = 30,
-             expert_parallel: bool = True) -> ParallelInfo:
+             restore_key: str = "model.restore_from_path", timeout_minutes: int = 30) -> ParallelInfo:
     """Start torch.distributed and megatron-core model parallelism from ``trainer.*`` and ``model.*``.
 
     Validates ``trainer.devices x trainer.num_nodes`` against the launched processes and
     TP/PP against the world size and the model's heads and layers (taken from the
     checkpoint when restoring). Servers pass a long ``timeout_minutes``: their other ranks
-    wait in a collective until rank 0 gets a request. Scripts whose ranks generate or serve on their
-    own pass ``expert_parallel=False``: routed tokens shared between ranks need them in lockstep.
+    wait in a collective until rank 0 gets a request.
     """
     from nemo_aligner.utils.config_keys import resolve_aliases
 
@@ -109,8 +107,6 @@ def init_run(cfg: DictConfig, restore_path: Optional[str] = None,
     if bool(cfg.model.get("sequence_parallel", False)) and not torch.cuda.is_available():
         raise ConfigError("model.sequence_parallel=True needs Transformer Engine on a GPU; set it to False on CPU")
     ep = int(cfg.model.get("expert_model_parallel_size", 1) or 1)
-    if ep > 1 and not expert_parallel:
-        raise expert_parallel_refused(ep, "this script")
     check_expert_parallel_size(ep, dp, arch.get("num_moe_experts"))
     initialize_model_parallel(tp, pp, seed=int(cfg.model.get("seed", 1234) or 1234), ep=ep)
     from megatron.core import parallel_state

@@ -6,13 +6,14 @@ lengths, so its rows stop at other steps than its peer's), then the initial-poli
 weight swap: the current policy's experts are negated), then the current log-probs. Rank 0 writes
 every rank's tokens and log-probs as JSON.
 
-    python expert_lockstep_worker.py --nemo moe.nemo --ep 2 --out result.json [--roles actor,spin] [--uneven]
+    python expert_lockstep_worker.py --nemo moe.nemo --ep 2 --out result.json [--roles actor,spin,uneven]
 
-``spin``: then SPIN's model, whose generation calls (as many on every rank) each swap the reference
+``spin``: SPIN's model, whose generation calls (as many on every rank) each swap the reference
 policy's weights in and out; its tokens are written under "spin", the actor's under "actor".
 
-``--uneven``: the actor's ranks ask for log-probs of different numbers of micro-batches; the error a
-rank gets is written in place of its role's parts (rank r > 0 to ``<out>.<r>``).
+``uneven``: the actor again, its ranks then asking for log-probs of different numbers of
+micro-batches; the error a rank gets is written in place of the role's parts (by every rank: rank
+r > 0 to ``<out>.<r>``).
 """
 
 import argparse
@@ -124,7 +125,6 @@ def main():
     parser.add_argument("--nemo", required=True)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--uneven", action="store_true")
     parser.add_argument("--roles", default="actor,spin")
     args = parser.parse_args()
 
@@ -132,9 +132,10 @@ def main():
 
     D.init_distributed()
     D.initialize_model_parallel(1, 1, seed=1234, ep=args.ep)
-    result = {role: role_parts(role, args.nemo, args.uneven) for role in args.roles.split(",")}
+    result = {role: role_parts("actor" if role == "uneven" else role, args.nemo, role == "uneven")
+              for role in args.roles.split(",")}
     rank = torch.distributed.get_rank()
-    if rank == 0 or any(isinstance(parts, str) for parts in result.values()):
+    if rank == 0 or "uneven" in result:
         with open(args.out if rank == 0 else f"{args.out}.{rank}", "w") as f:
             json.dump(result, f)
     D.destroy()

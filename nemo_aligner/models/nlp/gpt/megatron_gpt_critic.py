@@ -17,8 +17,6 @@ from nemo_aligner.utils.weight_swap import swapped_weights
 class MegatronGPTCriticModel(MegatronGPTRewardModel, CriticModelInterface):
     """``model.loss_clip_val`` (0.2), ``model.offload_adam_states``; the head scores every position."""
 
-    supports_expert_parallel = False  # it serves: each request's batch is split over the ranks as it comes
-
     def __init__(self, cfg, tokenizer, precision="32", trainable: bool = True):
         super().__init__(cfg, tokenizer, precision, trainable)
         self.loss_clip_val = float(cfg.get("loss_clip_val", 0.2))

@@ -18,7 +18,7 @@ from nemo_aligner.models.nlp.gpt.gpt_builder import (
     transformer_config_from_cfg,
     uses_te_spec,
 )
-from nemo_aligner.utils.distributed import broadcast_from_last_stage, expert_parallel_refused, host_all_reduce
+from nemo_aligner.utils.distributed import broadcast_from_last_stage, host_all_reduce
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.optim import OptimizerOffload, build_optimizer, build_scheduler, uses_distributed_optimizer
 
@@ -50,11 +50,6 @@ class MegatronGPTModel:
     # Roles whose sequence-parallel path is known to be wrong (reward heads on scattered hidden
     # states, decoding one token at a time) refuse model.sequence_parallel=True.
     supports_sequence_parallel = True
-    # Roles whose ranks do the same work in lockstep (the same number of micro-batches) can split a
-    # MoE layer's experts over data-parallel ranks; generating and serving roles cannot: each rank
-    # decodes its own prompts for as many steps as they need, while routed tokens need every rank
-    # of the expert group at every step.
-    supports_expert_parallel = True
     # Parameters (name tags) a LoRA run trains beside the adapters: a role's own new layers (heads).
     lora_trainable: tuple = ()
 
@@ -72,8 +67,6 @@ class MegatronGPTModel:
         tp = parallel_state.get_tensor_model_parallel_world_size()
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         ep = parallel_state.get_expert_model_parallel_world_size()
-        if ep > 1 and not self.supports_expert_parallel:
-            raise expert_parallel_refused(ep, type(self).__name__)
         with open_dict(cfg):
             cfg.tensor_model_parallel_size = tp
             cfg.pipeline_model_parallel_size = pp

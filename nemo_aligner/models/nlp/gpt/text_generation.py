@@ -2,44 +2,66 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from nemo_aligner.models.nlp.gpt import expert_lockstep
 from nemo_aligner.models.nlp.gpt.generation import LengthParams, SamplingParams, generate
 
 
 def generate_texts(model, prompts: Sequence[str], sampling: Optional[SamplingParams] = None,
                    length: Optional[LengthParams] = None, seed: Optional[int] = None, batch_size: int = 16,
-                   strip_end_strings: bool = True) -> List[str]:
+                   strip_end_strings: bool = True, data_parallel: bool = False) -> List[str]:
     """Responses to ``prompts`` from a :class:`MegatronGPTModel` (collective over model parallelism:
     every rank passes the same prompts). EOS is dropped and, with ``strip_end_strings``, a trailing
-    end string too."""
+    end string too.
+
+    The prompts go in batches of ``batch_size``, batch ``k`` sampling with ``seed + k * batch_size``.
+    ``data_parallel``: the batches are shared out over the data-parallel ranks (batch ``k`` to rank
+    ``k % dp``) and the responses gathered on every rank, the same as one rank generating them all."""
     sampling = sampling or SamplingParams(use_greedy=True)
     length = length or LengthParams()
     tokenizer = model.tokenizer
     training = model.module.training
     model.eval()
-    responses: List[str] = []
-    for start in range(0, len(prompts), max(int(batch_size), 1)):
-        chunk = [tokenizer.text_to_ids(p) for p in prompts[start : start + batch_size]]
+    size = max(int(batch_size), 1)
+    starts = list(range(0, len(prompts), size))
+    dp, dp_rank = 1, 0
+    if data_parallel and torch.distributed.is_initialized():
+        from megatron.core import parallel_state
+
+        dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    responses: Dict[int, List[str]] = {}
+    for start in starts[dp_rank::dp]:
+        chunk = [tokenizer.text_to_ids(p) for p in prompts[start : start + size]]
         out = generate(model.module, tokenizer, chunk, sampling, length,
                        max_sequence_length=int(model.cfg.encoder_seq_length),
                        seed=None if seed is None else seed + start)
-        for b in range(len(chunk)):
-            ids = out.tokens[b, int(out.prompt_lengths[b]) : int(out.response_lengths[b])].tolist()
-            if ids and ids[-1] == tokenizer.eos_id:
-                ids = ids[:-1]
-            text = tokenizer.ids_to_text(ids)
-            if strip_end_strings:
-                for end in sampling.end_strings:
-                    if end and text.endswith(end):
-                        text = text[: -len(end)]
-                        break
-            responses.append(text)
+        responses[start] = [_response_text(tokenizer, out, b, sampling.end_strings if strip_end_strings else ())
+                            for b in range(len(chunk))]
+    expert_lockstep.drain(model.module)  # expert-parallel peers may still be generating
+    if dp > 1:
+        from megatron.core import parallel_state
+
+        parts = [None] * dp
+        torch.distributed.all_gather_object(parts, responses, group=parallel_state.get_data_parallel_group())
+        responses = {start: texts for part in parts for start, texts in part.items()}
     if training:
         model.train()
-    return responses
+    return [text for start in starts for text in responses[start]]
+
+
+def _response_text(tokenizer, out, row: int, end_strings: Sequence[str]) -> str:
+    """Row ``row``'s response as text: EOS dropped, then the first of ``end_strings`` it ends with."""
+    ids = out.tokens[row, int(out.prompt_lengths[row]) : int(out.response_lengths[row])].tolist()
+    if ids and ids[-1] == tokenizer.eos_id:
+        ids = ids[:-1]
+    text = tokenizer.ids_to_text(ids)
+    for end in end_strings:
+        if end and text.endswith(end):
+            return text[: -len(end)]
+    return text
 
 
 @torch.no_grad()
