@@ -265,7 +265,7 @@ def _sentencepiece(tokenizer, out_dir: str, add_bos: bool) -> List[str]:
             raise NotExportable(f"the special token {token!r} has id {token_id}, which a converted vocabulary "
                                 "cannot give it")
         backend.add_special_tokens([AddedToken(token, special=True, normalized=False)])
-    for name, token in getattr(tokenizer, "_named", {}).items():
+    for name, token in tokenizer.named_special_tokens.items():
         if name in specials and tokenizer.legacy:
             specials[name] = token
     # NeMo's non-legacy mode encodes special-token strings in text as text, as sentencepiece does

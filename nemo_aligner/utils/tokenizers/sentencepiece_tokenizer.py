@@ -72,6 +72,11 @@ class SentencePieceTokenizer:
     def vocab_size(self) -> int:
         return self._vocab_size
 
+    @property
+    def named_special_tokens(self) -> Dict[str, str]:
+        """The special tokens given by role (``bos_token``, ``eos_token``, ...): NeMo's dict form."""
+        return dict(self._named)
+
     def _special(self, name: str, fallback: int) -> Optional[int]:
         token = self._named.get(name)
         if self.legacy and token is not None:
