@@ -1,6 +1,7 @@
-"""Generating roles with their experts split over the ranks (model.expert_model_parallel_size=2): the
-ranks generate for their own prompts in rounds of the expert group (expert_lockstep), and give what
-one process holding every expert, or two data-parallel ranks each holding every expert, give."""
+"""Scripts with a model's experts split over two ranks (model.expert_model_parallel_size=2): ranks that
+generate for their own prompts do so in rounds of the expert group (expert_lockstep), and every role
+gives what one process holding every expert, or two data-parallel ranks each holding every expert,
+give."""
 
 import json
 import os
