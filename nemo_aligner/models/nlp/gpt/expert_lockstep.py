@@ -14,16 +14,20 @@ in which no rank forwards; every rank is then at the same point of the trainer's
 
 Drains sit where that code is the same on every rank and what follows is not a generation
 forward: at the start of each training or log-prob ``forward_backward`` (which also checks that
-the ranks run equal numbers of micro-batches), before model weights are swapped (a peer's tokens
-must meet the expert weights of the policy that generates them) and where inference ends.
+the ranks run equal numbers of micro-batches), on both sides of every weight swap
+(:func:`swapped_weights`: a peer's tokens must meet the expert weights of the policy that
+generates them) and where inference ends.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from contextlib import contextmanager
+from typing import Dict, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+
+from nemo_aligner.utils import weight_swap
 
 
 def is_moe_layer(mlp) -> bool:
@@ -110,3 +114,14 @@ def drain(module, micro_batches: Optional[int] = None) -> None:
     lockstep = lockstep_for(module)
     if lockstep is not None:
         lockstep.drain(micro_batches)
+
+
+@contextmanager
+def swapped_weights(module, state: Dict[str, torch.Tensor], seconds: Optional[Dict[str, float]] = None) -> Iterator[None]:
+    """``utils.weight_swap.swapped_weights`` with the expert group drained before the swap in and
+    before the swap out (not when the body fails): expert-parallel peers still generating meet the
+    expert weights of the policy they generate with."""
+    drain(module)
+    with weight_swap.swapped_weights(module, state, seconds):
+        yield
+        drain(module)

@@ -165,6 +165,9 @@ class KVCacheDecoder:
     def __init__(self, module, batch: int, max_len: int):
         from megatron.core import parallel_state
 
+        # With expert parallelism each forward first joins a round of the expert group
+        # (expert_lockstep): the group's ranks run their MoE layers together whatever each one's rows need.
+        self.lockstep = lockstep_for(module)
         self.pp = parallel_state.get_pipeline_model_parallel_world_size()
         self.first_stage = parallel_state.is_pipeline_first_stage()
         self.last_stage = parallel_state.is_pipeline_last_stage()
@@ -420,6 +423,8 @@ class KVCacheDecoder:
 
         if rows is not None and start != 0:
             raise ValueError("rows: only a prefill (start 0) can feed distinct prompts")
+        if self.lockstep is not None:
+            self.lockstep.before_forward()
         device = self.device  # inputs may come from the host; on the CPU these are no-ops
         tokens, positions, key_mask = tokens.to(device), positions.to(device), key_mask.to(device)
         rows = rows.to(device) if rows is not None else None
@@ -511,7 +516,7 @@ def _graphed_step(decoder: KVCacheDecoder, key_mask: torch.Tensor, first_slot: i
     else None; a capture that fails falls back to the eager step with a warning."""
     # A routed layer's experts see a data-dependent number of rows: no fixed graph can hold them.
     if not (cuda_graphs_enabled() and decoder.device.type == "cuda" and decoder.tp == 1 and decoder.pp == 1
-            and steps > 1 and not any(plan["moe"] is not None for plan in decoder.layers)):
+            and steps > 1 and decoder.lockstep is None and not any(plan["moe"] is not None for plan in decoder.layers)):
         return None
     try:
         return CUDAGraphDecodeStep(decoder, key_mask, first_slot)
@@ -653,13 +658,8 @@ def _generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Sam
     if len(distinct) < batch:
         fed = torch.tensor(sorted(distinct.values()), dtype=torch.long)
         rows = torch.searchsorted(fed, first)  # cache row -> its prompt's row among those fed
-    # With expert parallelism each forward joins a round of the expert group (expert_lockstep): the
-    # group's ranks run their MoE layers together whatever each one's own rows need.
-    lockstep = lockstep_for(module)
-    if lockstep is not None:
-        lockstep.before_forward()
     logits = decoder.forward(tokens[fed, :longest], positions[fed, :longest], 0, key_mask[fed], padded, rows)
-    graphed = _graphed_step(decoder, key_mask, longest, new_tokens) if lockstep is None else None
+    graphed = _graphed_step(decoder, key_mask, longest, new_tokens)
     for step in range(new_tokens):
         if last_stage:
             logits = logits[:, : tokenizer.vocab_size]  # vocabulary padding rows are never sampled
@@ -689,8 +689,6 @@ def _generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Sam
         done |= stop | (generated >= budget)
         if bool(done.all()) or step == new_tokens - 1:
             break
-        if lockstep is not None:
-            lockstep.before_forward()
         if graphed is not None:
             logits = graphed(token.unsqueeze(1), positions[:, slot : slot + 1], slot)
         else:

@@ -11,7 +11,7 @@ import torch
 from nemo_aligner.models.alignable_interface import CriticModelInterface
 from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import MegatronGPTRewardModel
 from nemo_aligner.utils import ppo_utils
-from nemo_aligner.utils.weight_swap import swapped_weights
+from nemo_aligner.models.nlp.gpt.expert_lockstep import swapped_weights
 
 
 class MegatronGPTCriticModel(MegatronGPTRewardModel, CriticModelInterface):

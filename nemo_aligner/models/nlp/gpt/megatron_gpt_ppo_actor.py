@@ -13,12 +13,12 @@ import torch.nn.functional as F
 
 from nemo_aligner.models.alignable_interface import AlignableGenerativeInterface
 from nemo_aligner.models.nlp.gpt import expert_lockstep
+from nemo_aligner.models.nlp.gpt.expert_lockstep import swapped_weights
 from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel, split_micro_batches
 from nemo_aligner.models.nlp.gpt.shared_prompt_forward import packed_forward, prompt_sharing_unsupported
 from nemo_aligner.utils import ppo_utils, prompt_sharing
 from nemo_aligner.models.nlp.gpt.generation import (GenerationOutput, LengthParams, SamplingParams,
                                                     built_attention_window, generate)
-from nemo_aligner.utils.weight_swap import swapped_weights
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,6 @@ class MegatronGPTActorModel(MegatronGPTModel, AlignableGenerativeInterface):
         ``seconds`` receives the swap's ``swap_in`` and ``swap_out`` times (``swapped_weights``)."""
         if self.init_policy_state is None:
             raise RuntimeError("snapshot_initial_policy() was not called")
-        expert_lockstep.drain(self.module)  # expert-parallel peers still generating meet the policy's experts
         with swapped_weights(self.module, self.init_policy_state, seconds):
             return self.get_logprobs(tokens, prompt_lengths, response_lengths)
 

@@ -10,11 +10,11 @@ import torch
 
 from nemo_aligner.models.alignable_interface import SelfPlayInterface
 from nemo_aligner.models.nlp.gpt import expert_lockstep
+from nemo_aligner.models.nlp.gpt.expert_lockstep import swapped_weights
 from nemo_aligner.models.nlp.gpt.generation import GenerationOutput, LengthParams, SamplingParams, generate
 from nemo_aligner.models.nlp.gpt.gpt_sft_model import masked_token_loss
 from nemo_aligner.models.nlp.gpt.megatron_gpt_dpo_model import MegatronGPTDPOModel
 from nemo_aligner.utils.errors import ConfigError
-from nemo_aligner.utils.weight_swap import swapped_weights
 
 
 def kl_penalty_schedule(spin_cfg) -> List[float]:
@@ -95,15 +95,10 @@ class MegatronGPTSPINModel(MegatronGPTDPOModel, SelfPlayInterface):
         """Responses of the reference policy to token-id prompts (collective over the model-parallel group)."""
         if self.ref_state is None:
             raise RuntimeError("snapshot_reference_policy() was not called")
-        # Expert-parallel ranks drain before each swap: a peer's routed tokens meet the experts of
-        # the policy that generates them.
-        expert_lockstep.drain(self.module)
         with swapped_weights(self.module, self.ref_state):
-            out = generate(self.module, self.tokenizer, prompts, sampling or self.sampling_params,
-                           length or self.length_params, max_sequence_length=int(self.cfg.encoder_seq_length),
-                           seed=seed)
-            expert_lockstep.drain(self.module)
-        return out
+            return generate(self.module, self.tokenizer, prompts, sampling or self.sampling_params,
+                            length or self.length_params, max_sequence_length=int(self.cfg.encoder_seq_length),
+                            seed=seed)
 
     # ----------------------------------------------------------------- validation
     def _sft_loss(self, mb, per_token_ce):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from nemo_aligner.models.nlp.gpt.megatron_gpt_ppo_actor import next_token_batch
-from nemo_aligner.utils.weight_swap import swapped_weights
+from nemo_aligner.models.nlp.gpt.expert_lockstep import swapped_weights
 
 
 REFERENCE_PREFIX = "reference_policy"  # NeMo-Aligner's key prefix for the reference weights in a checkpoint

@@ -27,11 +27,12 @@ def generate_texts(model, prompts: Sequence[str], sampling: Optional[SamplingPar
     model.eval()
     size = max(int(batch_size), 1)
     starts = list(range(0, len(prompts), size))
-    dp, dp_rank = 1, 0
+    dp, dp_rank, dp_group = 1, 0, None
     if data_parallel and torch.distributed.is_initialized():
         from megatron.core import parallel_state
 
         dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        dp_group = parallel_state.get_data_parallel_group()
     responses: Dict[int, List[str]] = {}
     for start in starts[dp_rank::dp]:
         chunk = [tokenizer.text_to_ids(p) for p in prompts[start : start + size]]
@@ -42,10 +43,8 @@ def generate_texts(model, prompts: Sequence[str], sampling: Optional[SamplingPar
                             for b in range(len(chunk))]
     expert_lockstep.drain(model.module)  # expert-parallel peers may still be generating
     if dp > 1:
-        from megatron.core import parallel_state
-
         parts = [None] * dp
-        torch.distributed.all_gather_object(parts, responses, group=parallel_state.get_data_parallel_group())
+        torch.distributed.all_gather_object(parts, responses, group=dp_group)
         responses = {start: texts for part in parts for start, texts in part.items()}
     if training:
         model.train()
