@@ -18,3 +18,11 @@ def cpuinfo(field: str) -> str:
     except OSError:
         pass
     return ""
+
+
+@functools.lru_cache(maxsize=None)
+def has_fast_bf16_matmul() -> bool:
+    """Whether the CPU multiplies bf16 matrices in hardware (AMX or AVX512_BF16), so that bf16 GEMMs
+    outrun float32 ones; elsewhere oneDNN emulates them, several times slower than float32."""
+    flags = set(cpuinfo("flags").split())
+    return bool(flags & {"amx_bf16", "avx512_bf16"})

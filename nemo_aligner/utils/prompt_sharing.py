@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
+
+from nemo_aligner.utils.sdpa import scaled_dot_product_attention
 
 
 @dataclass(frozen=True)
@@ -176,9 +177,9 @@ def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     eye = torch.eye(P, dtype=torch.bool, device=mask.device)
     # A padding slot attends to itself only, so no query row is empty (its output is never used).
     prompt_allowed = (eye.logical_not().tril() & real[:, None, :]) | eye
-    out_prompt = F.scaled_dot_product_attention(prompt(query), prompt(key), prompt(value),
+    out_prompt = scaled_dot_product_attention(prompt(query), prompt(key), prompt(value),
                                                 attn_mask=prompt_allowed.unsqueeze(1), scale=scale)
-    out_responses = F.scaled_dot_product_attention(responses(query), with_prompt(key), with_prompt(value),
+    out_responses = scaled_dot_product_attention(responses(query), with_prompt(key), with_prompt(value),
                                                    attn_mask=~mask, scale=scale)
     dv = value.shape[-1]
     out_prompt = out_prompt.permute(2, 0, 1, 3).reshape(P, G, heads * dv)

@@ -11,11 +11,11 @@ and without padding masks.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 from nemo_aligner.utils.prompt_sharing import is_shared_prompt_mask, shared_prompt_attention
+from nemo_aligner.utils.sdpa import scaled_dot_product_attention
 
 
 class SDPADotProductAttention(DotProductAttention):
@@ -62,11 +62,11 @@ class SDPADotProductAttention(DotProductAttention):
             allowed = allowed.tril(diagonal=sk - sq).triu(diagonal=sk - sq - self.window)
             if attention_mask is not None:
                 allowed = allowed & ~attention_mask.bool()
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.attention_scale)
+            out = scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.attention_scale)
         elif attention_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=mask_type == AttnMaskType.causal,
+            out = scaled_dot_product_attention(q, k, v, is_causal=mask_type == AttnMaskType.causal,
                                                  scale=self.attention_scale)
         else:  # megatron masks mark the positions to hide
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask.bool(), scale=self.attention_scale)
+            out = scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask.bool(), scale=self.attention_scale)
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)

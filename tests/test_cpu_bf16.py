@@ -1,0 +1,107 @@
+"""bf16 on the CPU: where a CPU has bf16 matmul units, training's weight gradients run as bf16 GEMMs,
+short attention runs in float32, and decode steps keep their glue in float32 around bf16 matmuls.
+Each choice is checked against its exact definition and against a float32 reference, on every
+machine (the hardware check is patched where a test needs one answer)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import TINY_ARCH
+from nemo_aligner.models.nlp.gpt import generation
+from nemo_aligner.utils import sdpa
+from nemo_aligner.utils.patches import cpu_compat
+from test_cpu_kernels import _step_logits
+from test_generation import PROMPTS, build
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["bf16-units", "no-bf16-units"])
+def test_wgrad_accumulation_of_bf16_activations(monkeypatch, fast):
+    """main_grad += grad_output^T @ input: one bf16 GEMM added to main_grad where the CPU has bf16
+    units (megatron-core's unfused rounding), a float32 GEMM elsewhere (the fused CUDA kernel's)."""
+    monkeypatch.setattr(cpu_compat, "has_fast_bf16_matmul", lambda: fast)
+    torch.manual_seed(0)
+    total_input, grad_output = torch.randn(96, 40).bfloat16(), torch.randn(96, 24).bfloat16()
+    main_grad = torch.randn(24, 40)
+    before = main_grad.clone()
+    cpu_compat._WgradAccumulation.wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
+    if fast:
+        expected = before + torch.mm(grad_output.t(), total_input).float()
+    else:
+        expected = before.addmm(grad_output.t().float(), total_input.float())
+    assert torch.equal(main_grad, expected)
+    exact = before.double() + grad_output.double().t() @ total_input.double()
+    product = (exact - before.double()).abs().max()
+    # one rounding of the product to bf16 at most (relative 2^-8), or float32 sums
+    assert (main_grad.double() - exact).abs().max() <= product * (2 ** -8 if fast else 1e-6)
+
+
+def _qkv(keys, dtype, grad=True):
+    torch.manual_seed(1)
+    return [torch.randn(2, 3, keys, 16, dtype=dtype).requires_grad_(grad) for _ in range(3)]
+
+
+@pytest.mark.parametrize("keys", [78, 300])
+@pytest.mark.parametrize("fast", [True, False], ids=["bf16-units", "no-bf16-units"])
+def test_sdpa_runs_short_bf16_training_attention_in_float32(monkeypatch, keys, fast):
+    monkeypatch.setattr(sdpa, "has_fast_bf16_matmul", lambda: fast)
+    q, k, v = _qkv(keys, torch.bfloat16)
+    mask = torch.ones(keys, keys, dtype=torch.bool).tril()
+    out = sdpa.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+    widened = keys <= sdpa.FLOAT32_MAX_KEYS or not fast
+    if widened:
+        expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=0.3).bfloat16()
+    else:
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    out.float().square().sum().backward()
+    assert q.grad.dtype == torch.bfloat16 and torch.isfinite(q.grad).all()
+    # the float64 reference: gradients within bf16 rounding
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(q64, k64, v64, attn_mask=mask, scale=0.3)
+    ref.square().sum().backward()
+    assert torch.allclose(out.double(), ref, atol=2e-2, rtol=2e-2)
+    assert torch.allclose(q.grad.double(), q64.grad, atol=5e-2 * q64.grad.abs().max().item())
+
+
+def test_sdpa_unchanged_outside_bf16_training(monkeypatch):
+    monkeypatch.setattr(sdpa, "has_fast_bf16_matmul", lambda: True)
+    q, k, v = _qkv(78, torch.float32)
+    assert torch.equal(sdpa.scaled_dot_product_attention(q, k, v, is_causal=True),
+                       F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    q, k, v = _qkv(78, torch.bfloat16, grad=False)  # inference: bf16 kernels
+    assert torch.equal(sdpa.scaled_dot_product_attention(q, k, v, is_causal=True),
+                       F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    q, k, v = _qkv(78, torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(sdpa.scaled_dot_product_attention(q, k, v, is_causal=True),
+                           F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fused CPU decode step: a visible GPU holds the model")
+@pytest.mark.parametrize("texts", [PROMPTS, ["sort cba = ", "sort abc = "]], ids=["padded", "unpadded"])
+def test_bf16_decode_steps_widen_the_glue(mcore_single, monkeypatch, texts):
+    """A bf16 model's decode steps through the float32 kernels (float32 cache) land nearer a float32
+    run of the same (bf16-valued) weights than the all-bf16 Python step does; the prefill, which
+    runs in bf16 either way, is unchanged by the float32 cache it writes to and reads back."""
+    model = build(TINY_ARCH, seed=5)
+    with torch.no_grad():
+        for p in model.module.parameters():
+            p.copy_(p.bfloat16().float())  # the bf16 weights, exactly, in float32
+    reference = _step_logits(model, True, texts)
+    model.module.to(torch.bfloat16)
+    monkeypatch.setattr(generation, "has_fast_bf16_matmul", lambda: False)
+    plain = _step_logits(model, False, texts)
+    monkeypatch.setattr(generation, "has_fast_bf16_matmul", lambda: True)
+    decoder = generation.KVCacheDecoder(model.module, len(texts), 8)
+    assert decoder.fused is not None and decoder.cache.dtype == torch.float32
+    widened = _step_logits(model, True, texts)
+    assert torch.equal(widened[0], plain[0])
+    # the decode steps (the prefill, step 0, is the same bf16 computation in both)
+    widened_error = (widened[1:] - reference[1:]).abs().max()
+    plain_error = (plain[1:] - reference[1:]).abs().max()
+    assert widened_error < plain_error, (widened_error, plain_error)
+    assert torch.allclose(widened, reference, atol=3e-2 * reference.abs().max().item())
+    # the Python step over the float32 cache (a fallback) reads it back in bf16: the plain step's values
+    fallback = _step_logits(model, False, texts)
+    assert torch.allclose(fallback, plain, atol=3e-2 * reference.abs().max().item())
