@@ -105,3 +105,58 @@ def test_bf16_decode_steps_widen_the_glue(mcore_single, monkeypatch, texts):
     # the Python step over the float32 cache (a fallback) reads it back in bf16: the plain step's values
     fallback = _step_logits(model, False, texts)
     assert torch.allclose(fallback, plain, atol=3e-2 * reference.abs().max().item())
+
+
+def _bf16_ulp(t: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 values at each element of ``t`` (float64)."""
+    exponent = torch.frexp(t.abs().clamp(min=1e-30))[1]
+    return torch.pow(2.0, (exponent - 8).double())
+
+
+@pytest.mark.parametrize("width", [1024, 45])  # vector body; odd width (scalar tail)
+def test_swiglu_kernels_in_bf16(width):
+    """The fused SwiGLU kernels on bf16 tensors: float32 maths rounded once, so each output is the
+    exact value rounded to bf16 (within one bf16 step where float32's exp decides a tie)."""
+    from nemo_aligner.utils import cpu_kernels
+
+    ext = cpu_kernels.load()
+    assert ext is not None, "the fused CPU kernels did not build"
+    torch.manual_seed(2)
+    x = (torch.randn(37, 2 * width) * 4).bfloat16()
+    x[0, :3] = torch.tensor([float("nan"), 300.0, -300.0])
+    gate, up = x.double().chunk(2, dim=-1)
+    exact = gate * torch.sigmoid(gate) * up
+    out = ext.swiglu(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (37, width)
+    assert torch.isnan(out[0, 0])
+    finite = ~torch.isnan(exact)
+    error = (out.double() - exact).abs()[finite]
+    assert (error <= _bf16_ulp(exact)[finite] * 0.5 + 1e-30).float().mean() > 0.99  # rounded to nearest
+    assert (error <= _bf16_ulp(exact)[finite]).all()
+    grad = (torch.randn(37, width) * 2).bfloat16()
+    s = torch.sigmoid(gate)
+    g = grad.double()
+    exact_dx = torch.cat((g * up * s * (1 + gate * (1 - s)), g * gate * s), dim=-1)
+    dx = ext.swiglu_backward(grad, x)
+    assert dx.dtype == torch.bfloat16
+    finite = ~torch.isnan(exact_dx)
+    assert (((dx.double() - exact_dx).abs() <= _bf16_ulp(exact_dx))[finite]).all()
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ext.swiglu_backward(grad.float(), x)
+
+
+def test_lean_swiglu_in_bf16_matches_torch(mcore_single):
+    """lean_ops.SwiGLU on bf16 (the fused kernels) against torch's ops in float64, forward and backward."""
+    from nemo_aligner.models.nlp.gpt.lean_ops import SwiGLU
+
+    torch.manual_seed(3)
+    x = (torch.randn(6, 5, 2 * 96) * 3).bfloat16().requires_grad_()
+    out = SwiGLU()(x)
+    out.backward(torch.ones_like(out))
+    x64 = x.detach().double().requires_grad_()
+    gate, up = x64.chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    ref.backward(torch.ones_like(ref))
+    assert out.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
+    assert torch.allclose(out.double(), ref, rtol=2 ** -8, atol=1e-6)
+    assert torch.allclose(x.grad.double(), x64.grad, rtol=2 ** -7, atol=1e-6)

@@ -7,8 +7,9 @@
 //   rope_cache_write  RoPE on the new queries and key + the key/value write into the cache
 //   decode_attention  one query per row against the cache: each cached key and value read once
 //   swiglu            silu(gate) * up, one pass
-// Training uses swiglu and swiglu_backward (one pass each instead of five elementwise ops) and
-// rms_norm_forward/backward (one pass each instead of ~6 and ~7 ops).
+// Training uses swiglu and swiglu_backward (one pass each instead of five elementwise ops; float32
+// or bf16 tensors, bf16 computed in float32 and rounded once) and rms_norm_forward/backward (one
+// pass each instead of ~6 and ~7 ops).
 // pack_linear/pack_matrix/packed_gemm: an AVX2/FMA GEMM over packed 16-column panels, for decode
 // steps, prefills and (cpu_gemm.NativeLinear) training matmuls. Built at first use by
 // nemo_aligner/utils/cpu_kernels.py; torch's ops are the reference (tests/test_cpu_kernels.py).
@@ -68,6 +69,38 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 #endif
+
+// float32 or bf16 activations, read into and written from float32 (bf16: round to nearest even).
+inline float load1(const float* p) { return *p; }
+inline float load1(const at::BFloat16* p) { return static_cast<float>(*p); }
+inline void store1(float* p, float v) { *p = v; }
+inline void store1(at::BFloat16* p, float v) { *p = at::BFloat16(v); }
+
+#ifdef NA_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::BFloat16* p, __m256 v) {
+  __m256i bits = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+  // a NaN stays a (quiet) NaN: rounding could carry it into infinity
+  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
+  __m256i high = _mm256_srli_epi32(rounded, 16);
+  __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+#endif
+
+inline void check_f32_or_bf16(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16), name,
+              ": expected a float32 or bf16 CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+}
 
 inline float exp1(float x) {
   return std::exp(std::min(std::max(x, -87.3f), 88.3f));
@@ -276,72 +309,87 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cache, int6
 }
 
 // x [B, 2F] (gate then up, as megatron-core's fc1 output) -> silu(gate) * up [B, F].
-at::Tensor swiglu(const at::Tensor& x) {
-  check_f32(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "swiglu: x [B, 2F]");
-  const int64_t rows = x.size(0), f = x.size(1) / 2;
-  at::Tensor out = at::empty({rows, f}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+template <typename T>
+void swiglu_rows(const T* xp, T* op, int64_t rows, int64_t f) {
   at::parallel_for(0, rows, grain_rows(2 * f), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* gate = xp + r * 2 * f;
-      const float* up = gate + f;
-      float* o = op + r * f;
+      const T* gate = xp + r * 2 * f;
+      const T* up = gate + f;
+      T* o = op + r * f;
       int64_t i = 0;
 #ifdef NA_AVX2
       const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
       for (; i + 8 <= f; i += 8) {
-        __m256 g = _mm256_loadu_ps(gate + i);
+        __m256 g = load8(gate + i);
         __m256 e = exp8(_mm256_sub_ps(zero, g));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+        store8(o + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), load8(up + i)));
       }
 #endif
-      for (; i < f; ++i) o[i] = gate[i] / (1.0f + exp1(-gate[i])) * up[i];
+      for (; i < f; ++i) {
+        const float g = load1(gate + i);
+        store1(o + i, g / (1.0f + exp1(-g)) * load1(up + i));
+      }
     }
   });
+}
+
+at::Tensor swiglu(const at::Tensor& x) {
+  check_f32_or_bf16(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "swiglu: x [B, 2F]");
+  const int64_t rows = x.size(0), f = x.size(1) / 2;
+  at::Tensor out = at::empty({rows, f}, x.options());
+  if (x.scalar_type() == at::kBFloat16)
+    swiglu_rows(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, f);
+  else
+    swiglu_rows(x.data_ptr<float>(), out.data_ptr<float>(), rows, f);
   return out;
 }
 
 // The gradient of swiglu: grad [N, F], x [N, 2F] (gate then up) -> dx [N, 2F]. With s = sigmoid(gate):
 // d_gate = grad * up * s * (1 + gate * (1 - s)) (aten's silu_backward), d_up = grad * gate * s.
 // One pass, and nothing saved from the forward but x (silu(gate) is recomputed with s).
-at::Tensor swiglu_backward(const at::Tensor& grad, const at::Tensor& x) {
-  check_f32(grad, "grad");
-  check_f32(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && grad.dim() == 2 && grad.size(0) == x.size(0) &&
-                  grad.size(1) * 2 == x.size(1), "swiglu_backward: grad [N, F], x [N, 2F]");
-  const int64_t rows = x.size(0), f = grad.size(1);
-  at::Tensor dx = at::empty_like(x);
-  const float* gp = grad.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  float* dp = dx.data_ptr<float>();
+template <typename T>
+void swiglu_backward_rows(const T* gp, const T* xp, T* dp, int64_t rows, int64_t f) {
   at::parallel_for(0, rows, grain_rows(3 * f), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* g = gp + r * f;
-      const float* gate = xp + r * 2 * f;
-      const float* up = gate + f;
-      float* d_gate = dp + r * 2 * f;
-      float* d_up = d_gate + f;
+      const T* g = gp + r * f;
+      const T* gate = xp + r * 2 * f;
+      const T* up = gate + f;
+      T* d_gate = dp + r * 2 * f;
+      T* d_up = d_gate + f;
       int64_t i = 0;
 #ifdef NA_AVX2
       const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
       for (; i + 8 <= f; i += 8) {
-        __m256 a = _mm256_loadu_ps(gate + i), u = _mm256_loadu_ps(up + i), gr = _mm256_loadu_ps(g + i);
+        __m256 a = load8(gate + i), u = load8(up + i), gr = load8(g + i);
         __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, a))));
         __m256 silu = _mm256_mul_ps(a, s);
-        _mm256_storeu_ps(d_up + i, _mm256_mul_ps(gr, silu));
+        store8(d_up + i, _mm256_mul_ps(gr, silu));
         __m256 deriv = _mm256_mul_ps(s, _mm256_fmadd_ps(a, _mm256_sub_ps(one, s), one));
-        _mm256_storeu_ps(d_gate + i, _mm256_mul_ps(_mm256_mul_ps(gr, u), deriv));
+        store8(d_gate + i, _mm256_mul_ps(_mm256_mul_ps(gr, u), deriv));
       }
 #endif
       for (; i < f; ++i) {
-        const float a = gate[i], s = 1.0f / (1.0f + exp1(-a));
-        d_up[i] = g[i] * (a * s);
-        d_gate[i] = g[i] * up[i] * (s * (1.0f + a * (1.0f - s)));
+        const float a = load1(gate + i), s = 1.0f / (1.0f + exp1(-a)), gi = load1(g + i);
+        store1(d_up + i, gi * (a * s));
+        store1(d_gate + i, gi * load1(up + i) * (s * (1.0f + a * (1.0f - s))));
       }
     }
   });
+}
+
+at::Tensor swiglu_backward(const at::Tensor& grad, const at::Tensor& x) {
+  check_f32_or_bf16(grad, "grad");
+  check_f32_or_bf16(x, "x");
+  TORCH_CHECK(grad.scalar_type() == x.scalar_type(), "swiglu_backward: grad and x must have one dtype");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && grad.dim() == 2 && grad.size(0) == x.size(0) &&
+                  grad.size(1) * 2 == x.size(1), "swiglu_backward: grad [N, F], x [N, 2F]");
+  const int64_t rows = x.size(0), f = grad.size(1);
+  at::Tensor dx = at::empty_like(x);
+  if (x.scalar_type() == at::kBFloat16)
+    swiglu_backward_rows(grad.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(), dx.data_ptr<at::BFloat16>(), rows, f);
+  else
+    swiglu_backward_rows(grad.data_ptr<float>(), x.data_ptr<float>(), dx.data_ptr<float>(), rows, f);
   return dx;
 }
 

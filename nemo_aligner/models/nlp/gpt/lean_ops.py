@@ -16,8 +16,9 @@ untouched: it is used through ``apply_rope_fusion`` on the TE spec.
 SwiGLU: the local MLP chunks fc1's output and multiplies ``silu(gate) * up``; autograd then
 concatenates the two halves' gradients (a full copy per layer). ``SwiGLU`` writes both halves
 of the gradient into one buffer, saves fc1's output and ``silu(gate)`` (what autograd saves
-too) and uses aten's fused silu derivative; for contiguous float32 CPU tensors, the fused C++
-kernels (``utils.cpu_kernels``) do each direction in one pass and save only fc1's output. It is plugged in as the MLP's
+too) and uses aten's fused silu derivative; for contiguous float32 or bf16 CPU tensors, the fused
+C++ kernels (``utils.cpu_kernels``) do each direction in one pass (bf16: computed in float32 and
+rounded once, where torch's ops round after silu and after each product) and save only fc1's output. It is plugged in as the MLP's
 activation module (``MLPSubmodules.activation_func``), the hook megatron-core provides for
 Transformer Engine's activations.
 
@@ -101,9 +102,9 @@ def apply_rotary(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> t
     return rotary_from_tables(t, *_halves(freqs, mscale, t.dtype))
 
 
-def _fused_cpu_kernels(x: torch.Tensor):
-    """The fused CPU kernels (``utils.cpu_kernels``) for a contiguous float32 CPU tensor, else None."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
+def _fused_cpu_kernels(x: torch.Tensor, dtypes=(torch.float32,)):
+    """The fused CPU kernels (``utils.cpu_kernels``) for a contiguous CPU tensor of ``dtypes``, else None."""
+    if x.device.type != "cpu" or x.dtype not in dtypes or not x.is_contiguous():
         return None
     from nemo_aligner.utils import cpu_kernels
 
@@ -113,7 +114,7 @@ def _fused_cpu_kernels(x: torch.Tensor):
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        kernels = _fused_cpu_kernels(x)
+        kernels = _fused_cpu_kernels(x, (torch.float32, torch.bfloat16))
         ctx.kernels = kernels
         if kernels is not None:  # one pass each way; only x is saved (silu(gate) is recomputed)
             ctx.save_for_backward(x)
@@ -131,7 +132,7 @@ class _SwiGLUFunction(torch.autograd.Function):
             (x,) = ctx.saved_tensors
             flat = x.view(-1, x.shape[-1])
             # explicit sizes: an expert that got no tokens has a [0, ...] gradient
-            grad = grad.contiguous().view(flat.shape[0], flat.shape[1] // 2)
+            grad = grad.to(x.dtype).contiguous().view(flat.shape[0], flat.shape[1] // 2)
             return ctx.kernels.swiglu_backward(grad, flat).view_as(x)
         x, activated = ctx.saved_tensors
         gate, up = x.chunk(2, dim=-1)
