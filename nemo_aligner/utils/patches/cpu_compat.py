@@ -304,7 +304,8 @@ class _WgradAccumulation:
 
     @staticmethod
     def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
-        if total_input.dtype == torch.bfloat16 and has_fast_bf16_matmul():
+        if (total_input.device.type == "cpu" and total_input.dtype == grad_output.dtype == torch.bfloat16
+                and has_fast_bf16_matmul()):
             # bf16 activations on a CPU with bf16 matmul units: the GEMM in bf16 (float32 sums,
             # one rounding of the micro-batch's gradient), then added to main_grad, as megatron-core
             # does without the fused kernel; a float32 GEMM would run ~6x slower there
