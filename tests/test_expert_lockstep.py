@@ -47,7 +47,7 @@ def test_generating_ranks_match_one_process_holding_every_expert(moe_nemo, tmp_p
             "pass; their MoE layers need the same number on every rank")
 
 
-def grpo(model, data, log_dir, *extra, nproc=2, check=True):
+def grpo(model, data, log_dir, *extra, nproc=2, check=True, devices=2):
     return run_script("train_gpt_grpo.py", [
         f"pretrained_checkpoint.restore_from_path={model}",
         f"++model.data.data_prefix={{train: [{data['prompts_train']}], validation: [{data['prompts_val']}]}}",
@@ -56,7 +56,7 @@ def grpo(model, data, log_dir, *extra, nproc=2, check=True):
         "model.grpo.num_rollout_samples=8", "model.grpo.num_responses_per_prompt=4",
         "model.grpo.rollout_micro_batch_size=4", "model.grpo.num_val_samples=10", "model.grpo.val_rollout_micro_batch_size=4",
         "model.global_batch_size=32", "model.micro_batch_size=8", "model.grpo.length_params.max_length=9",
-        "model.optim.lr=5e-5", "trainer.devices=2", *extra], nproc=nproc, check=check)
+        "model.optim.lr=5e-5", f"trainer.devices={devices}", *extra], nproc=nproc, check=check)
 
 
 def assert_same_metrics(a, b, keys):
@@ -68,15 +68,21 @@ def assert_same_metrics(a, b, keys):
 
 
 def test_grpo_with_experts_split_trains_like_data_parallel(moe_nemo, builtin_data, tmp_path):
-    """GRPO at data parallel 2, the experts split over the two ranks or each rank holding all four: the
-    same responses, rewards, losses and validation scores; batch_iterator.use_flask, which talks over
-    the data-parallel ranks between generation calls, is refused in one line."""
+    """GRPO at data parallel 2, the experts split over the two ranks or each rank holding all four, and
+    on 4 ranks as two pipeline stages of one layer, each stage's experts split over its two
+    data-parallel ranks (an expert group per stage, generating in rounds while the other stage's
+    ranks wait on activations): the same responses, rewards, losses and validation scores;
+    batch_iterator.use_flask, which talks over the data-parallel ranks between generation calls, is
+    refused in one line."""
+    keys = ("train/rewards", "train/actor_loss", "train/kl_loss", "train/response_length", "val/global_rewards")
     grpo(moe_nemo, builtin_data, tmp_path / "dp")
     proc = grpo(moe_nemo, builtin_data, tmp_path / "ep", "++model.expert_model_parallel_size=2")
     assert "(experts split over 2 of them)" in proc.stdout + proc.stderr
-    assert_same_metrics(read_metrics(tmp_path / "dp"), read_metrics(tmp_path / "ep"),
-                        ("train/rewards", "train/actor_loss", "train/kl_loss", "train/response_length",
-                         "val/global_rewards"))
+    assert_same_metrics(read_metrics(tmp_path / "dp"), read_metrics(tmp_path / "ep"), keys)
+    proc = grpo(moe_nemo, builtin_data, tmp_path / "ppep", "++model.pipeline_model_parallel_size=2",
+                "++model.expert_model_parallel_size=2", nproc=4, devices=4)
+    assert "(experts split over 2 of them)" in proc.stdout + proc.stderr
+    assert_same_metrics(read_metrics(tmp_path / "dp"), read_metrics(tmp_path / "ppep"), keys)
     proc = grpo(moe_nemo, builtin_data, tmp_path / "flask", "++model.expert_model_parallel_size=2",
                 "trainer.grpo.batch_iterator.use_flask=True", nproc=1, check=False)  # the script starts its ranks
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -106,3 +112,4 @@ def test_generate_and_top_k_logits_scripts_with_experts_split(moe_nemo, builtin_
     for a, b in zip(one, two):
         assert b["topk_token_ids"] == a["topk_token_ids"]
         torch.testing.assert_close(torch.tensor(b["topk_logits"]), torch.tensor(a["topk_logits"]), rtol=0, atol=1e-4)
+
