@@ -63,7 +63,7 @@ PYTHON312 ?= $(call find_python,3.12)
 LATEST_TESTS ?= tests/test_sft.py tests/test_reward_model.py tests/test_ppo.py tests/test_dpo.py tests/test_grpo.py \
 	tests/test_checkpoints.py tests/test_precision.py tests/test_nemo_formats.py tests/test_layout.py tests/test_request_guard.py \
 	tests/test_critic_server.py tests/test_lora.py tests/test_packing.py tests/test_hf_tokenizer_export.py \
-	tests/test_peft_interop.py tests/test_expert_lockstep.py
+	tests/test_peft_interop.py tests/test_expert_lockstep.py tests/test_cpu_bf16.py
 
 .PHONY: test-slurm
 test-slurm: $(STAMP)
