@@ -64,6 +64,14 @@ def test_sdpa_runs_short_bf16_training_attention_in_float32(monkeypatch, keys, f
     assert torch.allclose(q.grad.double(), q64.grad, atol=5e-2 * q64.grad.abs().max().item())
 
 
+def test_sdpa_runs_fp16_training_attention_in_float32_at_any_length(monkeypatch):
+    monkeypatch.setattr(sdpa, "has_fast_bf16_matmul", lambda: True)  # bf16 units do not make fp16 fast
+    q, k, v = _qkv(300, torch.float16)
+    out = sdpa.scaled_dot_product_attention(q, k, v, is_causal=True)
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True).half()
+    assert out.dtype == torch.float16 and torch.equal(out, expected)
+
+
 def test_sdpa_unchanged_outside_bf16_training(monkeypatch):
     monkeypatch.setattr(sdpa, "has_fast_bf16_matmul", lambda: True)
     q, k, v = _qkv(78, torch.float32)

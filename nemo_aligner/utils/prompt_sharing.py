@@ -178,9 +178,9 @@ def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     # A padding slot attends to itself only, so no query row is empty (its output is never used).
     prompt_allowed = (eye.logical_not().tril() & real[:, None, :]) | eye
     out_prompt = scaled_dot_product_attention(prompt(query), prompt(key), prompt(value),
-                                                attn_mask=prompt_allowed.unsqueeze(1), scale=scale)
+                                              attn_mask=prompt_allowed.unsqueeze(1), scale=scale)
     out_responses = scaled_dot_product_attention(responses(query), with_prompt(key), with_prompt(value),
-                                                   attn_mask=~mask, scale=scale)
+                                                 attn_mask=~mask, scale=scale)
     dv = value.shape[-1]
     out_prompt = out_prompt.permute(2, 0, 1, 3).reshape(P, G, heads * dv)
     out_responses = out_responses.reshape(G, n, heads, R, dv).permute(1, 3, 0, 2, 4).reshape(n * R, G, heads * dv)

@@ -14,15 +14,19 @@ import torch.nn.functional as F
 
 from nemo_aligner.utils.cpu_info import has_fast_bf16_matmul
 
-# Key lengths up to which float32 attention is the faster on a CPU with bf16 matmul units (measured
-# crossover between 160 and 192 keys); without them float32 is the faster at every length.
+# Key lengths up to which float32 attention is the faster for bf16 on a CPU with bf16 matmul units
+# (measured crossover between 160 and 192 keys). Elsewhere (fp16, or bf16 without those units)
+# float32 is used at every length: most CPUs emulate those half-precision matmuls.
 FLOAT32_MAX_KEYS = 160
 
 
 def _float32_is_faster(query: torch.Tensor, key: torch.Tensor) -> bool:
-    return (query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
-            and torch.is_grad_enabled() and query.requires_grad
-            and (key.shape[-2] <= FLOAT32_MAX_KEYS or not has_fast_bf16_matmul()))
+    if query.device.type != "cpu" or query.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if not (torch.is_grad_enabled() and query.requires_grad):
+        return False
+    native = query.dtype == torch.bfloat16 and has_fast_bf16_matmul()
+    return key.shape[-2] <= FLOAT32_MAX_KEYS or not native
 
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:

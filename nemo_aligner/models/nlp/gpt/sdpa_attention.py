@@ -65,7 +65,7 @@ class SDPADotProductAttention(DotProductAttention):
             out = scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.attention_scale)
         elif attention_mask is None:
             out = scaled_dot_product_attention(q, k, v, is_causal=mask_type == AttnMaskType.causal,
-                                                 scale=self.attention_scale)
+                                               scale=self.attention_scale)
         else:  # megatron masks mark the positions to hide
             out = scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask.bool(), scale=self.attention_scale)
         sq, b = query.shape[0], query.shape[1]
