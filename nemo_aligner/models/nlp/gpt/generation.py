@@ -256,7 +256,7 @@ class KVCacheDecoder:
         swiglu = self.config.gated_linear_unit and self.config.activation_func is F.silu
         calls = ("qkv", "proj", "fc1", "fc2", "moe")
         layers = [{k: _widened(plan[k], self.dtype) if upcast else plan[k] for k in calls} for plan in self.layers]
-        embed = self.embed if self.first_stage else None
+        embed = self.embed  # one pipeline stage here: it is the first
         return dict(ext=ext, norms=[(w.detach().float().contiguous(), float(eps)) for w, eps in norms], swiglu=swiglu,
                     rope_table=self.rope_table_float.contiguous() if self.rope is not None else None,
                     layers=layers, output=_widened(self.output, self.dtype) if upcast else self.output,
