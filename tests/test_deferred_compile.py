@@ -7,7 +7,8 @@ import sys
 import torch
 
 from conftest import subprocess_env
-from nemo_aligner.utils.patches.deferred_compile import compile_on_first_call, deferred_torch_compile
+from nemo_aligner.utils.patches.deferred_compile import (ModuleOnFirstUse, compile_on_first_call, deferred_modules,
+                                                          deferred_torch_compile)
 
 
 class RecordingCompile:
@@ -84,11 +85,50 @@ real = torch.compile
 import megatron.core
 from megatron.core.models.gpt import GPTModel
 from megatron.core.fusions import fused_bias_swiglu
-print(json.dumps({"dynamo": "torch._dynamo" in sys.modules, "restored": torch.compile is real,
-                  "deferred": hasattr(fused_bias_swiglu.swiglu, "__wrapped_uncompiled__"),
-                  "hooks_left": [type(f).__name__ for f in sys.meta_path if "Megatron" in type(f).__name__]}))
+from megatron.core.inference.contexts import dynamic_context
+got = {"dynamo": "torch._dynamo" in sys.modules, "restored": torch.compile is real,
+       "deferred": hasattr(fused_bias_swiglu.swiglu, "__wrapped_uncompiled__"),
+       "hooks_left": [type(f).__name__ for f in sys.meta_path if "Megatron" in type(f).__name__],
+       "wandb_imported": "wandb" in sys.modules, "have_wandb": getattr(dynamic_context, "HAVE_WANDB", True)}
+import wandb
+# megatron-core 0.16 imports wandb here: the stand-in's first read imports the real module
+version = getattr(dynamic_context, "wandb", wandb).__version__
+got["same_wandb"] = version == wandb.__version__ and type(wandb).__name__ == "module"
+print(json.dumps(got))
 """
     out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"dynamo": False, "restored": True, "deferred": True, "hooks_left": []}, got
+    assert got == {"dynamo": False, "restored": True, "deferred": True, "hooks_left": [], "wandb_imported": False,
+                   "have_wandb": True, "same_wandb": True}, got
+
+
+def test_a_deferred_module_imports_on_first_read(tmp_path, monkeypatch):
+    (tmp_path / "late_module.py").write_text("import sys\nsys.late_imports = getattr(sys, 'late_imports', 0) + 1\n"
+                                             "VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "late_module", raising=False)
+    with deferred_modules("late_module", "no_such_module_here"):
+        import late_module
+
+        assert isinstance(late_module, ModuleOnFirstUse) and late_module.__file__.endswith("late_module.py")
+        assert getattr(sys, "late_imports", 0) == 0  # imported nothing yet
+        try:
+            import no_such_module_here  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            raise AssertionError("a module that is not installed must stay unimportable")
+        assert late_module.VALUE == 7 and sys.late_imports == 1  # the first read imports it, once
+        assert late_module.VALUE == 7 and sys.late_imports == 1
+        assert not isinstance(sys.modules["late_module"], ModuleOnFirstUse)
+    assert sys.modules["late_module"].VALUE == 7  # the real module stays
+    del sys.late_imports
+    with deferred_modules("late_module_unused"):
+        pass
+    with deferred_modules("json"):  # already imported: left alone
+        assert not isinstance(sys.modules["json"], ModuleOnFirstUse)
+    (tmp_path / "late_module_unused.py").write_text("")
+    with deferred_modules("late_module_unused"):
+        assert isinstance(sys.modules["late_module_unused"], ModuleOnFirstUse)
+    assert "late_module_unused" not in sys.modules  # unused: the stand-in is gone

@@ -2,7 +2,8 @@
 module per concern, applied from here only:
 
 - :func:`apply_at_import` (from ``import nemo_aligner``, before megatron-core is imported):
-  ``deferred_compile``, megatron-core's import-time ``torch.compile`` decorators compile on first call.
+  ``deferred_compile``, megatron-core's import-time ``torch.compile`` decorators compile on first call
+  and its import of ``wandb`` waits until wandb is used.
 - :func:`apply` (before the first model is built, ``distributed.initialize_model_parallel``):
   ``cpu_compat`` (megatron-core on a machine without CUDA), ``checkpoint_results`` (synchronous
   checkpoint writes report through an in-process queue), ``moe_without_te`` (megatron-core's MoE
