@@ -168,3 +168,80 @@ def test_lean_swiglu_in_bf16_matches_torch(mcore_single):
     assert out.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
     assert torch.allclose(out.double(), ref, rtol=2 ** -8, atol=1e-6)
     assert torch.allclose(x.grad.double(), x64.grad, rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("width", [256, 45])  # vector body; odd width (scalar tail)
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_kernels_in_bf16(width, weight_dtype):
+    """The fused RMSNorm kernels on bf16 activations: float32 maths rounded once, so each output is
+    the exact value (float64, from the same bf16 inputs) rounded to bf16; the weight's gradient is
+    a float32 sum over rows; rstd is float32."""
+    from nemo_aligner.utils import cpu_kernels
+
+    ext = cpu_kernels.load()
+    assert ext is not None, "the fused CPU kernels did not build"
+    torch.manual_seed(4)
+    rows, eps = 300, 1e-5
+    x = (torch.randn(rows, width) * 3 + 0.5).bfloat16()
+    x[1] = 0  # a zero row: rstd = 1/sqrt(eps), output 0
+    weight = (torch.rand(width) + 0.5).to(weight_dtype)
+    grad = (torch.randn(rows, width) * 2).bfloat16()
+    x64, w64, g64 = x.double(), weight.double(), grad.double()
+    rstd64 = (x64.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
+    normed = x64 * rstd64
+    exact = normed * w64
+    out, rstd = ext.rms_norm_forward(x, weight, eps)
+    assert out.dtype == torch.bfloat16 and rstd.dtype == torch.float32
+    assert torch.allclose(rstd.double(), rstd64.squeeze(-1), rtol=1e-6)
+    error = (out.double() - exact).abs()
+    assert (error <= _bf16_ulp(exact) * 0.5 + 1e-30).float().mean() > 0.99  # rounded to nearest
+    assert (error <= _bf16_ulp(exact) + 1e-30).all()
+    gn = g64 * w64
+    exact_dx = rstd64 * (gn - normed * (gn * normed).mean(-1, keepdim=True))
+    exact_dw = (g64 * normed).sum(0)
+    dx, dw = ext.rms_norm_backward(grad, x, weight, rstd)
+    assert dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
+    # dx's mean term cancels: allow float32's error on top of one bf16 rounding
+    assert ((dx.double() - exact_dx).abs() <= _bf16_ulp(exact_dx) + 1e-5 * exact_dx.abs().max()).all()
+    assert torch.allclose(dw.double(), exact_dw, rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ext.rms_norm_backward(grad.float(), x, weight, rstd)
+
+
+def test_lean_rms_norm_in_bf16_matches_float64(mcore_single):
+    """lean_ops.RMSNorm with bf16 weights and activations (the fused kernels): forward, input and
+    weight gradients against float64 from the same bf16 values, nearer than torch's own bf16 norm;
+    under no_grad the same forward values."""
+    from nemo_aligner.models.nlp.gpt.lean_ops import RMSNorm, use_lean_norms
+    from nemo_aligner.utils import cpu_kernels
+
+    assert cpu_kernels.load() is not None, "the fused CPU kernels did not build"
+    torch.manual_seed(5)
+    torch_norm = torch.nn.RMSNorm(96, eps=1e-5)
+    with torch.no_grad():
+        torch_norm.weight.copy_(torch.rand(96) + 0.5)
+    torch_norm = torch_norm.bfloat16()
+    lean = torch.nn.RMSNorm(96, eps=1e-5).bfloat16()
+    lean.load_state_dict(torch_norm.state_dict())
+    use_lean_norms(lean)
+    assert type(lean) is RMSNorm
+    x = (torch.randn(6, 5, 96) * 3).bfloat16()
+    grad = torch.randn(6, 5, 96).bfloat16()
+    x64 = x.double().requires_grad_()
+    w64 = torch_norm.weight.detach().double().requires_grad_()
+    ref = F.rms_norm(x64, (96,), w64, 1e-5)
+    ref.backward(grad.double())
+    results = {}
+    for name, norm in (("lean", lean), ("torch", torch_norm)):
+        xi = x.clone().requires_grad_()
+        out = norm(xi)
+        out.backward(grad)
+        assert out.dtype == xi.grad.dtype == norm.weight.grad.dtype == torch.bfloat16
+        results[name] = [(out.double() - ref).abs().max(), (xi.grad.double() - x64.grad).abs().max(),
+                         (norm.weight.grad.double() - w64.grad).abs().max()]
+    lean_err, torch_err = results["lean"], results["torch"]
+    assert lean_err[0] <= 2 ** -8 * ref.abs().max() and lean_err[1] <= 2 ** -7 * x64.grad.abs().max()
+    assert lean_err[2] <= 2 ** -8 * w64.grad.abs().max()
+    assert lean_err[0] <= torch_err[0] and lean_err[2] <= torch_err[2], (lean_err, torch_err)
+    with torch.no_grad():
+        assert torch.equal(lean(x), lean(x.clone().requires_grad_()).detach())

@@ -7,9 +7,9 @@
 //   rope_cache_write  RoPE on the new queries and key + the key/value write into the cache
 //   decode_attention  one query per row against the cache: each cached key and value read once
 //   swiglu            silu(gate) * up, one pass
-// Training uses swiglu and swiglu_backward (one pass each instead of five elementwise ops; float32
-// or bf16 tensors, bf16 computed in float32 and rounded once) and rms_norm_forward/backward (one
-// pass each instead of ~6 and ~7 ops).
+// Training uses swiglu and swiglu_backward (one pass each instead of five elementwise ops) and
+// rms_norm_forward/backward (one pass each instead of ~6 and ~7 ops); float32 or bf16 tensors,
+// bf16 computed in float32 and rounded once.
 // pack_linear/pack_matrix/packed_gemm: an AVX2/FMA GEMM over packed 16-column panels, for decode
 // steps, prefills and (cpu_gemm.NativeLinear) training matmuls. Built at first use by
 // nemo_aligner/utils/cpu_kernels.py; torch's ops are the reference (tests/test_cpu_kernels.py).
@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -393,65 +394,126 @@ at::Tensor swiglu_backward(const at::Tensor& grad, const at::Tensor& x) {
   return dx;
 }
 
+// n floats of src (float32 or bf16) as float32: src itself, or converted into buf.
+template <typename T>
+inline const float* as_float(const T* src, float* buf, int64_t n) {
+  if constexpr (std::is_same<T, float>::value) {
+    return src;
+  } else {
+    int64_t i = 0;
+#ifdef NA_AVX2
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(buf + i, load8(src + i));
+#endif
+    for (; i < n; ++i) buf[i] = load1(src + i);
+    return buf;
+  }
+}
+
+// n float32 values into dst (bf16: rounded to nearest even).
+template <typename T>
+inline void store_floats(const float* src, T* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef NA_AVX2
+  for (; i + 8 <= n; i += 8) store8(dst + i, _mm256_loadu_ps(src + i));
+#endif
+  for (; i < n; ++i) store1(dst + i, src[i]);
+}
+
+// A norm weight (float32 or bf16, any layout) as a contiguous float32 tensor.
+inline at::Tensor float_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              "weight: expected a float32 or bf16 CPU tensor");
+  return weight.to(at::kFloat).contiguous();
+}
+
+template <typename T>
+void rms_norm_forward_rows(const T* xp, const float* w, T* op, float* rp, int64_t rows, int64_t h, float eps) {
+  constexpr bool kFloat = std::is_same<T, float>::value;
+  at::parallel_for(0, rows, grain_rows(h), [&](int64_t begin, int64_t end) {
+    std::vector<float> in(kFloat ? 0 : h), out(kFloat ? 0 : h);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = as_float(xp + r * h, in.data(), h);
+      if constexpr (kFloat) {
+        rp[r] = rms_norm_row(row, w, op + r * h, h, eps);
+      } else {
+        rp[r] = rms_norm_row(row, w, out.data(), h, eps);
+        store_floats(out.data(), op + r * h, h);
+      }
+    }
+  });
+}
+
 // RMSNorm for training: x [N, H] -> (x * rstd * weight, rstd [N]), rstd = rsqrt(mean(x^2) + eps).
+// x float32 or bf16 (bf16: computed in float32, the output rounded once); weight float32 or bf16;
+// rstd float32.
 std::vector<at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_f32(x, "x");
-  check_f32(weight, "weight");
+  check_f32_or_bf16(x, "x");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1), "rms_norm_forward: x [N, H], weight [H]");
   const int64_t rows = x.size(0), h = x.size(1);
+  const at::Tensor w = float_weight(weight);
   at::Tensor out = at::empty_like(x);
-  at::Tensor rstd = at::empty({rows}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  float* rp = rstd.data_ptr<float>();
+  at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
   const float feps = static_cast<float>(eps);
-  at::parallel_for(0, rows, grain_rows(h), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) rp[r] = rms_norm_row(xp + r * h, w, op + r * h, h, feps);
-  });
+  if (x.scalar_type() == at::kBFloat16)
+    rms_norm_forward_rows(x.data_ptr<at::BFloat16>(), w.data_ptr<float>(), out.data_ptr<at::BFloat16>(),
+                          rstd.data_ptr<float>(), rows, h, feps);
+  else
+    rms_norm_forward_rows(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), rstd.data_ptr<float>(),
+                          rows, h, feps);
   return {out, rstd};
 }
 
-// Its gradient: grad, x [N, H], weight [H], rstd [N] -> (dx [N, H], dweight [H]). With n = x * rstd and
-// gn = grad * weight: dx = rstd * (gn - n * mean(gn * n)), dweight = sum over rows of grad * n.
-std::vector<at::Tensor> rms_norm_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
-                                          const at::Tensor& rstd) {
-  check_f32(grad, "grad");
-  check_f32(x, "x");
-  check_f32(weight, "weight");
-  check_f32(rstd, "rstd");
-  TORCH_CHECK(x.dim() == 2 && grad.sizes() == x.sizes() && weight.size(0) == x.size(1) && rstd.numel() == x.size(0),
-              "rms_norm_backward: grad, x [N, H], weight [H], rstd [N]");
-  const int64_t rows = x.size(0), h = x.size(1);
-  at::Tensor dx = at::empty_like(x);
-  // Row blocks, each with its own partial sum of grad * n (no shared accumulator between threads).
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows * h / kMinTaskFloats));
-  std::vector<float> partial(static_cast<size_t>(blocks * h), 0.f);
-  const float* gp = grad.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  const float* rp = rstd.data_ptr<float>();
-  float* dp = dx.data_ptr<float>();
+template <typename T>
+void rms_norm_backward_rows(const T* gp, const T* xp, const float* w, const float* rp, T* dp, float* partial,
+                            int64_t blocks, int64_t rows, int64_t h) {
+  constexpr bool kFloat = std::is_same<T, float>::value;
   at::parallel_for(0, blocks, 1, [&](int64_t block_begin, int64_t block_end) {
-    std::vector<float> normed(h), gn(h);
+    std::vector<float> normed(h), gn(h), g_buf(kFloat ? 0 : h), x_buf(kFloat ? 0 : h), d_buf(kFloat ? 0 : h);
     for (int64_t block = block_begin; block < block_end; ++block) {
-      float* acc = partial.data() + block * h;
+      float* acc = partial + block * h;
       for (int64_t r = rows * block / blocks; r < rows * (block + 1) / blocks; ++r) {
-        const float* g = gp + r * h;
-        const float* row = xp + r * h;
+        const float* g = as_float(gp + r * h, g_buf.data(), h);
+        const float* row = as_float(xp + r * h, x_buf.data(), h);
         const float inv = rp[r];
         for (int64_t i = 0; i < h; ++i) {
           normed[i] = row[i] * inv;
           gn[i] = g[i] * w[i];
         }
         const float mean = dot(gn.data(), normed.data(), h) / static_cast<float>(h);
-        float* d = dp + r * h;
+        float* d = kFloat ? reinterpret_cast<float*>(dp + r * h) : d_buf.data();
         for (int64_t i = 0; i < h; ++i) d[i] = (gn[i] - normed[i] * mean) * inv;
+        if constexpr (!kFloat) store_floats(d, dp + r * h, h);
         for (int64_t i = 0; i < h; ++i) acc[i] += g[i] * normed[i];
       }
     }
   });
-  at::Tensor dweight = at::zeros({h}, x.options());
+}
+
+// Its gradient: grad, x [N, H], weight [H], rstd [N] -> (dx [N, H], dweight [H]). With n = x * rstd and
+// gn = grad * weight: dx = rstd * (gn - n * mean(gn * n)), dweight = sum over rows of grad * n.
+// grad and x float32 or bf16 (one dtype; dx in it, rounded once); dweight float32.
+std::vector<at::Tensor> rms_norm_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
+                                          const at::Tensor& rstd) {
+  check_f32_or_bf16(grad, "grad");
+  check_f32_or_bf16(x, "x");
+  check_f32(rstd, "rstd");
+  TORCH_CHECK(grad.scalar_type() == x.scalar_type(), "rms_norm_backward: grad and x must have one dtype");
+  TORCH_CHECK(x.dim() == 2 && grad.sizes() == x.sizes() && weight.dim() == 1 && weight.size(0) == x.size(1) &&
+                  rstd.numel() == x.size(0),
+              "rms_norm_backward: grad, x [N, H], weight [H], rstd [N]");
+  const int64_t rows = x.size(0), h = x.size(1);
+  const at::Tensor w = float_weight(weight);
+  at::Tensor dx = at::empty_like(x);
+  // Row blocks, each with its own partial sum of grad * n (no shared accumulator between threads).
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows * h / kMinTaskFloats));
+  std::vector<float> partial(static_cast<size_t>(blocks * h), 0.f);
+  if (x.scalar_type() == at::kBFloat16)
+    rms_norm_backward_rows(grad.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(), w.data_ptr<float>(),
+                           rstd.data_ptr<float>(), dx.data_ptr<at::BFloat16>(), partial.data(), blocks, rows, h);
+  else
+    rms_norm_backward_rows(grad.data_ptr<float>(), x.data_ptr<float>(), w.data_ptr<float>(), rstd.data_ptr<float>(),
+                           dx.data_ptr<float>(), partial.data(), blocks, rows, h);
+  at::Tensor dweight = at::zeros({h}, x.options().dtype(at::kFloat));
   float* dw = dweight.data_ptr<float>();
   for (int64_t block = 0; block < blocks; ++block)
     for (int64_t i = 0; i < h; ++i) dw[i] += partial[block * h + i];

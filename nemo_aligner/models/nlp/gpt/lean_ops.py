@@ -26,7 +26,8 @@ RMSNorm: torch's ``rms_norm`` has no fused CPU kernel; autograd differentiates i
 (power, mean, reciprocal square root, two products), ~10 passes over the activations per norm.
 ``RMSNorm`` (a ``torch.nn.RMSNorm`` with the same parameters and state) computes the float32
 backward directly in ~6 (one pass each way with the fused CPU kernels, for contiguous CPU
-tensors); ``use_lean_norms`` switches a built model's norms to it.
+tensors; bf16 CPU tensors too, computed in float32 and rounded once, the weight's gradient summed
+in float32); ``use_lean_norms`` switches a built model's norms to it.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
         h = x.shape[-1]
-        kernels = _fused_cpu_kernels(x) if weight.is_contiguous() else None
+        kernels = _fused_cpu_kernels(x, (torch.float32, torch.bfloat16)) if weight.device.type == "cpu" else None
         ctx.kernels = kernels
         if kernels is not None:  # one pass each way; saves the input and rstd
             out, rstd = kernels.rms_norm_forward(x.view(-1, h), weight, eps)
@@ -182,9 +183,10 @@ class _RMSNormFunction(torch.autograd.Function):
         if ctx.kernels is not None:
             x, weight, rstd = ctx.saved_tensors
             h = x.shape[-1]
-            grad_x, grad_weight = ctx.kernels.rms_norm_backward(grad.contiguous().view(-1, h), x.view(-1, h), weight,
-                                                                rstd)
-            return grad_x.view_as(x), grad_weight, None
+            grad = grad.to(x.dtype).contiguous().view(-1, h)
+            grad_x, grad_weight = ctx.kernels.rms_norm_backward(grad, x.view(-1, h), weight, rstd)
+            # the weight's gradient is summed over rows in float32 and rounded once to its dtype
+            return grad_x.view_as(x), grad_weight.to(weight.dtype), None
         normed, weight, rstd = ctx.saved_tensors
         h = normed.shape[-1]
         grad = grad.contiguous()
@@ -197,17 +199,29 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 class RMSNorm(torch.nn.RMSNorm):
-    """``torch.nn.RMSNorm`` whose float32 training forward/backward runs through ``_RMSNormFunction``
-    (no-grad calls and other dtypes use torch's own)."""
+    """``torch.nn.RMSNorm`` whose training forward/backward runs through ``_RMSNormFunction`` for
+    float32 inputs and weights, and for bf16 inputs (weights bf16 or float32) where the fused CPU
+    kernels apply; no-grad calls of bf16 CPU inputs run the fused forward too (torch's bf16 norm
+    is a composite of several passes). Other calls use torch's own."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
-        if (weight is not None and x.dtype == torch.float32 and weight.dtype == torch.float32
-                and len(self.normalized_shape) == 1 and torch.is_grad_enabled()
-                and (x.requires_grad or weight.requires_grad)):
-            eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        if weight is None or len(self.normalized_shape) != 1 or weight.dtype not in _NORM_DTYPES:
+            return super().forward(x)
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        training = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        if x.dtype == torch.float32 and weight.dtype == torch.float32 and training:
             return _RMSNormFunction.apply(x, weight, eps)
+        if x.dtype == torch.bfloat16 and weight.device.type == "cpu":
+            kernels = _fused_cpu_kernels(x, (torch.bfloat16,))
+            if kernels is not None:
+                if training:
+                    return _RMSNormFunction.apply(x, weight, eps)
+                return kernels.rms_norm_forward(x.view(-1, x.shape[-1]), weight, eps)[0].view_as(x)
         return super().forward(x)
+
+
+_NORM_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def use_lean_norms(module: torch.nn.Module) -> None:
