@@ -106,14 +106,15 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, builtin_data, 
 
 def test_crafted_nemo_archives_are_refused(tmp_path):
     """A .nemo whose members escape the extraction directory (absolute path, '..', links) is an
-    error naming the file; nothing is written outside."""
+    error naming the file; nothing is written outside, and no extraction directory is left behind
+    (nor for a truncated archive or one without a model config)."""
     import io
     import tarfile
 
     import pytest
 
     from nemo_aligner.utils.errors import CheckpointError
-    from nemo_aligner.utils.nemo_file import extracted
+    from nemo_aligner.utils.nemo_file import _extract_dir_for, extracted
 
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -150,7 +151,79 @@ def test_crafted_nemo_archives_are_refused(tmp_path):
         with pytest.raises(CheckpointError, match=rf"{name}\.nemo: refusing to extract an unsafe archive member"):
             with extracted(str(path), "model.restore_from_path"):
                 pass
+        assert not os.path.exists(_extract_dir_for(str(path))), name
     assert list(outside.iterdir()) == []
+    truncated = tmp_path / "truncated.nemo"
+    truncated.write_bytes(archive("whole", member("./extra.txt")).read_bytes()[:700])
+    no_config = tmp_path / "no_config.nemo"
+    with tarfile.open(no_config, "w") as tar:
+        info = tarfile.TarInfo("./model_weights.txt")
+        info.size = 4
+        tar.addfile(info, io.BytesIO(b"1234"))
+    for path, message in ((truncated, "cannot extract"), (no_config, "the archive has no model_config.yaml")):
+        with pytest.raises(CheckpointError, match=rf"{path.name}: {message}"):
+            with extracted(str(path), "model.restore_from_path"):
+                pass
+        assert not os.path.exists(_extract_dir_for(str(path))), path.name
+
+
+def test_a_refused_archive_stops_every_rank(tmp_path):
+    """Two ranks on one node: local rank 0 extracts, finds an unsafe member and removes what it
+    wrote; the other rank gets the same error instead of reading a partial extraction or waiting."""
+    import io
+    import tarfile
+    import time
+
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+    from nemo_aligner.utils.nemo_file import _extract_dir_for
+
+    path = tmp_path / "unsafe.nemo"
+    with tarfile.open(path, "w") as tar:
+        for name, data in (("./model_config.yaml", b"num_layers: 1\n"), ("../escape.txt", b"evil")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    port = free_port()
+    context = mp.start_processes(_extract_worker, args=(port, str(path), str(tmp_path)), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=1):
+        assert time.monotonic() < deadline, "a rank is still waiting"
+    for rank in range(2):
+        assert (tmp_path / f"r{rank}.txt").read_text().startswith(
+            f"model.restore_from_path={path}: refusing to extract an unsafe archive member"), rank
+    tag_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    old = {k: os.environ.get(k) for k in tag_env}
+    os.environ.update(tag_env)
+    try:
+        assert not os.path.exists(_extract_dir_for(str(path)))
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    assert not (tmp_path.parent / "escape.txt").exists()
+
+
+def _extract_worker(rank, port, path, out):
+    import torch.distributed as dist
+
+    from nemo_aligner.utils.errors import CheckpointError
+    from nemo_aligner.utils.nemo_file import extracted
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        with extracted(path, "model.restore_from_path"):
+            message = "extracted"
+    except CheckpointError as err:
+        message = str(err)
+    with open(f"{out}/r{rank}.txt", "w") as f:
+        f.write(message)
+    dist.destroy_process_group()
 
 
 def test_a_wandb_key_never_reaches_logs_or_files(tmp_path, builtin_data):

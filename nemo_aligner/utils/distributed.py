@@ -307,6 +307,16 @@ def barrier() -> None:
         dist.barrier()
 
 
+def first_error_of_any_rank(error: Optional[str]) -> Optional[str]:
+    """This rank's error, else the first error another rank met (a collective over every rank:
+    it also stands for a barrier); None when no rank met one."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return error
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return error or next((e for e in errors if e), None)
+
+
 def broadcast_object(obj, src: int = 0):
     """Broadcast one picklable object from global rank ``src``."""
     if not dist.is_initialized() or dist.get_world_size() == 1:

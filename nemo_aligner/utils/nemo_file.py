@@ -29,7 +29,7 @@ from typing import Iterator, Optional
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from nemo_aligner.utils.distributed import barrier, get_rank
+from nemo_aligner.utils.distributed import barrier, first_error_of_any_rank, get_rank
 from nemo_aligner.utils.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -164,10 +164,14 @@ def extracted(path: str, key: str = "restore_from_path") -> Iterator[str]:
             error = f"{key}={path}: refusing to extract an unsafe archive member ({err})"
         except (tarfile.TarError, OSError) as err:
             error = f"{key}={path}: cannot extract ({err}); the file may be truncated"
-    barrier()
+    # every rank of the node waits for the extraction, and learns of its failure
+    error = first_error_of_any_rank(error)
     if error is None and not os.path.isfile(os.path.join(target, MODEL_CONFIG)):
         error = f"{key}={path}: the archive has no {MODEL_CONFIG}"
+    error = first_error_of_any_rank(error)
     if error:
+        if _local_rank() == 0:  # a refused archive leaves nothing behind, not even a partial extraction
+            shutil.rmtree(target, ignore_errors=True)
         raise CheckpointError(error)
     try:
         yield target
