@@ -50,14 +50,18 @@ def run_python(path: str, args, nproc: int = 1, timeout: int = 300, check: bool 
                like_nproc: int = None, cpu_only: bool = False):
     """Run a script alone or under torchrun with ``nproc`` processes; returns the CompletedProcess.
     ``like_nproc``, ``cpu_only``: its device kind (``subprocess_env``)."""
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--master_addr=127.0.0.1", f"--master_port={free_port()}", path]
-    else:
-        cmd = [sys.executable, path]
-    cmd += [str(a) for a in args]
-    proc = subprocess.run(cmd, env=subprocess_env(nproc, like_nproc, cpu_only), cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+    import tempfile
+
+    # torchrun's per-run log directory (empty without --redirects) goes with the run, not to /tmp
+    with tempfile.TemporaryDirectory(prefix="torchrun_logs_") as logs:
+        if nproc > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                   "--master_addr=127.0.0.1", f"--master_port={free_port()}", f"--log-dir={logs}", path]
+        else:
+            cmd = [sys.executable, path]
+        cmd += [str(a) for a in args]
+        proc = subprocess.run(cmd, env=subprocess_env(nproc, like_nproc, cpu_only), cwd=cwd, capture_output=True,
+                              text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
