@@ -105,7 +105,7 @@ def test_reward_rises_on_the_builtin_task(tmp_path, task_data, rm_nemo, weak_sft
         "trainer.ppo.critic_warmup_steps=3", "model.ppo.num_rollout_samples=128", "model.global_batch_size=64",
         "model.micro_batch_size=16", "model.ppo.rollout_micro_batch_size=32", "model.ppo.num_val_samples=64",
         f"model.seed={seed}"])
-    launch(critic, actor)
+    launch(critic, actor, critic_log=tmp_path / "critic.log")
     val = {r["step"]: r["val/global_rewards"] for r in read_metrics(tmp_path / "a") if "val/global_rewards" in r}
     assert sorted(val) == [0, 15, 30]
     assert val[30] >= val[0] + 0.3, val
