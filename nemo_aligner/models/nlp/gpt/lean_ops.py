@@ -200,9 +200,9 @@ class _RMSNormFunction(torch.autograd.Function):
 
 class RMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` whose training forward/backward runs through ``_RMSNormFunction`` for
-    float32 inputs and weights, and for bf16 inputs (weights bf16 or float32) where the fused CPU
-    kernels apply; no-grad calls of bf16 CPU inputs run the fused forward too (torch's bf16 norm
-    is a composite of several passes). Other calls use torch's own."""
+    float32 inputs and weights, and for bf16 inputs and weights where the fused CPU kernels apply;
+    no-grad calls of bf16 CPU inputs and weights run the fused forward too (torch's bf16 norm is a
+    composite of several passes). Other calls (mixed dtypes included) use torch's own."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
@@ -212,7 +212,7 @@ class RMSNorm(torch.nn.RMSNorm):
         training = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         if x.dtype == torch.float32 and weight.dtype == torch.float32 and training:
             return _RMSNormFunction.apply(x, weight, eps)
-        if x.dtype == torch.bfloat16 and weight.device.type == "cpu":
+        if x.dtype == weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
             kernels = _fused_cpu_kernels(x, (torch.bfloat16,))
             if kernels is not None:
                 if training:
