@@ -226,6 +226,77 @@ def _extract_worker(rank, port, path, out):
     dist.destroy_process_group()
 
 
+def test_a_nemo_that_cannot_be_written_stops_every_rank(tmp_path):
+    """Two ranks saving a .nemo under a path whose parent is a file: rank 0 cannot make the staging
+    directory, and every rank stops with its error instead of waiting for a file that never comes."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    (tmp_path / "a_file").write_text("x")
+    path = tmp_path / "a_file" / "model.nemo"
+    port = free_port()
+    context = mp.start_processes(_save_worker, args=(port, str(path), str(tmp_path)), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=1):
+        assert time.monotonic() < deadline, "a rank is still waiting"
+    for rank in range(2):
+        assert (tmp_path / f"s{rank}.txt").read_text().startswith(f"{path}: not written, cannot create"), rank
+
+
+def _save_worker(rank, port, path, out):
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from nemo_aligner.utils.errors import CheckpointError
+    from nemo_aligner.utils.nemo_file import save_nemo
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        save_nemo(types.SimpleNamespace(module=torch.nn.Linear(2, 2)), path)
+        message = "written"
+    except CheckpointError as err:
+        message = str(err)
+    with open(f"{out}/s{rank}.txt", "w") as f:
+        f.write(message)
+    dist.destroy_process_group()
+
+
+def test_disk_full_while_writing_the_config_keeps_the_old_nemo(tmp_path, mcore_single, monkeypatch):
+    """A write error after the weights (the config, a tokenizer file): one CheckpointError, the
+    staging directory removed, the .nemo already at that path intact."""
+    import errno
+
+    import pytest
+    from omegaconf import OmegaConf
+
+    from conftest import TINY_ARCH
+    from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
+    from nemo_aligner.utils import nemo_file
+    from nemo_aligner.utils.errors import CheckpointError
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    model = GPTSFTModel(OmegaConf.create(dict(TINY_ARCH, micro_batch_size=1, encoder_seq_length=32)), ByteTokenizer())
+    path = tmp_path / "model.nemo"
+    nemo_file.save_nemo(model, str(path))
+    before = path.read_bytes()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(nemo_file.yaml, "safe_dump", disk_full)
+    with pytest.raises(CheckpointError, match=r"model\.nemo: could not be written \(No space left on device\); "
+                                              r"a file already there is kept"):
+        nemo_file.save_nemo(model, str(path))
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.nemo"]
+
+
 def test_a_wandb_key_never_reaches_logs_or_files(tmp_path, builtin_data):
     """With WANDB_API_KEY set (offline mode, no network), the key appears in no printed output and
     no file the run writes (hparams, metrics, TensorBoard, wandb's offline run)."""

@@ -336,11 +336,18 @@ def save_nemo(model, path: str) -> str:
         raise CheckpointError(f"{path}: not written, the model's weights are not finite (tensor {bad!r} holds a "
                               "NaN or an infinity)")
     staging = f"{path}.tmpdir"
+    error = None
     if get_rank() == 0:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(staging)
-    barrier()
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
+            os.makedirs(staging)
+        except OSError as err:  # the parent is a file, a read-only directory, a quota
+            error = f"{path}: not written, cannot create {staging} ({err.strerror or err})"
+    # every rank waits for the staging directory, and stops with rank 0 if it cannot be made
+    error = first_error_of_any_rank(error)
+    if error:
+        raise CheckpointError(error)
     export = model.nemo_export() if hasattr(model, "nemo_export") else "full"
     if export == "adapters":
         _write_adapters(model, staging)
@@ -350,18 +357,27 @@ def save_nemo(model, path: str) -> str:
                          weights_dir(staging))
     barrier()
     if get_rank() == 0:
-        tokenizer_cfg, artifacts = _tokenizer_artifacts(model.tokenizer)
-        config = nemo_model_config(model.model_config_dict(), tokenizer_cfg)
-        if export == "merged":
-            config["peft"] = dict(config.get("peft") or {}, peft_scheme="none", restore_from_path=None)
-        elif export == "adapters":  # NeMo's PEFT config names the base model the adapters go on
-            config["restore_from_path"] = model.cfg.get("restore_from_path")
-        with open(os.path.join(staging, MODEL_CONFIG), "w", encoding="utf-8") as f:
-            yaml.safe_dump(config, f, sort_keys=False)
-        for name, src in artifacts:
-            shutil.copy(src, os.path.join(staging, name))
-        _tar_staging(staging, path)
-    barrier()
+        try:
+            tokenizer_cfg, artifacts = _tokenizer_artifacts(model.tokenizer)
+            config = nemo_model_config(model.model_config_dict(), tokenizer_cfg)
+            if export == "merged":
+                config["peft"] = dict(config.get("peft") or {}, peft_scheme="none", restore_from_path=None)
+            elif export == "adapters":  # NeMo's PEFT config names the base model the adapters go on
+                config["restore_from_path"] = model.cfg.get("restore_from_path")
+            with open(os.path.join(staging, MODEL_CONFIG), "w", encoding="utf-8") as f:
+                yaml.safe_dump(config, f, sort_keys=False)
+            for name, src in artifacts:
+                shutil.copy(src, os.path.join(staging, name))
+            _tar_staging(staging, path)
+        except OSError as err:  # disk full while writing the config or an artifact
+            shutil.rmtree(staging, ignore_errors=True)
+            error = f"{path}: could not be written ({err.strerror or err}); a file already there is kept as it was"
+        except CheckpointError as err:  # _tar_staging's, which cleaned up
+            error = str(err)
+    # the other ranks return only once the file is in place, or stop with rank 0's error
+    error = first_error_of_any_rank(error)
+    if error:
+        raise CheckpointError(error)
     return path
 
 
