@@ -167,16 +167,64 @@ def test_crafted_nemo_archives_are_refused(tmp_path):
         assert not os.path.exists(_extract_dir_for(str(path))), path.name
 
 
-def test_a_refused_archive_stops_every_rank(tmp_path):
-    """Two ranks on one node: local rank 0 extracts, finds an unsafe member and removes what it
-    wrote; the other rank gets the same error instead of reading a partial extraction or waiting."""
-    import io
-    import tarfile
+def _two_gloo_ranks(action, path: str, out) -> tuple:
+    """Run ``action(path)`` on two gloo ranks (one node); fails if a rank is still running after two
+    minutes (left waiting). Returns the port they met on and each rank's result or CheckpointError."""
     import time
 
     import torch.multiprocessing as mp
 
     from conftest import free_port
+
+    port = free_port()
+    context = mp.start_processes(_rank_worker, args=(port, action, path, str(out)), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=1):
+        assert time.monotonic() < deadline, "a rank is still waiting"
+    return port, [(out / f"rank{rank}.txt").read_text() for rank in range(2)]
+
+
+def _rank_worker(rank, port, action, path, out):
+    import torch.distributed as dist
+
+    from nemo_aligner.utils.errors import CheckpointError
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        message = action(path)
+    except CheckpointError as err:
+        message = str(err)
+    with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+        f.write(message)
+    dist.destroy_process_group()
+
+
+def _extract(path):
+    from nemo_aligner.utils.nemo_file import extracted
+
+    with extracted(path, "model.restore_from_path"):
+        return "extracted"
+
+
+def _save(path):
+    import types
+
+    import torch
+
+    from nemo_aligner.utils.nemo_file import save_nemo
+
+    save_nemo(types.SimpleNamespace(module=torch.nn.Linear(2, 2)), path)
+    return "written"
+
+
+def test_a_refused_archive_stops_every_rank(tmp_path, monkeypatch):
+    """Two ranks on one node: local rank 0 extracts, finds an unsafe member and removes what it
+    wrote; the other rank gets the same error instead of reading a partial extraction or waiting."""
+    import io
+    import tarfile
+
     from nemo_aligner.utils.nemo_file import _extract_dir_for
 
     path = tmp_path / "unsafe.nemo"
@@ -185,86 +233,24 @@ def test_a_refused_archive_stops_every_rank(tmp_path):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    port = free_port()
-    context = mp.start_processes(_extract_worker, args=(port, str(path), str(tmp_path)), nprocs=2, join=False)
-    deadline = time.monotonic() + 120
-    while not context.join(timeout=1):
-        assert time.monotonic() < deadline, "a rank is still waiting"
-    for rank in range(2):
-        assert (tmp_path / f"r{rank}.txt").read_text().startswith(
-            f"model.restore_from_path={path}: refusing to extract an unsafe archive member"), rank
-    tag_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    old = {k: os.environ.get(k) for k in tag_env}
-    os.environ.update(tag_env)
-    try:
-        assert not os.path.exists(_extract_dir_for(str(path)))
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    port, messages = _two_gloo_ranks(_extract, str(path), tmp_path)
+    for message in messages:
+        assert message.startswith(f"model.restore_from_path={path}: refusing to extract an unsafe archive member"), \
+            messages
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # the ranks' job: its extraction directory's name
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    assert not os.path.exists(_extract_dir_for(str(path)))
     assert not (tmp_path.parent / "escape.txt").exists()
-
-
-def _extract_worker(rank, port, path, out):
-    import torch.distributed as dist
-
-    from nemo_aligner.utils.errors import CheckpointError
-    from nemo_aligner.utils.nemo_file import extracted
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        with extracted(path, "model.restore_from_path"):
-            message = "extracted"
-    except CheckpointError as err:
-        message = str(err)
-    with open(f"{out}/r{rank}.txt", "w") as f:
-        f.write(message)
-    dist.destroy_process_group()
 
 
 def test_a_nemo_that_cannot_be_written_stops_every_rank(tmp_path):
     """Two ranks saving a .nemo under a path whose parent is a file: rank 0 cannot make the staging
     directory, and every rank stops with its error instead of waiting for a file that never comes."""
-    import time
-
-    import torch.multiprocessing as mp
-
-    from conftest import free_port
-
     (tmp_path / "a_file").write_text("x")
     path = tmp_path / "a_file" / "model.nemo"
-    port = free_port()
-    context = mp.start_processes(_save_worker, args=(port, str(path), str(tmp_path)), nprocs=2, join=False)
-    deadline = time.monotonic() + 120
-    while not context.join(timeout=1):
-        assert time.monotonic() < deadline, "a rank is still waiting"
-    for rank in range(2):
-        assert (tmp_path / f"s{rank}.txt").read_text().startswith(f"{path}: not written, cannot create"), rank
-
-
-def _save_worker(rank, port, path, out):
-    import types
-
-    import torch
-    import torch.distributed as dist
-
-    from nemo_aligner.utils.errors import CheckpointError
-    from nemo_aligner.utils.nemo_file import save_nemo
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        save_nemo(types.SimpleNamespace(module=torch.nn.Linear(2, 2)), path)
-        message = "written"
-    except CheckpointError as err:
-        message = str(err)
-    with open(f"{out}/s{rank}.txt", "w") as f:
-        f.write(message)
-    dist.destroy_process_group()
+    _, messages = _two_gloo_ranks(_save, str(path), tmp_path)
+    for message in messages:
+        assert message.startswith(f"{path}: not written, cannot create"), messages
 
 
 def test_disk_full_while_writing_the_config_keeps_the_old_nemo(tmp_path, mcore_single, monkeypatch):
