@@ -160,14 +160,13 @@ def extracted(path: str, key: str = "restore_from_path") -> Iterator[str]:
                 if unsafe is not None:
                     raise tarfile.FilterError(f"member {unsafe!r}: absolute path, '..' or a link")
                 tar.extractall(target, filter="data")  # and the standard library's own checks
+            if not os.path.isfile(os.path.join(target, MODEL_CONFIG)):
+                error = f"{key}={path}: the archive has no {MODEL_CONFIG}"
         except tarfile.FilterError as err:
             error = f"{key}={path}: refusing to extract an unsafe archive member ({err})"
         except (tarfile.TarError, OSError) as err:
             error = f"{key}={path}: cannot extract ({err}); the file may be truncated"
-    # every rank of the node waits for the extraction, and learns of its failure
-    error = first_error_of_any_rank(error)
-    if error is None and not os.path.isfile(os.path.join(target, MODEL_CONFIG)):
-        error = f"{key}={path}: the archive has no {MODEL_CONFIG}"
+    # every rank waits for its node's extraction; a failure on any node stops them all
     error = first_error_of_any_rank(error)
     if error:
         if _local_rank() == 0:  # a refused archive leaves nothing behind, not even a partial extraction
@@ -344,10 +343,7 @@ def save_nemo(model, path: str) -> str:
             os.makedirs(staging)
         except OSError as err:  # the parent is a file, a read-only directory, a quota
             error = f"{path}: not written, cannot create {staging} ({err.strerror or err})"
-    # every rank waits for the staging directory, and stops with rank 0 if it cannot be made
-    error = first_error_of_any_rank(error)
-    if error:
-        raise CheckpointError(error)
+    _stop_if_any_rank_failed(error)  # every rank waits for the staging directory
     export = model.nemo_export() if hasattr(model, "nemo_export") else "full"
     if export == "adapters":
         _write_adapters(model, staging)
@@ -371,14 +367,22 @@ def save_nemo(model, path: str) -> str:
             _tar_staging(staging, path)
         except OSError as err:  # disk full while writing the config or an artifact
             shutil.rmtree(staging, ignore_errors=True)
-            error = f"{path}: could not be written ({err.strerror or err}); a file already there is kept as it was"
+            error = _not_written(path, err)
         except CheckpointError as err:  # _tar_staging's, which cleaned up
             error = str(err)
-    # the other ranks return only once the file is in place, or stop with rank 0's error
+    _stop_if_any_rank_failed(error)  # the other ranks return only once the file is in place
+    return path
+
+
+def _stop_if_any_rank_failed(error: Optional[str]) -> None:
+    """A CheckpointError on every rank when any rank met ``error`` (a collective)."""
     error = first_error_of_any_rank(error)
     if error:
         raise CheckpointError(error)
-    return path
+
+
+def _not_written(path: str, err: OSError) -> str:
+    return f"{path}: could not be written ({err.strerror or err}); a file already there is kept as it was"
 
 
 def _tar_staging(staging: str, path: str) -> None:
@@ -393,8 +397,7 @@ def _tar_staging(staging: str, path: str) -> None:
         shutil.rmtree(staging, ignore_errors=True)
         if os.path.exists(tmp):
             os.unlink(tmp)
-        raise CheckpointError(f"{path}: could not be written ({err.strerror or err}); a file already there "
-                              "is kept as it was") from None
+        raise CheckpointError(_not_written(path, err)) from None
     os.replace(tmp, path)
     shutil.rmtree(staging, ignore_errors=True)
 

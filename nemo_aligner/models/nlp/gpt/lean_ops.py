@@ -206,7 +206,7 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
-        if weight is None or len(self.normalized_shape) != 1 or weight.dtype not in _NORM_DTYPES:
+        if weight is None or len(self.normalized_shape) != 1:
             return super().forward(x)
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         training = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
@@ -220,8 +220,6 @@ class RMSNorm(torch.nn.RMSNorm):
                 return kernels.rms_norm_forward(x.view(-1, x.shape[-1]), weight, eps)[0].view_as(x)
         return super().forward(x)
 
-
-_NORM_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def use_lean_norms(module: torch.nn.Module) -> None:
