@@ -38,16 +38,19 @@ def test_only_float32_cpu_matrices_are_packed():
     assert cpu_gemm.pack(torch.randn(4, 4), 2, backend) is not None
 
 
-@pytest.mark.parametrize("machine,vendor,expected,without_native", [
-    ("x86_64", "GenuineIntel", "mkl", "mkl"),
-    ("x86_64", "AuthenticAMD", "native", "onednn"),
-    ("x86_64", "", "native", "onednn"),
-    ("aarch64", "", "plain", "plain"),
+@pytest.mark.parametrize("machine,vendor,avx512,expected,without_native", [
+    ("x86_64", "GenuineIntel", True, "native", "mkl"),
+    ("x86_64", "GenuineIntel", False, "mkl", "mkl"),
+    ("x86_64", "AuthenticAMD", True, "native", "onednn"),
+    ("x86_64", "AuthenticAMD", False, "native", "onednn"),
+    ("x86_64", "", False, "native", "onednn"),
+    ("aarch64", "", False, "plain", "plain"),
 ])
-def test_auto_choice_follows_the_cpu(monkeypatch, machine, vendor, expected, without_native):
+def test_auto_choice_follows_the_cpu(monkeypatch, machine, vendor, avx512, expected, without_native):
     monkeypatch.delenv(cpu_gemm.ENV_VAR, raising=False)
     monkeypatch.setattr(cpu_gemm.platform, "machine", lambda: machine)
     monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(cpu_gemm, "native_is_avx512", lambda: avx512)
     monkeypatch.setattr(cpu_gemm, "available", lambda b: True)
     assert cpu_gemm.decode_gemm_backend() == expected
     # where our kernels do not build (no compiler, no AVX2), oneDNN as before
@@ -158,6 +161,8 @@ def test_megatron_linear_calls_go_to_native_only_where_it_applies(monkeypatch):
     plain = dict(bias=bias, gradient_accumulation_fusion=False, allreduce_dgrad=False, sequence_parallel=False,
                  grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None)
     monkeypatch.setenv(cpu_gemm.ENV_VAR, "native")
+    monkeypatch.setattr(cpu_gemm, "_TRAINING_CHOICE", {})
+    monkeypatch.setattr(cpu_gemm, "large_matmuls_on_torch", lambda: False)
     assert torch.allclose(linear(x, weight, **plain), F.linear(x, weight, bias), atol=1e-5)
     assert seen == []
     for change in ({"sequence_parallel": True}, {"allreduce_dgrad": True}, {"grad_output_buffer": []},
@@ -170,6 +175,41 @@ def test_megatron_linear_calls_go_to_native_only_where_it_applies(monkeypatch):
     monkeypatch.setenv(cpu_gemm.ENV_VAR, "plain")  # torch's matmuls where our GEMM is not the choice
     linear(x, weight, **plain)
     assert len(seen) == 1
+    seen.clear()
+    # an Intel CPU: training keeps torch's (MKL's) matmuls even where decode steps use our GEMM
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "native")
+    monkeypatch.setattr(cpu_gemm, "_TRAINING_CHOICE", {})
+    monkeypatch.setattr(cpu_gemm, "large_matmuls_on_torch", lambda: True)
+    linear(x, weight, **plain)
+    assert len(seen) == 1
+
+
+@needs_native
+@pytest.mark.parametrize("intel", [True, False])
+def test_native_decode_linear_hands_large_inputs_to_torch_on_intel(monkeypatch, intel):
+    """The decode loop's native linear runs our GEMM up to the row count it was packed for; beyond
+    it (a prefill), F.linear on Intel CPUs (MKL is faster there), our GEMM elsewhere."""
+    real = cpu_gemm._kernels()
+    rows_seen = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def packed_linear(self, x, *args):
+            rows_seen.append(x.shape[0])
+            return real.packed_linear(x, *args)
+
+    monkeypatch.setattr(cpu_gemm, "_kernels", lambda: Counting())
+    monkeypatch.setattr(cpu_gemm, "large_matmuls_on_torch", lambda: intel)
+    torch.manual_seed(6)
+    weight, bias = torch.randn(40, 24), torch.randn(40)
+    call = cpu_gemm.linear(weight, bias, cpu_gemm.pack(weight, 8, "native"), 8, "native")
+    for rows in (8, 5, 64):
+        x = torch.randn(rows, 24)
+        with torch.inference_mode():
+            assert torch.allclose(call(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert rows_seen == ([8, 5] if intel else [8, 5, 64])
 
 
 @needs_native
@@ -186,6 +226,8 @@ def test_training_step_through_native_equals_torchs(mcore_single, monkeypatch):
              "is_end": torch.ones(4, dtype=torch.bool), "logprobs": None,
              "init_logprobs": model.get_init_policy_logprobs(out.tokens)}
     calls = []
+    monkeypatch.setattr(cpu_gemm, "_TRAINING_CHOICE", {})
+    monkeypatch.setattr(cpu_gemm, "large_matmuls_on_torch", lambda: False)  # training on our GEMM (not Intel)
     apply = cpu_gemm.NativeLinear.apply
     monkeypatch.setattr(cpu_gemm.NativeLinear, "apply", lambda *a: calls.append(1) or apply(*a))
     results = {}

@@ -144,29 +144,46 @@ def test_decode_attention_equals_sdpa(ext, per_group, d, masked):
     assert torch.allclose(out, expected.reshape(batch, -1), atol=2e-6, rtol=1e-5)
 
 
+@pytest.fixture(scope="module", params=["this CPU's", "AVX2"])
+def gemm_ext(request, ext):
+    """The kernels as built for this CPU, and (where that build is AVX-512's) the AVX2 build that
+    CPUs without AVX-512 get: both packed GEMMs are tested on an AVX-512 machine."""
+    if request.param == "AVX2":
+        flags = cpu_kernels.compile_flags()
+        if "-mavx512f" not in flags:
+            pytest.skip("this CPU's build is the AVX2 one")
+        flags = [f for f in flags if f != "-mavx512f"]
+        return cpu_kernels._build_or_import(cpu_kernels._build_name(flags), flags)
+    return ext
+
+
 @pytest.mark.parametrize("n,k", [(96, 64), (37, 19), (16, 1024), (400, 256)])
-def test_packed_linear_against_float64(ext, n, k):
-    """Every row count from 1 to 13 (6-row blocks and each remainder), columns not a multiple of
-    the 16-column panel, with and without bias: as close to a float64 product as F.linear is."""
-    assert ext.has_packed_linear()
+def test_packed_linear_against_float64(gemm_ext, n, k):
+    """Every row count from 1 to two register blocks and one (6 rows with AVX2, 12 with AVX-512,
+    and each remainder), columns not a multiple of the panel (16 or 32 columns), with and without
+    bias: as close to a float64 product as F.linear is."""
+    assert gemm_ext.has_packed_linear()
+    block, panel = gemm_ext.packed_gemm_tile()
+    assert (block, panel) in ((6, 16), (12, 32))
     torch.manual_seed(11)
     weight, bias = torch.randn(n, k), torch.randn(n)
-    packed = ext.pack_linear(weight)
-    for rows in range(1, 14):
+    packed = gemm_ext.pack_linear(weight)
+    assert packed.shape == ((n + panel - 1) // panel, k, panel)
+    for rows in range(1, 2 * block + 2):
         x = torch.randn(rows, k)
         for b in (None, bias):
             exact = F.linear(x.double(), weight.double(), b.double() if b is not None else None)
-            ours = ext.packed_linear(x, packed, n, b)
+            ours = gemm_ext.packed_linear(x, packed, n, b)
             reference_error = (F.linear(x, weight, b).double() - exact).abs().max()
             assert (ours.double() - exact).abs().max() <= 4 * reference_error + 1e-6, (rows, b is None)
     with pytest.raises(RuntimeError, match="does not match"):
-        ext.packed_linear(torch.randn(2, k + 1), packed, n, None)
+        gemm_ext.packed_linear(torch.randn(2, k + 1), packed, n, None)
 
 
 @pytest.mark.parametrize("rows,k,n", [(1, 5, 3), (200, 300, 33), (385, 257, 40), (7, 130, 17)])
-def test_packed_gemm_variants_against_float64(ext, rows, k, n):
+def test_packed_gemm_variants_against_float64(gemm_ext, rows, k, n):
     """The training GEMM's three products, with row counts over several 192-row blocks (and a
-    remainder), k over several 128-step chunks (and a part-chunk), n not a multiple of 16:
+    remainder), k over several 128-step chunks (and a part-chunk), n not a multiple of the panel:
     x @ weight^T + bias (pack_linear), x @ b (pack_matrix), and out += x_t^T @ b with x_t given
     transposed ([k, rows], read in place), as close to float64 as torch's float32 products."""
     torch.manual_seed(5)
@@ -177,19 +194,19 @@ def test_packed_gemm_variants_against_float64(ext, rows, k, n):
         assert ours.shape == exact.shape
         assert (ours.double() - exact).abs().max() <= 4 * (reference.double() - exact).abs().max() + 1e-6
 
-    check(ext.packed_gemm(x, False, ext.pack_linear(weight), n, bias, None),
+    check(gemm_ext.packed_gemm(x, False, gemm_ext.pack_linear(weight), n, bias, None),
           F.linear(x.double(), weight.double(), bias.double()), F.linear(x, weight, bias))
-    check(ext.packed_gemm(x.view(1, rows, k), False, ext.pack_matrix(b), n, None, None)[0],
+    check(gemm_ext.packed_gemm(x.view(1, rows, k), False, gemm_ext.pack_matrix(b), n, None, None)[0],
           x.double() @ b.double(), x @ b)
     expected, reference = out.double() + x.double() @ b.double(), out + x @ b
     x_t = x.t().contiguous()
-    result = ext.packed_gemm(x_t, True, ext.pack_matrix(b), n, None, out)
+    result = gemm_ext.packed_gemm(x_t, True, gemm_ext.pack_matrix(b), n, None, out)
     assert result.data_ptr() == out.data_ptr()  # added into `out`, no new tensor
     check(out, expected, reference)
     with pytest.raises(RuntimeError, match="out"):
-        ext.packed_gemm(x, False, ext.pack_matrix(b), n, None, torch.zeros(rows, n + 1))
+        gemm_ext.packed_gemm(x, False, gemm_ext.pack_matrix(b), n, None, torch.zeros(rows, n + 1))
     with pytest.raises(RuntimeError, match="does not match"):
-        ext.packed_gemm(x_t, False, ext.pack_matrix(b), n, None, None)
+        gemm_ext.packed_gemm(x_t, False, gemm_ext.pack_matrix(b), n, None, None)
 
 
 def test_kernels_refuse_bad_shapes(ext):

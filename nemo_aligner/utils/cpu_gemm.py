@@ -4,7 +4,12 @@ A decode step multiplies a few rows (one token per sequence) by every weight mat
 library's packed GEMM runs that fastest depends on the CPU (measured, see benchmarks/README.md):
 
 - Intel Xeon (AVX-512): MKL's packed GEMM (``torch.ops.mkl._mkl_linear``) is ~1.4x faster than
-  ``F.linear`` and bit-identical to it.
+  ``F.linear`` and bit-identical to it. Our own kernel built for AVX-512 (``native``: 32-column
+  weight panels and a 12 x 32 register block) runs the small benchmark model's 32-row decode
+  matmuls ~10% faster than MKL's packed GEMM (weights streamed from memory, as in a decode step),
+  so it is the choice on Intel CPUs with AVX-512; there MKL's ``F.linear`` stays faster for
+  hundreds of rows and more (prefills and training, ~300-320 against ~250-290 GFLOP/s), so those
+  keep ``F.linear``.
 - AMD EPYC (Zen 3, AVX2): MKL's packed GEMM is no faster than ``F.linear`` (presumably MKL's fast
   small-matrix paths are selected for Intel CPUs only); oneDNN's packed GEMM
   (``torch.ops.mkldnn._linear_pointwise``, dispatched by instruction set, not vendor) runs a decode
@@ -14,13 +19,12 @@ library's packed GEMM runs that fastest depends on the CPU (measured, see benchm
 - Our own AVX2/FMA kernel (``native``: ``packed_linear`` in ``utils.cpu_kernels``, 16-column
   weight panels and a 6 x 16 register block) runs the same matmuls at 1.2-1.4x oneDNN's speed on
   that AMD EPYC (tiny model at 32 and 64 rows, small model at 32). It is the choice on non-Intel x86
-  CPUs where the kernels build; on Intel CPUs MKL stays the choice (AVX-512 there, not measured
-  against ours).
+  CPUs where the kernels build, for every row count (prefills too).
 
 ``NEMO_ALIGNER_DECODE_GEMM`` (``auto`` | ``native`` | ``mkl`` | ``onednn`` | ``plain``) overrides the choice.
 
-Where the choice is ``native``, the float32 CPU matmuls of training and of log-prob passes use our
-kernel too (:class:`NativeLinear`, routed in by ``utils.patches.cpu_compat``): forward, input
+Where the choice is ``native`` on a CPU other than Intel's, the float32 CPU matmuls of training and
+of log-prob passes use our kernel too (:class:`NativeLinear`, routed in by ``utils.patches.cpu_compat``): forward, input
 gradient and weight gradient (added straight into megatron-core's ``main_grad``): 1.15-1.2x MKL's
 ``F.linear`` alone at training shapes on the AMD EPYC, ~1.1x within a training step.
 """
@@ -66,6 +70,18 @@ def available(backend: str) -> bool:
     return backend == "plain"
 
 
+def native_is_avx512() -> bool:
+    """Whether our packed GEMM is built for AVX-512 (32-column panels)."""
+    kernels = _kernels()
+    return kernels is not None and kernels.has_packed_linear() and kernels.packed_gemm_tile()[1] == 32
+
+
+def large_matmuls_on_torch() -> bool:
+    """Whether matmuls of many rows (prefills, training) run faster on ``F.linear`` than on our
+    kernel: on Intel CPUs, where MKL's large GEMMs are faster."""
+    return cpu_vendor() == "GenuineIntel"
+
+
 def requested_backend() -> str:
     """``NEMO_ALIGNER_DECODE_GEMM`` (``auto`` when unset); an unknown value is an error naming it."""
     requested = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
@@ -76,8 +92,9 @@ def requested_backend() -> str:
 
 def decode_gemm_backend() -> str:
     """The packed-GEMM backend for CPU decode steps: ``NEMO_ALIGNER_DECODE_GEMM`` if set (an
-    unavailable one is an error), else MKL on Intel CPUs, our own kernel (else oneDNN) on other
-    x86 CPUs, plain ``F.linear`` elsewhere or where the chosen library is missing."""
+    unavailable one is an error), else on Intel CPUs our own kernel where it is built for AVX-512
+    (else MKL), on other x86 CPUs our own kernel (else oneDNN), plain ``F.linear`` elsewhere or where
+    the chosen library is missing."""
     requested = requested_backend()
     if requested != "auto":
         if not available(requested):
@@ -86,6 +103,8 @@ def decode_gemm_backend() -> str:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return "plain"
     if cpu_vendor() == "GenuineIntel":
+        if available("native") and native_is_avx512():
+            return "native"
         return "mkl" if available("mkl") else "plain"
     for backend in ("native", "onednn"):
         if available(backend):
@@ -118,10 +137,14 @@ def linear(weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[
     if backend == "mkl":
         mkl_linear = torch.ops.mkl._mkl_linear
         return lambda x: mkl_linear(x, packed, weight, bias, rows)
-    if backend == "native":  # any number of rows: a prefill's thousands run ~1.2x F.linear's speed too
-        packed_linear, out_features = _kernels().packed_linear, weight.shape[0]
-        return lambda x: packed_linear(x.contiguous(), packed, out_features, bias)
     skinny = rows * weight.shape[1]
+    if backend == "native":
+        packed_linear, out_features = _kernels().packed_linear, weight.shape[0]
+        if large_matmuls_on_torch():  # a prefill's thousands of rows: MKL's F.linear is faster there
+            return lambda x: packed_linear(x.contiguous(), packed, out_features, bias) if x.numel() <= skinny \
+                else F.linear(x, weight, bias)
+        # any number of rows: a prefill's thousands run ~1.2x F.linear's speed too (AMD EPYC)
+        return lambda x: packed_linear(x.contiguous(), packed, out_features, bias)
     onednn_linear = torch.ops.mkldnn._linear_pointwise
     # oneDNN is faster only for skinny inputs: a prefill's thousands of rows run ~10% faster on MKL
     # (measured on the small benchmark model, Zen 3).
@@ -133,13 +156,13 @@ _TRAINING_CHOICE: dict = {}  # (the two settings' values) -> whether training ru
 
 def training_kernels():
     """The compiled kernels where float32 CPU training matmuls run on our GEMM (the packed-GEMM
-    choice is ``native``), else None. Called for every linear layer: the choice is kept per value
-    of the two settings."""
+    choice is ``native`` on a CPU other than Intel's), else None. Called for every linear layer: the
+    choice is kept per value of the two settings."""
     from nemo_aligner.utils import cpu_kernels
 
     key = (os.environ.get(ENV_VAR, ""), os.environ.get(cpu_kernels.ENV_VAR, ""))
     if key not in _TRAINING_CHOICE:
-        _TRAINING_CHOICE[key] = decode_gemm_backend() == "native"
+        _TRAINING_CHOICE[key] = decode_gemm_backend() == "native" and not large_matmuls_on_torch()
     return _kernels() if _TRAINING_CHOICE[key] else None
 
 

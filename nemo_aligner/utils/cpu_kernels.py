@@ -3,7 +3,7 @@
 - Decode steps: each layer's glue (residual add + RMSNorm, RoPE + cache write, attention over the
   cache, SwiGLU) runs in four kernel calls instead of ~45 small torch ops; the matmuls stay with
   torch (``generation.KVCacheDecoder``).
-- Decode matmuls: ``pack_linear``/``packed_linear``, an AVX2/FMA GEMM for a few dozen rows
+- Decode matmuls: ``pack_linear``/``packed_linear``, an AVX2/FMA (or AVX-512) GEMM for a few dozen rows
   (``cpu_gemm``'s ``native`` backend).
 - Training: SwiGLU and RMSNorm forward and backward in one pass each (``lean_ops``).
 
@@ -61,6 +61,8 @@ def compile_flags() -> list:
     cpu_flags = set(cpuinfo("flags").split())
     if platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma"} <= cpu_flags:
         flags += ["-mavx2", "-mfma"]
+        if "avx512f" in cpu_flags:  # the packed GEMM's 32-column panels
+            flags.append("-mavx512f")
     return flags
 
 
