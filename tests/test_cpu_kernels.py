@@ -124,6 +124,11 @@ def test_rope_cache_write(ext, per_group, d, rot):
     assert torch.allclose(cache, expected_cache, atol=1e-6)
     with pytest.raises(RuntimeError, match="slot out of range"):
         ext.rope_cache_write(qkv, table, positions, cache, length, groups, per_group)
+    if table is not None:  # a position beyond the table (the second row's): refused before any row is changed
+        before_qkv, before_cache = qkv.clone(), cache.clone()
+        with pytest.raises(RuntimeError, match="out of the RoPE table"):
+            ext.rope_cache_write(qkv, table, torch.tensor([5, 12, 0]), cache, slot + 1, groups, per_group)
+        assert torch.equal(qkv, before_qkv) and torch.equal(cache, before_cache)
 
 
 @pytest.mark.parametrize("per_group,d,masked", [(2, 16, True), (1, 12, False), (4, 64, True)])
