@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import random
-from contextlib import contextmanager
 from typing import Optional
 
 import numpy as np
@@ -23,6 +22,7 @@ from nemo_aligner.utils.checkpoint_io import load_common, load_sharded, save_sha
 from nemo_aligner.utils.distributed import get_rank
 from nemo_aligner.utils.errors import CheckpointError
 from nemo_aligner.utils.optim import uses_distributed_optimizer
+from nemo_aligner.utils.patches.optimizer_state import float32_params_listed, without_stub_optimizers
 
 logger = logging.getLogger(__name__)
 
@@ -71,34 +71,6 @@ def set_rng_state(state: dict) -> None:
                        written_on, _tracker_device())
 
 
-@contextmanager
-def _float32_params_listed(optimizer):
-    """Let megatron-core's mixed-precision optimizer save and load float32 parameters kept in a
-    bf16/fp16 model (the reward and value heads).
-
-    Its ``sharded_state_dict`` maps optimizer slots to model tensors through ``float16_groups``
-    alone, so a float32 parameter in a param group has no entry (``KeyError``). For the duration,
-    each group's lists name every slot in the optimizer's order: the bf16 model parameter and its
-    float32 master, or the float32 parameter twice. ``load_state_dict`` then copies the saved values
-    into the same tensors."""
-    inners = [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
-              if any(getattr(o, "fp32_from_fp32_groups", None) or [])]
-    saved = [(o, o.float16_groups, o.fp32_from_float16_groups) for o in inners]
-    try:
-        for inner in inners:
-            model_groups, main_groups = [], []
-            for group, halves, masters in zip(inner.optimizer.param_groups, inner.float16_groups,
-                                              inner.fp32_from_float16_groups):
-                half_of = {id(main): half for half, main in zip(halves, masters)}
-                model_groups.append([half_of.get(id(p), p) for p in group["params"]])
-                main_groups.append(list(group["params"]))
-            inner.float16_groups, inner.fp32_from_float16_groups = model_groups, main_groups
-        yield
-    finally:
-        for inner, halves, masters in saved:
-            inner.float16_groups, inner.fp32_from_float16_groups = halves, masters
-
-
 def _saved_param_groups(opt_state) -> Optional[list]:
     """The param groups in one optimizer's loaded state (mixed-precision, float32 or distributed layout)."""
     for holder in (opt_state.get("optimizer"), opt_state.get("optimizer_state_dict"), opt_state):
@@ -132,30 +104,12 @@ def _match_param_groups(optimizer, opt_state) -> None:
                     now[key] = then[key]
 
 
-@contextmanager
-def _without_stub_optimizers(optimizer):
-    """A chained optimizer without its parameter-less parts for the duration. megatron-core chains a
-    dense and an expert-parallel optimizer and makes the dense one a stub when no dense parameter
-    trains (LoRA on experts alone); its chained ``sharded_state_dict`` then fails on the stub's missing
-    torch optimizer (0.16-0.19). A stub has no state to save or load."""
-    chained = getattr(optimizer, "chained_optimizers", None)
-    if not chained or len(chained) < 2 or not any(getattr(o, "is_stub_optimizer", False) for o in chained):
-        yield
-        return
-    real = [o for o in chained if not getattr(o, "is_stub_optimizer", False)]
-    optimizer.chained_optimizers = real or chained[:1]
-    try:
-        yield
-    finally:
-        optimizer.chained_optimizers = chained
-
-
 def _optimizer_sharded(model, optimizer, model_sd: dict, is_loading: bool):
     if optimizer is None:
         return None
-    with _without_stub_optimizers(optimizer):
+    with without_stub_optimizers(optimizer):
         if not uses_distributed_optimizer(model.cfg.get("optim") or {}):
-            with _float32_params_listed(optimizer):
+            with float32_params_listed(optimizer):
                 return optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
         if is_loading:
             # The DistributedOptimizer needs allocated states to map checkpoint shards onto.
@@ -319,9 +273,9 @@ def load_train_checkpoint(directory: str, model, optimizer, scheduler, load_rng:
         if optimizer is not None:
             if "optimizer_states" not in loaded:
                 raise CheckpointError(f"checkpoint {directory}: has no optimizer state")
-            with _without_stub_optimizers(optimizer):  # the structure it was saved with
+            with without_stub_optimizers(optimizer):  # the structure it was saved with
                 _match_param_groups(optimizer, loaded["optimizer_states"][0])
-                with _float32_params_listed(optimizer):
+                with float32_params_listed(optimizer):
                     optimizer.load_state_dict(loaded["optimizer_states"][0])
                 _restore_adam_steps(optimizer, loaded["optimizer_states"][0])
     if scheduler is not None:
