@@ -140,11 +140,11 @@ def linear(weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[
     skinny = rows * weight.shape[1]
     if backend == "native":
         packed_linear, out_features = _kernels().packed_linear, weight.shape[0]
-        if large_matmuls_on_torch():  # a prefill's thousands of rows: MKL's F.linear is faster there
-            return lambda x: packed_linear(x.contiguous(), packed, out_features, bias) if x.numel() <= skinny \
-                else F.linear(x, weight, bias)
-        # any number of rows: a prefill's thousands run ~1.2x F.linear's speed too (AMD EPYC)
-        return lambda x: packed_linear(x.contiguous(), packed, out_features, bias)
+        native = lambda x: packed_linear(x.contiguous(), packed, out_features, bias)  # noqa: E731
+        if not large_matmuls_on_torch():
+            return native  # any number of rows: a prefill's thousands run ~1.2x F.linear's speed too (AMD EPYC)
+        # a prefill's thousands of rows: MKL's F.linear is faster there
+        return lambda x: native(x) if x.numel() <= skinny else F.linear(x, weight, bias)
     onednn_linear = torch.ops.mkldnn._linear_pointwise
     # oneDNN is faster only for skinny inputs: a prefill's thousands of rows run ~10% faster on MKL
     # (measured on the small benchmark model, Zen 3).
