@@ -1,6 +1,7 @@
 """Shared test helpers: built-in data, running scripts with python or torchrun, tiny model shapes."""
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -46,6 +47,16 @@ def subprocess_env(nproc: int = 1, like_nproc: int = None, cpu_only: bool = Fals
     return env
 
 
+def failure_excerpt(text: str, tail: int = 4000) -> str:
+    """What to show of a failed run's output: its error-like lines from before the tail (each rank's
+    ``error:`` line, exception lines, torchrun's per-rank summary), then the last ``tail`` characters.
+    At several ranks the rank that failed first is often not the one whose traceback ends the log."""
+    before = [line for line in text[:-tail].splitlines()
+              if re.search(r"error|exception|traceback|exitcode|signal", line, re.IGNORECASE)]
+    head = "[error-like lines before the tail]\n" + "\n".join(before[:60]) + "\n[tail]\n" if before else ""
+    return head + text[-tail:]
+
+
 def run_python(path: str, args, nproc: int = 1, timeout: int = 300, check: bool = True, cwd=None,
                like_nproc: int = None, cpu_only: bool = False):
     """Run a script alone or under torchrun with ``nproc`` processes; returns the CompletedProcess.
@@ -63,7 +74,8 @@ def run_python(path: str, args, nproc: int = 1, timeout: int = 300, check: bool 
         proc = subprocess.run(cmd, env=subprocess_env(nproc, like_nproc, cpu_only), cwd=cwd, capture_output=True,
                               text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{failure_excerpt(proc.stdout)}\n"
+                             f"{failure_excerpt(proc.stderr, 6000)}")
     return proc
 
 
@@ -345,8 +357,10 @@ class ServerProcess:
 
     def start(self, args):
         if self.nproc > 1:
+            # torchrun's log directory in the workspace: removed with it, none left in /tmp
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={self.nproc}",
-                   f"--master_port={free_port()}", self.script, f"trainer.devices={self.nproc}", *args]
+                   "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+                   f"--log-dir={self.workspace / 'torchrun'}", self.script, f"trainer.devices={self.nproc}", *args]
         else:
             cmd = [sys.executable, self.script, *args]
         self.proc = subprocess.Popen(cmd, env=subprocess_env(self.nproc, self.like_nproc), stdout=self.log,
@@ -365,9 +379,9 @@ class ServerProcess:
                 self.children = psutil.Process(self.proc.pid).children(recursive=True)
                 return self
             if self.proc.poll() is not None:
-                raise AssertionError(f"server exited ({self.proc.returncode}):\n{text[-4000:]}")
+                raise AssertionError(f"server exited ({self.proc.returncode}):\n{failure_excerpt(text)}")
             time.sleep(0.5)
-        raise AssertionError("server not ready in time:\n" + self.text()[-4000:])
+        raise AssertionError("server not ready in time:\n" + failure_excerpt(self.text()))
 
     def text(self):
         if self.log.closed:

@@ -114,8 +114,10 @@ def test_reward_sources():
 def test_rloo_raises_the_task_reward(tmp_path, weak_policy, seed):
     """From a partly trained SFT model (150 steps), 100 RLOO steps with the built-in task's reward
     function, for three seeds: the mean sampled reward of the last 20 steps is above the first 20's by
-    more than 0.05 (measured +0.085 to +0.110: ~0.62 -> 0.71-0.73) and greedy validation does not get
-    worse (0.748 -> 0.780, 0.748, 0.776)."""
+    more than 0.05 and greedy validation does not get worse. Measured over 8 trajectories (seeds 1234,
+    7, 11, 42, 3; two decode GEMMs, whose rounding makes trajectories differ): sampled +0.065 to +0.075
+    (~0.62 -> 0.69-0.70), greedy 0.748 -> 0.763-0.779. At lr 1e-4 the sampled reward rose more but
+    greedy validation spread over 0.737-0.801 (one seed below the start)."""
     model, data = weak_policy
     log_dir = tmp_path / "rloo"
     proc = run_script("train_gpt_reinforce_actor.py", [
@@ -126,7 +128,7 @@ def test_rloo_raises_the_task_reward(tmp_path, weak_policy, seed):
         "model.reinforce.num_rollout_samples=32", "model.reinforce.num_responses_per_prompt=4",
         "model.global_batch_size=64", "model.micro_batch_size=16", "model.reinforce.rollout_micro_batch_size=32",
         "model.reinforce.num_val_samples=64", "model.reinforce.length_params.max_length=9",
-        "model.optim.lr=1e-4", "model.optim.sched.name=Constant", f"model.seed={seed}"])
+        "model.optim.lr=5e-5", "model.optim.sched.name=Constant", f"model.seed={seed}"])
     metrics = read_metrics(log_dir)
     rewards = [r["train/rewards"] for r in metrics if "train/rewards" in r]
     val = {r["step"]: r["val/global_rewards"] for r in metrics if "val/global_rewards" in r}
