@@ -77,7 +77,8 @@ def test_torch_compile_is_restored_after_the_block():
 
 def test_importing_megatron_core_leaves_the_compiler_unimported():
     """In a fresh process: nemo_aligner installs the hook, megatron-core imports without torch._dynamo,
-    its fusion kernels are deferred, and torch.compile is the real one again afterwards."""
+    its fusion kernels are deferred, and torch.compile is the real one again afterwards; neither
+    megatron-core nor the CPU patches (which import its inference modules) import wandb."""
     code = """
 import json, sys
 import nemo_aligner, torch
@@ -90,6 +91,9 @@ got = {"dynamo": "torch._dynamo" in sys.modules, "restored": torch.compile is re
        "deferred": hasattr(fused_bias_swiglu.swiglu, "__wrapped_uncompiled__"),
        "hooks_left": [type(f).__name__ for f in sys.meta_path if "Megatron" in type(f).__name__],
        "wandb_imported": "wandb" in sys.modules, "have_wandb": getattr(dynamic_context, "HAVE_WANDB", True)}
+from nemo_aligner.utils import patches
+patches.apply()  # on a CPU it imports megatron-core's inference engines (the dynamic one imports wandb)
+got["wandb_after_patches"] = "wandb" in sys.modules
 import wandb
 # megatron-core 0.16 imports wandb here: the stand-in's first read imports the real module
 version = getattr(dynamic_context, "wandb", wandb).__version__
@@ -100,7 +104,7 @@ print(json.dumps(got))
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"dynamo": False, "restored": True, "deferred": True, "hooks_left": [], "wandb_imported": False,
-                   "have_wandb": True, "same_wandb": True}, got
+                   "have_wandb": True, "wandb_after_patches": False, "same_wandb": True}, got
 
 
 def test_a_deferred_module_imports_on_first_read(tmp_path, monkeypatch):

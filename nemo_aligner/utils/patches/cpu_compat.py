@@ -17,6 +17,7 @@ import types
 import torch
 
 from nemo_aligner.utils.cpu_info import has_fast_bf16_matmul
+from nemo_aligner.utils.patches.deferred_compile import megatron_import_deferrals
 
 _APPLIED = False
 
@@ -368,7 +369,8 @@ def apply_cpu_patches() -> bool:
     fake_torch = _TorchOnCpu()
     for name in _CUDA_HARDCODED_MODULES:
         try:
-            module = importlib.import_module(name)
+            with megatron_import_deferrals():  # the inference engines import wandb (~0.6 s)
+                module = importlib.import_module(name)
         except ImportError:
             continue
         if getattr(module, "torch", None) is torch:

@@ -104,6 +104,15 @@ def deferred_modules(*names):
                 del sys.modules[name]
 
 
+@contextlib.contextmanager
+def megatron_import_deferrals():
+    """What an import of megatron-core modules defers: ``torch.compile``'s compiler and ``wandb``.
+    Also for megatron-core modules imported after ``megatron.core`` itself (the CPU patches import
+    its inference modules, whose dynamic engine imports ``wandb``)."""
+    with deferred_torch_compile(), deferred_modules("wandb"):
+        yield
+
+
 class _DeferCompileLoader(importlib.abc.Loader):
     """Runs the wrapped loader's ``exec_module`` under ``deferred_torch_compile`` and with ``wandb``
     deferred."""
@@ -118,7 +127,7 @@ class _DeferCompileLoader(importlib.abc.Loader):
         module.__loader__ = self._loader
         if module.__spec__ is not None:
             module.__spec__.loader = self._loader
-        with deferred_torch_compile(), deferred_modules("wandb"):
+        with megatron_import_deferrals():
             self._loader.exec_module(module)
 
     def __getattr__(self, name):
