@@ -6,6 +6,7 @@ import functools
 import logging
 import os
 import sys
+import time
 from typing import Callable, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
@@ -23,6 +24,9 @@ OmegaConf.register_new_resolver("subtract", lambda x, y: x - y, replace=True)
 _HYDRA_DEFAULTS = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
 
 
+_OTHER_RANK_EXIT_DELAY_S = 3.0
+
+
 def report_user_error(err: Exception) -> None:
     """Print ``error: ...`` without a traceback and exit 1 (all ranks, so torchrun stops the job)."""
     import torch.distributed as dist
@@ -32,8 +36,13 @@ def report_user_error(err: Exception) -> None:
     prefix = f"[rank {rank}] " if rank not in (None, 0) else ""
     print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        # Other ranks may be waiting in a collective; leave at once so the launcher tears the job down.
+        # Other ranks may be waiting in a collective; leave so the launcher tears the job down. A rank
+        # other than 0 waits a moment first: rank 0 usually meets the same error a little later (it
+        # alone sets up the loggers), and the launcher stops every rank as soon as one exits, which
+        # would leave only the "[rank N]" line.
         sys.stdout.flush()
+        if rank not in (None, 0):
+            time.sleep(_OTHER_RANK_EXIT_DELAY_S)
         os._exit(1)
     sys.exit(1)
 
