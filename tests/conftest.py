@@ -1,8 +1,8 @@
 """Shared test helpers: built-in data, running scripts with python or torchrun, tiny model shapes."""
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 

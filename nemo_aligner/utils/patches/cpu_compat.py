@@ -367,14 +367,14 @@ def apply_cpu_patches() -> bool:
     torch.cuda.current_device = _current_device
 
     fake_torch = _TorchOnCpu()
-    for name in _CUDA_HARDCODED_MODULES:
-        try:
-            with megatron_import_deferrals():  # the inference engines import wandb (~0.6 s)
+    with megatron_import_deferrals():  # the inference engines import wandb (~0.6 s)
+        for name in _CUDA_HARDCODED_MODULES:
+            try:
                 module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if getattr(module, "torch", None) is torch:
-            module.torch = fake_torch
+            except ImportError:
+                continue
+            if getattr(module, "torch", None) is torch:
+                module.torch = fake_torch
 
     _patch_rng_tracker()
     _patch_tensor_checks()

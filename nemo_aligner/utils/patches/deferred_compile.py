@@ -114,8 +114,7 @@ def megatron_import_deferrals():
 
 
 class _DeferCompileLoader(importlib.abc.Loader):
-    """Runs the wrapped loader's ``exec_module`` under ``deferred_torch_compile`` and with ``wandb``
-    deferred."""
+    """Runs the wrapped loader's ``exec_module`` under ``megatron_import_deferrals``."""
 
     def __init__(self, loader):
         self._loader = loader
