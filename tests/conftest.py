@@ -252,13 +252,13 @@ def steerlm_nemo(tmp_path_factory, sft_nemo):
     return tuple(built_once(tmp_path_factory, "steerlm_model", lambda out: train_steerlm(out, sft_nemo)))
 
 
-def train_regression_rm(out, data, sft_model: str):
-    """A 2-attribute (quality, verbosity) regression reward model from ``sft_model``, 300 steps;
+def train_regression_rm(out, data, sft_model: str, steps: int = 300):
+    """A 2-attribute (quality, verbosity) regression reward model from ``sft_model``, ``steps`` steps;
     returns its log directory (the .nemo is ``checkpoints/megatron_gpt.nemo``)."""
     run_script("train_reward_model.py", [
         f"++model.data.data_prefix={{train: [{data['regression_train']}], validation: [{data['regression_val']}]}}",
-        f"exp_manager.explicit_log_dir={out}", "trainer.rm.max_steps=300", "trainer.rm.max_epochs=100",
-        "trainer.rm.val_check_interval=300", f"pretrained_checkpoint.restore_from_path={sft_model}",
+        f"exp_manager.explicit_log_dir={out}", f"trainer.rm.max_steps={steps}", "trainer.rm.max_epochs=100",
+        f"trainer.rm.val_check_interval={steps}", f"pretrained_checkpoint.restore_from_path={sft_model}",
         "model.reward_model_type=regression", "model.regression.num_attributes=2",
         "model.regression.attribute_names=[quality,verbosity]"])
     return str(out)
@@ -268,6 +268,14 @@ def train_regression_rm(out, data, sft_model: str):
 def regression_rm(tmp_path_factory, task_data, sft_nemo):
     """The log directory of a regression reward model of the built-in task's quality and verbosity."""
     return built_once(tmp_path_factory, "regression_rm", lambda out: train_regression_rm(out / "reg", task_data, sft_nemo))
+
+
+@pytest.fixture(scope="session")
+def quick_regression_rm(tmp_path_factory, task_data, sft_nemo):
+    """``regression_rm``'s model after 4 steps: for tests of what a regression reward model's checkpoint
+    says (its attributes), not of what it learned."""
+    return built_once(tmp_path_factory, "quick_regression_rm",
+                      lambda out: train_regression_rm(out / "reg", task_data, sft_nemo, steps=4))
 
 
 @pytest.fixture(scope="session")
@@ -293,6 +301,19 @@ def reward_model(tmp_path_factory, task_data, sft_nemo):
 
     nemo, log_dir, stdout = built_once(tmp_path_factory, "reward_model", train)
     return nemo, Path(log_dir), stdout
+
+
+@pytest.fixture(scope="session")
+def quick_rm(tmp_path_factory, task_data, sft_nemo):
+    """A pairwise reward model after 8 steps from the SFT model (its .nemo): for tests of the reward
+    model's machinery (servers, critics, commands, loading), which need a reward-model checkpoint but
+    not an accurate one; ``reward_model`` (300 steps, learning tests) is the accurate one."""
+    def train(log_dir):
+        run_script("train_reward_model.py", rm_overrides(task_data, log_dir, 8, [
+            f"pretrained_checkpoint.restore_from_path={sft_nemo}", "trainer.rm.val_check_interval=8"]))
+        return str(log_dir / "checkpoints" / "megatron_gpt.nemo")
+
+    return built_once(tmp_path_factory, "quick_rm", train)
 
 
 def upcycle_to_experts(dense_nemo: str, out: str, model_cls=None) -> str:

@@ -159,8 +159,8 @@ def _actor_tail(alg):
             f"trainer.{alg}.max_steps=3", f"trainer.{alg}.trt_llm.model_type=llama", "++exp_manager=null"]
 
 
-def test_ppo_sh_actor_nemo(tmp_path, task_data, sft_nemo, reward_model):
-    rm_nemo = reward_model[0]
+def test_ppo_sh_actor_nemo(tmp_path, task_data, sft_nemo, quick_rm):
+    rm_nemo = quick_rm
     port = free_port()
     critic = ServerProcess(tmp_path, "serve_ppo_critic.py", "critic server ready").start([
         f"--config-path={CONF}", "--config-name=gpt_ppo_critic", "trainer.devices=1", "trainer.num_nodes=1",
@@ -189,8 +189,8 @@ def test_ppo_sh_actor_nemo(tmp_path, task_data, sft_nemo, reward_model):
     assert "model.enable_nge is not read by nemo-aligner" in out
 
 
-def test_reinforce_sh_actor_nemo(tmp_path, task_data, sft_nemo, reward_model):
-    rm_nemo = reward_model[0]
+def test_reinforce_sh_actor_nemo(tmp_path, task_data, sft_nemo, quick_rm):
+    rm_nemo = quick_rm
     port = free_port()
     server = ServerProcess(tmp_path, "serve_reward_model.py", "reward model server ready").start([
         "trainer.devices=1", "trainer.num_nodes=1", f"inference.port={port}", f"inference.grpc_port={free_port()}",

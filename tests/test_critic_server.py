@@ -9,11 +9,11 @@ from conftest import free_port, upcycle_to_experts
 
 
 @pytest.fixture(scope="module")
-def rm_nemo(mcore_single, reward_model, tmp_path_factory):
-    """The trained reward model with its MLPs made 4 experts (2 per token): the critic's weights."""
+def rm_nemo(mcore_single, quick_rm, tmp_path_factory):
+    """A reward model with its MLPs made 4 experts (2 per token): the critic's weights."""
     from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import MegatronGPTRewardModel
 
-    return upcycle_to_experts(reward_model[0], str(tmp_path_factory.mktemp("moe_rm") / "rm.nemo"),
+    return upcycle_to_experts(quick_rm, str(tmp_path_factory.mktemp("moe_rm") / "rm.nemo"),
                               MegatronGPTRewardModel)
 
 

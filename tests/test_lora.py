@@ -487,7 +487,7 @@ def test_lora_reward_model_trains_its_head_with_the_adapters(tmp_path, base_nemo
     assert sum(".adapter_layer." in k for k in saved) == 4  # qkv adapters of 2 layers
 
 
-def test_lora_ppo_actor_and_critic(tmp_path, task_data, reward_model, sft_nemo):
+def test_lora_ppo_actor_and_critic(tmp_path, task_data, quick_rm, sft_nemo):
     """PPO with LoRA on both the actor (GRPO's and REINFORCE's model too) and the critic (whose co-located
     reward model is kept as a copy of the adapters and head only): the KL to the reference starts at 0."""
     import subprocess
@@ -497,7 +497,7 @@ def test_lora_ppo_actor_and_critic(tmp_path, task_data, reward_model, sft_nemo):
 
     critic_dir, actor_dir = tmp_path / "critic", tmp_path / "actor"
     data = f"++model.data.data_prefix={{train: [{task_data['prompts_train']}], validation: [{task_data['prompts_val']}]}}"
-    critic = [f"pretrained_checkpoint.restore_from_path={reward_model[0]}", f"exp_manager.explicit_log_dir={critic_dir}",
+    critic = [f"pretrained_checkpoint.restore_from_path={quick_rm}", f"exp_manager.explicit_log_dir={critic_dir}",
               "model.peft.peft_scheme=lora"]
     actor = [f"pretrained_checkpoint.restore_from_path={sft_nemo}", data, f"exp_manager.explicit_log_dir={actor_dir}",
              "trainer.ppo.max_steps=2", "trainer.ppo.max_epochs=100", "model.ppo.num_rollout_samples=16",

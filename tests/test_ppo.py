@@ -13,12 +13,6 @@ from conftest import SCRIPTS, free_port, read_metrics, run_script, subprocess_en
 
 
 @pytest.fixture(scope="module")
-def rm_nemo(reward_model):
-    """The reward model PPO optimises: trained from the SFT model on the built-in comparisons."""
-    return reward_model[0]
-
-
-@pytest.fixture(scope="module")
 def weak_sft_nemo(tmp_path_factory, task_data):
     """A briefly fine-tuned policy (about a third of answers right): room for PPO to improve."""
     out = tmp_path_factory.mktemp("weak_sft")
@@ -48,9 +42,9 @@ def launch(critic, actor, timeout=900, critic_log=None):
     return proc
 
 
-def test_two_steps_checkpoints_and_resume(tmp_path, task_data, rm_nemo, sft_nemo):
+def test_two_steps_checkpoints_and_resume(tmp_path, task_data, quick_rm, sft_nemo):
     critic_dir, actor_dir = tmp_path / "critic", tmp_path / "actor"
-    critic = [f"pretrained_checkpoint.restore_from_path={rm_nemo}", f"exp_manager.explicit_log_dir={critic_dir}"]
+    critic = [f"pretrained_checkpoint.restore_from_path={quick_rm}", f"exp_manager.explicit_log_dir={critic_dir}"]
     actor = actor_overrides(task_data, sft_nemo, actor_dir, 2, ["trainer.ppo.save_interval=2",
                                                                "trainer.ppo.val_check_interval=2"])
     proc = launch(critic, actor, critic_log=tmp_path / "critic1.log")
@@ -93,12 +87,12 @@ def test_two_steps_checkpoints_and_resume(tmp_path, task_data, rm_nemo, sft_nemo
 
 @pytest.mark.learning
 @pytest.mark.parametrize("seed", [1234, 7, 11])
-def test_reward_rises_on_the_builtin_task(tmp_path, task_data, rm_nemo, weak_sft_nemo, seed):
+def test_reward_rises_on_the_builtin_task(tmp_path, task_data, reward_model, weak_sft_nemo, seed):
     """From a weak SFT policy, 30 PPO steps of 128 rollouts raise the reward model's mean reward on
     greedy responses to 64 held-out prompts by at least 0.3, for each of three seeds. The tiny reward
     model is exploitable, so the task's own score does not rise with it (see docs/ppo.md); this test
-    checks that PPO optimises the reward it is given."""
-    critic = [f"pretrained_checkpoint.restore_from_path={rm_nemo}", f"exp_manager.explicit_log_dir={tmp_path / 'c'}",
+    checks that PPO optimises the reward it is given (the 300-step reward model of ``reward_model``)."""
+    critic = [f"pretrained_checkpoint.restore_from_path={reward_model[0]}", f"exp_manager.explicit_log_dir={tmp_path / 'c'}",
               "model.optim.lr=3e-4", "model.global_batch_size=64"]
     actor = actor_overrides(task_data, weak_sft_nemo, tmp_path / "a", 30, [
         "trainer.ppo.val_check_interval=15", "trainer.ppo.save_interval=0", "model.optim.lr=5e-5",
@@ -111,14 +105,14 @@ def test_reward_rises_on_the_builtin_task(tmp_path, task_data, rm_nemo, weak_sft
     assert val[30] >= val[0] + 0.3, val
 
 
-def test_dead_critic_stops_the_actor(tmp_path, task_data, rm_nemo, sft_nemo):
+def test_dead_critic_stops_the_actor(tmp_path, task_data, quick_rm, sft_nemo):
     """SIGKILL the critic after the actor's first checkpoint: with the shipped settings
     (remote_critic_rm.timeout_s=600) the actor sees that the server is gone and exits non-zero within
     seconds, naming host:port and the config key, and its checkpoint stays usable."""
     port = free_port()
     log = open(tmp_path / "critic.log", "w+")
     critic = subprocess.Popen(
-        [sys.executable, os.path.join(SCRIPTS, "serve_ppo_critic.py"), f"pretrained_checkpoint.restore_from_path={rm_nemo}",
+        [sys.executable, os.path.join(SCRIPTS, "serve_ppo_critic.py"), f"pretrained_checkpoint.restore_from_path={quick_rm}",
          f"exp_manager.explicit_log_dir={tmp_path / 'critic'}", f"trainer.ppo.port={port}",
          f"trainer.ppo.grpc_port={free_port()}", f"trainer.ppo.metrics_port={free_port()}"],
         env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -173,6 +173,7 @@ def test_head_stays_float32_under_bf16(mcore_single):
     assert r.dtype == torch.float32 and torch.isfinite(r).all()
 
 
+@pytest.mark.learning
 def test_reward_model_reaches_90_percent_held_out(reward_model):
     nemo, log_dir, stdout = reward_model
     metrics = [r for r in read_metrics(log_dir) if "val/accuracy" in r]
@@ -182,25 +183,42 @@ def test_reward_model_reaches_90_percent_held_out(reward_model):
     assert "validation accuracy" in stdout and os.path.isfile(nemo)
 
 
-def test_reward_model_scores_match_one_text_at_a_time_and_rank_right_answers(reward_model):
-    """recipes.evaluate.reward_model_scores (the demo's reward-model column): right-padding in a batch
-    changes no reward, and the trained model prefers the right answer to a near miss for most prompts."""
+def _right_and_near_miss_texts():
+    """24 held-out prompts, each with its right answer and then a near miss."""
     from nemo_aligner.data.nlp.builtin_task import BuiltinTask
-    from nemo_aligner.recipes.evaluate import reward_model_scores
 
     task, rng = BuiltinTask(seed=5), random.Random(5)
     texts = []
     for inp, answer in task.examples(24, "scores"):
         prompt = task.prompt_text(inp)
         texts += [prompt + answer, prompt + task.corrupt(answer, rng)]
-    batched = reward_model_scores(reward_model[0], texts, batch_size=48)
-    single = reward_model_scores(reward_model[0], texts[:6], batch_size=1)
+    return texts
+
+
+def test_reward_model_scores_match_one_text_at_a_time(quick_rm):
+    """recipes.evaluate.reward_model_scores (the demo's reward-model column): right-padding in a batch
+    changes no reward."""
+    from nemo_aligner.recipes.evaluate import reward_model_scores
+
+    texts = _right_and_near_miss_texts()
+    batched = reward_model_scores(quick_rm, texts, batch_size=48)
+    single = reward_model_scores(quick_rm, texts[:6], batch_size=1)
     assert batched[:6] == pytest.approx(single, abs=1e-4)
     assert len({round(r, 4) for r in batched}) > 10  # not a constant
-    wins = sum(batched[i] > batched[i + 1] for i in range(0, len(texts), 2))
-    assert wins >= 18, (wins, batched)
 
 
+@pytest.mark.learning
+def test_trained_reward_model_ranks_right_answers_above_near_misses(reward_model):
+    """The 300-step reward model prefers the right answer to a near miss for most held-out prompts."""
+    from nemo_aligner.recipes.evaluate import reward_model_scores
+
+    texts = _right_and_near_miss_texts()
+    scores = reward_model_scores(reward_model[0], texts, batch_size=48)
+    wins = sum(scores[i] > scores[i + 1] for i in range(0, len(texts), 2))
+    assert wins >= 18, (wins, scores)
+
+
+@pytest.mark.learning
 def test_regression_reward_model_learns_two_attributes(task_data, regression_rm):
     from nemo_aligner.data.nlp.jsonl import read_jsonl
 
@@ -278,13 +296,13 @@ def test_per_attribute_validation_mse_is_weighted_by_that_attributes_labels():
     assert out["mse"] == pytest.approx(0.05) and out["labels"] == 20.0
 
 
-def test_load_rm_head_weights(reward_model, mcore_single):
+def test_load_rm_head_weights(quick_rm, mcore_single):
     """NeMo-Aligner's model.regression.load_rm_head_weights: False (default) gives a new head over the
     checkpoint's body; True loads the checkpoint's head too."""
     from nemo_aligner.models.nlp.gpt.loading import load_model
     from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import MegatronGPTRewardModel
 
-    nemo = reward_model[0]
+    nemo = quick_rm
     cfg = OmegaConf.create({"micro_batch_size": 2})
     loaded = load_model(MegatronGPTRewardModel, cfg, "32", nemo, allow_missing=("rm_head",))
     torch.manual_seed(0)

@@ -105,6 +105,7 @@ def test_attribute_annotate_labels_from_the_server(tmp_path, mcore_single):
         assert not (tmp_path / "x.jsonl").exists()
 
 
+@pytest.mark.learning
 def test_attribute_value_in_the_prompt_steers_generation(tmp_path, steerlm_nemo):
     """SteerLM SFT from the SFT model on built-in chat data labelled quality:0-4 (half right, half
     wrong answers; the ``steerlm_nemo`` fixture); then greedy generation on held-out prompts asking

@@ -205,12 +205,12 @@ def test_pipeline_parallel_matches_one_process(tmp_path, weak_policy):
     assert len(one) == 2 and np.allclose(one, two, rtol=1e-4, atol=1e-6), (one, two)
 
 
-def test_generator_refuses_what_it_cannot_score(tmp_path, sft_nemo, regression_rm):
+def test_generator_refuses_what_it_cannot_score(tmp_path, sft_nemo, quick_regression_rm):
     """Before any model is loaded: a label asking for an attribute the reward model does not predict,
     and a reward model that is not a per-attribute regression model; one ``error:`` line, no file."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "sort cab ="}) + "\n")
-    rm = f"{regression_rm}/checkpoints/megatron_gpt.nemo"
+    rm = f"{quick_regression_rm}/checkpoints/megatron_gpt.nemo"
     for labels, reward_model, message in (
             ("helpfulness:4", rm, "error: label 'helpfulness:4': ['helpfulness'] not among the reward model's "
                                   "attributes ['quality', 'verbosity']"),
