@@ -37,16 +37,18 @@ demo: $(STAMP)
 
 # Two pytest-xdist workers, a test file each at a time: most tests run one single-threaded
 # process, so one worker alone leaves a core of a 2-core CI machine idle. TEST_WORKERS=0: serial.
+# Files in collection order, the longest first (tests/conftest.py: LONG_FILES_FIRST).
 TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not learning" tests
+	$(PY) -m pytest -q $(XDIST) -m "not learning" tests
 
 # Tests marked `learning`: an algorithm trains on the built-in task and its score, loss or reward
 # must improve (several seeds); CI runs them after make test.
 .PHONY: test-learning
 test-learning: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m learning tests
+	$(PY) -m pytest -q $(XDIST) -m learning tests
 
 clean:
 	rm -rf results/demo .pytest_cache
@@ -73,7 +75,7 @@ test-slurm: $(STAMP)
 test-latest: $(LATEST_VENV)/.installed
 	$(LATEST_PY) -c "import sys, torch, megatron.core, numpy; print('newest stack: Python', sys.version.split()[0], \
 		'torch', torch.__version__, 'megatron-core', megatron.core.__version__, 'numpy', numpy.__version__)"
-	$(LATEST_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(LATEST_TESTS)
+	$(LATEST_PY) -m pytest -q $(XDIST) $(LATEST_TESTS)
 
 $(LATEST_VENV)/.installed: setup.py
 	test -n "$(PYTHON312)" || (echo "make test-latest needs Python 3.12 (set PYTHON312=/path/to/python3.12)" >&2; exit 1)
@@ -92,7 +94,7 @@ OLDEST_PINS ?= torch==2.6.0 megatron-core==0.16.0
 test-oldest: $(OLDEST_VENV)/.installed
 	$(OLDEST_PY) -c "import sys, torch, megatron.core, numpy; print('oldest stack: Python', sys.version.split()[0], \
 		'torch', torch.__version__, 'megatron-core', megatron.core.__version__, 'numpy', numpy.__version__)"
-	$(OLDEST_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(LATEST_TESTS) tests/test_launch.py tests/test_generation.py
+	$(OLDEST_PY) -m pytest -q $(XDIST) $(LATEST_TESTS) tests/test_launch.py tests/test_generation.py
 
 $(OLDEST_VENV)/.installed: setup.py
 	test -n "$(PYTHON310)" || (echo "make test-oldest needs Python 3.10 (set PYTHON310=/path/to/python3.10)" >&2; exit 1)

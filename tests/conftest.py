@@ -28,13 +28,15 @@ TINY_GPT2_ARCH = {
 }
 
 
-# The longest test files (measured totals of `make test`, longest first) run first. pytest-xdist's
-# --dist loadfile gives a worker a whole file in collection order; a long file taken last leaves the
-# other worker idle at the end (the critic-server file alone: ~90 s).
+# The longest test files (measured totals of `make test`, longest first) run first. With
+# --dist loadfile --no-loadscope-reorder (the Makefile) pytest-xdist hands a worker a whole file at a
+# time in collection order; by default it orders files by their number of tests, which put the
+# one-test critic-server file (~90 s) last and left the other worker idle meanwhile.
 LONG_FILES_FIRST = (
     "test_lora.py", "test_sft.py", "test_reward_server.py", "test_nemo_formats.py", "test_aligner_commands.py",
     "test_expert_lockstep.py", "test_ppo.py", "test_critic_server.py", "test_parallel.py", "test_reward_model.py",
-    "test_knowledge_distillation.py",
+    "test_knowledge_distillation.py", "test_launch.py", "test_reliability.py", "test_bad_input.py", "test_dpo.py",
+    "test_spin.py", "test_checkpoints.py", "test_steerlm2.py", "test_rs.py", "test_cai.py", "test_grpo.py",
 )
 
 

@@ -314,10 +314,11 @@ def test_a_dead_triton_process_makes_the_server_exit_non_zero(tmp_path, rm_nemo_
     assert "Triton stopped serving without a stop signal (its process died)" in srv.text()
 
 
-def test_tritonserver_exiting_at_start_is_reported_at_once(monkeypatch):
+def test_tritonserver_exiting_at_start_is_reported_at_once(monkeypatch, recwarn):
     """tritonserver exits while PyTriton waits for it to be ready (here: its gRPC port taken after the
     server checked it): one error quoting Triton's reason within seconds, not PyTriton's 120 s
-    timeout, and no process left behind."""
+    timeout, no process left behind, and no warning trailing the error (PyTriton's exit callback
+    cleans its workspace from another thread)."""
     import socket
 
     from nemo_aligner.servers import triton_host
@@ -342,6 +343,23 @@ def test_tritonserver_exiting_at_start_is_reported_at_once(monkeypatch):
     # this process's own tritonserver (the other tests' servers run theirs under their own processes)
     assert not [p for p in psutil.Process().children()
                 if "tritonserver" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE]
+    assert not [str(w.message) for w in recwarn if "Could not clean workspace" in str(w.message)]
+
+
+def test_workspace_cleanup_warning_from_another_thread_is_not_shown(tmp_path, monkeypatch, recwarn):
+    """PyTriton's exit callback (tritonserver gone by itself) cleans the workspace from its own thread:
+    the filter that silences its CleanupWarning holds in every thread, not only inside a block."""
+    from pytriton.utils.workspace import Workspace
+
+    from nemo_aligner.servers import triton_host
+
+    triton_host._ignore_workspace_cleanup_warnings()
+    workspace = Workspace(tmp_path / "ws")
+    monkeypatch.setattr(Workspace, "is_empty", lambda self: False)  # as when a file appears while it cleans
+    worker = threading.Thread(target=workspace.clean)
+    worker.start()
+    worker.join()
+    assert not [str(w.message) for w in recwarn if "Could not clean workspace" in str(w.message)]
 
 
 @pytest.mark.parametrize("layout", [["model.tensor_model_parallel_size=2"], []], ids=["tp2", "dp2"])

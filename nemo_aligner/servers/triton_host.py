@@ -250,12 +250,12 @@ def fail_fast_on_triton_exit(triton, description: str, log_file: str, log_note: 
             module.wait_for_server_ready = original
 
 
-def _stop_quietly(triton) -> None:
-    """``triton.stop()``. After a failed start PyTriton warns that it cannot clean a workspace it
-    never made; :func:`workspace` removes the whole directory either way."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Could not clean workspace")
-        triton.stop()
+def _ignore_workspace_cleanup_warnings() -> None:
+    """PyTriton warns when it cannot empty its workspace: after a failed start, and when tritonserver
+    exits by itself, where PyTriton's exit callback stops it from another thread (outside any
+    ``catch_warnings`` block, hence a process-wide filter). :func:`workspace` removes the whole
+    directory either way, so the warning would only trail the server's own one-line error."""
+    warnings.filterwarnings("ignore", message="Could not clean workspace")
 
 
 def serve_forever(address: ServerAddress, bind, description: str, key: str, limits: Dict[str, ModelLimits],
@@ -280,6 +280,7 @@ def serve_forever(address: ServerAddress, bind, description: str, key: str, limi
     remove_stale([workspace_dir] if workspace_dir else [])
     prepare_library_path()
     backend_port = free_port()
+    _ignore_workspace_cleanup_warnings()
     with workspace(workspace_dir) as ws, stop_on_signals(stop_on_sigterm) as stop:
         # the default log lives in the workspace, removed on exit: messages quote it instead of naming it
         log_file = triton_log_file or os.path.join(os.path.dirname(ws), "tritonserver.log")
@@ -290,7 +291,7 @@ def serve_forever(address: ServerAddress, bind, description: str, key: str, limi
                               exit_timeout_secs=5)
         with ExitStack() as stack:
             triton = Triton(config=config, workspace=ws)
-            stack.callback(_stop_quietly, triton)  # its __exit__; also after a failed start
+            stack.callback(triton.stop)  # its __exit__; also after a failed start
             with fail_fast_on_triton_exit(triton, description, log_file, log_note):
                 triton.__enter__()  # starts tritonserver
                 stack.enter_context(_guarded(address, backend_port, limits, key))
