@@ -28,20 +28,27 @@ TINY_GPT2_ARCH = {
 }
 
 
-# The longest test files (measured totals of `make test`, longest first) run first. With
-# --dist loadfile --no-loadscope-reorder (the Makefile) pytest-xdist hands a worker a whole file at a
-# time in collection order; by default it orders files by their number of tests, which put the
-# one-test critic-server file (~90 s) last and left the other worker idle meanwhile.
-LONG_FILES_FIRST = (
-    "test_lora.py", "test_sft.py", "test_reward_server.py", "test_nemo_formats.py", "test_aligner_commands.py",
-    "test_expert_lockstep.py", "test_ppo.py", "test_critic_server.py", "test_parallel.py", "test_reward_model.py",
-    "test_knowledge_distillation.py", "test_launch.py", "test_reliability.py", "test_bad_input.py", "test_dpo.py",
-    "test_spin.py", "test_checkpoints.py", "test_steerlm2.py", "test_rs.py", "test_cai.py", "test_grpo.py",
-)
+# The longest test files of each suite run first (measured per-file totals, longest first; the
+# suite is the -m expression of `make test` or `make test-learning`). With --dist loadfile
+# --no-loadscope-reorder (the Makefile) pytest-xdist hands a worker a whole file at a time in
+# collection order; by default it orders files by their number of tests, which put the one-test
+# critic-server file (~90 s) last and left the other worker idle meanwhile.
+LONG_FILES_FIRST = {
+    "not learning": (
+        "test_lora.py", "test_sft.py", "test_reward_server.py", "test_nemo_formats.py", "test_aligner_commands.py",
+        "test_expert_lockstep.py", "test_ppo.py", "test_critic_server.py", "test_parallel.py", "test_reward_model.py",
+        "test_knowledge_distillation.py", "test_launch.py", "test_reliability.py", "test_bad_input.py", "test_dpo.py",
+        "test_spin.py", "test_checkpoints.py", "test_steerlm2.py", "test_rs.py", "test_cai.py", "test_grpo.py"),
+    "learning": (
+        "test_grpo.py", "test_ppo.py", "test_steerlm2.py", "test_api.py", "test_reinforce.py", "test_spin.py",
+        "test_rs.py", "test_reward_model.py", "test_sft.py", "test_kto.py", "test_knowledge_distillation.py",
+        "test_dpo.py"),
+}
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
+    order = LONG_FILES_FIRST.get(config.getoption("markexpr") or "", LONG_FILES_FIRST["not learning"])
+    rank = {name: i for i, name in enumerate(order)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
