@@ -250,6 +250,14 @@ def sft_nemo(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def quick_sft(weak_policy):
+    """A policy for the tests of machinery (scripts run, layouts match, runs resume, refusals): the
+    weak policy's model, ``sft_nemo``'s shape after 150 steps; ``sft_nemo`` (400 steps) is for the
+    tests of what an algorithm learns (``make test-learning``)."""
+    return weak_policy[0]
+
+
+@pytest.fixture(scope="session")
 def weak_policy(tmp_path_factory):
     """A tiny GPT after only 150 SFT steps (greedy task score ~0.76): room for RL to improve it.
     Returns ``(nemo path, built-in data paths with 1000 train / 64 val examples)``."""
@@ -295,11 +303,11 @@ def regression_rm(tmp_path_factory, task_data, sft_nemo):
 
 
 @pytest.fixture(scope="session")
-def quick_regression_rm(tmp_path_factory, task_data, sft_nemo):
+def quick_regression_rm(tmp_path_factory, task_data, quick_sft):
     """``regression_rm``'s model after 4 steps: for tests of what a regression reward model's checkpoint
     says (its attributes), not of what it learned."""
     return built_once(tmp_path_factory, "quick_regression_rm",
-                      lambda out: train_regression_rm(out / "reg", task_data, sft_nemo, steps=4))
+                      lambda out: train_regression_rm(out / "reg", task_data, quick_sft, steps=4))
 
 
 @pytest.fixture(scope="session")
@@ -328,13 +336,13 @@ def reward_model(tmp_path_factory, task_data, sft_nemo):
 
 
 @pytest.fixture(scope="session")
-def quick_rm(tmp_path_factory, task_data, sft_nemo):
-    """A pairwise reward model after 8 steps from the SFT model (its .nemo): for tests of the reward
+def quick_rm(tmp_path_factory, task_data, quick_sft):
+    """A pairwise reward model after 8 steps from ``quick_sft`` (its .nemo): for tests of the reward
     model's machinery (servers, critics, commands, loading), which need a reward-model checkpoint but
     not an accurate one; ``reward_model`` (300 steps, learning tests) is the accurate one."""
     def train(log_dir):
         run_script("train_reward_model.py", rm_overrides(task_data, log_dir, 8, [
-            f"pretrained_checkpoint.restore_from_path={sft_nemo}", "trainer.rm.val_check_interval=8"]))
+            f"pretrained_checkpoint.restore_from_path={quick_sft}", "trainer.rm.val_check_interval=8"]))
         return str(log_dir / "checkpoints" / "megatron_gpt.nemo")
 
     return built_once(tmp_path_factory, "quick_rm", train)
@@ -434,11 +442,18 @@ class ServerProcess:
         self.log.seek(0)
         return self.log.read()
 
-    def stop(self):
+    def terminate(self):
+        """Ask the server to stop (SIGTERM) without waiting: ``stop()`` waits."""
         import signal
 
         if self.proc is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGTERM)
+
+    def stop(self):
+        import signal
+
+        if self.proc is not None and self.proc.poll() is None:
+            self.terminate()
             try:
                 self.proc.wait(timeout=90)
             except subprocess.TimeoutExpired:

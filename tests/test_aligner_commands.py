@@ -17,12 +17,12 @@ def _run(script, args):
     return run_python(os.path.join(SCRIPTS, script), args, nproc=2, timeout=600)
 
 
-def test_sft_sh(tmp_path, task_data, sft_nemo):
+def test_sft_sh(tmp_path, task_data, quick_sft):
     log_dir = tmp_path / "sft"
     proc = _run("train_gpt_sft.py", [
         f"--config-path={CONF}", "--config-name=gpt_sft",
         "trainer.num_nodes=1", "trainer.devices=2", "++model.mcore_gpt=True", "++model.megatron_amp_O2=True",
-        f"model.restore_from_path={sft_nemo}", "exp_manager.create_checkpoint_callback=False",
+        f"model.restore_from_path={quick_sft}", "exp_manager.create_checkpoint_callback=False",
         "model.data.num_workers=0", "model.data.chat=True",
         "model.data.chat_prompt_tokens.system_turn_start='<extra_id_0>'",
         "model.data.chat_prompt_tokens.turn_start='<extra_id_1>'",
@@ -45,7 +45,7 @@ def test_sft_sh(tmp_path, task_data, sft_nemo):
     assert "data parallel 2" in out
 
 
-def test_rm_sh(tmp_path, task_data, sft_nemo):
+def test_rm_sh(tmp_path, task_data, quick_sft):
     log_dir = tmp_path / "rm"
     data = task_data["regression_train"], task_data["regression_val"]
     proc = _run("train_reward_model.py", [
@@ -58,7 +58,7 @@ def test_rm_sh(tmp_path, task_data, sft_nemo):
         "exp_manager.wandb_logger_kwargs.name=rm_test", "exp_manager.wandb_logger_kwargs.project=rm_test",
         f"exp_manager.explicit_log_dir={log_dir}", "exp_manager.checkpoint_callback_params.save_top_k=2",
         "exp_manager.checkpoint_callback_params.save_nemo_on_train_end=False",
-        f"pretrained_checkpoint.restore_from_path={sft_nemo}", "trainer.rm.save_interval=1",
+        f"pretrained_checkpoint.restore_from_path={quick_sft}", "trainer.rm.save_interval=1",
         "trainer.rm.max_steps=1", "trainer.rm.limit_val_batches=2", "model.optim.lr=9e-7",
         "model.optim.sched.min_lr=9e-7", "model.optim.sched.constant_steps=0", "model.optim.sched.warmup_steps=10",
         "++model.tensor_model_parallel_size=1", "++model.pipeline_model_parallel_size=1",
@@ -75,7 +75,7 @@ def test_rm_sh(tmp_path, task_data, sft_nemo):
         assert f"{key} is not read by nemo-aligner" in out
 
 
-def test_dpo_sh(tmp_path, task_data, sft_nemo):
+def test_dpo_sh(tmp_path, task_data, quick_sft):
     log_dir = tmp_path / "dpo"
     data = task_data["dpo_train"], task_data["dpo_val"]
     proc = _run("train_gpt_dpo.py", [
@@ -84,7 +84,7 @@ def test_dpo_sh(tmp_path, task_data, sft_nemo):
         "++model.mcore_gpt=true", "++model.megatron_amp_O2=true", "++model.dpo.ref_policy_kl_penalty=0.1",
         "++model.dpo.log_prob_forward_micro_batch_size=1", "++model.dpo.average_log_probs=false",
         "++model.dpo.sft_loss_weight=0.1", "++model.dpo.preference_loss_weight=1.0",
-        f"pretrained_checkpoint.restore_from_path={sft_nemo}",
+        f"pretrained_checkpoint.restore_from_path={quick_sft}",
         f"model.data.data_prefix={{train: [{data[0]}], validation: [{data[1]}], test: [{data[1]}]}}",
         "exp_manager.create_checkpoint_callback=False", "model.data.num_workers=2",
         "++model.tensor_model_parallel_size=1", "++model.pipeline_model_parallel_size=1", "trainer.dpo.max_steps=3",
@@ -97,7 +97,7 @@ def test_dpo_sh(tmp_path, task_data, sft_nemo):
     assert "model.dpo.average_log_probs is not read by nemo-aligner" in proc.stdout + proc.stderr
 
 
-def test_kto_in_dpo_sh_form(tmp_path, task_data, sft_nemo):
+def test_kto_in_dpo_sh_form(tmp_path, task_data, quick_sft):
     """NeMo-Aligner ships no kto.sh: its KTO docs' command in dpo.sh's form, with gpt_kto's keys."""
     log_dir = tmp_path / "kto"
     data = task_data["kto_train"], task_data["kto_val"]
@@ -106,7 +106,7 @@ def test_kto_in_dpo_sh_form(tmp_path, task_data, sft_nemo):
         "++model.data.seq_length=64", "++model.global_batch_size=4", "++model.micro_batch_size=1",
         "++model.mcore_gpt=true", "++model.megatron_amp_O2=true", "++model.kto.ref_policy_kl_penalty=0.1",
         "++model.kto.preference_average_log_probs=false", "model.kto.sft_loss_weight=0",
-        "model.kto.preference_loss_weight=1", f"pretrained_checkpoint.restore_from_path={sft_nemo}",
+        "model.kto.preference_loss_weight=1", f"pretrained_checkpoint.restore_from_path={quick_sft}",
         f"model.data.data_prefix={{train: [{data[0]}], validation: [{data[1]}], test: [{data[1]}]}}",
         "exp_manager.create_checkpoint_callback=False", "model.data.num_workers=2",
         "++model.tensor_model_parallel_size=1", "++model.pipeline_model_parallel_size=1", "trainer.kto.max_steps=3",
@@ -159,7 +159,7 @@ def _actor_tail(alg):
             f"trainer.{alg}.max_steps=3", f"trainer.{alg}.trt_llm.model_type=llama", "++exp_manager=null"]
 
 
-def test_ppo_sh_actor_nemo(tmp_path, task_data, sft_nemo, quick_rm):
+def test_ppo_sh_actor_nemo(tmp_path, task_data, quick_sft, quick_rm):
     rm_nemo = quick_rm
     port = free_port()
     critic = ServerProcess(tmp_path, "serve_ppo_critic.py", "critic server ready").start([
@@ -179,7 +179,7 @@ def test_ppo_sh_actor_nemo(tmp_path, task_data, sft_nemo, quick_rm):
         "model.encoder_seq_length=1536"])
     with critic:
         proc = _actor("train_gpt_ppo_actor.py", [
-            f"--config-path={CONF}", "--config-name=gpt_ppo_actor", *_actor_args("ppo", task_data, sft_nemo,
+            f"--config-path={CONF}", "--config-name=gpt_ppo_actor", *_actor_args("ppo", task_data, quick_sft,
                                                                                  tmp_path / "actor"),
             "remote_critic_rm.critic.ip=localhost", f"remote_critic_rm.critic.port={port}", *_actor_tail("ppo"),
             "remote_critic_rm.pad_to_length=768", "trainer.ppo.trt_llm.enable=False"], tmp_path)
@@ -189,7 +189,7 @@ def test_ppo_sh_actor_nemo(tmp_path, task_data, sft_nemo, quick_rm):
     assert "model.enable_nge is not read by nemo-aligner" in out
 
 
-def test_reinforce_sh_actor_nemo(tmp_path, task_data, sft_nemo, quick_rm):
+def test_reinforce_sh_actor_nemo(tmp_path, task_data, quick_sft, quick_rm):
     rm_nemo = quick_rm
     port = free_port()
     server = ServerProcess(tmp_path, "serve_reward_model.py", "reward model server ready").start([
@@ -199,7 +199,7 @@ def test_reinforce_sh_actor_nemo(tmp_path, task_data, sft_nemo, quick_rm):
         f"rm_model_file={rm_nemo}"])
     with server:
         proc = _actor("train_gpt_reinforce_actor.py", [
-            *_actor_args("reinforce", task_data, sft_nemo, tmp_path / "actor"),
+            *_actor_args("reinforce", task_data, quick_sft, tmp_path / "actor"),
             "remote_rm.reward_model.ip=localhost", f"remote_rm.reward_model.port={port}", *_actor_tail("reinforce"),
             "++model.dist_ckpt_load_strictness=log_all", "trainer.reinforce.trt_llm.enable=False"], tmp_path)
     out = proc.stdout + proc.stderr

@@ -101,13 +101,13 @@ def _server(model: str, port: int, log):
     return subprocess.Popen(cmd, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT, cwd=SCRIPTS)
 
 
-def test_cai_pipeline_on_the_builtin_task(tmp_path, sft_nemo, builtin_data):
+def test_cai_pipeline_on_the_builtin_task(tmp_path, quick_sft, builtin_data):
     """Server -> SL-CAI records -> SFT on them -> RL-CAI preferences -> DPO (docs/cai.md runs RM + PPO too)."""
     from nemo_aligner.servers.clients import TextGenerationClient, check_reachable
 
     port = free_port()
     log = open(tmp_path / "server.log", "w")
-    server = _server(sft_nemo, port, log)
+    server = _server(quick_sft, port, log)
     try:
         check_reachable("127.0.0.1", port, "port", wait_s=120)
         client = TextGenerationClient("127.0.0.1", port)
@@ -155,12 +155,12 @@ def test_cai_pipeline_on_the_builtin_task(tmp_path, sft_nemo, builtin_data):
     # the reward model's pairs are the DPO pairs' full texts (the RM and PPO stages read them as usual)
     assert comparisons[:2] == [dpo[0]["prompt"] + dpo[0]["chosen_response"], dpo[0]["prompt"] + dpo[0]["rejected_response"]]
     run_script("train_gpt_sft.py", [
-        f"model.restore_from_path={sft_nemo}", f"model.data.train_ds.file_path={sl}",
+        f"model.restore_from_path={quick_sft}", f"model.data.train_ds.file_path={sl}",
         f"model.data.validation_ds.file_path={sl}", "model.data.chat=True", "trainer.sft.max_steps=2",
         "model.data.train_ds.global_batch_size=8", "model.data.train_ds.micro_batch_size=4",
         f"exp_manager.explicit_log_dir={tmp_path / 'sft'}"])
     run_script("train_gpt_dpo.py", [
-        f"pretrained_checkpoint.restore_from_path={sft_nemo}",
+        f"pretrained_checkpoint.restore_from_path={quick_sft}",
         f"++model.data.data_prefix={{train: [{rl / 'cai_train_dpo_with_chat_prompt.jsonl'}]}}",
         "trainer.dpo.max_steps=2", "model.global_batch_size=2", "model.micro_batch_size=1",
         f"exp_manager.explicit_log_dir={tmp_path / 'dpo'}"])
@@ -168,15 +168,15 @@ def test_cai_pipeline_on_the_builtin_task(tmp_path, sft_nemo, builtin_data):
         assert [r["step"] for r in read_metrics(tmp_path / stage) if key in r] == [1, 2], stage
 
 
-def test_text_server_refuses_a_bad_host_before_loading(sft_nemo):
-    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "generate_gpt.py"), f"gpt_model_file={sft_nemo}",
+def test_text_server_refuses_a_bad_host_before_loading(quick_sft):
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "generate_gpt.py"), f"gpt_model_file={quick_sft}",
                            "server=True", "host=-5", f"port={free_port()}"], env=subprocess_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "error: host='-5' is not an address of this machine" in proc.stderr
 
 
-def test_null_sampling_settings_are_the_defaults(tmp_path, sft_nemo):
+def test_null_sampling_settings_are_the_defaults(tmp_path, quick_sft):
     """``generate_gpt.py`` with ``inference.temperature/top_k/top_p=null`` samples as with their defaults
     (1.0, 0, 1.0), as the models' ``sampling_params`` read null."""
     prompts = tmp_path / "prompts.jsonl"
@@ -185,7 +185,7 @@ def test_null_sampling_settings_are_the_defaults(tmp_path, sft_nemo):
     for values in (("null", "null", "null"), ("1.0", "0", "1.0")):
         out = tmp_path / f"out{len(outputs)}.jsonl"
         run_script("generate_gpt.py", [
-            f"gpt_model_file={sft_nemo}", f"prompts_file={prompts}", f"output_file={out}", "inference.greedy=False",
+            f"gpt_model_file={quick_sft}", f"prompts_file={prompts}", f"output_file={out}", "inference.greedy=False",
             "inference.seed=3", "inference.tokens_to_generate=8",
             *(f"inference.{key}={value}" for key, value in zip(("temperature", "top_k", "top_p"), values))])
         outputs.append(out.read_text())

@@ -243,13 +243,13 @@ def test_logged_metrics_equal_an_independent_computation(mcore_single, average):
 @pytest.mark.parametrize("algorithm,parallel", [
     ("dpo", "model.tensor_model_parallel_size=2"), ("dpo", "model.pipeline_model_parallel_size=2"),
     ("kto", "model.pipeline_model_parallel_size=2")], ids=["dpo-tp2", "dpo-pp2", "kto-pp2"])
-def test_two_processes_match_one(tmp_path, builtin_data, sft_nemo, algorithm, parallel):
+def test_two_processes_match_one(tmp_path, builtin_data, quick_sft, algorithm, parallel):
     """DPO and KTO (their paired/mismatched micro-batches, the reference policy swapped in, the KL
     estimate) at TP=2 or PP=2 give the losses of one process, step for step."""
     from conftest import train_losses, val_losses
 
     def overrides(log_dir):
-        return [f"pretrained_checkpoint.restore_from_path={sft_nemo}",
+        return [f"pretrained_checkpoint.restore_from_path={quick_sft}",
                 f"++model.data.data_prefix={{train: [{builtin_data[algorithm + '_train']}], "
                 f"validation: [{builtin_data[algorithm + '_val']}]}}",
                 f"exp_manager.explicit_log_dir={log_dir}", f"trainer.{algorithm}.max_steps=3",

@@ -13,8 +13,8 @@ from conftest import SCRIPTS, WORKERS, read_metrics, run_python, run_script, upc
 
 
 @pytest.fixture(scope="module")
-def moe_nemo(mcore_single, sft_nemo, tmp_path_factory):
-    return upcycle_to_experts(sft_nemo, str(tmp_path_factory.mktemp("moe") / "moe.nemo"))
+def moe_nemo(mcore_single, quick_sft, tmp_path_factory):
+    return upcycle_to_experts(quick_sft, str(tmp_path_factory.mktemp("moe") / "moe.nemo"))
 
 
 def test_generating_ranks_match_one_process_holding_every_expert(moe_nemo, tmp_path):

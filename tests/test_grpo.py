@@ -31,10 +31,10 @@ def test_group_normalised_advantages():
     assert adv[4:].tolist() == [0.0, 0.0]  # equal rewards: no signal, not a division by zero
 
 
-def test_grpo_script_runs_with_kl_in_the_loss(tmp_path, sft_nemo, builtin_data):
+def test_grpo_script_runs_with_kl_in_the_loss(tmp_path, quick_sft, builtin_data):
     log_dir = tmp_path / "grpo"
     proc = run_script("train_gpt_grpo.py", [
-        f"pretrained_checkpoint.restore_from_path={sft_nemo}",
+        f"pretrained_checkpoint.restore_from_path={quick_sft}",
         f"++model.data.data_prefix={{train: [{builtin_data['prompts_train']}], validation: [{builtin_data['prompts_val']}]}}",
         "reward_fn=nemo_aligner.data.nlp.builtin_task:reward", f"exp_manager.explicit_log_dir={log_dir}",
         "trainer.grpo.max_steps=3", "trainer.grpo.max_epochs=100", "model.grpo.num_rollout_samples=8",
@@ -254,11 +254,11 @@ def grpo_dp2(log_dir, model, data, *extra):
         "model.optim.lr=5e-5", "trainer.devices=2", *extra], nproc=2)
 
 
-def test_shared_rollouts_train_exactly_like_split_ones(tmp_path, sft_nemo, builtin_data):
+def test_shared_rollouts_train_exactly_like_split_ones(tmp_path, quick_sft, builtin_data):
     """GRPO at data parallel 2: with use_flask the same responses (each micro-batch keeps its owner's seed),
     rewards, losses and validation scores as with the even split."""
-    grpo_dp2(tmp_path / "split", sft_nemo, builtin_data)
-    grpo_dp2(tmp_path / "shared", sft_nemo, builtin_data, "trainer.grpo.batch_iterator.use_flask=True")
+    grpo_dp2(tmp_path / "split", quick_sft, builtin_data)
+    grpo_dp2(tmp_path / "shared", quick_sft, builtin_data, "trainer.grpo.batch_iterator.use_flask=True")
     split, shared = read_metrics(tmp_path / "split"), read_metrics(tmp_path / "shared")
     keys = ("train/rewards", "train/actor_loss", "train/kl_loss", "train/response_length", "val/global_rewards")
     for key in keys:

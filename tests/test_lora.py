@@ -455,13 +455,13 @@ def test_lora_sft_on_a_mixture_of_experts_model(tmp_path, builtin_data, mcore_si
     torch.testing.assert_close(forward_logits(plain, tokens), trained, atol=1e-5, rtol=1e-5)
 
 
-def test_lora_dpo_reference_is_the_starting_policy_without_a_weight_copy(tmp_path, sft_nemo, builtin_data):
+def test_lora_dpo_reference_is_the_starting_policy_without_a_weight_copy(tmp_path, quick_sft, builtin_data):
     log_dir = tmp_path / "dpo"
     proc = run_script("train_gpt_dpo.py", [
-        f"pretrained_checkpoint.restore_from_path={sft_nemo}",
+        f"pretrained_checkpoint.restore_from_path={quick_sft}",
         f"++model.data.data_prefix={{train: [{builtin_data['dpo_train']}], validation: [{builtin_data['dpo_val']}]}}",
-        f"exp_manager.explicit_log_dir={log_dir}", "trainer.dpo.max_steps=15", "trainer.dpo.max_epochs=100",
-        "trainer.dpo.val_check_interval=15", "model.optim.lr=2e-3", "model.dpo.ref_policy_kl_penalty=0.2",
+        f"exp_manager.explicit_log_dir={log_dir}", "trainer.dpo.max_steps=30", "trainer.dpo.max_epochs=100",
+        "trainer.dpo.val_check_interval=30", "model.optim.lr=2e-3", "model.dpo.ref_policy_kl_penalty=0.2",
         "model.peft.peft_scheme=lora",
         "model.peft.lora_tuning.target_modules=[all]"])
     train = [r for r in read_metrics(log_dir) if "train/loss" in r]
@@ -487,7 +487,7 @@ def test_lora_reward_model_trains_its_head_with_the_adapters(tmp_path, base_nemo
     assert sum(".adapter_layer." in k for k in saved) == 4  # qkv adapters of 2 layers
 
 
-def test_lora_ppo_actor_and_critic(tmp_path, task_data, quick_rm, sft_nemo):
+def test_lora_ppo_actor_and_critic(tmp_path, task_data, quick_rm, quick_sft):
     """PPO with LoRA on both the actor (GRPO's and REINFORCE's model too) and the critic (whose co-located
     reward model is kept as a copy of the adapters and head only): the KL to the reference starts at 0."""
     import subprocess
@@ -499,7 +499,7 @@ def test_lora_ppo_actor_and_critic(tmp_path, task_data, quick_rm, sft_nemo):
     data = f"++model.data.data_prefix={{train: [{task_data['prompts_train']}], validation: [{task_data['prompts_val']}]}}"
     critic = [f"pretrained_checkpoint.restore_from_path={quick_rm}", f"exp_manager.explicit_log_dir={critic_dir}",
               "model.peft.peft_scheme=lora"]
-    actor = [f"pretrained_checkpoint.restore_from_path={sft_nemo}", data, f"exp_manager.explicit_log_dir={actor_dir}",
+    actor = [f"pretrained_checkpoint.restore_from_path={quick_sft}", data, f"exp_manager.explicit_log_dir={actor_dir}",
              "trainer.ppo.max_steps=2", "trainer.ppo.max_epochs=100", "model.ppo.num_rollout_samples=16",
              "model.global_batch_size=16", "model.micro_batch_size=8", "model.ppo.rollout_micro_batch_size=16",
              "model.ppo.length_params.max_length=9", "model.ppo.num_val_samples=16", "trainer.ppo.save_interval=2",

@@ -42,10 +42,10 @@ def launch(critic, actor, timeout=900, critic_log=None):
     return proc
 
 
-def test_two_steps_checkpoints_and_resume(tmp_path, task_data, quick_rm, sft_nemo):
+def test_two_steps_checkpoints_and_resume(tmp_path, task_data, quick_rm, quick_sft):
     critic_dir, actor_dir = tmp_path / "critic", tmp_path / "actor"
     critic = [f"pretrained_checkpoint.restore_from_path={quick_rm}", f"exp_manager.explicit_log_dir={critic_dir}"]
-    actor = actor_overrides(task_data, sft_nemo, actor_dir, 2, ["trainer.ppo.save_interval=2",
+    actor = actor_overrides(task_data, quick_sft, actor_dir, 2, ["trainer.ppo.save_interval=2",
                                                                "trainer.ppo.val_check_interval=2"])
     proc = launch(critic, actor, critic_log=tmp_path / "critic1.log")
     assert "PPO finished: 2 steps" in proc.stdout
@@ -73,7 +73,7 @@ def test_two_steps_checkpoints_and_resume(tmp_path, task_data, quick_rm, sft_nem
                                     "exp_manager.create_checkpoint_callback=False"])
 
     # Resume both: the actor continues at step 3, the critic from its checkpoint.
-    actor = actor_overrides(task_data, sft_nemo, actor_dir, 4, ["trainer.ppo.save_interval=2",
+    actor = actor_overrides(task_data, quick_sft, actor_dir, 4, ["trainer.ppo.save_interval=2",
                                                                "trainer.ppo.val_check_interval=2"])
     first_run_log = (tmp_path / "critic1.log").read_text()
     proc = launch(critic, actor, critic_log=tmp_path / "critic1.log")  # the same log: appended to
@@ -105,7 +105,7 @@ def test_reward_rises_on_the_builtin_task(tmp_path, task_data, reward_model, wea
     assert val[30] >= val[0] + 0.3, val
 
 
-def test_dead_critic_stops_the_actor(tmp_path, task_data, quick_rm, sft_nemo):
+def test_dead_critic_stops_the_actor(tmp_path, task_data, quick_rm, quick_sft):
     """SIGKILL the critic after the actor's first checkpoint: with the shipped settings
     (remote_critic_rm.timeout_s=600) the actor sees that the server is gone and exits non-zero within
     seconds, naming host:port and the config key, and its checkpoint stays usable."""
@@ -125,7 +125,7 @@ def test_dead_critic_stops_the_actor(tmp_path, task_data, quick_rm, sft_nemo):
         actor_dir = tmp_path / "actor"
         actor = subprocess.Popen(
             [sys.executable, os.path.join(SCRIPTS, "train_gpt_ppo_actor.py"),
-             *actor_overrides(task_data, sft_nemo, actor_dir, 1000, ["trainer.ppo.save_interval=1",
+             *actor_overrides(task_data, quick_sft, actor_dir, 1000, ["trainer.ppo.save_interval=1",
                                                                    "trainer.ppo.val_check_interval=0",
                                                                    "trainer.ppo.val_at_start=False"]),
              "remote_critic_rm.critic.ip=127.0.0.1", f"remote_critic_rm.critic.port={port}"],

@@ -245,8 +245,8 @@ def test_regression_reward_model_learns_two_attributes(task_data, regression_rm)
 
 @pytest.mark.parametrize("parallel", ["model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=2"],
                          ids=["tp2", "pp2"])
-def test_reward_model_two_processes_match_one(tmp_path, task_data, sft_nemo, parallel):
-    extra = [f"pretrained_checkpoint.restore_from_path={sft_nemo}", "trainer.rm.val_check_interval=3",
+def test_reward_model_two_processes_match_one(tmp_path, task_data, quick_sft, parallel):
+    extra = [f"pretrained_checkpoint.restore_from_path={quick_sft}", "trainer.rm.val_check_interval=3",
              "model.optim.sched.warmup_steps=0"]
     run_script("train_reward_model.py", rm_overrides(task_data, tmp_path / "one", 3, extra))
     run_script("train_reward_model.py", rm_overrides(task_data, tmp_path / "two", 3, extra + [

@@ -205,7 +205,7 @@ def test_pipeline_parallel_matches_one_process(tmp_path, weak_policy):
     assert len(one) == 2 and np.allclose(one, two, rtol=1e-4, atol=1e-6), (one, two)
 
 
-def test_generator_refuses_what_it_cannot_score(tmp_path, sft_nemo, quick_regression_rm):
+def test_generator_refuses_what_it_cannot_score(tmp_path, quick_sft, quick_regression_rm):
     """Before any model is loaded: a label asking for an attribute the reward model does not predict,
     and a reward model that is not a per-attribute regression model; one ``error:`` line, no file."""
     prompts = tmp_path / "p.jsonl"
@@ -214,9 +214,9 @@ def test_generator_refuses_what_it_cannot_score(tmp_path, sft_nemo, quick_regres
     for labels, reward_model, message in (
             ("helpfulness:4", rm, "error: label 'helpfulness:4': ['helpfulness'] not among the reward model's "
                                   "attributes ['quality', 'verbosity']"),
-            ("quality:4", sft_nemo, "needs a regression reward model with one output per attribute")):
+            ("quality:4", quick_sft, "needs a regression reward model with one output per attribute")):
         proc = run_python(GENERATOR, ["--input-file", str(prompts), "--output-file", str(tmp_path / "out.jsonl"),
-                                      "--labels", labels, "--steerlm-model", sft_nemo, "--sft-model", sft_nemo,
+                                      "--labels", labels, "--steerlm-model", quick_sft, "--sft-model", quick_sft,
                                       "--reward-model", reward_model], check=False)
         assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert not (tmp_path / "out.jsonl").exists()

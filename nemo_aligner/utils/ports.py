@@ -13,10 +13,15 @@ from nemo_aligner.utils.errors import ConfigError
 # Not the global ``random``: training seeds it (``seed_everything``), so every process seeded alike
 # would draw the same "free" ports and two of them starting servers at once would collide.
 _draws = random.SystemRandom()
+# Ports this process has handed out: a port is free until its server binds it, so ports drawn for
+# several servers before any of them starts must differ among themselves.
+_handed_out: set = set()
+_REMEMBERED = 4000  # of the 12001 ports drawn from
 
 
 def free_port() -> int:
-    """A port free on 127.0.0.1 now, drawn below the kernel's ephemeral range (32768+ on Linux).
+    """A port free on 127.0.0.1 now, drawn below the kernel's ephemeral range (32768+ on Linux),
+    and none this process was given before (the last 4000).
 
     A port the kernel hands out for ``bind(0)`` is released again before the server that was told
     to use it binds it; meanwhile another process's ``bind(0)`` (a torch.distributed store, an
@@ -24,12 +29,17 @@ def free_port() -> int:
     """
     while True:
         port = _draws.randint(20000, 32000)
+        if port in _handed_out:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        if len(_handed_out) >= _REMEMBERED:
+            _handed_out.clear()
+        _handed_out.add(port)
+        return port
 
 
 def check_bindable(host: str, ports: Dict[str, int], key: str = "") -> None:
