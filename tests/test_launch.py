@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from conftest import SCRIPTS, TINY_ARCH, run_python, subprocess_env, train_losses
-from nemo_aligner.utils.distributed import check_world_size, read_launch_info
+from nemo_aligner.utils.distributed import check_world_size
 from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.utils.launch_info import read_launch_info
 from nemo_aligner.utils.hydra_runner import split_hydra_flags
 from nemo_aligner.utils.self_launch import ranks_to_start
 

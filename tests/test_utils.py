@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from nemo_aligner.utils.checkpoint_callback import format_checkpoint_name
-from nemo_aligner.utils.distributed import (check_gpus_per_node, check_world_size, first_host_of_nodelist,
-                                            read_launch_info)
+from nemo_aligner.utils.distributed import check_gpus_per_node, check_world_size
 from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.utils.launch_info import first_host_of_nodelist, read_launch_info
 from nemo_aligner.utils.run_control import compute_max_steps, parse_max_time
 from nemo_aligner.utils.tokenizers import ByteTokenizer
 

@@ -110,7 +110,7 @@ def prepare_config(cfg: DictConfig, config_name: str, args: List[str], extra_key
         cfg = OmegaConf.merge(shipped, cfg)
         OmegaConf.set_struct(cfg, True)
     config_keys.resolve_aliases(cfg)
-    from nemo_aligner.utils.distributed import read_launch_info
+    from nemo_aligner.utils.launch_info import read_launch_info
 
     warn = os.environ.get("NEMO_ALIGNER_SPAWNED") != "1" and read_launch_info().rank == 0
     config_keys.check_keys(cfg, config_name, overrides, warn=warn, shipped=shipped, extra_keys=extra_keys)

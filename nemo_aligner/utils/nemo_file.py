@@ -44,7 +44,7 @@ _NEMO_PREFIX = "nemo:"
 
 def _local_rank() -> int:
     """This process's rank on its node, from whichever launcher started it (mpirun sets no LOCAL_RANK)."""
-    from nemo_aligner.utils.distributed import read_launch_info
+    from nemo_aligner.utils.launch_info import read_launch_info
 
     return read_launch_info().local_rank
 
