@@ -289,6 +289,16 @@ def test_free_ports_drawn_in_one_go_all_differ():
     assert len(set(ports)) == len(ports)
 
 
+def test_ports_bound_at_once_are_drawn_apart_from_ports_told_to_servers():
+    """A server told a port binds it only after loading its model; meanwhile another process's draw
+    for a port it binds at once (its rendezvous store, its tritonserver) must not take it."""
+    from nemo_aligner.utils.ports import free_port
+
+    told = {free_port() for _ in range(300)}
+    at_once = {free_port(bound_at_once=True) for _ in range(300)}
+    assert all(20000 <= p <= 27999 for p in told) and all(28000 <= p <= 32000 for p in at_once)
+
+
 def test_nemo_keys_without_an_implementation_are_accepted_only_when_off():
     from nemo_aligner.utils.config_checks import _is_off
 

@@ -279,7 +279,7 @@ def serve_forever(address: ServerAddress, bind, description: str, key: str, limi
     check_ports_free(address, key)
     remove_stale([workspace_dir] if workspace_dir else [])
     prepare_library_path()
-    backend_port = free_port()
+    backend_port = free_port(bound_at_once=True)  # tritonserver starts next
     _ignore_workspace_cleanup_warnings()
     with workspace(workspace_dir) as ws, stop_on_signals(stop_on_sigterm) as stop:
         # the default log lives in the workspace, removed on exit: messages quote it instead of naming it

@@ -96,7 +96,7 @@ def init_distributed(devices=None, num_nodes=1, timeout_minutes: int = 30) -> La
         return info
     if info.launcher == "single":
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(free_port())
+        os.environ["MASTER_PORT"] = str(free_port(bound_at_once=True))
         info.master_port = int(os.environ["MASTER_PORT"])
     else:
         os.environ.setdefault("MASTER_ADDR", info.master_addr)

@@ -13,22 +13,30 @@ from nemo_aligner.utils.errors import ConfigError
 # Not the global ``random``: training seeds it (``seed_everything``), so every process seeded alike
 # would draw the same "free" ports and two of them starting servers at once would collide.
 _draws = random.SystemRandom()
-# Ports this process has handed out: a port is free until its server binds it, so ports drawn for
-# several servers before any of them starts must differ among themselves.
+# Two disjoint ranges below the kernel's ephemeral ports (32768+ on Linux). A port told to another
+# process can stay unbound for minutes (a server loads its model before it listens); a draw for a
+# port bound within seconds (a process's own rendezvous store, its tritonserver) must not land on it.
+_TOLD = (20000, 27999)
+_BOUND_AT_ONCE = (28000, 32000)
+# Ports this process has handed out: ports drawn for several servers before any of them binds must
+# differ among themselves.
 _handed_out: set = set()
-_REMEMBERED = 4000  # of the 12001 ports drawn from
+_REMEMBERED = 4000
 
 
-def free_port() -> int:
-    """A port free on 127.0.0.1 now, drawn below the kernel's ephemeral range (32768+ on Linux),
-    and none this process was given before (the last 4000).
+def free_port(bound_at_once: bool = False) -> int:
+    """A port free on 127.0.0.1 now, none this process was given before (the last 4000).
 
-    A port the kernel hands out for ``bind(0)`` is released again before the server that was told
-    to use it binds it; meanwhile another process's ``bind(0)`` (a torch.distributed store, an
-    outgoing connection) may be given the same one. Drawing from 20000-32000 keeps clear of those.
+    ``bound_at_once``: the port is bound within seconds by this process or one it starts now (drawn
+    from 28000-32000); otherwise it is told to a process that may bind it much later, such as a
+    server loading a model (20000-27999). A port the kernel hands out for ``bind(0)`` is released
+    again before the server that was told to use it binds it; meanwhile another process's
+    ``bind(0)`` (a torch.distributed store, an outgoing connection) may be given the same one:
+    drawing below the kernel's range keeps clear of those.
     """
+    low, high = _BOUND_AT_ONCE if bound_at_once else _TOLD
     while True:
-        port = _draws.randint(20000, 32000)
+        port = _draws.randint(low, high)
         if port in _handed_out:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -97,7 +97,7 @@ def spawn_ranks(nproc: int, argv: Optional[List[str]] = None) -> int:
         nproc_per_node=nproc,
         run_id=f"nemo-aligner-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_endpoint=f"127.0.0.1:{free_port(bound_at_once=True)}",
         rdzv_configs={"is_host": True},
         max_restarts=0,
         monitor_interval=0.2,
