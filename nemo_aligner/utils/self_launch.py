@@ -14,8 +14,8 @@ import tempfile
 import uuid
 from typing import List, Optional
 
-from nemo_aligner.utils.launch_info import read_launch_info
 from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.utils.launch_info import read_launch_info
 from nemo_aligner.utils.ports import free_port
 
 logger = logging.getLogger(__name__)
