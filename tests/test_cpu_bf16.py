@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from conftest import TINY_ARCH
 from nemo_aligner.models.nlp.gpt import generation
-from nemo_aligner.utils import sdpa
+from nemo_aligner.utils import cpu_gemm, sdpa
 from nemo_aligner.utils.patches import cpu_compat
 from test_cpu_kernels import _step_logits
 from test_generation import PROMPTS, build
@@ -113,6 +113,29 @@ def test_bf16_decode_steps_widen_the_glue(mcore_single, monkeypatch, texts):
     # the Python step over the float32 cache (a fallback) reads it back in bf16: the plain step's values
     fallback = _step_logits(model, False, texts)
     assert torch.allclose(fallback, plain, atol=3e-2 * reference.abs().max().item())
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or not cpu_gemm.available("onednn"),
+                    reason="the CPU decode GEMMs (oneDNN's packed bf16 matmuls)")
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-step", "python-step"])
+def test_bf16_decode_matmuls_run_packed_on_onednn(mcore_single, monkeypatch, fused):
+    """Where the CPU has bf16 matmul units a bf16 model's decode steps multiply through oneDNN's
+    packed bf16 weights: the same logits as ``F.linear``'s bf16 matmuls to bf16 rounding, the
+    prefill (thousands of rows go to ``F.linear``) identical."""
+    monkeypatch.setattr(generation, "has_fast_bf16_matmul", lambda: True)
+    monkeypatch.setattr(cpu_gemm, "has_fast_bf16_matmul", lambda: True)
+    monkeypatch.delenv(cpu_gemm.ENV_VAR, raising=False)
+    model = build(TINY_ARCH, seed=5)
+    model.module.to(torch.bfloat16)
+    decoder = generation.KVCacheDecoder(model.module, len(PROMPTS), 8)
+    assert decoder.gemm_backend == "onednn"
+    assert len(decoder.packed) == 4 * TINY_ARCH["num_layers"] + 1  # every layer's four matrices and the output
+    packed = _step_logits(model, fused, PROMPTS)
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "plain")
+    plain = _step_logits(model, fused, PROMPTS)
+    assert torch.equal(packed[0], plain[0])
+    assert torch.allclose(packed, plain, atol=3e-2 * plain.abs().max().item())
+    assert (packed[1:].argmax(-1) == plain[1:].argmax(-1)).float().mean() > 0.9
 
 
 def _bf16_ulp(t: torch.Tensor) -> torch.Tensor:

@@ -30,12 +30,37 @@ def test_packed_linear_equals_f_linear(backend, with_bias):
 
 
 def test_only_float32_cpu_matrices_are_packed():
-    backend = next((b for b in AVAILABLE if b != "plain"), None)
-    if backend is None:
+    """bf16 matrices only by oneDNN (the backend bf16 models decode with)."""
+    backends = [b for b in AVAILABLE if b != "plain"]
+    if not backends:
         pytest.skip("this torch build has no packed GEMM")
-    assert cpu_gemm.pack(torch.randn(4, 4, dtype=torch.bfloat16), 2, backend) is None
-    assert cpu_gemm.pack(torch.randn(4), 2, backend) is None
-    assert cpu_gemm.pack(torch.randn(4, 4), 2, backend) is not None
+    for backend in backends:
+        packed_bf16 = cpu_gemm.pack(torch.randn(4, 4, dtype=torch.bfloat16), 2, backend)
+        assert (packed_bf16 is not None) == (backend == "onednn"), backend
+        assert cpu_gemm.pack(torch.randn(4, 4, dtype=torch.float16), 2, backend) is None
+        assert cpu_gemm.pack(torch.randn(4), 2, backend) is None
+        assert cpu_gemm.pack(torch.randn(4, 4), 2, backend) is not None
+
+
+@pytest.mark.skipif(not cpu_gemm.available("onednn"), reason="this torch build has no oneDNN packed GEMM")
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_bf16_linear_equals_f_linear(with_bias):
+    """oneDNN's packed bf16 matmul: float32 sums of the bf16 products, rounded once to bf16, as
+    ``F.linear`` on the same bf16 tensors (within one bf16 step: the sums' order differs)."""
+    torch.manual_seed(1)
+    weight = torch.randn(96, 64).bfloat16()
+    bias = torch.randn(96).bfloat16() if with_bias else None
+    rows = 8
+    call = cpu_gemm.linear(weight, bias, cpu_gemm.pack(weight, rows, "onednn"), rows, "onednn")
+    for x in (torch.randn(1, rows, 64), torch.randn(3, 64), torch.randn(16, rows, 64)):
+        x = x.bfloat16()
+        with torch.inference_mode():
+            out = call(x)
+        exact = F.linear(x.double(), weight.double(), bias.double() if bias is not None else None)
+        assert out.dtype == torch.bfloat16 and out.shape == exact.shape
+        step = torch.pow(2.0, torch.frexp(exact.abs().clamp(min=1e-30))[1] - 8).double()  # one bf16 ulp
+        assert ((out.double() - exact).abs() <= step + 1e-6).all()
+        assert torch.allclose(out.float(), F.linear(x, weight, bias).float(), rtol=2 ** -7, atol=1e-2)
 
 
 @pytest.mark.parametrize("machine,vendor,avx512,expected,without_native", [
@@ -59,6 +84,21 @@ def test_auto_choice_follows_the_cpu(monkeypatch, machine, vendor, avx512, expec
     # a build without the preferred library falls back to plain matmuls
     monkeypatch.setattr(cpu_gemm, "available", lambda b: b == "plain")
     assert cpu_gemm.decode_gemm_backend() == "plain"
+
+
+@pytest.mark.parametrize("fast,onednn,expected", [(True, True, "onednn"), (False, True, "plain"), (True, False, "plain")])
+def test_auto_choice_for_bf16_models(monkeypatch, fast, onednn, expected):
+    """A bf16 model decodes through oneDNN's packed bf16 GEMM where the CPU has bf16 matmul units
+    (elsewhere oneDNN emulates bf16, slower than ``F.linear``'s path gains); the setting still wins."""
+    monkeypatch.delenv(cpu_gemm.ENV_VAR, raising=False)
+    monkeypatch.setattr(cpu_gemm.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(cpu_gemm, "has_fast_bf16_matmul", lambda: fast)
+    monkeypatch.setattr(cpu_gemm, "available", lambda b: b != "onednn" or onednn)
+    assert cpu_gemm.decode_gemm_backend(torch.bfloat16) == expected
+    assert cpu_gemm.decode_gemm_backend(torch.float32) == "native"
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "native")
+    assert cpu_gemm.decode_gemm_backend(torch.bfloat16) == "native"  # packs no bf16: F.linear
 
 
 def test_environment_override_and_its_errors(monkeypatch):

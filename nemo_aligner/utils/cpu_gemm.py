@@ -39,7 +39,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from nemo_aligner.utils.cpu_info import cpuinfo
+from nemo_aligner.utils.cpu_info import cpuinfo, has_fast_bf16_matmul
 from nemo_aligner.utils.errors import ConfigError
 
 ENV_VAR = "NEMO_ALIGNER_DECODE_GEMM"
@@ -90,11 +90,12 @@ def requested_backend() -> str:
     return requested
 
 
-def decode_gemm_backend() -> str:
-    """The packed-GEMM backend for CPU decode steps: ``NEMO_ALIGNER_DECODE_GEMM`` if set (an
-    unavailable one is an error), else on Intel CPUs our own kernel where it is built for AVX-512
-    (else MKL), on other x86 CPUs our own kernel (else oneDNN), plain ``F.linear`` elsewhere or where
-    the chosen library is missing."""
+def decode_gemm_backend(dtype: torch.dtype = torch.float32) -> str:
+    """The packed-GEMM backend for CPU decode steps of a ``dtype`` model: ``NEMO_ALIGNER_DECODE_GEMM``
+    if set (an unavailable one is an error), else for float32 on Intel CPUs our own kernel where it
+    is built for AVX-512 (else MKL), on other x86 CPUs our own kernel (else oneDNN); for bf16, oneDNN
+    where the CPU has bf16 matmul units (the only backend here that packs bf16 weights); plain
+    ``F.linear`` elsewhere or where the chosen library is missing."""
     requested = requested_backend()
     if requested != "auto":
         if not available(requested):
@@ -102,6 +103,8 @@ def decode_gemm_backend() -> str:
         return requested
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return "plain"
+    if dtype == torch.bfloat16:
+        return "onednn" if has_fast_bf16_matmul() and available("onednn") else "plain"
     if cpu_vendor() == "GenuineIntel":
         if available("native") and native_is_avx512():
             return "native"
@@ -114,8 +117,10 @@ def decode_gemm_backend() -> str:
 
 def pack(weight: torch.Tensor, rows: int, backend: str) -> Optional[torch.Tensor]:
     """``weight`` [out, in] packed by ``backend`` for ``rows``-row inputs; None when it cannot be
-    packed (not a float32 CPU matrix, the plain backend, or a build without the packed kernels)."""
-    if backend == "plain" or weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+    packed (not a CPU matrix of a dtype the backend packs: float32, or bf16 for oneDNN; the plain
+    backend; a build without the packed kernels)."""
+    dtypes = (torch.float32, torch.bfloat16) if backend == "onednn" else (torch.float32,)
+    if backend == "plain" or weight.dim() != 2 or weight.dtype not in dtypes or weight.device.type != "cpu":
         return None
     try:
         if backend == "native":

@@ -73,7 +73,7 @@ def _gather_vocab(logits: torch.Tensor, tp: int) -> torch.Tensor:
 
 
 def _pack_linear_weights(module, batch: int, backend: str, weight_of) -> dict:
-    """Packed copies (``cpu_gemm.pack``) of a CPU float32 model's 2-D weights for ``batch``-row
+    """Packed copies (``cpu_gemm.pack``) of a CPU model's 2-D weights for ``batch``-row
     matmuls, keyed by ``id(weight)``; empty where they cannot be packed.
 
     Packing costs one pass over the weights per ``generate`` call, so weights updated between
@@ -194,7 +194,7 @@ class KVCacheDecoder:
         dtype, self.device = param.dtype, param.device
         self.dtype = dtype
         self.tp = tp
-        self.gemm_backend = cpu_gemm.decode_gemm_backend() if self.device.type == "cpu" else "plain"
+        self.gemm_backend = cpu_gemm.decode_gemm_backend(dtype) if self.device.type == "cpu" else "plain"
         self._weights = {}  # layer -> its weight with any LoRA adapter merged in (one tensor per call)
         self.packed = _pack_linear_weights(module, batch, self.gemm_backend, self._weight) if tp == 1 else {}
         self.packed_batch = batch
