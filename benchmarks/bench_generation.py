@@ -41,8 +41,8 @@ def kernel_floor(module, prompts: torch.Tensor, new_tokens: int, rounds: int = 3
     q = torch.randn(batch, decoder.heads, 1, decoder.head_dim, **like)
     gqa = decoder.heads != decoder.groups
     per_group = decoder.heads // decoder.groups
-    # the fused attention's query rows are in its cache's dtype (float32 for a bf16 model too)
-    qkv = torch.randn(batch, decoder.groups * (per_group + 2) * decoder.head_dim, dtype=decoder.cache.dtype)
+    # the fused attention takes float32 query rows (a bf16 model's too)
+    qkv = torch.randn(batch, decoder.groups * (per_group + 2) * decoder.head_dim, dtype=torch.float32)
     end = prompt + new_tokens // 2
 
     def attention(index, keys, values):

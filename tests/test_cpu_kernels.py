@@ -103,11 +103,15 @@ def _layout(batch, groups, per_group, d, length, seed=2):
     return qkv, cache
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("per_group,d,rot", [(2, 16, 16), (1, 12, 6), (3, 8, 0)],
                          ids=["gqa", "odd_head_partial_rotary", "no_rope"])
-def test_rope_cache_write(ext, per_group, d, rot):
+def test_rope_cache_write(ext, per_group, d, rot, cache_dtype):
+    """The rotated key and the value land in the slot (a bf16 cache: each rounded once to nearest);
+    every other slot is untouched."""
     batch, groups, length, slot = 3, 2, 9, 5
     qkv, cache = _layout(batch, groups, per_group, d, length)
+    cache = cache.to(cache_dtype)
     positions = torch.tensor([5, 2, 0])
     table = None
     if rot:
@@ -118,10 +122,18 @@ def test_rope_cache_write(ext, per_group, d, rot):
         cos, sin = table[positions, : rot // 2], table[positions, rot // 2 :]
         _rotate_in_place(expected_qkv[:, :, : per_group + 1], cos[:, None, None], sin[:, None, None])
     expected_cache = cache.clone()
-    expected_cache[:, :, :, slot] = expected_qkv[:, :, per_group:]
+    expected_cache[:, :, :, slot] = expected_qkv[:, :, per_group:].to(cache_dtype)
     ext.rope_cache_write(qkv, table, positions, cache, slot, groups, per_group)
     assert torch.allclose(qkv.view_as(expected_qkv), expected_qkv, atol=1e-6)
-    assert torch.allclose(cache, expected_cache, atol=1e-6)
+    others = torch.arange(length) != slot
+    assert torch.equal(cache[:, :, :, others], expected_cache[:, :, :, others])
+    written, exact = cache[:, :, :, slot].double(), expected_qkv[:, :, per_group:].double()
+    if cache_dtype == torch.float32:
+        assert torch.allclose(written, exact, atol=1e-6)
+    else:  # the float32 result rounded to bf16: within half a bf16 step (one where float32 decides a tie)
+        step = torch.pow(2.0, torch.frexp(exact.abs().clamp(min=1e-30))[1] - 8).double()
+        assert ((written - exact).abs() <= step * 0.5 + 1e-6).float().mean() > 0.99
+        assert ((written - exact).abs() <= step + 1e-6).all()
     with pytest.raises(RuntimeError, match="slot out of range"):
         ext.rope_cache_write(qkv, table, positions, cache, length, groups, per_group)
     if table is not None:  # a position beyond the table (the second row's): refused before any row is changed
@@ -129,6 +141,18 @@ def test_rope_cache_write(ext, per_group, d, rot):
         with pytest.raises(RuntimeError, match="out of the RoPE table"):
             ext.rope_cache_write(qkv, table, torch.tensor([5, 12, 0]), cache, slot + 1, groups, per_group)
         assert torch.equal(qkv, before_qkv) and torch.equal(cache, before_cache)
+
+
+@pytest.mark.parametrize("per_group,d,masked", [(2, 16, True), (1, 12, False), (4, 64, True)])
+def test_decode_attention_over_a_bf16_cache(ext, per_group, d, masked):
+    """A bf16 cache is read as float32: the same result as the float32 kernel over its values."""
+    batch, groups, length, end = 4, 2, 40, 33
+    qkv, cache = _layout(batch, groups, per_group, d, length, seed=5)
+    cache = cache.bfloat16()
+    mask = torch.arange(length)[None, :] >= torch.tensor([0, 3, 17, 30])[:, None] if masked else None
+    out = ext.decode_attention(qkv, cache, end, mask, d ** -0.5, groups, per_group)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, ext.decode_attention(qkv, cache.float(), end, mask, d ** -0.5, groups, per_group))
 
 
 @pytest.mark.parametrize("per_group,d,masked", [(2, 16, True), (1, 12, False), (4, 64, True)])
@@ -220,6 +244,10 @@ def test_kernels_refuse_bad_shapes(ext):
         ext.decode_attention(qkv[:, :-1].contiguous(), cache, 3, None, 1.0, 2, 1)
     with pytest.raises(RuntimeError, match="float32"):
         ext.swiglu(torch.ones(2, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="cache: expected a float32 or bf16 CPU tensor"):
+        ext.decode_attention(qkv, cache.double(), 3, None, 1.0, 2, 1)
+    with pytest.raises(RuntimeError, match="qkv: expected a float32 CPU tensor"):
+        ext.rope_cache_write(qkv.bfloat16(), None, torch.zeros(2, dtype=torch.long), cache, 0, 2, 1)
 
 
 def _step_logits(model, decoder_fused: bool, padded_prompts):

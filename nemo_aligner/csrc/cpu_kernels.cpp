@@ -103,6 +103,31 @@ inline void check_f32_or_bf16(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
 }
 
+// n floats of src (float32 or bf16) as float32: src itself, or converted into buf.
+template <typename T>
+inline const float* as_float(const T* src, float* buf, int64_t n) {
+  if constexpr (std::is_same<T, float>::value) {
+    return src;
+  } else {
+    int64_t i = 0;
+#ifdef NA_AVX2
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(buf + i, load8(src + i));
+#endif
+    for (; i < n; ++i) buf[i] = load1(src + i);
+    return buf;
+  }
+}
+
+// n float32 values into dst (bf16: rounded to nearest even).
+template <typename T>
+inline void store_floats(const float* src, T* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef NA_AVX2
+  for (; i + 8 <= n; i += 8) store8(dst + i, _mm256_loadu_ps(src + i));
+#endif
+  for (; i < n; ++i) store1(dst + i, src[i]);
+}
+
 inline float exp1(float x) {
   return std::exp(std::min(std::max(x, -87.3f), 88.3f));
 }
@@ -116,30 +141,33 @@ inline void exp_array(const float* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] = exp1(x[i]);
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// a . b over n values; b float32 or bf16 (a KV cache), read as float32.
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
   int64_t i = 0;
   float s = 0.f;
 #ifdef NA_AVX2
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8), acc1);
   }
-  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);
   s = hsum(_mm256_add_ps(acc0, acc1));
 #endif
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += a[i] * load1(b + i);
   return s;
 }
 
-// y[i] += a * x[i]
-inline void axpy(float a, const float* x, float* y, int64_t n) {
+// y[i] += a * x[i]; x float32 or bf16 (a KV cache), read as float32.
+template <typename T>
+inline void axpy(float a, const T* x, float* y, int64_t n) {
   int64_t i = 0;
 #ifdef NA_AVX2
   __m256 va = _mm256_set1_ps(a);
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load8(x + i), _mm256_loadu_ps(y + i)));
 #endif
-  for (; i < n; ++i) y[i] += a * x[i];
+  for (; i < n; ++i) y[i] += a * load1(x + i);
 }
 
 // o = row * rsqrt(mean(row^2) + eps) * w over h floats; returns the rsqrt.
@@ -181,46 +209,20 @@ at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& residual,
   return out;
 }
 
-// qkv [B, groups * (per_group + 2) * d]: per query group its per_group query heads, then one key and
-// one value head (megatron-core's layout). Rotates the queries and the key in place by RoPE (the
-// first 2 * half channels of each head, halves not interleaved; rope_table [max_len, 2 * half]: cos
-// then sin, row positions[b]), then writes key and value into cache [B, groups, 2, T, d] at `slot`.
-void rope_cache_write(at::Tensor qkv, const c10::optional<at::Tensor>& rope_table, const at::Tensor& positions,
-                      at::Tensor cache, int64_t slot, int64_t groups, int64_t per_group) {
-  check_f32(qkv, "qkv");
-  check_f32(cache, "cache");
-  TORCH_CHECK(cache.dim() == 5 && cache.size(2) == 2, "rope_cache_write: cache [B, groups, 2, T, d]");
-  const int64_t rows = qkv.size(0), d = cache.size(4), t_len = cache.size(3);
-  TORCH_CHECK(cache.size(0) == rows && cache.size(1) == groups, "rope_cache_write: cache rows/groups mismatch");
-  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == groups * (per_group + 2) * d, "rope_cache_write: qkv width");
-  TORCH_CHECK(slot >= 0 && slot < t_len, "rope_cache_write: slot out of range");
-  const float* table = nullptr;
-  int64_t rot = 0, table_len = 0;
-  if (rope_table.has_value()) {
-    check_f32(*rope_table, "rope_table");
-    rot = rope_table->size(1);
-    table_len = rope_table->size(0);
-    TORCH_CHECK(rot % 2 == 0 && rot <= d, "rope_cache_write: rope table width");
-    table = rope_table->data_ptr<float>();
-  }
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == rows, "rope_cache_write: positions [B] int64");
-  auto pos = positions.reshape({rows});
-  auto pacc = pos.accessor<int64_t, 1>();
+template <typename T>
+void rope_cache_write_rows(float* q, const float* table, const at::TensorAccessor<int64_t, 1>& pacc, T* c,
+                           int64_t rows, int64_t row_width, int64_t slot, int64_t t_len, int64_t d, int64_t rot,
+                           int64_t groups, int64_t per_group) {
   const int64_t half = rot / 2;
-  if (table != nullptr)
-    for (int64_t b = 0; b < rows; ++b)
-      TORCH_CHECK(pacc[b] >= 0 && pacc[b] < table_len, "rope_cache_write: position out of the RoPE table");
-  float* q = qkv.data_ptr<float>();
-  float* c = cache.data_ptr<float>();
-  const int64_t row_width = qkv.size(1);
   // Each step writes a fresh slot, whose cache lines are in memory, not in cache: every line is
   // requested before the arithmetic so that the misses overlap (one memcpy at a time, they queue:
   // ~2 ms a step for the small benchmark model's 12 layers at batch 32).
+  constexpr int64_t kLine = 64 / sizeof(T);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t stop) {
     for (int64_t b = begin; b < stop; ++b)
       for (int64_t g = 0; g < groups; ++g) {
-        const float* dst = c + ((b * groups + g) * 2 * t_len + slot) * d;
-        for (int64_t i = 0; i < d; i += 16) {
+        const T* dst = c + ((b * groups + g) * 2 * t_len + slot) * d;
+        for (int64_t i = 0; i < d; i += kLine) {
           __builtin_prefetch(dst + i, 1, 3);
           __builtin_prefetch(dst + t_len * d + i, 1, 3);
         }
@@ -240,43 +242,55 @@ void rope_cache_write(at::Tensor qkv, const c10::optional<at::Tensor>& rope_tabl
             }
           }
         }
-        float* dst = c + ((b * groups + g) * 2 * t_len + slot) * d;
-        std::memcpy(dst, group + per_group * d, d * sizeof(float));                // key
-        std::memcpy(dst + t_len * d, group + (per_group + 1) * d, d * sizeof(float));  // value
+        T* dst = c + ((b * groups + g) * 2 * t_len + slot) * d;
+        store_floats(group + per_group * d, dst, d);                // key
+        store_floats(group + (per_group + 1) * d, dst + t_len * d, d);  // value
       }
     }
   });
 }
 
-// One query per row against the cache: qkv as in rope_cache_write (the queries already rotated),
-// cache [B, groups, 2, T, d], slots [0, end) attended (those with key_mask[b, t] false skipped).
-// Returns [B, groups * per_group * d]: softmax(scale * q k^T) v per query head.
-at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cache, int64_t end,
-                            const c10::optional<at::Tensor>& key_mask, double scale, int64_t groups,
-                            int64_t per_group) {
+// qkv [B, groups * (per_group + 2) * d]: per query group its per_group query heads, then one key and
+// one value head (megatron-core's layout). Rotates the queries and the key in place by RoPE (the
+// first 2 * half channels of each head, halves not interleaved; rope_table [max_len, 2 * half]: cos
+// then sin, row positions[b]), then writes key and value into cache [B, groups, 2, T, d] at `slot`
+// (float32, or bf16: each value rounded once).
+void rope_cache_write(at::Tensor qkv, const c10::optional<at::Tensor>& rope_table, const at::Tensor& positions,
+                      at::Tensor cache, int64_t slot, int64_t groups, int64_t per_group) {
   check_f32(qkv, "qkv");
-  check_f32(cache, "cache");
+  check_f32_or_bf16(cache, "cache");
+  TORCH_CHECK(cache.dim() == 5 && cache.size(2) == 2, "rope_cache_write: cache [B, groups, 2, T, d]");
   const int64_t rows = qkv.size(0), d = cache.size(4), t_len = cache.size(3);
-  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == rows && cache.size(1) == groups && cache.size(2) == 2,
-              "decode_attention: cache [B, groups, 2, T, d]");
-  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == groups * (per_group + 2) * d, "decode_attention: qkv width");
-  TORCH_CHECK(end >= 1 && end <= t_len, "decode_attention: end out of range");
-  const bool* mask = nullptr;
-  int64_t mask_stride = 0;
-  at::Tensor mask_c;
-  if (key_mask.has_value()) {
-    TORCH_CHECK(key_mask->scalar_type() == at::kBool && key_mask->dim() == 2 && key_mask->size(0) == rows &&
-                    key_mask->size(1) >= end, "decode_attention: key_mask [B, >= end] bool");
-    mask_c = key_mask->contiguous();
-    mask = mask_c.data_ptr<bool>();
-    mask_stride = mask_c.size(1);
+  TORCH_CHECK(cache.size(0) == rows && cache.size(1) == groups, "rope_cache_write: cache rows/groups mismatch");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == groups * (per_group + 2) * d, "rope_cache_write: qkv width");
+  TORCH_CHECK(slot >= 0 && slot < t_len, "rope_cache_write: slot out of range");
+  const float* table = nullptr;
+  int64_t rot = 0, table_len = 0;
+  if (rope_table.has_value()) {
+    check_f32(*rope_table, "rope_table");
+    rot = rope_table->size(1);
+    table_len = rope_table->size(0);
+    TORCH_CHECK(rot % 2 == 0 && rot <= d, "rope_cache_write: rope table width");
+    table = rope_table->data_ptr<float>();
   }
-  at::Tensor out = at::empty({rows, groups * per_group * d}, qkv.options());
-  const float* q = qkv.data_ptr<float>();
-  const float* c = cache.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  const int64_t row_width = qkv.size(1);
-  const float fscale = static_cast<float>(scale);
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == rows, "rope_cache_write: positions [B] int64");
+  auto pos = positions.reshape({rows});
+  auto pacc = pos.accessor<int64_t, 1>();
+  if (table != nullptr)
+    for (int64_t b = 0; b < rows; ++b)
+      TORCH_CHECK(pacc[b] >= 0 && pacc[b] < table_len, "rope_cache_write: position out of the RoPE table");
+  if (cache.scalar_type() == at::kBFloat16)
+    rope_cache_write_rows(qkv.data_ptr<float>(), table, pacc, cache.data_ptr<at::BFloat16>(), rows, qkv.size(1),
+                          slot, t_len, d, rot, groups, per_group);
+  else
+    rope_cache_write_rows(qkv.data_ptr<float>(), table, pacc, cache.data_ptr<float>(), rows, qkv.size(1), slot,
+                          t_len, d, rot, groups, per_group);
+}
+
+template <typename T>
+void decode_attention_rows(const float* q, int64_t row_width, const T* c, float* o, const bool* mask,
+                           int64_t mask_stride, int64_t rows, int64_t end, int64_t t_len, int64_t d, float fscale,
+                           int64_t groups, int64_t per_group) {
   const int64_t tasks = rows * groups;
   at::parallel_for(0, tasks, grain_rows(2 * end * d), [&](int64_t begin, int64_t stop) {
     std::vector<float> scores(per_group * end);
@@ -285,13 +299,13 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cache, int6
     for (int64_t task = begin; task < stop; ++task) {
       const int64_t b = task / groups, g = task % groups;
       const float* qg = q + b * row_width + g * (per_group + 2) * d;
-      const float* keys = c + (b * groups + g) * 2 * t_len * d;
-      const float* values = keys + t_len * d;
+      const T* keys = c + (b * groups + g) * 2 * t_len * d;
+      const T* values = keys + t_len * d;
       const bool* m = mask != nullptr ? mask + b * mask_stride : nullptr;
       constexpr float kSkip = -std::numeric_limits<float>::infinity();
       for (int64_t t = 0; t < end; ++t) {
         const bool keep = m == nullptr || m[t];
-        const float* k = keys + t * d;
+        const T* k = keys + t * d;
         for (int64_t j = 0; j < per_group; ++j) scores[j * end + t] = keep ? dot(qg + j * d, k, d) * fscale : kSkip;
       }
       for (int64_t j = 0; j < per_group; ++j) {
@@ -309,7 +323,7 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cache, int6
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < end; ++t) {
         if (m != nullptr && !m[t]) continue;
-        const float* v = values + t * d;
+        const T* v = values + t * d;
         for (int64_t j = 0; j < per_group; ++j) axpy(scores[j * end + t], v, acc.data() + j * d, d);
       }
       float* og = o + (b * groups + g) * per_group * d;
@@ -317,6 +331,38 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cache, int6
         for (int64_t i = 0; i < d; ++i) og[j * d + i] = acc[j * d + i] * inv_sum[j];
     }
   });
+}
+
+// One query per row against the cache: qkv as in rope_cache_write (the queries already rotated),
+// cache [B, groups, 2, T, d] (float32 or bf16), slots [0, end) attended (those with key_mask[b, t] false skipped).
+// Returns [B, groups * per_group * d]: softmax(scale * q k^T) v per query head.
+at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cache, int64_t end,
+                            const c10::optional<at::Tensor>& key_mask, double scale, int64_t groups,
+                            int64_t per_group) {
+  check_f32(qkv, "qkv");
+  check_f32_or_bf16(cache, "cache");
+  const int64_t rows = qkv.size(0), d = cache.size(4), t_len = cache.size(3);
+  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == rows && cache.size(1) == groups && cache.size(2) == 2,
+              "decode_attention: cache [B, groups, 2, T, d]");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == groups * (per_group + 2) * d, "decode_attention: qkv width");
+  TORCH_CHECK(end >= 1 && end <= t_len, "decode_attention: end out of range");
+  const bool* mask = nullptr;
+  int64_t mask_stride = 0;
+  at::Tensor mask_c;
+  if (key_mask.has_value()) {
+    TORCH_CHECK(key_mask->scalar_type() == at::kBool && key_mask->dim() == 2 && key_mask->size(0) == rows &&
+                    key_mask->size(1) >= end, "decode_attention: key_mask [B, >= end] bool");
+    mask_c = key_mask->contiguous();
+    mask = mask_c.data_ptr<bool>();
+    mask_stride = mask_c.size(1);
+  }
+  at::Tensor out = at::empty({rows, groups * per_group * d}, qkv.options());
+  if (cache.scalar_type() == at::kBFloat16)
+    decode_attention_rows(qkv.data_ptr<float>(), qkv.size(1), cache.data_ptr<at::BFloat16>(), out.data_ptr<float>(),
+                          mask, mask_stride, rows, end, t_len, d, static_cast<float>(scale), groups, per_group);
+  else
+    decode_attention_rows(qkv.data_ptr<float>(), qkv.size(1), cache.data_ptr<float>(), out.data_ptr<float>(), mask,
+                          mask_stride, rows, end, t_len, d, static_cast<float>(scale), groups, per_group);
   return out;
 }
 
@@ -403,31 +449,6 @@ at::Tensor swiglu_backward(const at::Tensor& grad, const at::Tensor& x) {
   else
     swiglu_backward_rows(grad.data_ptr<float>(), x.data_ptr<float>(), dx.data_ptr<float>(), rows, f);
   return dx;
-}
-
-// n floats of src (float32 or bf16) as float32: src itself, or converted into buf.
-template <typename T>
-inline const float* as_float(const T* src, float* buf, int64_t n) {
-  if constexpr (std::is_same<T, float>::value) {
-    return src;
-  } else {
-    int64_t i = 0;
-#ifdef NA_AVX2
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(buf + i, load8(src + i));
-#endif
-    for (; i < n; ++i) buf[i] = load1(src + i);
-    return buf;
-  }
-}
-
-// n float32 values into dst (bf16: rounded to nearest even).
-template <typename T>
-inline void store_floats(const float* src, T* dst, int64_t n) {
-  int64_t i = 0;
-#ifdef NA_AVX2
-  for (; i + 8 <= n; i += 8) store8(dst + i, _mm256_loadu_ps(src + i));
-#endif
-  for (; i < n; ++i) store1(dst + i, src[i]);
 }
 
 // A norm weight (float32 or bf16, any layout) as a contiguous float32 tensor.

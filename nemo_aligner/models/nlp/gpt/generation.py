@@ -215,10 +215,9 @@ class KVCacheDecoder:
             self.output = self._linear(module.output_layer, weight)
         self.fused = self._fused_plan(module)
         # [layer, B, group, key/value, T, d]: a group's key and value sit next to each other, as in
-        # the QKV projection's output, so one copy per layer and step stores both. float32 where the
-        # fused decode steps of a bf16 model keep their activations in float32.
-        cache_dtype = torch.float32 if self.fused is not None else dtype
-        self.cache = torch.zeros(len(layers), batch, self.groups, 2, max_len, self.head_dim, dtype=cache_dtype,
+        # the QKV projection's output, so one copy per layer and step stores both. In the model's
+        # dtype, the fused steps of a bf16 model too: reading the cache is much of a decode step.
+        self.cache = torch.zeros(len(layers), batch, self.groups, 2, max_len, self.head_dim, dtype=dtype,
                                  device=self.device)
         self.slots = torch.arange(max_len, device=self.device)  # static_step's mask of slots after the current
         self.layer_cache = list(self.cache.unbind(0))
@@ -231,12 +230,13 @@ class KVCacheDecoder:
         below), one model-parallel rank, torch RMSNorms and no query/key norms (the common
         Llama-style shape); anything else runs the Python step.
 
-        A bf16 model's decode steps keep the residual stream, norms, RoPE, cache and attention in
-        float32 through the same kernels and run only the matmuls in bf16 (the weights as they are,
-        inputs rounded to bf16, outputs widened back): torch's bf16 CPU ops for that glue cost more
-        than the float32 kernels (the GRPO benchmark's ``generate`` on an AMX Xeon: 0.36 s against
-        0.33 s, medians of 8 alternating calls), and the float32 glue rounds less than the bf16
-        Python step."""
+        A bf16 model's decode steps keep the residual stream, norms, RoPE and attention in float32
+        through the same kernels and run only the matmuls in bf16 (the weights as they are, inputs
+        rounded to bf16, outputs widened back); the cache holds the keys and values in bf16, as the
+        model's own attention does (the kernels read them as float32). torch's bf16 CPU ops for that
+        glue cost more than the float32 kernels (the GRPO benchmark's ``generate`` on an AMX Xeon:
+        0.36 s against 0.33 s, medians of 8 alternating calls), and the float32 glue rounds less
+        than the bf16 Python step."""
         upcast = self.dtype == torch.bfloat16 and has_fast_bf16_matmul()
         if (self.device.type != "cpu" or (self.dtype != torch.float32 and not upcast) or self.tp != 1
                 or self.pp != 1 or not getattr(module, "post_process", False)):
@@ -359,8 +359,6 @@ class KVCacheDecoder:
                 keys, values = key_value[:, :, 0], key_value[:, :, 1]
         # [B, heads, S, d]; a group's query heads are adjacent
         q = query.reshape(s, b, self.heads, self.head_dim).permute(1, 2, 0, 3)
-        if keys.dtype != q.dtype:  # a bf16 model's float32 cache (the fused decode steps')
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
         gqa = per_group > 1  # SDPA maps query head h to key/value head h // per_group: no copied cache
         if last_only and s > 1:  # the last query sees every fed slot: causal or not, only padding masks it
             q, s = q[:, :, -1:], 1
