@@ -29,8 +29,9 @@ def test_packed_linear_equals_f_linear(backend, with_bias):
         assert torch.allclose(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
-def test_only_float32_cpu_matrices_are_packed():
-    """bf16 matrices only by oneDNN (the backend bf16 models decode with)."""
+def test_which_matrices_each_backend_packs():
+    """CPU matrices: float32 by every backend, bf16 by oneDNN only (the backend bf16 models decode
+    with); never fp16 or vectors."""
     backends = [b for b in AVAILABLE if b != "plain"]
     if not backends:
         pytest.skip("this torch build has no packed GEMM")

@@ -25,7 +25,8 @@ _REMEMBERED = 4000
 
 
 def free_port(bound_at_once: bool = False) -> int:
-    """A port free on 127.0.0.1 now, none this process was given before (the last 4000).
+    """A port free on 127.0.0.1 now, none this process handed out before (it remembers up to 4000,
+    then starts afresh).
 
     ``bound_at_once``: the port is bound within seconds by this process or one it starts now (drawn
     from 28000-32000); otherwise it is told to a process that may bind it much later, such as a
