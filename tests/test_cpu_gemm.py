@@ -293,3 +293,148 @@ def test_native_linear_output_can_be_modified_in_place():
     out = cpu_gemm.NativeLinear.apply(x, weight, None, None)
     out.add_(1.0).sum().backward()
     assert torch.allclose(weight.grad, x.detach().reshape(-1, 8).sum(0).expand(6, 8), atol=1e-5)
+
+
+needs_onednn = pytest.mark.skipif(not cpu_gemm.available("onednn") or torch.cuda.is_available(),
+                                  reason="this torch build has no oneDNN packed GEMM (or a GPU holds the model)")
+
+
+def _bf16_linear_errors(function, x, weight, bias, grad):
+    """Output, input, weight and bias gradients of ``function`` (an autograd linear) on bf16 tensors,
+    each as its largest distance from float64."""
+    out = function(x, weight, bias)
+    out.backward(grad)
+    ours = (out.detach(), x.grad, weight.grad, bias.grad)
+    for t in (x, weight, bias):
+        t.grad = None
+    exact = _float64_linear(x, weight, bias, grad)
+    return [(a.double() - e.detach()).abs().max().item() for a, e in zip(ours, exact)], ours
+
+
+@needs_onednn
+@pytest.mark.parametrize("out_features", [24, 640])
+def test_onednn_linear_forward_and_gradients_against_float64(out_features):
+    """bf16 OneDNNLinear (packed weights, forward and input gradient): output and every gradient of a
+    strided [S, B, K] input as close to float64 as torch's own bf16 linear layer (same bf16 inputs)."""
+    torch.manual_seed(7)
+    x = torch.randn(3, 13, 40).transpose(0, 1).bfloat16().requires_grad_()  # [13, 3, 40], not contiguous
+    weight = torch.randn(out_features, 40).bfloat16().requires_grad_()
+    bias = torch.randn(out_features).bfloat16().requires_grad_()
+    grad = torch.randn(13, 3, out_features).bfloat16()
+    ours, values = _bf16_linear_errors(lambda *a: cpu_gemm.OneDNNLinear.apply(*a, None), x, weight, bias, grad)
+    torchs, _ = _bf16_linear_errors(F.linear, x, weight, bias, grad)
+    assert all(v.dtype == torch.bfloat16 for v in values)
+    for name, a, r in zip(("output", "input grad", "weight grad", "bias grad"), ours, torchs):
+        # one bf16 rounding of the result either way: within two of torch's own error
+        assert a <= 2 * r + 1e-3, (name, a, r)
+        assert a > 0 or r == 0, name
+
+
+@needs_onednn
+def test_onednn_linear_adds_the_weight_gradient_into_main_grad():
+    """With a float32 ``main_grad`` the bf16 weight gradient is added into it; a parameter with
+    ``grad_added_to_main_grad`` gets a dummy bf16 gradient (zeros with ``zero_out_wgrad``)."""
+    torch.manual_seed(8)
+    x = torch.randn(37, 40).bfloat16().requires_grad_()
+    grad = torch.randn(37, 24).bfloat16()
+    weight = torch.randn(24, 40).bfloat16().requires_grad_()
+    before = torch.randn(24, 40)
+    weight.main_grad = before.clone()
+    weight.grad_added_to_main_grad, weight.zero_out_wgrad = False, True
+    cpu_gemm.OneDNNLinear.apply(x, weight, None, weight.main_grad).backward(grad)
+    expected = before.double() + grad.double().t() @ x.detach().double()
+    assert torch.allclose(weight.main_grad.double(), expected, atol=0.3)  # the bf16 gradient's rounding
+    assert not torch.allclose(weight.main_grad, before, atol=0.3)
+    assert weight.grad_added_to_main_grad is True
+    assert weight.grad.dtype == torch.bfloat16 and torch.equal(weight.grad, torch.zeros(24, 40, dtype=torch.bfloat16))
+    exact_input_grad = grad.double() @ weight.detach().double()
+    assert torch.allclose(x.grad.double(), exact_input_grad, rtol=1e-2, atol=0.1)
+
+
+@needs_onednn
+def test_weight_layouts_are_kept_only_while_weights_are_unchanged():
+    """Inside ``weights_unchanged`` a weight is laid out once (and its transpose once); outside, each
+    call lays it out afresh, so a weight changed through ``.data`` (which no version counter sees,
+    as optimizers write it) is used as it is now. The kept layouts go on exit."""
+    torch.manual_seed(9)
+    weight = torch.randn(16, 8).bfloat16()
+    x = torch.randn(4, 8).bfloat16()
+    with cpu_gemm.weights_unchanged():
+        first = cpu_gemm._onednn_pack(weight, 4, transposed=False)
+        with cpu_gemm.weights_unchanged():  # nested: the same store
+            assert cpu_gemm._onednn_pack(weight, 4, transposed=False) is first
+        assert cpu_gemm._onednn_pack(weight, 4, transposed=True) is not first
+        assert cpu_gemm._onednn_pack(weight.clone(), 4, transposed=False) is not first  # another tensor
+        assert cpu_gemm._onednn_pack(weight, 4, transposed=False) is first
+    assert cpu_gemm._KEPT.packs is None
+    assert cpu_gemm._onednn_pack(weight, 4, transposed=False) is not cpu_gemm._onednn_pack(weight, 4, transposed=False)
+    before = cpu_gemm.OneDNNLinear.apply(x, weight, None, None)
+    weight.data.copy_(torch.randn(16, 8).bfloat16())
+    after = cpu_gemm.OneDNNLinear.apply(x, weight, None, None)
+    exact = x.double() @ weight.double().t()
+    assert (after.double() - exact).abs().max() < 0.05 * exact.abs().max()
+    assert not torch.allclose(before, after)
+
+
+@needs_onednn
+def test_megatron_linear_calls_go_to_onednn_for_bf16_where_chosen(monkeypatch):
+    """bf16 CPU calls run on oneDNN's packed weights where that is the choice for bf16; mixed dtypes,
+    autocast and a choice of plain matmuls go to megatron-core's function."""
+    seen = []
+
+    def original(input, weight, *args, **kwargs):
+        seen.append(input.dtype)
+
+    linear = cpu_gemm.native_linear_or(original)
+    torch.manual_seed(10)
+    x, weight, bias = (torch.randn(5, 2, 16).bfloat16(), torch.randn(8, 16).bfloat16(), torch.randn(8).bfloat16())
+    applied = []
+    apply = cpu_gemm.OneDNNLinear.apply
+    monkeypatch.setattr(cpu_gemm.OneDNNLinear, "apply", lambda *a: applied.append(1) or apply(*a))
+    monkeypatch.setattr(cpu_gemm, "_TRAINING_CHOICE", {})
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "onednn")
+    out = linear(x, weight, bias=bias, gradient_accumulation_fusion=False)
+    assert applied == [1] and seen == []
+    assert torch.allclose(out.float(), F.linear(x, weight, bias).float(), atol=0.1)
+    linear(x, weight, bias=bias.float())
+    linear(x.float(), weight)  # mixed dtypes
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        linear(x, weight)
+    assert applied == [1] and len(seen) == 3
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "plain")
+    linear(x, weight)
+    assert applied == [1] and len(seen) == 4
+
+
+@needs_onednn
+def test_bf16_training_step_through_onednn_equals_torchs(mcore_single, monkeypatch):
+    """A bf16 GRPO/PPO actor's loss, every main_grad and its log-probs are the same (to bf16 rounding)
+    with the linear layers on oneDNN's packed weights as on torch's matmuls, and they did run there."""
+    from test_ppo_actor import build_actor, rollouts
+    from nemo_aligner.utils.ppo_utils import create_mask
+
+    model = build_actor(lr=1e-3, precision="bf16")
+    out = rollouts(model)
+    mask = create_mask(out.prompt_lengths, out.response_lengths, out.tokens.shape[1] - 1)
+    batch = {"tokens": out.tokens, "advantages": torch.randn(4, 1) * mask, "mask": mask,
+             "is_end": torch.ones(4, dtype=torch.bool), "logprobs": None,
+             "init_logprobs": model.get_init_policy_logprobs(out.tokens)}
+    calls = []
+    monkeypatch.setattr(cpu_gemm, "_TRAINING_CHOICE", {})
+    apply = cpu_gemm.OneDNNLinear.apply
+    monkeypatch.setattr(cpu_gemm.OneDNNLinear, "apply", lambda *a: calls.append(1) or apply(*a))
+    results = {}
+    for backend in ("plain", "onednn"):
+        monkeypatch.setenv(cpu_gemm.ENV_VAR, backend)
+        calls.clear()
+        logprobs = model.get_logprobs(out.tokens)
+        model.prepare_for_training_step()
+        loss, _ = model.get_loss_and_metrics(batch, forward_only=False)
+        results[backend] = (loss, [p.main_grad.clone() for p in model.module.parameters()], logprobs, len(calls))
+    assert results["plain"][3] == 0 and results["onednn"][3] > 0
+    assert results["onednn"][0] == pytest.approx(results["plain"][0], rel=2e-2, abs=1e-3)
+    torch.testing.assert_close(results["onednn"][2], results["plain"][2], rtol=0, atol=0.1)
+    total = sum(float(g.abs().sum()) for g in results["plain"][1])
+    assert total > 0
+    difference = sum(float((a - b).abs().sum()) for a, b in zip(results["plain"][1], results["onednn"][1]))
+    assert difference <= 0.05 * total

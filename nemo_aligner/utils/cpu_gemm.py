@@ -31,13 +31,21 @@ Where the choice is ``native`` on a CPU other than Intel's, the float32 CPU matm
 of log-prob passes use our kernel too (:class:`NativeLinear`, routed in by ``utils.patches.cpu_compat``): forward, input
 gradient and weight gradient (added straight into megatron-core's ``main_grad``): 1.15-1.2x MKL's
 ``F.linear`` alone at training shapes on the AMD EPYC, ~1.1x within a training step.
+
+Where the bf16 choice is ``onednn``, the bf16 CPU matmuls of training and of log-prob passes run
+their forward and input gradient on oneDNN's packed bf16 weights (:class:`OneDNNLinear`): torch's
+bf16 matmul re-lays the weight out on every call and runs ~270 GFLOP/s at a thousand rows on a Zen
+4 against ~430 on packed weights. A schedule's micro-batches share one layout per weight
+(:func:`weights_unchanged`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
+import threading
 from typing import Callable, Optional
 
 import torch
@@ -155,24 +163,60 @@ def linear(weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[
         # a prefill's thousands of rows: MKL's F.linear is faster there
         return lambda x: native(x) if x.numel() <= skinny else F.linear(x, weight, bias)
     onednn_linear = torch.ops.mkldnn._linear_pointwise
-    # oneDNN is faster only for skinny inputs: a prefill's thousands of rows run ~10% faster on MKL
-    # (measured on the small benchmark model, Zen 3).
+    if weight.dtype == torch.bfloat16:
+        # bf16: packed weights are faster for every row count (Zen 4, a thousand rows: ~430 against
+        # ~270 GFLOP/s for F.linear, which re-lays out the weight on every call)
+        return lambda x: onednn_linear(x, packed, bias, "none", [], "")
+    # float32: oneDNN is faster only for skinny inputs: a prefill's thousands of rows run ~10% faster
+    # on MKL (measured on the small benchmark model, Zen 3).
     return lambda x: onednn_linear(x, packed, bias, "none", [], "") if x.numel() <= skinny else F.linear(x, weight, bias)
 
 
-_TRAINING_CHOICE: dict = {}  # (the two settings' values) -> whether training runs on our GEMM
+_TRAINING_CHOICE: dict = {}  # (dtype, the two settings' values) -> whether training runs on packed weights
+
+
+def _training_choice(dtype: torch.dtype) -> bool:
+    from nemo_aligner.utils import cpu_kernels
+
+    key = (dtype, os.environ.get(ENV_VAR, ""), os.environ.get(cpu_kernels.ENV_VAR, ""))
+    if key not in _TRAINING_CHOICE:
+        if dtype == torch.float32:
+            _TRAINING_CHOICE[key] = decode_gemm_backend() == "native" and not large_matmuls_on_torch()
+        else:
+            _TRAINING_CHOICE[key] = decode_gemm_backend(torch.bfloat16) == "onednn"
+    return _TRAINING_CHOICE[key]
 
 
 def training_kernels():
     """The compiled kernels where float32 CPU training matmuls run on our GEMM (the packed-GEMM
     choice is ``native`` on a CPU other than Intel's), else None. Called for every linear layer: the
     choice is kept per value of the two settings."""
-    from nemo_aligner.utils import cpu_kernels
+    return _kernels() if _training_choice(torch.float32) else None
 
-    key = (os.environ.get(ENV_VAR, ""), os.environ.get(cpu_kernels.ENV_VAR, ""))
-    if key not in _TRAINING_CHOICE:
-        _TRAINING_CHOICE[key] = decode_gemm_backend() == "native" and not large_matmuls_on_torch()
-    return _kernels() if _TRAINING_CHOICE[key] else None
+
+def bf16_training_on_onednn() -> bool:
+    """Whether bf16 CPU training and log-prob matmuls run on oneDNN's packed bf16 weights
+    (:class:`OneDNNLinear`): where bf16 decode steps do (a CPU with bf16 matmul units, unless
+    ``NEMO_ALIGNER_DECODE_GEMM`` names another backend)."""
+    return _training_choice(torch.bfloat16)
+
+
+def _weight_gradient(weight: torch.Tensor, main_grad: Optional[torch.Tensor], like: torch.Tensor,
+                     compute: Callable[[], torch.Tensor], accumulate: Callable[[torch.Tensor], None]):
+    """The weight gradient a linear layer's backward returns, as megatron-core's: without ``main_grad``
+    the gradient itself (``compute()``); with it (gradient accumulation fusion: the DDP buffer the
+    optimizer reads) ``accumulate(main_grad)`` adds it there, and the returned gradient is a dummy
+    (of ``like``'s dtype) where the parameter has ``grad_added_to_main_grad``, else None."""
+    if main_grad is None:
+        return compute()
+    accumulate(main_grad)
+    weight.main_grad = main_grad
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    # megatron-core's DDP hooks expect a gradient tensor (they skip adding it)
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    weight.grad_added_to_main_grad = True
+    return make(main_grad.shape, dtype=like.dtype, device=like.device)
 
 
 class NativeLinear(torch.autograd.Function):
@@ -208,20 +252,85 @@ class NativeLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             # weight gradient [n, k] = grad^T @ input: grad is read transposed in place
             packed_input = ext.pack_matrix(input.reshape(-1, k).contiguous())
-            main_grad = ctx.main_grad
-            if main_grad is None:
-                grad_weight = ext.packed_gemm(grad, True, packed_input, k, None, None)
-            else:
+
+            def accumulate(main_grad):
                 if main_grad.dtype == torch.float32 and main_grad.is_contiguous():
                     ext.packed_gemm(grad, True, packed_input, k, None, main_grad)
                 else:
                     main_grad.add_(ext.packed_gemm(grad, True, packed_input, k, None, None).to(main_grad.dtype))
-                weight.main_grad = main_grad
-                if hasattr(weight, "grad_added_to_main_grad"):
-                    # megatron-core's DDP hooks expect a gradient tensor (they skip adding it)
-                    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-                    grad_weight = make(main_grad.shape, dtype=input.dtype, device=input.device)
-                    weight.grad_added_to_main_grad = True
+
+            grad_weight = _weight_gradient(weight, ctx.main_grad, input,
+                                           lambda: ext.packed_gemm(grad, True, packed_input, k, None, None), accumulate)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.sum(0)
+        return grad_input, grad_weight, grad_bias, None
+
+
+_KEPT = threading.local()  # .packs: {(id(weight), transposed): (weight, packed)} inside weights_unchanged()
+
+
+@contextlib.contextmanager
+def weights_unchanged():
+    """Within it, :class:`OneDNNLinear` lays out each weight (and its transpose) once and reuses it:
+    for a schedule's micro-batches, during which the caller guarantees that no weight changes.
+    Outside it every call lays out the weight afresh (an optimizer may change weights in place
+    through ``.data``, which no version counter sees). Nests; the layouts are dropped on exit."""
+    outer = getattr(_KEPT, "packs", None)
+    if outer is None:
+        _KEPT.packs = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _KEPT.packs = None
+
+
+def _onednn_pack(weight: torch.Tensor, rows: int, transposed: bool) -> torch.Tensor:
+    """``weight`` (or its transpose) laid out for oneDNN's bf16 linear; kept inside
+    :func:`weights_unchanged`."""
+    packs = getattr(_KEPT, "packs", None)
+    key = (id(weight), transposed)
+    if packs is not None and key in packs and packs[key][0] is weight:
+        return packs[key][1]
+    matrix = weight.detach().t().contiguous() if transposed else weight.detach()
+    packed = torch.ops.mkldnn._reorder_linear_weight(matrix, rows)
+    if packs is not None:
+        packs[key] = (weight, packed)  # the weight itself kept: its id is not reused meanwhile
+    return packed
+
+
+class OneDNNLinear(torch.autograd.Function):
+    """``input @ weight^T (+ bias)`` for bf16 CPU tensors with the forward and the input gradient on
+    oneDNN's packed bf16 weights (torch's bf16 matmul re-lays the weight out on every call, in a
+    slower GEMM: Zen 4, a thousand rows, ~270 against ~430 GFLOP/s); the weight gradient is torch's
+    bf16 matmul (float32 sums), added into megatron-core's ``main_grad`` where given."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, main_grad):
+        packed = _onednn_pack(weight, input.numel() // input.shape[-1], transposed=False)
+        out = torch.ops.mkldnn._linear_pointwise(input.contiguous(), packed, bias, "none", [], "")
+        ctx.save_for_backward(input, weight)
+        ctx.main_grad = main_grad  # not saved for backward: a buffer written in place
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        n, k = weight.shape
+        grad_output = grad_output.contiguous()
+        grad = grad_output.view(-1, n)
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            # [.., n] @ weight [n, k]: weight^T [k, n] is the "weight" of this product
+            packed = _onednn_pack(weight, grad.shape[0], transposed=True)
+            grad_input = torch.ops.mkldnn._linear_pointwise(grad_output, packed, None, "none", [], "")
+        if ctx.needs_input_grad[1]:
+            total = input.reshape(-1, k)
+            # float32 main_grad: the bf16 GEMM (float32 sums, one rounding of this micro-batch's
+            # gradient) added in, as megatron-core does without its fused CUDA kernel
+            grad_weight = _weight_gradient(weight, ctx.main_grad, input, lambda: grad.t().mm(total),
+                                           lambda main_grad: main_grad.add_(grad.t().mm(total)))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad.sum(0)
         return grad_input, grad_weight, grad_bias, None
@@ -235,26 +344,39 @@ _LINEAR_KEYS = {"bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequ
 
 def native_linear_or(original: Callable) -> Callable:
     """megatron-core's ``linear_with_grad_accumulation_and_async_allreduce`` or
-    ``linear_with_frozen_weight`` (``original``), with this rank's local matmul on our GEMM where it
-    applies: float32 CPU tensors, no autocast, no communication inside the linear (no
+    ``linear_with_frozen_weight`` (``original``), with this rank's local matmul on packed weights
+    where they apply: float32 CPU tensors on our GEMM (:func:`training_kernels`), bf16 ones on
+    oneDNN's (:func:`bf16_training_on_onednn`); no autocast, no communication inside the linear (no
     sequence parallelism or input-gradient all-reduce: a layer's tensor-parallel reduction happens
     outside it), no deferred weight gradients; everything else goes to ``original``."""
+
+    def packed(input, weight, bias):
+        """The autograd function for this call, or None where megatron-core's function runs it."""
+        dtype = input.dtype
+        if (weight.dtype != dtype or input.device.type != "cpu" or weight.dim() != 2
+                or input.shape[-1] != weight.shape[1] or hasattr(weight, "__fsdp_param__")
+                or torch.is_autocast_enabled("cpu")
+                or (bias is not None and (bias.dtype != dtype or bias.device.type != "cpu"))):
+            return None
+        if dtype == torch.float32 and training_kernels() is not None:
+            return NativeLinear
+        if dtype == torch.bfloat16 and bf16_training_on_onednn():
+            return OneDNNLinear
+        return None
 
     def linear(input, weight, *args, **kwargs):
         if (args or not kwargs.keys() <= _LINEAR_KEYS or kwargs.get("allreduce_dgrad")
                 or kwargs.get("sequence_parallel") or kwargs.get("grad_output_buffer") is not None
-                or kwargs.get("async_grad_allreduce") or (kwargs.get("gtp_remat_size") or 1) != 1
-                or input.device.type != "cpu" or input.dtype != torch.float32 or weight.dtype != torch.float32
-                or weight.dim() != 2 or input.shape[-1] != weight.shape[1] or hasattr(weight, "__fsdp_param__")
-                or torch.is_autocast_enabled("cpu") or training_kernels() is None):
+                or kwargs.get("async_grad_allreduce") or (kwargs.get("gtp_remat_size") or 1) != 1):
             return original(input, weight, *args, **kwargs)
         bias = kwargs.get("bias")
-        if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"):
+        function = packed(input, weight, bias)
+        if function is None:
             return original(input, weight, *args, **kwargs)
         main_grad = None
         if kwargs.get("gradient_accumulation_fusion") and weight.requires_grad:
             main_grad = getattr(weight, "main_grad", None)
-        return NativeLinear.apply(input, weight, bias, main_grad)
+        return function.apply(input, weight, bias, main_grad)
 
     # Its name, docstring and attributes (megatron-core's function reads its own `.warned` through
     # the module-level name, which is now this one).

@@ -18,6 +18,7 @@ from nemo_aligner.models.nlp.gpt.gpt_builder import (
     transformer_config_from_cfg,
     uses_te_spec,
 )
+from nemo_aligner.utils import cpu_gemm
 from nemo_aligner.utils.distributed import broadcast_from_last_stage, host_all_reduce
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.optim import OptimizerOffload, build_optimizer, build_scheduler, uses_distributed_optimizer
@@ -256,16 +257,17 @@ class MegatronGPTModel:
 
         if seq_length is None:
             seq_length = micro_batches[0]["tokens"].shape[1]
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro_batches),
-            model=self.model,
-            num_microbatches=len(micro_batches),
-            seq_length=seq_length,
-            micro_batch_size=sequences_per_micro_batch or micro_batch_size,
-            forward_only=forward_only,
-            collect_non_loss_data=loss_fn is None,
-        )
+        with cpu_gemm.weights_unchanged():  # the weights change only between schedules
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro_batches),
+                model=self.model,
+                num_microbatches=len(micro_batches),
+                seq_length=seq_length,
+                micro_batch_size=sequences_per_micro_batch or micro_batch_size,
+                forward_only=forward_only,
+                collect_non_loss_data=loss_fn is None,
+            )
 
     def reduce_metrics(self, outputs: List[Dict[str, torch.Tensor]], sum_keys=(), mean_keys=(),
                        token_mean_keys=()) -> Dict[str, float]:
