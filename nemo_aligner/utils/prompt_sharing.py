@@ -163,24 +163,30 @@ def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     if Gn != G * n or L != P + n * R:
         raise ValueError(f"shared-prompt mask {tuple(mask.shape)} does not fit a packed sequence of {L} x {G}")
 
-    def prompt(t):  # [G, heads, P, d]
-        return t[:P].permute(1, 2, 0, 3)
+    # split, not sliced: the backward of a split concatenates its parts' gradients, where each
+    # slice's would fill a zero tensor of the whole and add them up
+    (q_prompt, q_responses), (k_prompt, k_responses), (v_prompt, v_responses) = (
+        t.split((P, L - P)) for t in (query, key, value))
 
-    def responses(t):  # [G * n, heads, R, d]
-        return t[P:].reshape(n, R, G, heads, t.shape[-1]).permute(2, 0, 3, 1, 4).reshape(Gn, heads, R, t.shape[-1])
+    def prompt(part):  # [P, G, heads, d] -> [G, heads, P, d]
+        return part.permute(1, 2, 0, 3)
 
-    def with_prompt(t):  # each response's keys or values: its group's prompt, then its own
-        shared = prompt(t).unsqueeze(1).expand(G, n, heads, P, t.shape[-1]).reshape(Gn, heads, P, t.shape[-1])
-        return torch.cat((shared, responses(t)), dim=2)
+    def responses(part):  # [n * R, G, heads, d] -> [G * n, heads, R, d]
+        return part.reshape(n, R, G, heads, part.shape[-1]).permute(2, 0, 3, 1, 4).reshape(Gn, heads, R, part.shape[-1])
+
+    def with_prompt(prompt_part, own):  # each response's keys or values: its group's prompt, then its own
+        d_part = own.shape[-1]
+        shared = prompt(prompt_part).unsqueeze(1).expand(G, n, heads, P, d_part).reshape(Gn, heads, P, d_part)
+        return torch.cat((shared, responses(own)), dim=2)
 
     real = ~mask[::n, 0, 0, :P]  # [G, P]: the prompt's real (not padding) slots
     eye = torch.eye(P, dtype=torch.bool, device=mask.device)
     # A padding slot attends to itself only, so no query row is empty (its output is never used).
     prompt_allowed = (eye.logical_not().tril() & real[:, None, :]) | eye
-    out_prompt = scaled_dot_product_attention(prompt(query), prompt(key), prompt(value),
+    out_prompt = scaled_dot_product_attention(prompt(q_prompt), prompt(k_prompt), prompt(v_prompt),
                                               attn_mask=prompt_allowed.unsqueeze(1), scale=scale)
-    out_responses = scaled_dot_product_attention(responses(query), with_prompt(key), with_prompt(value),
-                                                 attn_mask=~mask, scale=scale)
+    out_responses = scaled_dot_product_attention(responses(q_responses), with_prompt(k_prompt, k_responses),
+                                                 with_prompt(v_prompt, v_responses), attn_mask=~mask, scale=scale)
     dv = value.shape[-1]
     out_prompt = out_prompt.permute(2, 0, 1, 3).reshape(P, G, heads * dv)
     out_responses = out_responses.reshape(G, n, heads, R, dv).permute(1, 3, 0, 2, 4).reshape(n * R, G, heads * dv)
