@@ -143,6 +143,27 @@ def test_rope_cache_write(ext, per_group, d, rot, cache_dtype):
         assert torch.equal(qkv, before_qkv) and torch.equal(cache, before_cache)
 
 
+def test_bf16_stores_round_like_torch(ext):
+    """The kernels' float32 -> bf16 stores (vector and scalar tails; one instruction where the CPU has
+    AVX512_BF16) give torch's bf16 bits: ties to even, just off a tie, the largest float32 (to
+    infinity), infinities, signed zeros; a NaN stays a NaN."""
+    tie = 2.0 ** -8  # half of bf16's step at 1
+    special = [1 + tie, 1 + 3 * tie, 1 + tie * (1 + 2 ** -15), 1 + tie * (1 - 2 ** -15), -(1 + tie), -(1 + 3 * tie),
+               3.4028234663852886e38, -3.4028234663852886e38, float("inf"), float("-inf"), 0.0, -0.0,
+               1.1754943508222875e-38, 65504.0, -1e-3, 0.1, 7.0, float("nan"), 1e30, -2.5]
+    d, groups, per_group = 12, 1, 1  # 8 values through the vector store, 4 through the scalar tail
+    rows = -(-len(special) // d)
+    values = torch.tensor(special + [0.5] * (rows * d - len(special)), dtype=torch.float32).view(rows, d)
+    qkv = torch.randn(rows, groups * (per_group + 2) * d)
+    qkv.view(rows, per_group + 2, d)[:, per_group + 1] = values  # the value head: stored as it is
+    cache = torch.zeros(rows, groups, 2, 4, d, dtype=torch.bfloat16)
+    ext.rope_cache_write(qkv, None, torch.zeros(rows, dtype=torch.long), cache, 1, groups, per_group)
+    written, expected = cache[:, 0, 1, 1], values.to(torch.bfloat16)
+    nan = expected.isnan()
+    assert torch.equal(written.isnan(), nan)
+    assert torch.equal(written[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+
+
 @pytest.mark.parametrize("per_group,d,masked", [(2, 16, True), (1, 12, False), (4, 64, True)])
 def test_decode_attention_over_a_bf16_cache(ext, per_group, d, masked):
     """A bf16 cache is read as float32: the same result as the float32 kernel over its values."""
@@ -181,9 +202,26 @@ def gemm_ext(request, ext):
         flags = cpu_kernels.compile_flags()
         if "-mavx512f" not in flags:
             pytest.skip("this CPU's build is the AVX2 one")
-        flags = [f for f in flags if f != "-mavx512f"]
+        flags = [f for f in flags if not f.startswith("-mavx512")]  # the bf16 ones imply AVX-512F
         return cpu_kernels._build_or_import(cpu_kernels._build_name(flags), flags)
     return ext
+
+
+def test_bf16_store_flags_only_where_the_cpu_and_the_compiler_have_them(monkeypatch):
+    """AVX512_BF16 conversions are compiled in where /proc/cpuinfo lists them and the C++ compiler
+    takes their flags; an older compiler gets the other flags (no failed build)."""
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+    cpu = "fma avx2 avx512f avx512vl avx512_bf16"
+    monkeypatch.setattr(cpu_kernels, "cpuinfo", lambda field: cpu)
+    monkeypatch.setenv("CXX", "true")  # a compiler that takes anything
+    assert cpu_kernels.compile_flags()[-2:] == ["-mavx512vl", "-mavx512bf16"]
+    monkeypatch.setenv("CXX", "false")  # one that refuses the flags
+    assert cpu_kernels.compile_flags() == ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mavx512f"]
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert "-mavx512bf16" not in cpu_kernels.compile_flags()
+    monkeypatch.setenv("CXX", "true")
+    cpu = "fma avx2 avx512f avx512vl"  # no bf16 conversions on this CPU
+    assert cpu_kernels.compile_flags() == ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mavx512f"]
 
 
 @pytest.mark.parametrize("n,k", [(96, 64), (37, 19), (16, 1024), (400, 256)])

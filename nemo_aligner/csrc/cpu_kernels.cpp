@@ -84,6 +84,12 @@ inline __m256 load8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// one instruction: round to nearest even, a NaN stays a quiet NaN (denormals flush to zero)
+inline void store8(at::BFloat16* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), (__m128i)_mm256_cvtneps_pbh(v));
+}
+#else
 inline void store8(at::BFloat16* p, __m256 v) {
   __m256i bits = _mm256_castps_si256(v);
   __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
@@ -95,6 +101,7 @@ inline void store8(at::BFloat16* p, __m256 v) {
   __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
+#endif
 #endif
 
 inline void check_f32_or_bf16(const at::Tensor& t, const char* name) {

@@ -24,6 +24,7 @@ import logging
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -63,7 +64,20 @@ def compile_flags() -> list:
         flags += ["-mavx2", "-mfma"]
         if "avx512f" in cpu_flags:  # the packed GEMM's 32-column panels
             flags.append("-mavx512f")
+            bf16 = ["-mavx512vl", "-mavx512bf16"]  # float32 -> bf16 stores in one instruction
+            if {"avx512_bf16", "avx512vl"} <= cpu_flags and _compiler_accepts(bf16):
+                flags += bf16
     return flags
+
+
+def _compiler_accepts(flags: list) -> bool:
+    """Whether the C++ compiler torch builds extensions with (``$CXX``, else ``c++``) takes ``flags``
+    (an older one lacks the newer instruction sets')."""
+    try:
+        return subprocess.run([os.environ.get("CXX", "c++"), *flags, "-fsyntax-only", "-x", "c++", os.devnull],
+                              capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 def _build_name(flags: list) -> str:
