@@ -366,6 +366,9 @@ def test_weight_layouts_are_kept_only_while_weights_are_unchanged():
         assert cpu_gemm._onednn_pack(weight, 4, transposed=True) is not first
         assert cpu_gemm._onednn_pack(weight.clone(), 4, transposed=False) is not first  # another tensor
         assert cpu_gemm._onednn_pack(weight, 4, transposed=False) is first
+        with torch.no_grad():  # an in-place change autograd sees (a swap through the state dict)
+            weight.copy_(weight * 2)
+        assert cpu_gemm._onednn_pack(weight, 4, transposed=False) is not first
     assert cpu_gemm._KEPT.packs is None
     assert cpu_gemm._onednn_pack(weight, 4, transposed=False) is not cpu_gemm._onednn_pack(weight, 4, transposed=False)
     before = cpu_gemm.OneDNNLinear.apply(x, weight, None, None)

@@ -266,7 +266,7 @@ class NativeLinear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None
 
 
-_KEPT = threading.local()  # .packs: {(id(weight), transposed): (weight, packed)} inside weights_unchanged()
+_KEPT = threading.local()  # .packs: {(id(weight), transposed): (weight, version, packed)} inside weights_unchanged()
 
 
 @contextlib.contextmanager
@@ -290,12 +290,13 @@ def _onednn_pack(weight: torch.Tensor, rows: int, transposed: bool) -> torch.Ten
     :func:`weights_unchanged`."""
     packs = getattr(_KEPT, "packs", None)
     key = (id(weight), transposed)
-    if packs is not None and key in packs and packs[key][0] is weight:
-        return packs[key][1]
+    # the version too: a swap of weights through the state dict inside the block is seen
+    if packs is not None and key in packs and packs[key][0] is weight and packs[key][1] == weight._version:
+        return packs[key][2]
     matrix = weight.detach().t().contiguous() if transposed else weight.detach()
     packed = torch.ops.mkldnn._reorder_linear_weight(matrix, rows)
     if packs is not None:
-        packs[key] = (weight, packed)  # the weight itself kept: its id is not reused meanwhile
+        packs[key] = (weight, weight._version, packed)  # the weight itself kept: its id is not reused meanwhile
     return packed
 
 
