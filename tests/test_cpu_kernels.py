@@ -146,7 +146,8 @@ def test_rope_cache_write(ext, per_group, d, rot, cache_dtype):
 def test_bf16_stores_round_like_torch(ext):
     """The kernels' float32 -> bf16 stores (vector and scalar tails; one instruction where the CPU has
     AVX512_BF16) give torch's bf16 bits: ties to even, just off a tie, the largest float32 (to
-    infinity), infinities, signed zeros; a NaN stays a NaN."""
+    infinity), infinities, signed zeros; a NaN stays a NaN; a float32 denormal gives torch's bits or
+    (the one-instruction conversion) a zero of its sign."""
     tie = 2.0 ** -8  # half of bf16's step at 1
     special = [1 + tie, 1 + 3 * tie, 1 + tie * (1 + 2 ** -15), 1 + tie * (1 - 2 ** -15), -(1 + tie), -(1 + 3 * tie),
                3.4028234663852886e38, -3.4028234663852886e38, float("inf"), float("-inf"), 0.0, -0.0,
@@ -162,6 +163,16 @@ def test_bf16_stores_round_like_torch(ext):
     nan = expected.isnan()
     assert torch.equal(written.isnan(), nan)
     assert torch.equal(written[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+    # float32 denormals: torch's bits, or a zero of their sign with the one-instruction conversion
+    tiny = torch.tensor([1e-39, -2e-39] + [0.5] * (d - 2)).view(1, d)
+    qkv = torch.randn(1, (per_group + 2) * d)
+    qkv.view(1, per_group + 2, d)[:, per_group + 1] = tiny
+    cache = torch.zeros(1, groups, 2, 4, d, dtype=torch.bfloat16)
+    ext.rope_cache_write(qkv, None, torch.zeros(1, dtype=torch.long), cache, 1, groups, per_group)
+    written, expected = cache[0, 0, 1, 1, :2], tiny[0, :2].to(torch.bfloat16)
+    zero = torch.tensor([0.0, -0.0], dtype=torch.bfloat16)
+    bits = lambda t: t.view(torch.int16)  # noqa: E731
+    assert torch.equal(bits(written), bits(expected)) or torch.equal(bits(written), bits(zero))
 
 
 @pytest.mark.parametrize("per_group,d,masked", [(2, 16, True), (1, 12, False), (4, 64, True)])
