@@ -115,25 +115,28 @@ def test_bf16_decode_steps_widen_the_glue(mcore_single, monkeypatch, texts):
     assert torch.equal(fallback, plain)
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or not cpu_gemm.available("onednn"),
-                    reason="the CPU decode GEMMs (oneDNN's packed bf16 matmuls)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU decode GEMMs")
+@pytest.mark.parametrize("backend", ["onednn", "native"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-step", "python-step"])
-def test_bf16_decode_matmuls_run_packed_on_onednn(mcore_single, monkeypatch, fused):
-    """Where the CPU has bf16 matmul units a bf16 model's decode steps multiply through oneDNN's
-    packed bf16 weights: the same logits as ``F.linear``'s bf16 matmuls to bf16 rounding, the
-    prefill (thousands of rows go to ``F.linear``) identical."""
+def test_bf16_decode_matmuls_run_on_packed_bf16_weights(mcore_single, monkeypatch, fused, backend):
+    """Where the CPU has bf16 matmul units a bf16 model's decode steps multiply through packed bf16
+    weights (oneDNN's, or our AVX512_BF16 GEMM): the same logits as ``F.linear``'s bf16 matmuls to
+    bf16 rounding; oneDNN's prefill (more rows than packed for: ``F.linear``) identical."""
+    if not cpu_gemm.available(backend) or (backend == "native" and not cpu_gemm.native_packs_bf16()):
+        pytest.skip(f"this machine has no {backend} bf16 GEMM")
     monkeypatch.setattr(generation, "has_fast_bf16_matmul", lambda: True)
     monkeypatch.setattr(cpu_gemm, "has_fast_bf16_matmul", lambda: True)
-    monkeypatch.delenv(cpu_gemm.ENV_VAR, raising=False)
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, backend)
     model = build(TINY_ARCH, seed=5)
     model.module.to(torch.bfloat16)
     decoder = generation.KVCacheDecoder(model.module, len(PROMPTS), 8)
-    assert decoder.gemm_backend == "onednn"
+    assert decoder.gemm_backend == backend
     assert len(decoder.packed) == 4 * TINY_ARCH["num_layers"] + 1  # every layer's four matrices and the output
     packed = _step_logits(model, fused, PROMPTS)
     monkeypatch.setenv(cpu_gemm.ENV_VAR, "plain")
     plain = _step_logits(model, fused, PROMPTS)
-    assert torch.equal(packed[0], plain[0])
+    if backend == "onednn":
+        assert torch.equal(packed[0], plain[0])
     assert torch.allclose(packed, plain, atol=3e-2 * plain.abs().max().item())
     assert (packed[1:].argmax(-1) == plain[1:].argmax(-1)).float().mean() > 0.9
 

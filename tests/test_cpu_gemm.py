@@ -30,14 +30,17 @@ def test_packed_linear_equals_f_linear(backend, with_bias):
 
 
 def test_which_matrices_each_backend_packs():
-    """CPU matrices: float32 by every backend, bf16 by oneDNN only (the backend bf16 models decode
-    with); never fp16 or vectors."""
+    """CPU matrices: float32 by every backend, bf16 by oneDNN and (built with AVX512_BF16) our GEMM;
+    never fp16 or vectors."""
     backends = [b for b in AVAILABLE if b != "plain"]
     if not backends:
         pytest.skip("this torch build has no packed GEMM")
     for backend in backends:
         packed_bf16 = cpu_gemm.pack(torch.randn(4, 4, dtype=torch.bfloat16), 2, backend)
-        assert (packed_bf16 is not None) == (backend == "onednn"), backend
+        packs_bf16 = backend == "onednn" or (backend == "native" and cpu_gemm.native_packs_bf16())
+        assert (packed_bf16 is not None) == packs_bf16, backend
+        if backend == "native":  # our bf16 GEMM takes pairs of inputs: an odd width is not packed
+            assert cpu_gemm.pack(torch.randn(4, 5, dtype=torch.bfloat16), 2, backend) is None
         assert cpu_gemm.pack(torch.randn(4, 4, dtype=torch.float16), 2, backend) is None
         assert cpu_gemm.pack(torch.randn(4), 2, backend) is None
         assert cpu_gemm.pack(torch.randn(4, 4), 2, backend) is not None
@@ -64,6 +67,55 @@ def test_packed_bf16_linear_equals_f_linear(with_bias):
         assert torch.allclose(out.float(), F.linear(x, weight, bias).float(), rtol=2 ** -7, atol=1e-2)
 
 
+needs_native_bf16 = pytest.mark.skipif(not cpu_gemm.available("native") or not cpu_gemm.native_packs_bf16(),
+                                       reason="our packed GEMM is built without AVX512_BF16 on this machine")
+
+
+@needs_native_bf16
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_native_bf16_linear_against_float64(with_bias):
+    """Our AVX512_BF16 GEMM: float32 sums of the bf16 products, as close to a float64 product of the
+    same bf16 values as float32 sums get (``float_output``), and those sums rounded once to bf16
+    (the call itself). Row counts around the 12-row register blocks and the 192-row blocks, a width
+    past one 32-column panel and not a multiple of it, and inner widths over one k chunk."""
+    torch.manual_seed(11)
+    for out_features, in_features in ((40, 24), (96, 512), (33, 258)):
+        weight = torch.randn(out_features, in_features).bfloat16()
+        bias = torch.randn(out_features).bfloat16() if with_bias else None
+        call = cpu_gemm.linear(weight, bias, cpu_gemm.pack(weight, 8, "native"), 8, "native")
+        for rows in (1, 5, 12, 13, 64, 200, 385):
+            x = torch.randn(rows, in_features).bfloat16()
+            exact = F.linear(x.double(), weight.double(), bias.double() if bias is not None else None)
+            wide = call.float_output(x)
+            assert wide.dtype == torch.float32 and wide.shape == exact.shape
+            scale = (x.double().abs() @ weight.double().abs().t()).max()
+            assert (wide.double() - exact).abs().max() <= 1e-6 * scale, (out_features, in_features, rows)
+            out = call(x)
+            assert out.dtype == torch.bfloat16 and torch.equal(out, wide.to(torch.bfloat16))
+        x3 = torch.randn(2, 3, in_features).bfloat16()  # [S, B, K] inputs keep their leading shape
+        assert call(x3).shape == (2, 3, out_features)
+
+
+@needs_native_bf16
+def test_native_bf16_gemm_refusals():
+    """The kernel refuses what it does not compute, naming it, before any work."""
+    ext = cpu_gemm._kernels()
+    weight = torch.randn(64, 32).bfloat16()
+    packed = ext.pack_linear(weight)
+    assert packed.dtype == torch.int32 and packed.shape == (2, 16, 32)
+    with pytest.raises(RuntimeError, match="K even"):
+        ext.pack_linear(torch.randn(64, 31).bfloat16())
+    x = torch.randn(4, 32).bfloat16()
+    with pytest.raises(RuntimeError, match="row-major into a new tensor"):
+        ext.packed_gemm(x.t().contiguous(), True, packed, 64, None, None)
+    with pytest.raises(RuntimeError, match="does not match"):
+        ext.packed_gemm(torch.randn(4, 30).bfloat16(), False, packed, 64, None, None)
+    with pytest.raises(RuntimeError, match="takes a bf16 weight packed"):
+        ext.packed_gemm(x, False, ext.pack_linear(torch.randn(64, 32)), 64, None, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ext.packed_gemm(x, False, packed, 64, torch.randn(64).bfloat16(), None)
+
+
 @pytest.mark.parametrize("machine,vendor,avx512,expected,without_native", [
     ("x86_64", "GenuineIntel", True, "native", "mkl"),
     ("x86_64", "GenuineIntel", False, "mkl", "mkl"),
@@ -87,19 +139,33 @@ def test_auto_choice_follows_the_cpu(monkeypatch, machine, vendor, avx512, expec
     assert cpu_gemm.decode_gemm_backend() == "plain"
 
 
-@pytest.mark.parametrize("fast,onednn,expected", [(True, True, "onednn"), (False, True, "plain"), (True, False, "plain")])
-def test_auto_choice_for_bf16_models(monkeypatch, fast, onednn, expected):
-    """A bf16 model decodes through oneDNN's packed bf16 GEMM where the CPU has bf16 matmul units
-    (elsewhere oneDNN emulates bf16, slower than ``F.linear``'s path gains); the setting still wins."""
+@pytest.mark.parametrize("fast,amx,native_bf16,onednn,expected", [
+    (True, False, True, True, "native"),   # AVX512_BF16 (Zen 4): our GEMM
+    (True, True, True, True, "onednn"),    # AMX tiles: oneDNN uses them
+    (True, False, False, True, "onednn"),  # our kernels built without the bf16 GEMM
+    (False, False, True, True, "plain"),   # no bf16 units: oneDNN would emulate bf16
+    (True, False, False, False, "plain"),
+])
+def test_auto_choice_for_bf16_models(monkeypatch, fast, amx, native_bf16, onednn, expected):
+    """A bf16 model decodes through packed bf16 weights where the CPU has bf16 matmul units: our
+    AVX512_BF16 GEMM, or oneDNN's where the CPU has AMX (or our GEMM is not built); elsewhere
+    oneDNN emulates bf16, slower than ``F.linear``'s path gains. The setting still wins; bf16
+    training matmuls stay on oneDNN unless another backend is named."""
     monkeypatch.delenv(cpu_gemm.ENV_VAR, raising=False)
+    monkeypatch.setattr(cpu_gemm, "_TRAINING_CHOICE", {})
     monkeypatch.setattr(cpu_gemm.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(cpu_gemm, "cpuinfo", lambda field: "avx2 avx512f avx512_bf16" + (" amx_bf16" if amx else ""))
     monkeypatch.setattr(cpu_gemm, "has_fast_bf16_matmul", lambda: fast)
+    monkeypatch.setattr(cpu_gemm, "native_packs_bf16", lambda: native_bf16)
     monkeypatch.setattr(cpu_gemm, "available", lambda b: b != "onednn" or onednn)
     assert cpu_gemm.decode_gemm_backend(torch.bfloat16) == expected
     assert cpu_gemm.decode_gemm_backend(torch.float32) == "native"
+    assert cpu_gemm.bf16_training_on_onednn() == (expected != "plain")
+    monkeypatch.setattr(cpu_gemm, "_TRAINING_CHOICE", {})
     monkeypatch.setenv(cpu_gemm.ENV_VAR, "native")
-    assert cpu_gemm.decode_gemm_backend(torch.bfloat16) == "native"  # packs no bf16: F.linear
+    assert cpu_gemm.decode_gemm_backend(torch.bfloat16) == "native"
+    assert not cpu_gemm.bf16_training_on_onednn()
 
 
 def test_environment_override_and_its_errors(monkeypatch):

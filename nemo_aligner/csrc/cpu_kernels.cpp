@@ -583,35 +583,55 @@ constexpr int kBlock = 6;
 constexpr int64_t kChunk = 128;     // k steps summed in registers before joining the running total
 constexpr int64_t kRowBlock = 192;  // rows that share a panel's chunks (their x rows stay in cache)
 
-// Packs columns of B, where element (k, j) of B is at b[k * k_stride + j * j_stride].
-at::Tensor pack_panels(const float* b, int64_t k, int64_t n, int64_t k_stride, int64_t j_stride,
-                       const at::TensorOptions& options) {
+// Packs columns of B, where element (k, j) of B is at b[k * k_stride + j * j_stride], into p
+// ([panels, k, kPanel]). T: a float, or a pair of bf16 (two consecutive k) as one 32-bit word.
+template <typename T>
+void pack_panels(const T* b, T* p, int64_t k, int64_t n, int64_t k_stride, int64_t j_stride) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
-  at::Tensor packed = at::empty({panels, k, kPanel}, options);  // packed per call in training: no zeroing pass
-  float* p = packed.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t panel = begin; panel < end; ++panel) {
       const int64_t cols = std::min(kPanel, n - panel * kPanel);
-      float* dst = p + panel * k * kPanel;
-      if (cols < kPanel) std::fill(dst, dst + k * kPanel, 0.0f);  // the last panel's padding columns
+      T* dst = p + panel * k * kPanel;
+      if (cols < kPanel) std::fill(dst, dst + k * kPanel, T(0));  // the last panel's padding columns
       if (j_stride == 1 && cols == kPanel) {  // row-major B: each panel row is a contiguous segment
         for (int64_t i = 0; i < k; ++i)  // a constant size: compiled to two vector moves
-          std::memcpy(dst + i * kPanel, b + i * k_stride + panel * kPanel, kPanel * sizeof(float));
+          std::memcpy(dst + i * kPanel, b + i * k_stride + panel * kPanel, kPanel * sizeof(T));
       } else if (j_stride == 1) {
         for (int64_t i = 0; i < k; ++i)
-          std::memcpy(dst + i * kPanel, b + i * k_stride + panel * kPanel, cols * sizeof(float));
+          std::memcpy(dst + i * kPanel, b + i * k_stride + panel * kPanel, cols * sizeof(T));
       } else {
         for (int64_t j = 0; j < cols; ++j) {
-          const float* src = b + (panel * kPanel + j) * j_stride;
+          const T* src = b + (panel * kPanel + j) * j_stride;
           for (int64_t i = 0; i < k; ++i) dst[i * kPanel + j] = src[i * k_stride];
         }
       }
     }
   });
+}
+
+at::Tensor pack_panels(const float* b, int64_t k, int64_t n, int64_t k_stride, int64_t j_stride,
+                       const at::TensorOptions& options) {
+  // packed per call in training: no zeroing pass
+  at::Tensor packed = at::empty({(n + kPanel - 1) / kPanel, k, kPanel}, options);
+  pack_panels(b, packed.data_ptr<float>(), k, n, k_stride, j_stride);
   return packed;
 }
 
+bool has_bf16_gemm();
+
 at::Tensor pack_linear(const at::Tensor& weight) {
+  if (weight.scalar_type() == at::kBFloat16) {
+    // bf16: panels of column pairs [panels, K / 2, kPanel] of 32-bit words (int32 storage), each
+    // word a column's two consecutive k, as VDPBF16PS multiplies them
+    TORCH_CHECK(has_bf16_gemm(), "pack_linear: this build has no bf16 GEMM (AVX512_BF16)");
+    TORCH_CHECK(weight.device().is_cpu() && weight.is_contiguous() && weight.dim() == 2 && weight.size(1) % 2 == 0,
+                "pack_linear: a bf16 weight must be a contiguous CPU [N, K] matrix with K even");
+    const int64_t n = weight.size(0), pairs = weight.size(1) / 2;
+    at::Tensor packed = at::empty({(n + kPanel - 1) / kPanel, pairs, kPanel}, weight.options().dtype(at::kInt));
+    pack_panels(reinterpret_cast<const uint32_t*>(weight.data_ptr<at::BFloat16>()),
+                reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>()), pairs, n, 1, pairs);
+    return packed;
+  }
   check_f32(weight, "weight");
   TORCH_CHECK(weight.dim() == 2, "pack_linear: weight [N, K]");
   const int64_t n = weight.size(0), k = weight.size(1);
@@ -662,6 +682,45 @@ inline void panel_chunk(const float* __restrict x, int64_t ld, int64_t len, cons
     _mm512_store_ps(a + 16, _mm512_add_ps(_mm512_load_ps(a + 16), sums[r][1]));
   }
 }
+#ifdef __AVX512BF16__
+#define NA_BF16_GEMM 1
+// acc[ROWS][32] += x[ROWS, len] @ panel[len, 32] for bf16: each step i is a pair of consecutive k,
+// one 32-bit word of x's row (two bf16) against 32 columns' words (two zmm registers); VDPBF16PS
+// adds both products to the float32 accumulators. The same blocking as the float32 kernel above.
+template <int ROWS, bool TRANSPOSED>
+inline void panel_chunk(const uint32_t* __restrict x, int64_t ld, int64_t len, const uint32_t* __restrict panel,
+                        float* __restrict acc, const uint32_t* prefetch, int64_t prefetch_lines) {
+  static_assert(!TRANSPOSED, "the bf16 GEMM reads x row-major");
+  __m512 c0_0 = _mm512_setzero_ps(), c0_1 = c0_0, c1_0 = c0_0, c1_1 = c0_0, c2_0 = c0_0, c2_1 = c0_0, c3_0 = c0_0,
+         c3_1 = c0_0, c4_0 = c0_0, c4_1 = c0_0, c5_0 = c0_0, c5_1 = c0_0, c6_0 = c0_0, c6_1 = c0_0, c7_0 = c0_0,
+         c7_1 = c0_0, c8_0 = c0_0, c8_1 = c0_0, c9_0 = c0_0, c9_1 = c0_0, c10_0 = c0_0, c10_1 = c0_0, c11_0 = c0_0,
+         c11_1 = c0_0;
+  for (int64_t i = 0; i < len; ++i) {
+    if (i < prefetch_lines) {
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * kPanel), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * kPanel + 16), _MM_HINT_T1);
+    }
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + i * kPanel);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + i * kPanel + 16);
+#define NA_PANEL_ROW(R)                                                                          \
+  if (ROWS > R) {                                                                                \
+    const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[R * ld + i]));             \
+    c##R##_0 = _mm512_dpbf16_ps(c##R##_0, a, w0);                                                \
+    c##R##_1 = _mm512_dpbf16_ps(c##R##_1, a, w1);                                                \
+  }
+    NA_PANEL_ROW(0) NA_PANEL_ROW(1) NA_PANEL_ROW(2) NA_PANEL_ROW(3) NA_PANEL_ROW(4) NA_PANEL_ROW(5)
+    NA_PANEL_ROW(6) NA_PANEL_ROW(7) NA_PANEL_ROW(8) NA_PANEL_ROW(9) NA_PANEL_ROW(10) NA_PANEL_ROW(11)
+#undef NA_PANEL_ROW
+  }
+  const __m512 sums[12][2] = {{c0_0, c0_1}, {c1_0, c1_1}, {c2_0, c2_1}, {c3_0, c3_1}, {c4_0, c4_1}, {c5_0, c5_1},
+                              {c6_0, c6_1}, {c7_0, c7_1}, {c8_0, c8_1}, {c9_0, c9_1}, {c10_0, c10_1}, {c11_0, c11_1}};
+  for (int r = 0; r < ROWS; ++r) {
+    float* a = acc + r * kPanel;
+    _mm512_store_ps(a, _mm512_add_ps(_mm512_load_ps(a), sums[r][0]));
+    _mm512_store_ps(a + 16, _mm512_add_ps(_mm512_load_ps(a + 16), sums[r][1]));
+  }
+}
+#endif  // __AVX512BF16__
 #else
 // acc[ROWS][16] += x[ROWS, len] @ panel[len, 16]. Row r, step i of x is at x[r * ld + i], or at
 // x[r + i * ld] when TRANSPOSED. Up to 6 x 2 accumulators (12 of the 16 vector registers): enough
@@ -695,9 +754,9 @@ inline void panel_chunk(const float* __restrict x, int64_t ld, int64_t len, cons
 #endif  // NA_AVX512
 
 // panel_chunk for a remainder of `rows` (1 .. kBlock - 1) rows.
-template <bool TRANSPOSED, int ROWS = kBlock - 1>
-inline void remainder_chunk(int64_t rows, const float* x, int64_t ld, int64_t len, const float* panel, float* acc,
-                            const float* prefetch, int64_t prefetch_lines) {
+template <bool TRANSPOSED, int ROWS = kBlock - 1, typename T>
+inline void remainder_chunk(int64_t rows, const T* x, int64_t ld, int64_t len, const T* panel, float* acc,
+                            const T* prefetch, int64_t prefetch_lines) {
   if constexpr (ROWS > 0) {
     if (rows == ROWS)
       panel_chunk<ROWS, TRANSPOSED>(x, ld, len, panel, acc, prefetch, prefetch_lines);
@@ -706,9 +765,9 @@ inline void remainder_chunk(int64_t rows, const float* x, int64_t ld, int64_t le
   }
 }
 
-template <bool TRANSPOSED>
-inline void chunk_rows(int64_t rows, const float* x, int64_t ld, int64_t len, const float* panel, float* acc,
-                       const float* prefetch) {
+template <bool TRANSPOSED, typename T>
+inline void chunk_rows(int64_t rows, const T* x, int64_t ld, int64_t len, const T* panel, float* acc,
+                       const T* prefetch) {
   // Each register block prefetches its share of the next chunk's lines: spread out, the requests
   // overlap the arithmetic instead of queueing behind each other.
   const int64_t step = TRANSPOSED ? 1 : ld, blocks = (rows + kBlock - 1) / kBlock;
@@ -723,18 +782,19 @@ inline void chunk_rows(int64_t rows, const float* x, int64_t ld, int64_t len, co
                                 prefetch + block * share * kPanel, lines(block));
 }
 
-// One task: rows [r0, r0 + rows) of the output times one panel (kPanel columns from col).
-template <bool TRANSPOSED>
-void gemm_task(const float* x, int64_t ld, int64_t k, int64_t r0, int64_t rows, const float* panel,
-               const float* packed_end, float* out, int64_t n, int64_t col, const float* bias, bool accumulate) {
+// One task: rows [r0, r0 + rows) of the output times one panel (kPanel columns from col). T: float,
+// or (the bf16 GEMM) a pair of bf16 per k step.
+template <bool TRANSPOSED, typename T>
+void gemm_task(const T* x, int64_t ld, int64_t k, int64_t r0, int64_t rows, const T* panel,
+               const T* packed_end, float* out, int64_t n, int64_t col, const float* bias, bool accumulate) {
   alignas(64) float acc[kRowBlock * kPanel];
   std::fill(acc, acc + rows * kPanel, 0.0f);
-  const float* xb = TRANSPOSED ? x + r0 : x + r0 * ld;
+  const T* xb = TRANSPOSED ? x + r0 : x + r0 * ld;
   for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
     const int64_t len = std::min(kChunk, k - k0);
     // The panels are contiguous: after a panel's last chunk comes the next panel's first.
-    const float* next = panel + (k0 + kChunk) * kPanel;
-    const float* prefetch = next + kChunk * kPanel <= packed_end ? next : nullptr;
+    const T* next = panel + (k0 + kChunk) * kPanel;
+    const T* prefetch = next + kChunk * kPanel <= packed_end ? next : nullptr;
     chunk_rows<TRANSPOSED>(rows, TRANSPOSED ? xb + k0 * ld : xb + k0, ld, len, panel + k0 * kPanel, acc, prefetch);
   }
   const int64_t cols = std::min(kPanel, n - col);
@@ -761,11 +821,72 @@ bool has_packed_linear() {
 #endif
 }
 
+// Whether packed_gemm multiplies bf16 (AVX512_BF16 in this build).
+bool has_bf16_gemm() {
+#ifdef NA_BF16_GEMM
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifdef NA_AVX2
+// The tasks of one product: row blocks of equal size (a multiple of kBlock rows, at most kRowBlock;
+// the threads get equal shares of the tasks, so equal tasks keep them equally busy), each running
+// its panels in order: its x rows stay in cache, the panels stream.
+template <bool TRANSPOSED, typename T>
+void run_packed_gemm(const T* xp, int64_t ld, int64_t k, int64_t rows, const T* pp, int64_t panels,
+                     const T* packed_end, float* op, int64_t n, const float* b, bool accumulate) {
+  const int64_t blocks = std::max<int64_t>(1, (rows + kRowBlock - 1) / kRowBlock);
+  const int64_t block_rows = std::min(kRowBlock, ((rows + blocks - 1) / blocks + kBlock - 1) / kBlock * kBlock);
+  at::parallel_for(0, blocks * panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t block = task / panels, panel = task % panels;
+      const int64_t r0 = block * block_rows, nrows = std::min(block_rows, rows - r0), col = panel * kPanel;
+      if (nrows <= 0) continue;
+      gemm_task<TRANSPOSED>(xp, ld, k, r0, nrows, pp + panel * k * kPanel, packed_end, op, n, col,
+                            b != nullptr ? b + col : nullptr, accumulate);
+    }
+  });
+}
+#endif
+
+// x [..., K] bf16 @ a bf16 weight packed by pack_linear (+ float32 bias): float32 [..., n], the
+// products summed in float32 and not rounded to bf16.
+at::Tensor packed_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n, const float* b) {
+  TORCH_CHECK(has_bf16_gemm(), "packed_gemm: this build has no bf16 GEMM (AVX512_BF16)");
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "packed_gemm: x must be a contiguous CPU tensor");
+  TORCH_CHECK(packed.scalar_type() == at::kInt && packed.is_contiguous(),
+              "packed_gemm: a bf16 x takes a bf16 weight packed by pack_linear");
+  const int64_t k = x.size(-1), panels = packed.size(0);
+  TORCH_CHECK(k % 2 == 0 && packed.dim() == 3 && packed.size(1) * 2 == k && packed.size(2) == kPanel &&
+                  panels * kPanel >= n && (panels - 1) * kPanel < n,
+              "packed_gemm: packed matrix does not match x or n");
+  const int64_t rows = k == 0 ? 0 : x.numel() / k;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor result = at::empty(shape, x.options().dtype(at::kFloat));
+#ifdef NA_BF16_GEMM
+  const uint32_t* pp = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
+  run_packed_gemm<false>(reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>()), k / 2, k / 2, rows, pp,
+                         panels, pp + packed.numel(), result.data_ptr<float>(), n, b, false);
+#endif
+  return result;
+}
+
 // out (+)= x @ B (+ bias) with B packed by pack_linear / pack_matrix ([K, n] after packing).
 // x: [..., K] row-major, or with x_transposed a [K, rows] matrix whose transpose is the left
 // operand. out: None for a new [..., n] tensor, else a contiguous [rows, n] tensor added into.
 at::Tensor packed_gemm(const at::Tensor& x, bool x_transposed, const at::Tensor& packed, int64_t n,
                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
+  if (x.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(!x_transposed && !out.has_value(), "packed_gemm: a bf16 x is read row-major into a new tensor");
+    if (bias.has_value()) {
+      check_f32(*bias, "bias");
+      TORCH_CHECK(bias->numel() == n, "packed_gemm: bias [N]");
+    }
+    return packed_gemm_bf16(x, packed, n, bias.has_value() ? bias->data_ptr<float>() : nullptr);
+  }
   check_f32(x, "x");
   check_f32(packed, "packed");
   TORCH_CHECK(has_packed_linear(), "packed_gemm: this build has no AVX2 + FMA kernel");
@@ -810,24 +931,10 @@ at::Tensor packed_gemm(const at::Tensor& x, bool x_transposed, const at::Tensor&
   const float* pp = packed.data_ptr<float>();
   const float* packed_end = pp + packed.numel();
   float* op = result.data_ptr<float>();
-  const bool accumulate = out.has_value();
-  // Row blocks of equal size (a multiple of kBlock rows, at most kRowBlock): the threads get equal
-  // shares of the tasks, so equal tasks keep them equally busy.
-  const int64_t blocks = std::max<int64_t>(1, (rows + kRowBlock - 1) / kRowBlock);
-  const int64_t block_rows = std::min(kRowBlock, ((rows + blocks - 1) / blocks + kBlock - 1) / kBlock * kBlock);
-  // Tasks run a row block's panels in order: its x rows stay in cache, the panels stream.
-  at::parallel_for(0, blocks * panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t block = task / panels, panel = task % panels;
-      const int64_t r0 = block * block_rows, nrows = std::min(block_rows, rows - r0), col = panel * kPanel;
-      if (nrows <= 0) continue;
-      const float* pb = b != nullptr ? b + col : nullptr;
-      if (x_transposed)
-        gemm_task<true>(xp, ld, k, r0, nrows, pp + panel * k * kPanel, packed_end, op, n, col, pb, accumulate);
-      else
-        gemm_task<false>(xp, ld, k, r0, nrows, pp + panel * k * kPanel, packed_end, op, n, col, pb, accumulate);
-    }
-  });
+  if (x_transposed)
+    run_packed_gemm<true>(xp, ld, k, rows, pp, panels, packed_end, op, n, b, out.has_value());
+  else
+    run_packed_gemm<false>(xp, ld, k, rows, pp, panels, packed_end, op, n, b, out.has_value());
 #endif
   return result;
 }
@@ -852,4 +959,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_gemm", &packed_gemm, "out (+)= x @ b (+ bias), x row-major or transposed, b packed");
   m.def("packed_gemm_tile", &packed_gemm_tile, "(rows per register block, columns per panel) of packed_gemm");
   m.def("has_packed_linear", &has_packed_linear, "whether packed_linear has a kernel in this build");
+  m.def("has_bf16_gemm", &has_bf16_gemm, "whether packed_gemm multiplies bf16 (AVX512_BF16) in this build");
 }

@@ -82,6 +82,12 @@ def available(backend: str) -> bool:
     return backend == "plain"
 
 
+def native_packs_bf16() -> bool:
+    """Whether our packed GEMM multiplies bf16 (built with AVX512_BF16)."""
+    kernels = _kernels()
+    return kernels is not None and kernels.has_packed_linear() and kernels.has_bf16_gemm()
+
+
 def native_is_avx512() -> bool:
     """Whether our packed GEMM is built for AVX-512 (32-column panels)."""
     kernels = _kernels()
@@ -116,7 +122,11 @@ def decode_gemm_backend(dtype: torch.dtype = torch.float32) -> str:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return "plain"
     if dtype == torch.bfloat16:
-        return "onednn" if has_fast_bf16_matmul() and available("onednn") else "plain"
+        if not has_fast_bf16_matmul():
+            return "plain"
+        if "amx_bf16" not in cpuinfo("flags").split() and available("native") and native_packs_bf16():
+            return "native"  # AVX512_BF16 without AMX tiles (which oneDNN uses)
+        return "onednn" if available("onednn") else "plain"
     if cpu_vendor() == "GenuineIntel":
         if available("native") and native_is_avx512():
             return "native"
@@ -129,9 +139,12 @@ def decode_gemm_backend(dtype: torch.dtype = torch.float32) -> str:
 
 def pack(weight: torch.Tensor, rows: int, backend: str) -> Optional[torch.Tensor]:
     """``weight`` [out, in] packed by ``backend`` for ``rows``-row inputs; None when it cannot be
-    packed (not a CPU matrix of a dtype the backend packs: float32, or bf16 for oneDNN; the plain
-    backend; a build without the packed kernels)."""
-    dtypes = (torch.float32, torch.bfloat16) if backend == "onednn" else (torch.float32,)
+    packed (not a CPU matrix of a dtype the backend packs: float32; bf16 for oneDNN, and for our
+    GEMM where it is built with AVX512_BF16 and ``in`` is even; the plain backend; a build without
+    the packed kernels)."""
+    dtypes = (torch.float32,)
+    if backend == "onednn" or (backend == "native" and native_packs_bf16() and weight.shape[-1] % 2 == 0):
+        dtypes = (torch.float32, torch.bfloat16)
     if backend == "plain" or weight.dim() != 2 or weight.dtype not in dtypes or weight.device.type != "cpu":
         return None
     try:
@@ -148,13 +161,27 @@ def linear(weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[
            backend: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """``x -> x @ weight.T + bias`` through ``packed`` (from :func:`pack` with the same ``rows`` and
     ``backend``), or ``F.linear`` when ``packed`` is None (and, for oneDNN, for inputs of more than
-    ``rows`` rows)."""
+    ``rows`` rows).
+
+    Our bf16 GEMM sums in float32 and returns the sums rounded to bf16; the callable's
+    ``float_output`` attribute is the same product returned in float32 (unrounded), for callers
+    that widen the result anyway."""
     if packed is None:
         return lambda x: F.linear(x, weight, bias)
     if backend == "mkl":
         mkl_linear = torch.ops.mkl._mkl_linear
         return lambda x: mkl_linear(x, packed, weight, bias, rows)
     skinny = rows * weight.shape[1]
+    if backend == "native" and weight.dtype == torch.bfloat16:
+        packed_linear, out_features = _kernels().packed_linear, weight.shape[0]
+        float_bias = bias.float() if bias is not None else None
+        float_output = lambda x: packed_linear(x.contiguous(), packed, out_features, float_bias)  # noqa: E731
+
+        def call(x):
+            return float_output(x).to(weight.dtype)
+
+        call.float_output = float_output
+        return call
     if backend == "native":
         packed_linear, out_features = _kernels().packed_linear, weight.shape[0]
         native = lambda x: packed_linear(x.contiguous(), packed, out_features, bias)  # noqa: E731
@@ -182,8 +209,9 @@ def _training_choice(dtype: torch.dtype) -> bool:
     if key not in _TRAINING_CHOICE:
         if dtype == torch.float32:
             _TRAINING_CHOICE[key] = decode_gemm_backend() == "native" and not large_matmuls_on_torch()
-        else:
-            _TRAINING_CHOICE[key] = decode_gemm_backend(torch.bfloat16) == "onednn"
+        else:  # where bf16 decode steps run on packed weights, unless another backend is named
+            _TRAINING_CHOICE[key] = (requested_backend() in ("auto", "onednn") and available("onednn")
+                                     and decode_gemm_backend(torch.bfloat16) in ("native", "onednn"))
     return _TRAINING_CHOICE[key]
 
 
@@ -196,8 +224,9 @@ def training_kernels():
 
 def bf16_training_on_onednn() -> bool:
     """Whether bf16 CPU training and log-prob matmuls run on oneDNN's packed bf16 weights
-    (:class:`OneDNNLinear`): where bf16 decode steps do (a CPU with bf16 matmul units, unless
-    ``NEMO_ALIGNER_DECODE_GEMM`` names another backend)."""
+    (:class:`OneDNNLinear`): on a CPU with bf16 matmul units, unless ``NEMO_ALIGNER_DECODE_GEMM``
+    names a backend other than oneDNN (our bf16 GEMM serves decode steps only: at training's
+    thousand rows oneDNN's is faster)."""
     return _training_choice(torch.bfloat16)
 
 

@@ -142,9 +142,13 @@ def _cpu_rms_norm_params(norm, dtype: torch.dtype = torch.float32) -> Optional[t
 
 def _widened(call, dtype: torch.dtype):
     """``call`` (a matmul or MoE layer of ``dtype``) taking and returning float32 activations; None
-    stays None."""
+    stays None. A matmul with a float32 result of its own (``float_output``: our bf16 GEMM) returns
+    it unrounded."""
     if call is None:
         return None
+    float_output = getattr(call, "float_output", None)
+    if float_output is not None:
+        return lambda x: float_output(x.to(dtype))
     return lambda x: call(x.to(dtype)).float()
 
 
