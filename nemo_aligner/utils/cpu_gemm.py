@@ -21,9 +21,14 @@ library's packed GEMM runs that fastest depends on the CPU (measured, see benchm
   that AMD EPYC (tiny model at 32 and 64 rows, small model at 32). It is the choice on non-Intel x86
   CPUs where the kernels build, for every row count (prefills too).
 
-- bf16 models on CPUs with bf16 matmul units (AMX, AVX512_BF16): oneDNN's packed bf16 weights, the
-  only backend here that packs bf16 (Zen 4: the small benchmark model's decode step 0.75x the time
-  of ``F.linear``'s; no difference on an AMX Xeon).
+- bf16 models on CPUs with AVX512_BF16 but no AMX (Zen 4): our kernel built with AVX512_BF16
+  (``native``: column pairs of the weight in 32-column panels, VDPBF16PS into float32 sums, the same
+  12 x 32 blocking), returning its float32 sums unrounded to the fused decode step: at the GRPO
+  benchmark's 64 rows, 300-410 GFLOP/s against oneDNN's 180-330 with the widening cast; the GRPO
+  shape's ``generate`` 0.83x oneDNN's time (interleaved calls in one process).
+- bf16 models on CPUs with AMX (or where our bf16 kernel is not built): oneDNN's packed bf16 weights
+  (Zen 4: the small benchmark model's decode step 0.75x the time of ``F.linear``'s; no difference on
+  an AMX Xeon).
 
 ``NEMO_ALIGNER_DECODE_GEMM`` (``auto`` | ``native`` | ``mkl`` | ``onednn`` | ``plain``) overrides the choice.
 
@@ -32,7 +37,8 @@ of log-prob passes use our kernel too (:class:`NativeLinear`, routed in by ``uti
 gradient and weight gradient (added straight into megatron-core's ``main_grad``): 1.15-1.2x MKL's
 ``F.linear`` alone at training shapes on the AMD EPYC, ~1.1x within a training step.
 
-Where the bf16 choice is ``onednn``, the bf16 CPU matmuls of training and of log-prob passes run
+Where the CPU has bf16 matmul units (and ``NEMO_ALIGNER_DECODE_GEMM`` names no backend other than
+``onednn``), the bf16 CPU matmuls of training and of log-prob passes run
 their forward and input gradient on oneDNN's packed bf16 weights (:class:`OneDNNLinear`): torch's
 bf16 matmul re-lays the weight out on every call and runs ~270 GFLOP/s at a thousand rows on a Zen
 4 against ~430 on packed weights. A schedule's micro-batches share one layout per weight
