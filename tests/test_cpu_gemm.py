@@ -319,14 +319,13 @@ def test_native_decode_linear_hands_large_inputs_to_torch_on_intel(monkeypatch, 
     assert rows_seen == ([8, 5] if intel else [8, 5, 64])
 
 
-@needs_native
-def test_training_step_through_native_equals_torchs(mcore_single, monkeypatch):
-    """A GRPO/PPO actor's loss and every main_grad (DDP's gradient buffers, filled in the GEMM) are
-    the same with the linear layers on our GEMM as on torch's matmuls, and our GEMM did run."""
+def _actor_step_per_backend(monkeypatch, function, backends, precision="32"):
+    """A GRPO/PPO actor's log-probs, then its loss and every main_grad (DDP's gradient buffers), with
+    each ``NEMO_ALIGNER_DECODE_GEMM`` value of ``backends``; and how often ``function`` ran."""
     from test_ppo_actor import build_actor, rollouts
     from nemo_aligner.utils.ppo_utils import create_mask
 
-    model = build_actor(lr=1e-3)
+    model = build_actor(lr=1e-3, precision=precision)
     out = rollouts(model)
     mask = create_mask(out.prompt_lengths, out.response_lengths, out.tokens.shape[1] - 1)
     batch = {"tokens": out.tokens, "advantages": torch.randn(4, 1) * mask, "mask": mask,
@@ -334,20 +333,31 @@ def test_training_step_through_native_equals_torchs(mcore_single, monkeypatch):
              "init_logprobs": model.get_init_policy_logprobs(out.tokens)}
     calls = []
     monkeypatch.setattr(cpu_gemm, "_TRAINING_CHOICE", {})
-    monkeypatch.setattr(cpu_gemm, "large_matmuls_on_torch", lambda: False)  # training on our GEMM (not Intel)
-    apply = cpu_gemm.NativeLinear.apply
-    monkeypatch.setattr(cpu_gemm.NativeLinear, "apply", lambda *a: calls.append(1) or apply(*a))
+    apply = function.apply
+    monkeypatch.setattr(function, "apply", lambda *a: calls.append(1) or apply(*a))
     results = {}
-    for backend in ("plain", "native"):
+    for backend in backends:
         monkeypatch.setenv(cpu_gemm.ENV_VAR, backend)
         calls.clear()
+        logprobs = model.get_logprobs(out.tokens)
         model.prepare_for_training_step()
         loss, _ = model.get_loss_and_metrics(batch, forward_only=False)
-        results[backend] = (loss, [p.main_grad.clone() for p in model.module.parameters()], len(calls))
-    assert results["plain"][2] == 0 and results["native"][2] > 0
-    assert results["native"][0] == pytest.approx(results["plain"][0], rel=1e-5)
-    assert sum(float(g.abs().sum()) for g in results["native"][1]) > 0
-    for a, b in zip(results["plain"][1], results["native"][1]):
+        results[backend] = dict(loss=loss, grads=[p.main_grad.clone() for p in model.module.parameters()],
+                                logprobs=logprobs, calls=len(calls))
+    return results
+
+
+@needs_native
+def test_training_step_through_native_equals_torchs(mcore_single, monkeypatch):
+    """A GRPO/PPO actor's loss and every main_grad (DDP's gradient buffers, filled in the GEMM) are
+    the same with the linear layers on our GEMM as on torch's matmuls, and our GEMM did run."""
+    monkeypatch.setattr(cpu_gemm, "large_matmuls_on_torch", lambda: False)  # training on our GEMM (not Intel)
+    results = _actor_step_per_backend(monkeypatch, cpu_gemm.NativeLinear, ("plain", "native"))
+    plain, native = results["plain"], results["native"]
+    assert plain["calls"] == 0 and native["calls"] > 0
+    assert native["loss"] == pytest.approx(plain["loss"], rel=1e-5)
+    assert sum(float(g.abs().sum()) for g in native["grads"]) > 0
+    for a, b in zip(plain["grads"], native["grads"]):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
 
 
@@ -479,31 +489,12 @@ def test_megatron_linear_calls_go_to_onednn_for_bf16_where_chosen(monkeypatch):
 def test_bf16_training_step_through_onednn_equals_torchs(mcore_single, monkeypatch):
     """A bf16 GRPO/PPO actor's loss, every main_grad and its log-probs are the same (to bf16 rounding)
     with the linear layers on oneDNN's packed weights as on torch's matmuls, and they did run there."""
-    from test_ppo_actor import build_actor, rollouts
-    from nemo_aligner.utils.ppo_utils import create_mask
-
-    model = build_actor(lr=1e-3, precision="bf16")
-    out = rollouts(model)
-    mask = create_mask(out.prompt_lengths, out.response_lengths, out.tokens.shape[1] - 1)
-    batch = {"tokens": out.tokens, "advantages": torch.randn(4, 1) * mask, "mask": mask,
-             "is_end": torch.ones(4, dtype=torch.bool), "logprobs": None,
-             "init_logprobs": model.get_init_policy_logprobs(out.tokens)}
-    calls = []
-    monkeypatch.setattr(cpu_gemm, "_TRAINING_CHOICE", {})
-    apply = cpu_gemm.OneDNNLinear.apply
-    monkeypatch.setattr(cpu_gemm.OneDNNLinear, "apply", lambda *a: calls.append(1) or apply(*a))
-    results = {}
-    for backend in ("plain", "onednn"):
-        monkeypatch.setenv(cpu_gemm.ENV_VAR, backend)
-        calls.clear()
-        logprobs = model.get_logprobs(out.tokens)
-        model.prepare_for_training_step()
-        loss, _ = model.get_loss_and_metrics(batch, forward_only=False)
-        results[backend] = (loss, [p.main_grad.clone() for p in model.module.parameters()], logprobs, len(calls))
-    assert results["plain"][3] == 0 and results["onednn"][3] > 0
-    assert results["onednn"][0] == pytest.approx(results["plain"][0], rel=2e-2, abs=1e-3)
-    torch.testing.assert_close(results["onednn"][2], results["plain"][2], rtol=0, atol=0.1)
-    total = sum(float(g.abs().sum()) for g in results["plain"][1])
+    results = _actor_step_per_backend(monkeypatch, cpu_gemm.OneDNNLinear, ("plain", "onednn"), precision="bf16")
+    plain, onednn = results["plain"], results["onednn"]
+    assert plain["calls"] == 0 and onednn["calls"] > 0
+    assert onednn["loss"] == pytest.approx(plain["loss"], rel=2e-2, abs=1e-3)
+    torch.testing.assert_close(onednn["logprobs"], plain["logprobs"], rtol=0, atol=0.1)
+    total = sum(float(g.abs().sum()) for g in plain["grads"])
     assert total > 0
-    difference = sum(float((a - b).abs().sum()) for a, b in zip(results["plain"][1], results["onednn"][1]))
+    difference = sum(float((a - b).abs().sum()) for a, b in zip(plain["grads"], onednn["grads"]))
     assert difference <= 0.05 * total

@@ -647,50 +647,27 @@ at::Tensor pack_matrix(const at::Tensor& b) {
 
 #ifdef NA_AVX2
 #ifdef NA_AVX512
-// acc[ROWS][32] += x[ROWS, len] @ panel[len, 32]. Row r, step i of x is at x[r * ld + i], or at
-// x[r + i * ld] when TRANSPOSED. Up to 12 x 2 accumulators: 24 of the 32 vector registers, enough
-// independent FMA chains to cover the FMA latency, and two panel loads per 24 FMAs. `prefetch`:
-// `prefetch_lines` panel rows (two 64-byte lines each) to bring into cache, one per k step.
-template <int ROWS, bool TRANSPOSED>
-inline void panel_chunk(const float* __restrict x, int64_t ld, int64_t len, const float* __restrict panel,
-                        float* __restrict acc, const float* prefetch, int64_t prefetch_lines) {
-  __m512 c0_0 = _mm512_setzero_ps(), c0_1 = c0_0, c1_0 = c0_0, c1_1 = c0_0, c2_0 = c0_0, c2_1 = c0_0, c3_0 = c0_0,
-         c3_1 = c0_0, c4_0 = c0_0, c4_1 = c0_0, c5_0 = c0_0, c5_1 = c0_0, c6_0 = c0_0, c6_1 = c0_0, c7_0 = c0_0,
-         c7_1 = c0_0, c8_0 = c0_0, c8_1 = c0_0, c9_0 = c0_0, c9_1 = c0_0, c10_0 = c0_0, c10_1 = c0_0, c11_0 = c0_0,
-         c11_1 = c0_0;
-  for (int64_t i = 0; i < len; ++i) {
-    if (i < prefetch_lines) {
-      _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * kPanel), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * kPanel + 16), _MM_HINT_T1);
-    }
-    const __m512 w0 = _mm512_loadu_ps(panel + i * kPanel), w1 = _mm512_loadu_ps(panel + i * kPanel + 16);
-#define NA_PANEL_ROW(R)                                                                          \
-  if (ROWS > R) {                                                                                \
-    const __m512 a = _mm512_set1_ps(TRANSPOSED ? x[R + i * ld] : x[R * ld + i]);                 \
-    c##R##_0 = _mm512_fmadd_ps(a, w0, c##R##_0);                                                 \
-    c##R##_1 = _mm512_fmadd_ps(a, w1, c##R##_1);                                                 \
-  }
-    NA_PANEL_ROW(0) NA_PANEL_ROW(1) NA_PANEL_ROW(2) NA_PANEL_ROW(3) NA_PANEL_ROW(4) NA_PANEL_ROW(5)
-    NA_PANEL_ROW(6) NA_PANEL_ROW(7) NA_PANEL_ROW(8) NA_PANEL_ROW(9) NA_PANEL_ROW(10) NA_PANEL_ROW(11)
-#undef NA_PANEL_ROW
-  }
-  const __m512 sums[12][2] = {{c0_0, c0_1}, {c1_0, c1_1}, {c2_0, c2_1}, {c3_0, c3_1}, {c4_0, c4_1}, {c5_0, c5_1},
-                              {c6_0, c6_1}, {c7_0, c7_1}, {c8_0, c8_1}, {c9_0, c9_1}, {c10_0, c10_1}, {c11_0, c11_1}};
-  for (int r = 0; r < ROWS; ++r) {
-    float* a = acc + r * kPanel;
-    _mm512_store_ps(a, _mm512_add_ps(_mm512_load_ps(a), sums[r][0]));
-    _mm512_store_ps(a + 16, _mm512_add_ps(_mm512_load_ps(a + 16), sums[r][1]));
-  }
-}
+// One k step of a register block row: a float of x times 32 panel columns (two FMAs), or, for bf16,
+// a 32-bit word of x (two consecutive k) against 32 columns' words (two VDPBF16PS, each adding both
+// products to the float32 sums).
+inline __m512 panel_load(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 broadcast(float x) { return _mm512_set1_ps(x); }
+inline __m512 multiply_add(__m512 sum, __m512 a, __m512 w) { return _mm512_fmadd_ps(a, w, sum); }
 #ifdef __AVX512BF16__
 #define NA_BF16_GEMM 1
-// acc[ROWS][32] += x[ROWS, len] @ panel[len, 32] for bf16: each step i is a pair of consecutive k,
-// one 32-bit word of x's row (two bf16) against 32 columns' words (two zmm registers); VDPBF16PS
-// adds both products to the float32 accumulators. The same blocking as the float32 kernel above.
-template <int ROWS, bool TRANSPOSED>
-inline void panel_chunk(const uint32_t* __restrict x, int64_t ld, int64_t len, const uint32_t* __restrict panel,
-                        float* __restrict acc, const uint32_t* prefetch, int64_t prefetch_lines) {
-  static_assert(!TRANSPOSED, "the bf16 GEMM reads x row-major");
+inline __m512bh panel_load(const uint32_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh broadcast(uint32_t x) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(x)); }
+inline __m512 multiply_add(__m512 sum, __m512bh a, __m512bh w) { return _mm512_dpbf16_ps(sum, a, w); }
+#endif
+
+// acc[ROWS][32] += x[ROWS, len] @ panel[len, 32]. Row r, step i of x is at x[r * ld + i], or at
+// x[r + i * ld] when TRANSPOSED (T: float; or a bf16 pair per step, row-major). Up to 12 x 2
+// accumulators: 24 of the 32 vector registers, enough independent FMA chains to cover the FMA
+// latency, and two panel loads per 24 FMAs. `prefetch`: `prefetch_lines` panel rows (two 64-byte
+// lines each) to bring into cache, one per k step.
+template <int ROWS, bool TRANSPOSED, typename T>
+inline void panel_chunk(const T* __restrict x, int64_t ld, int64_t len, const T* __restrict panel,
+                        float* __restrict acc, const T* prefetch, int64_t prefetch_lines) {
   __m512 c0_0 = _mm512_setzero_ps(), c0_1 = c0_0, c1_0 = c0_0, c1_1 = c0_0, c2_0 = c0_0, c2_1 = c0_0, c3_0 = c0_0,
          c3_1 = c0_0, c4_0 = c0_0, c4_1 = c0_0, c5_0 = c0_0, c5_1 = c0_0, c6_0 = c0_0, c6_1 = c0_0, c7_0 = c0_0,
          c7_1 = c0_0, c8_0 = c0_0, c8_1 = c0_0, c9_0 = c0_0, c9_1 = c0_0, c10_0 = c0_0, c10_1 = c0_0, c11_0 = c0_0,
@@ -700,13 +677,12 @@ inline void panel_chunk(const uint32_t* __restrict x, int64_t ld, int64_t len, c
       _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * kPanel), _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * kPanel + 16), _MM_HINT_T1);
     }
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + i * kPanel);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + i * kPanel + 16);
+    const auto w0 = panel_load(panel + i * kPanel), w1 = panel_load(panel + i * kPanel + 16);
 #define NA_PANEL_ROW(R)                                                                          \
   if (ROWS > R) {                                                                                \
-    const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[R * ld + i]));             \
-    c##R##_0 = _mm512_dpbf16_ps(c##R##_0, a, w0);                                                \
-    c##R##_1 = _mm512_dpbf16_ps(c##R##_1, a, w1);                                                \
+    const auto a = broadcast(TRANSPOSED ? x[R + i * ld] : x[R * ld + i]);                        \
+    c##R##_0 = multiply_add(c##R##_0, a, w0);                                                    \
+    c##R##_1 = multiply_add(c##R##_1, a, w1);                                                    \
   }
     NA_PANEL_ROW(0) NA_PANEL_ROW(1) NA_PANEL_ROW(2) NA_PANEL_ROW(3) NA_PANEL_ROW(4) NA_PANEL_ROW(5)
     NA_PANEL_ROW(6) NA_PANEL_ROW(7) NA_PANEL_ROW(8) NA_PANEL_ROW(9) NA_PANEL_ROW(10) NA_PANEL_ROW(11)
@@ -720,7 +696,6 @@ inline void panel_chunk(const uint32_t* __restrict x, int64_t ld, int64_t len, c
     _mm512_store_ps(a + 16, _mm512_add_ps(_mm512_load_ps(a + 16), sums[r][1]));
   }
 }
-#endif  // __AVX512BF16__
 #else
 // acc[ROWS][16] += x[ROWS, len] @ panel[len, 16]. Row r, step i of x is at x[r * ld + i], or at
 // x[r + i * ld] when TRANSPOSED. Up to 6 x 2 accumulators (12 of the 16 vector registers): enough

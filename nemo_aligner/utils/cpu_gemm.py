@@ -254,6 +254,31 @@ def _weight_gradient(weight: torch.Tensor, main_grad: Optional[torch.Tensor], li
     return make(main_grad.shape, dtype=like.dtype, device=like.device)
 
 
+def _save_for_backward(ctx, input, weight, bias, main_grad) -> None:
+    ctx.save_for_backward(input, weight)
+    ctx.main_grad = main_grad  # not saved for backward: a buffer written in place
+    ctx.has_bias = bias is not None
+
+
+def _linear_backward(ctx, grad_output: torch.Tensor, input_gradient: Callable, weight_gradient: Callable):
+    """The gradients a packed linear layer's backward returns (input, weight, bias; None for
+    ``main_grad``): ``input_gradient(grad_output, weight)``, and ``weight_gradient(grad [rows, n],
+    input [rows, k])`` giving the ``(compute, accumulate)`` pair of :func:`_weight_gradient`."""
+    input, weight = ctx.saved_tensors
+    n, k = weight.shape
+    grad_output = grad_output.contiguous()
+    grad = grad_output.view(-1, n)
+    grad_input = grad_weight = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        grad_input = input_gradient(grad_output, weight)
+    if ctx.needs_input_grad[1]:
+        compute, accumulate = weight_gradient(grad, input.reshape(-1, k))
+        grad_weight = _weight_gradient(weight, ctx.main_grad, input, compute, accumulate)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_bias = grad.sum(0)
+    return grad_input, grad_weight, grad_bias, None
+
+
 class NativeLinear(torch.autograd.Function):
     """``input @ weight^T (+ bias)`` for float32 CPU tensors through our packed GEMM, forward and
     backward. With ``main_grad`` (megatron-core's gradient accumulation fusion: the DDP buffer the
@@ -269,24 +294,20 @@ class NativeLinear(torch.autograd.Function):
         # wherever the layer's output is later modified in place
         out = ext.packed_gemm(input.contiguous(), False, ext.pack_linear(weight.contiguous()), n,
                               bias.contiguous() if bias is not None else None, None)
-        ctx.save_for_backward(input, weight)
-        ctx.main_grad = main_grad  # not saved for backward: a buffer written in place
-        ctx.has_bias = bias is not None
+        _save_for_backward(ctx, input, weight, bias, main_grad)
         return out
 
     @staticmethod
     def backward(ctx, grad_output):
-        input, weight = ctx.saved_tensors
         ext = _kernels()
-        n, k = weight.shape
-        grad_output = grad_output.contiguous()
-        grad = grad_output.view(-1, n)
-        grad_input = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_input = ext.packed_gemm(grad_output, False, ext.pack_matrix(weight.contiguous()), k, None, None)
-        if ctx.needs_input_grad[1]:
+
+        def input_gradient(grad_output, weight):
+            return ext.packed_gemm(grad_output, False, ext.pack_matrix(weight.contiguous()), weight.shape[1], None, None)
+
+        def weight_gradient(grad, total):
             # weight gradient [n, k] = grad^T @ input: grad is read transposed in place
-            packed_input = ext.pack_matrix(input.reshape(-1, k).contiguous())
+            k = total.shape[1]
+            packed_input = ext.pack_matrix(total.contiguous())
 
             def accumulate(main_grad):
                 if main_grad.dtype == torch.float32 and main_grad.is_contiguous():
@@ -294,11 +315,9 @@ class NativeLinear(torch.autograd.Function):
                 else:
                     main_grad.add_(ext.packed_gemm(grad, True, packed_input, k, None, None).to(main_grad.dtype))
 
-            grad_weight = _weight_gradient(weight, ctx.main_grad, input,
-                                           lambda: ext.packed_gemm(grad, True, packed_input, k, None, None), accumulate)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad.sum(0)
-        return grad_input, grad_weight, grad_bias, None
+            return (lambda: ext.packed_gemm(grad, True, packed_input, k, None, None)), accumulate
+
+        return _linear_backward(ctx, grad_output, input_gradient, weight_gradient)
 
 
 _KEPT = threading.local()  # .packs: {(id(weight), transposed): (weight, version, packed)} inside weights_unchanged()
@@ -345,31 +364,22 @@ class OneDNNLinear(torch.autograd.Function):
     def forward(ctx, input, weight, bias, main_grad):
         packed = _onednn_pack(weight, input.numel() // input.shape[-1], transposed=False)
         out = torch.ops.mkldnn._linear_pointwise(input.contiguous(), packed, bias, "none", [], "")
-        ctx.save_for_backward(input, weight)
-        ctx.main_grad = main_grad  # not saved for backward: a buffer written in place
-        ctx.has_bias = bias is not None
+        _save_for_backward(ctx, input, weight, bias, main_grad)
         return out
 
     @staticmethod
     def backward(ctx, grad_output):
-        input, weight = ctx.saved_tensors
-        n, k = weight.shape
-        grad_output = grad_output.contiguous()
-        grad = grad_output.view(-1, n)
-        grad_input = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
+        def input_gradient(grad_output, weight):
             # [.., n] @ weight [n, k]: weight^T [k, n] is the "weight" of this product
-            packed = _onednn_pack(weight, grad.shape[0], transposed=True)
-            grad_input = torch.ops.mkldnn._linear_pointwise(grad_output, packed, None, "none", [], "")
-        if ctx.needs_input_grad[1]:
-            total = input.reshape(-1, k)
+            packed = _onednn_pack(weight, grad_output.numel() // weight.shape[0], transposed=True)
+            return torch.ops.mkldnn._linear_pointwise(grad_output, packed, None, "none", [], "")
+
+        def weight_gradient(grad, total):
             # float32 main_grad: the bf16 GEMM (float32 sums, one rounding of this micro-batch's
             # gradient) added in, as megatron-core does without its fused CUDA kernel
-            grad_weight = _weight_gradient(weight, ctx.main_grad, input, lambda: grad.t().mm(total),
-                                           lambda main_grad: main_grad.add_(grad.t().mm(total)))
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad.sum(0)
-        return grad_input, grad_weight, grad_bias, None
+            return (lambda: grad.t().mm(total)), (lambda main_grad: main_grad.add_(grad.t().mm(total)))
+
+        return _linear_backward(ctx, grad_output, input_gradient, weight_gradient)
 
 
 # Keyword arguments of megatron-core's linear functions (0.16-0.19) that NativeLinear handles; any
