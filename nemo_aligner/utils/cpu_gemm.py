@@ -328,7 +328,8 @@ def weights_unchanged():
     """Within it, :class:`OneDNNLinear` lays out each weight (and its transpose) once and reuses it:
     for a schedule's micro-batches, during which the caller guarantees that no weight changes.
     Outside it every call lays out the weight afresh (an optimizer may change weights in place
-    through ``.data``, which no version counter sees). Nests; the layouts are dropped on exit."""
+    through ``.data``, which no version counter sees). Nests; the layouts (up to two bf16 copies of
+    each weight: as it is and transposed) are dropped on exit."""
     outer = getattr(_KEPT, "packs", None)
     if outer is None:
         _KEPT.packs = {}
