@@ -152,24 +152,25 @@ def test_bf16_stores_round_like_torch(ext):
     special = [1 + tie, 1 + 3 * tie, 1 + tie * (1 + 2 ** -15), 1 + tie * (1 - 2 ** -15), -(1 + tie), -(1 + 3 * tie),
                3.4028234663852886e38, -3.4028234663852886e38, float("inf"), float("-inf"), 0.0, -0.0,
                1.1754943508222875e-38, 65504.0, -1e-3, 0.1, 7.0, float("nan"), 1e30, -2.5]
-    d, groups, per_group = 12, 1, 1  # 8 values through the vector store, 4 through the scalar tail
+    d = 12  # 8 values through the vector store, 4 through the scalar tail
+
+    def stored(values):  # [rows, d] float32 written as the value head of one group (not rotated)
+        rows = values.shape[0]
+        qkv = torch.randn(rows, 3 * d)
+        qkv.view(rows, 3, d)[:, 2] = values
+        cache = torch.zeros(rows, 1, 2, 4, d, dtype=torch.bfloat16)
+        ext.rope_cache_write(qkv, None, torch.zeros(rows, dtype=torch.long), cache, 1, 1, 1)
+        return cache[:, 0, 1, 1]
+
     rows = -(-len(special) // d)
     values = torch.tensor(special + [0.5] * (rows * d - len(special)), dtype=torch.float32).view(rows, d)
-    qkv = torch.randn(rows, groups * (per_group + 2) * d)
-    qkv.view(rows, per_group + 2, d)[:, per_group + 1] = values  # the value head: stored as it is
-    cache = torch.zeros(rows, groups, 2, 4, d, dtype=torch.bfloat16)
-    ext.rope_cache_write(qkv, None, torch.zeros(rows, dtype=torch.long), cache, 1, groups, per_group)
-    written, expected = cache[:, 0, 1, 1], values.to(torch.bfloat16)
+    written, expected = stored(values), values.to(torch.bfloat16)
     nan = expected.isnan()
     assert torch.equal(written.isnan(), nan)
     assert torch.equal(written[~nan].view(torch.int16), expected[~nan].view(torch.int16))
     # float32 denormals: torch's bits, or a zero of their sign with the one-instruction conversion
     tiny = torch.tensor([1e-39, -2e-39] + [0.5] * (d - 2)).view(1, d)
-    qkv = torch.randn(1, (per_group + 2) * d)
-    qkv.view(1, per_group + 2, d)[:, per_group + 1] = tiny
-    cache = torch.zeros(1, groups, 2, 4, d, dtype=torch.bfloat16)
-    ext.rope_cache_write(qkv, None, torch.zeros(1, dtype=torch.long), cache, 1, groups, per_group)
-    written, expected = cache[0, 0, 1, 1, :2], tiny[0, :2].to(torch.bfloat16)
+    written, expected = stored(tiny)[0, :2], tiny[0, :2].to(torch.bfloat16)
     zero = torch.tensor([0.0, -0.0], dtype=torch.bfloat16)
     bits = lambda t: t.view(torch.int16)  # noqa: E731
     assert torch.equal(bits(written), bits(expected)) or torch.equal(bits(written), bits(zero))

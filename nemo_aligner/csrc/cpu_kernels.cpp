@@ -826,6 +826,13 @@ void run_packed_gemm(const T* xp, int64_t ld, int64_t k, int64_t rows, const T* 
 }
 #endif
 
+// Whether `packed` holds kPanel-column panels of `k_steps` steps covering exactly n columns.
+inline bool packed_fits(const at::Tensor& packed, int64_t k_steps, int64_t n) {
+  const int64_t panels = packed.size(0);
+  return packed.dim() == 3 && packed.size(1) == k_steps && packed.size(2) == kPanel && panels * kPanel >= n &&
+         (panels - 1) * kPanel < n;
+}
+
 // x [..., K] bf16 @ a bf16 weight packed by pack_linear (+ float32 bias): float32 [..., n], the
 // products summed in float32 and not rounded to bf16.
 at::Tensor packed_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n, const float* b) {
@@ -834,9 +841,7 @@ at::Tensor packed_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64
   TORCH_CHECK(packed.scalar_type() == at::kInt && packed.is_contiguous(),
               "packed_gemm: a bf16 x takes a bf16 weight packed by pack_linear");
   const int64_t k = x.size(-1), panels = packed.size(0);
-  TORCH_CHECK(k % 2 == 0 && packed.dim() == 3 && packed.size(1) * 2 == k && packed.size(2) == kPanel &&
-                  panels * kPanel >= n && (panels - 1) * kPanel < n,
-              "packed_gemm: packed matrix does not match x or n");
+  TORCH_CHECK(k % 2 == 0 && packed_fits(packed, k / 2, n), "packed_gemm: packed matrix does not match x or n");
   const int64_t rows = k == 0 ? 0 : x.numel() / k;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
@@ -854,28 +859,23 @@ at::Tensor packed_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64
 // operand. out: None for a new [..., n] tensor, else a contiguous [rows, n] tensor added into.
 at::Tensor packed_gemm(const at::Tensor& x, bool x_transposed, const at::Tensor& packed, int64_t n,
                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& out) {
-  if (x.scalar_type() == at::kBFloat16) {
-    TORCH_CHECK(!x_transposed && !out.has_value(), "packed_gemm: a bf16 x is read row-major into a new tensor");
-    if (bias.has_value()) {
-      check_f32(*bias, "bias");
-      TORCH_CHECK(bias->numel() == n, "packed_gemm: bias [N]");
-    }
-    return packed_gemm_bf16(x, packed, n, bias.has_value() ? bias->data_ptr<float>() : nullptr);
-  }
-  check_f32(x, "x");
-  check_f32(packed, "packed");
-  TORCH_CHECK(has_packed_linear(), "packed_gemm: this build has no AVX2 + FMA kernel");
-  TORCH_CHECK(!x_transposed || x.dim() == 2, "packed_gemm: a transposed x is a [K, rows] matrix");
-  const int64_t k = x_transposed ? x.size(0) : x.size(-1), panels = packed.size(0);
-  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == k && packed.size(2) == kPanel && panels * kPanel >= n &&
-                  (panels - 1) * kPanel < n, "packed_gemm: packed matrix does not match x or n");
-  const int64_t rows = x_transposed ? x.size(1) : (k == 0 ? 0 : x.numel() / k);
   const float* b = nullptr;
   if (bias.has_value()) {
     check_f32(*bias, "bias");
     TORCH_CHECK(bias->numel() == n, "packed_gemm: bias [N]");
     b = bias->data_ptr<float>();
   }
+  if (x.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(!x_transposed && !out.has_value(), "packed_gemm: a bf16 x is read row-major into a new tensor");
+    return packed_gemm_bf16(x, packed, n, b);
+  }
+  check_f32(x, "x");
+  check_f32(packed, "packed");
+  TORCH_CHECK(has_packed_linear(), "packed_gemm: this build has no AVX2 + FMA kernel");
+  TORCH_CHECK(!x_transposed || x.dim() == 2, "packed_gemm: a transposed x is a [K, rows] matrix");
+  const int64_t k = x_transposed ? x.size(0) : x.size(-1), panels = packed.size(0);
+  TORCH_CHECK(packed_fits(packed, k, n), "packed_gemm: packed matrix does not match x or n");
+  const int64_t rows = x_transposed ? x.size(1) : (k == 0 ? 0 : x.numel() / k);
   at::Tensor result;
   if (out.has_value()) {
     check_f32(*out, "out");
