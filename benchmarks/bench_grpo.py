@@ -23,12 +23,11 @@ import argparse
 import math
 import os
 import statistics
-import tempfile
 
 import torch
 
 from common import (build_pair, byte_tokenizer_dir, default_precision, device_description, init_single_process,
-                    machine, trainer_step_timer, write_json)
+                    machine, scratch_dir, trainer_step_timer, write_json)
 
 
 def main(argv=None) -> dict:
@@ -59,7 +58,7 @@ def main(argv=None) -> dict:
     on_gpu = torch.cuda.is_available()
     bf16 = args.precision == "bf16"
     init_single_process()
-    work = tempfile.mkdtemp(prefix="bench_grpo_")
+    work = scratch_dir("bench_grpo_")
     context = 128 + args.prompt_prefix_tokens
     ours, hf = build_pair(args.shape, context, precision=args.precision)
     # The byte tokenizer makes one token of each ASCII character.

@@ -21,11 +21,10 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 
 import torch
 
-from common import cpu_model, init_single_process, machine, model_cfg, write_json
+from common import cpu_model, init_single_process, machine, model_cfg, scratch_dir, write_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,7 +63,7 @@ def main(argv=None) -> dict:
     from nemo_aligner.data.nlp.jsonl import read_jsonl
 
     init_single_process()  # the models are built here only to be saved
-    work = tempfile.mkdtemp(prefix="bench_ppo_")
+    work = scratch_dir("bench_ppo_")
     seq = 128
     actor_nemo, rm_nemo = save_models(args.shape, seq, work)
     data = BuiltinTask(seed=0).write_all(os.path.join(work, "data"), n_train=args.rollouts * (args.steps + 2), n_val=16)

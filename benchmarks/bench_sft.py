@@ -22,8 +22,8 @@ import time
 import torch
 
 from common import (alternate, bench_device, build_pair, byte_tokenizer_dir, default_precision, device_description,
-                    init_single_process, machine, matmul_peak_gflops, median, synchronize, trainer_step_timer,
-                    write_json)
+                    init_single_process, machine, matmul_peak_gflops, median, scratch_dir, synchronize,
+                    trainer_step_timer, write_json)
 
 
 def model_flops_per_token(cfg: dict, seq: int, params: int) -> float:
@@ -128,13 +128,11 @@ def main(argv=None) -> dict:
 def trl_runner(hf, inputs: torch.Tensor, args, bf16: bool):
     """A callable that trains ``hf`` for ``args.steps`` timed steps with TRL's ``SFTTrainer`` (after one
     untimed step) on ``inputs`` [batch, seq] repeated, and returns their seconds."""
-    import tempfile
-
     import trl
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    work = tempfile.mkdtemp(prefix="bench_sft_trl_")
+    work = scratch_dir("bench_sft_trl_")
     tokenizer = AutoTokenizer.from_pretrained(byte_tokenizer_dir(work))
     rows = inputs.cpu().tolist() * (args.steps + 1)  # one batch per step, the same rows as the others
     dataset = Dataset.from_dict({"input_ids": rows})

@@ -6,11 +6,14 @@ model moved to it), and timings wait for the GPU (``synchronize``)."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import platform
 import re
+import shutil
 import statistics
+import tempfile
 import time
 from typing import Callable, Dict, List
 
@@ -34,6 +37,14 @@ def model_cfg(shape: str, seq: int, micro_batch: int = 8) -> dict:
                 share_embeddings_and_output_weights=False, make_vocab_size_divisible_by=128,
                 micro_batch_size=micro_batch, global_batch_size=micro_batch, hidden_dropout=0.0, attention_dropout=0.0,
                 optim={"name": "fused_adam", "lr": 1e-4, "weight_decay": 0.0, "sched": {"name": "Constant"}})
+
+
+def scratch_dir(prefix: str) -> str:
+    """A new temporary directory for a benchmark's checkpoints and runs, removed when the process exits
+    (a GRPO run writes ~230 MB there)."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def init_single_process() -> None:

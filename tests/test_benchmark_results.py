@@ -1,7 +1,8 @@
-"""Benchmark results are written per device, with the device named inside."""
+"""Benchmark results are written per device, with the device named inside; benchmarks leave no scratch files."""
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -42,3 +43,21 @@ def test_large_shape_is_a_1b_grouped_query_model():
     kv = 2 * h * (h // heads) * large["num_query_groups"]
     params = layers * (2 * h * h + kv + 3 * h * f) + 2 * 384 * h  # byte vocabulary padded to 384, untied
     assert 0.9e9 < params < 1.1e9
+
+
+@pytest.mark.parametrize("ending", ["return", "raise SystemExit('benchmark failed')"])
+def test_scratch_dir_is_removed_when_the_benchmark_exits(tmp_path, ending):
+    """A benchmark's checkpoints and runs (hundreds of MB) go when its process ends, also on failure."""
+    script = (f"import os, sys; sys.path.insert(0, {os.path.dirname(common.__file__)!r}); import common\n"
+              f"def main():\n"
+              f"    work = common.scratch_dir('bench_x_')\n"
+              f"    os.makedirs(os.path.join(work, 'run0'))\n"
+              f"    open(os.path.join(work, 'run0', 'model.nemo'), 'w').write('x')\n"
+              f"    print(work, flush=True)\n"
+              f"    {ending}\n"
+              f"main()\n")
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    work = done.stdout.strip()
+    assert work.startswith(str(tmp_path)) and os.path.basename(work).startswith("bench_x_")
+    assert not os.path.exists(work) and os.listdir(tmp_path) == []

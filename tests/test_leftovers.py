@@ -56,6 +56,13 @@ def test_only_stale_leftovers_are_removed(dirs):
     made["folderDDDDDD"] = tmp / "folderDDDDDD"  # not Triton's
     made["folderDDDDDD"].mkdir()
     os.utime(made["folderDDDDDD"], (old, old))
+    for name, files in (("python_env_AAAAAA", 0), ("python_env_BBBBBB", 1), ("python_env_CCCCCC", 0)):
+        made[name] = tmp / name  # Triton's execution-environment folders: only empty ones go
+        made[name].mkdir()
+        if files:
+            (made[name] / "env.tar.gz").write_bytes(b"x")
+        if name != "python_env_CCCCCC":  # too new to tell
+            os.utime(made[name], (old, old))
     stub = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
                              str(made["folderCCCCCC"] / "1" / "model.py")])
     held = open(made["psm_open"], "rb")
@@ -65,7 +72,7 @@ def test_only_stale_leftovers_are_removed(dirs):
         held.close()
         stub.kill()
         stub.wait()
-    expected = {f"pytrtion{dead}-a", "psm_old", f"pytriton_{dead}_x", "folderAAAAAA"}
+    expected = {f"pytrtion{dead}-a", "psm_old", f"pytriton_{dead}_x", "folderAAAAAA", "python_env_AAAAAA"}
     assert {os.path.basename(p) for p in removed} == expected
     for name, path in made.items():
         assert path.exists() == (name not in expected), name

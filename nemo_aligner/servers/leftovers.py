@@ -3,13 +3,14 @@
 A server stopped cleanly removes everything it made. One killed together with its helper processes
 (Slurm's SIGKILL after ``KillWait``, the OOM killer, ``kill -9`` of a process group) leaves:
 PyTriton's shared-memory blocks (``/dev/shm/pytrtion<pid>-*`` and ``/dev/shm/psm_*``), Triton's
-Python-backend model folders (``/tmp/folderXXXXXX``) and our PyTriton workspace
-(``<tmp>/pytriton_<pid>_*``). Servers remove stale ones when they start; ``python -m
-nemo_aligner.servers.leftovers [--dry-run]`` does it by hand.
+Python-backend model and execution-environment folders (``/tmp/folderXXXXXX``,
+``/tmp/python_env_XXXXXX``) and our PyTriton workspace (``<tmp>/pytriton_<pid>_*``). Servers
+remove stale ones when they start; ``python -m nemo_aligner.servers.leftovers [--dry-run]`` does it
+by hand.
 
 Only this user's files are touched, and only those no running process has open, mapped, or names
 on its command line or as its directory; ``/dev/shm/psm_*`` and Triton's folders, whose names do
-not say who made them, must also be older than a minute.
+not say who made them, must also be older than a minute (and ``python_env_*`` ones empty).
 """
 
 from __future__ import annotations
@@ -79,6 +80,13 @@ def _is_triton_model_folder(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.pbtxt")) and os.path.isfile(os.path.join(path, "1", "model.py"))
 
 
+def _is_empty_triton_env_folder(path: str) -> bool:
+    try:
+        return os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path)
+    except OSError:
+        return False
+
+
 def stale_leftovers(tmp_dirs: Iterable[str] = (), now: float = None) -> List[str]:
     """The stale files and directories (see the module docstring)."""
     now = time.time() if now is None else now
@@ -90,6 +98,8 @@ def stale_leftovers(tmp_dirs: Iterable[str] = (), now: float = None) -> List[str
     for tmp in dict.fromkeys([*tmp_dirs, tempfile.gettempdir(), SYSTEM_TMP]):
         candidates += [(p, False) for p in glob.glob(os.path.join(tmp, "pytriton_*_*"))]
         candidates += [(p, True) for p in glob.glob(os.path.join(tmp, "folder??????")) if _is_triton_model_folder(p)]
+        candidates += [(p, True) for p in glob.glob(os.path.join(tmp, "python_env_??????"))
+                       if _is_empty_triton_env_folder(p)]
     stale = []
     for path, needs_age in candidates:
         try:
@@ -121,8 +131,8 @@ def remove_stale(tmp_dirs: Iterable[str] = ()) -> List[str]:
         except OSError as err:
             logger.debug("could not remove %s: %s", path, err)
     if removed:
-        logger.info("removed %d leftover(s) of killed PyTriton servers (shared memory, workspaces, Triton "
-                    "model folders)", len(removed))
+        logger.info("removed %d leftover(s) of PyTriton servers (shared memory, workspaces, Triton's model "
+                    "and environment folders)", len(removed))
     return removed
 
 
