@@ -112,8 +112,10 @@ def test_batch_sizes_checked(tmp_path, builtin_data):
 
 
 def test_sequence_parallel_on_cpu(tmp_path, builtin_data):
-    proc = run_bad(tmp_path, builtin_data["sft_train"], builtin_data["sft_val"], ["model.sequence_parallel=True"],
-                   cpu_only=True)
+    """Refused with tensor parallelism (at TP=1 it is off, as in NeMo: test_model_config.py)."""
+    proc = run_bad(tmp_path, builtin_data["sft_train"], builtin_data["sft_val"],
+                   ["model.sequence_parallel=True", "trainer.devices=2", "model.tensor_model_parallel_size=2"],
+                   nproc=2, cpu_only=True)
     assert "model.sequence_parallel=True needs Transformer Engine on a GPU" in proc.stderr
 
 

@@ -300,7 +300,8 @@ def sequence_parallel(role):
     from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import MegatronGPTRewardModel
     from nemo_aligner.models.nlp.gpt.generation import LengthParams, SamplingParams, generate
 
-    cfg = OmegaConf.create(dict(TINY_ARCH, sequence_parallel=True, micro_batch_size=1, encoder_seq_length=32))
+    cfg = OmegaConf.create(dict(TINY_ARCH, sequence_parallel=True, tensor_model_parallel_size=2, micro_batch_size=1,
+                                encoder_seq_length=32))
     if role == "generation":
         module = SimpleNamespace(config=SimpleNamespace(sequence_parallel=True))
         return lambda: generate(module, ByteTokenizer(), [[1, 2]], SamplingParams(), LengthParams(max_length=2))

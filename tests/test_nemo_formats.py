@@ -443,6 +443,51 @@ def test_encoder_seq_length_comes_from_the_checkpoint_unless_set(base_nemo, tmp_
     assert resolve_sequence_length(model_cfg, effective_model_config(model_cfg, nemo, "k"), nemo) == own // 2
 
 
+@pytest.mark.parametrize("role", ["actor", "reward"])
+def test_sequence_parallel_of_a_checkpoint_is_off_at_tp1(mcore_single, base_nemo, tmp_path, role):
+    """A NeMo checkpoint trained with sequence parallelism loads at TP=1 on the CPU into the roles that refuse
+    it with TP > 1 (NeMo turns it off at TP=1), and computes what the same checkpoint without it does."""
+    from nemo_aligner.models.nlp.gpt.loading import load_model
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_ppo_actor import MegatronGPTActorModel
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model import MegatronGPTRewardModel
+    from nemo_aligner.utils.model_config import sequence_parallel_on
+
+    nemo, _ = base_nemo
+    unpacked = tmp_path / "unpacked"
+    with tarfile.open(nemo) as tar:
+        tar.extractall(unpacked, filter="data")
+    config = yaml.safe_load((unpacked / "model_config.yaml").read_text())
+    assert not config.get("sequence_parallel")
+    (unpacked / "model_config.yaml").write_text(yaml.safe_dump(dict(config, sequence_parallel=True)))
+    with_sp = _tar(unpacked, tmp_path / "sp.nemo")
+    cls = {"actor": MegatronGPTActorModel, "reward": MegatronGPTRewardModel}[role]
+    run_cfg = OmegaConf.create({"micro_batch_size": 1, "encoder_seq_length": 32})
+    models = [load_model(cls, run_cfg.copy(), "32", restore_path=path, allow_missing=("rm_head",))
+              for path in (with_sp, nemo)]
+    assert models[0].cfg.sequence_parallel is True and not sequence_parallel_on(models[0].cfg)
+    assert not models[0].module.config.sequence_parallel
+    tokens = torch.randint(1, 200, (2, 12))
+    if role == "actor":
+        outputs = [forward_logits(model, tokens) for model in models]
+    else:  # the new reward head is drawn from model.seed: the same in both
+        outputs = [model.infer(tokens, torch.tensor([12, 7])) for model in models]
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cfg, on", [
+    ({"sequence_parallel": True, "tensor_model_parallel_size": 2}, True),
+    ({"sequence_parallel": True, "tensor_model_parallel_size": 1}, False),
+    ({"sequence_parallel": True}, False),
+    ({"sequence_parallel": True, "tensor_model_parallel_size": None}, False),
+    ({"sequence_parallel": False, "tensor_model_parallel_size": 4}, False),
+    ({"tensor_model_parallel_size": 4}, False),
+])
+def test_sequence_parallel_only_with_tensor_parallelism(cfg, on):
+    from nemo_aligner.utils.model_config import sequence_parallel_on
+
+    assert sequence_parallel_on(OmegaConf.create(cfg)) is on
+
+
 def _tp_pp_legacy_nemo(llama_like):
     """tp_rank_0X_pp_rank_00Y/model_weights.ckpt (TP=2 x PP=2) with megatron-core names: each stage numbers
     its layers from 0 and holds its own part (embedding first, final norm and output layer last)."""

@@ -40,6 +40,14 @@ _CHECKPOINT_ONLY = ("mcore_gpt", "dist_ckpt_format", "target", "precision", "nem
                     "expert_model_parallel_size", "expert_tensor_parallel_size")
 
 
+def sequence_parallel_on(model_cfg) -> bool:
+    """``model.sequence_parallel`` as NeMo applies it: with tensor parallelism only (NeMo turns it off at
+    ``tensor_model_parallel_size=1``, where there is nothing to split over, so a config or checkpoint
+    that sets it runs at TP=1 everywhere)."""
+    tp = model_cfg.get("tensor_model_parallel_size", 1)
+    return bool(model_cfg.get("sequence_parallel", False)) and int(tp if tp is not None else 1) > 1
+
+
 def merge_checkpoint_config(ckpt_cfg: DictConfig, run_cfg: DictConfig,
                             architecture_keys: Iterable[str] = ARCHITECTURE_KEYS) -> DictConfig:
     """The run's ``model.*`` on top of the checkpoint's config, except for architecture keys.

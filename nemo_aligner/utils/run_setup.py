@@ -15,7 +15,7 @@ from nemo_aligner.utils.config_checks import check_config_values, check_run_limi
 from nemo_aligner.utils.distributed import (check_expert_parallel_size, check_parallel_sizes,
                                             init_distributed, initialize_model_parallel)
 from nemo_aligner.utils.errors import ConfigError
-from nemo_aligner.utils.model_config import check_architecture_values, merge_checkpoint_config
+from nemo_aligner.utils.model_config import check_architecture_values, merge_checkpoint_config, sequence_parallel_on
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def init_run(cfg: DictConfig, restore_path: Optional[str] = None,
     pp = int(cfg.model.get("pipeline_model_parallel_size", 1) or 1)
     dp = check_parallel_sizes(world, tp, pp, int(arch.num_attention_heads), arch.get("num_query_groups"),
                               int(arch.num_layers))
-    if bool(cfg.model.get("sequence_parallel", False)) and not torch.cuda.is_available():
+    if sequence_parallel_on(cfg.model) and not torch.cuda.is_available():
         raise ConfigError("model.sequence_parallel=True needs Transformer Engine on a GPU; set it to False on CPU")
     ep = int(cfg.model.get("expert_model_parallel_size", 1) or 1)
     check_expert_parallel_size(ep, dp, arch.get("num_moe_experts"))

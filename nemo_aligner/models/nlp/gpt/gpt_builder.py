@@ -307,13 +307,11 @@ def transformer_config_from_cfg(cfg, precision="32"):
                               "learned positions end at the table; lower the sequence length")
     tp = int(_get(cfg, "tensor_model_parallel_size", 1))
     pp = int(_get(cfg, "pipeline_model_parallel_size", 1))
-    sequence_parallel = bool(_get(cfg, "sequence_parallel", False))
+    sequence_parallel = bool(_get(cfg, "sequence_parallel", False)) and tp > 1  # NeMo's rule: none at TP=1
     if sequence_parallel and not torch.cuda.is_available():
         raise ConfigError(
             "model.sequence_parallel=True needs Transformer Engine on a GPU; set model.sequence_parallel=False on CPU"
         )
-    if sequence_parallel and tp == 1:
-        sequence_parallel = False
     dtype = precision_dtype(precision)
     bias = bool(_get(cfg, "bias", True))
     granularity = _get(cfg, "activations_checkpoint_granularity")

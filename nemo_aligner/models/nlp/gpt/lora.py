@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.utils.model_config import sequence_parallel_on
 
 # NeMo's target names -> (sub-module of the layer, linear in it, NeMo's adapter name, parallel kind)
 TARGETS = {
@@ -135,7 +136,7 @@ def lora_settings(model_cfg) -> Optional[LoraSettings]:
         if value not in allowed:
             raise ConfigError(f"{_KEYS}.{key}={value!r} is not one of {', '.join(allowed)}")
         choices[key] = value
-    if bool(model_cfg.get("sequence_parallel", False)):
+    if sequence_parallel_on(model_cfg):
         raise ConfigError("model.sequence_parallel=True is not supported with LoRA (model.peft.peft_scheme=lora); "
                           "set it to False")
     return LoraSettings(tuple(targets), dim, float(alpha), float(dropout), inits[0], inits[1], layers, **choices)

@@ -21,6 +21,7 @@ from nemo_aligner.models.nlp.gpt.gpt_builder import (
 from nemo_aligner.utils import cpu_gemm
 from nemo_aligner.utils.distributed import broadcast_from_last_stage, host_all_reduce
 from nemo_aligner.utils.errors import ConfigError
+from nemo_aligner.utils.model_config import sequence_parallel_on
 from nemo_aligner.utils.optim import OptimizerOffload, build_optimizer, build_scheduler, uses_distributed_optimizer
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class MegatronGPTModel:
     def __init__(self, cfg: DictConfig, tokenizer, precision="32", trainable: bool = True):
         from megatron.core import parallel_state
 
-        if bool(cfg.get("sequence_parallel", False)) and not self.supports_sequence_parallel:
+        if sequence_parallel_on(cfg) and not self.supports_sequence_parallel:
             raise ConfigError(f"model.sequence_parallel=True is not supported by {type(self).__name__} yet; "
                               "set it to False")
         self.cfg = cfg
