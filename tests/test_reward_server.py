@@ -337,13 +337,61 @@ def test_tritonserver_exiting_at_start_is_reported_at_once(monkeypatch, recwarn)
         elapsed = time.monotonic() - start
     assert elapsed < 30, elapsed
     message = str(err.value)
-    assert message.startswith("test server: tritonserver exited while starting: "), message
+    assert message.startswith("test server: tritonserver exited while starting (exit status 1): "), message
     assert f"127.0.0.1:{grpc}' already in use" in message, message
     time.sleep(0.5)
     # this process's own tritonserver (the other tests' servers run theirs under their own processes)
     assert not [p for p in psutil.Process().children()
                 if "tritonserver" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE]
     assert not [str(w.message) for w in recwarn if "Could not clean workspace" in str(w.message)]
+
+
+@pytest.mark.parametrize("when", ["before_bind", "during_load"])
+def test_tritonserver_dying_while_models_are_bound_is_one_error(monkeypatch, when):
+    """tritonserver killed before a model is bound (PyTriton would wait 120 s for it to be ready) or while
+    the model loads (the load request fails under the HTTP client): one ServerError naming the signal
+    within seconds, not a traceback."""
+    import signal
+
+    import numpy as np
+    import tritonclient.http
+    from pytriton.model_config import ModelConfig, Tensor
+
+    from nemo_aligner.servers import triton_host
+    from nemo_aligner.utils.errors import ServerError
+
+    def kill_tritonserver():
+        mine = [p for p in psutil.Process().children() if "tritonserver" in " ".join(p.cmdline())]
+        assert len(mine) == 1
+        os.kill(mine[0].pid, signal.SIGKILL)  # reaped by PyTriton's process handle, which reads its status
+
+    if when == "during_load":
+        load = tritonclient.http.InferenceServerClient.load_model
+
+        def killing_load(self, *args, **kwargs):
+            kill_tritonserver()
+            return load(self, *args, **kwargs)
+
+        monkeypatch.setattr(tritonclient.http.InferenceServerClient, "load_model", killing_load)
+
+    def bind(triton):
+        if when == "before_bind":
+            kill_tritonserver()
+        triton.bind(model_name="reward_model", infer_func=lambda requests: [],
+                    inputs=[Tensor(name="tokens", dtype=np.int64, shape=(-1,))],
+                    outputs=[Tensor(name="rewards", dtype=np.float32, shape=(1,))], config=ModelConfig(max_batch_size=8))
+
+    start = time.monotonic()
+    with pytest.raises(ServerError) as err:
+        triton_host.serve_forever(triton_host.ServerAddress("127.0.0.1", free_port(), free_port(), free_port()), bind,
+                                  "test server", "inference", {})
+    assert time.monotonic() - start < 30  # not after PyTriton's 120 s wait for a ready server
+    message = str(err.value)
+    assert message.startswith("test server: tritonserver exited while starting (killed by signal 9)"), message
+    assert "\n" not in message and "CudaDriverHelper" not in message
+    time.sleep(0.5)
+    assert not [p for p in psutil.Process().children()
+                if "tritonserver" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE]
 
 
 def test_workspace_cleanup_warning_from_another_thread_is_not_shown(tmp_path, monkeypatch, recwarn):

@@ -176,17 +176,28 @@ def serve_until_stopped(triton, stop: StopSignal, poll_s: float = 0.2) -> None:
 
 
 # The modules whose ``wait_for_server_ready`` PyTriton 0.7 calls (waiting up to 120 s for tritonserver
-# to become ready) while starting it and while binding models.
-_READINESS_WAIT_MODULES = ("pytriton.triton", "pytriton.models.manager")
+# to become ready) while starting it and while binding models (the model manager's ``ModelClient``).
+_READINESS_WAIT_MODULES = ("pytriton.triton", "pytriton.models.manager", "pytriton.client.client")
 
 
-def _exited_tritonserver(triton):
-    """``triton``'s tritonserver process when it was started and has exited since, else None (also
-    where this PyTriton keeps it under other names: the check then never fires)."""
+def _exited_tritonserver(triton, wait_s: float = 0.0):
+    """``triton``'s tritonserver process when it was started and has exited since (waiting up to
+    ``wait_s`` for it to go), else None (also where this PyTriton keeps it under other names: the
+    check then never fires)."""
     server = getattr(triton, "_triton_server", None)
-    if getattr(server, "_tritonserver_running_cmd", None) is None or server.is_alive():
+    if getattr(server, "_tritonserver_running_cmd", None) is None:
         return None
+    deadline = time.monotonic() + wait_s
+    while server.is_alive():
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
     return server
+
+
+# Error records tritonserver writes on every CPU start, whatever follows: never the reason it exited.
+_TRITON_NOISE = ("CudaDriverHelper has not been initialized", "Failed to set config modification time",
+                 "Failed to initialize NVML")
 
 
 def _exit_reason(server, log_file: str, lines: int = 3) -> str:
@@ -201,7 +212,7 @@ def _exit_reason(server, log_file: str, lines: int = 3) -> str:
         text += "\n" + (server.logs() or "")[-20000:]
     except Exception:  # its output is a courtesy in the message, never a second error
         pass
-    found = [line.strip() for line in text.splitlines() if line.strip()]
+    found = [line.strip() for line in text.splitlines() if line.strip() and not any(n in line for n in _TRITON_NOISE)]
     # Triton's own error records first (the first is the cause), then its command-line complaints
     logged = [line for line in found if re.match(r"E\d{4} ", line)][:lines]
     said = [line for line in found if re.match(r"(error|bad option|fail)", line, re.I)][-lines:]
@@ -209,12 +220,24 @@ def _exit_reason(server, log_file: str, lines: int = 3) -> str:
     return ": " + " | ".join(picked) if picked else ""
 
 
+def _exit_status(server) -> str:
+    """`` (killed by signal N)`` or `` (exit status N)`` of an exited tritonserver, where known."""
+    try:
+        code = server._tritonserver_running_cmd.process.exit_code
+    except Exception:  # another PyTriton or sh keeps it elsewhere: the message goes without it
+        return ""
+    if not isinstance(code, int) or code == 0:
+        return ""
+    return f" (killed by signal {-code})" if code < 0 else f" (exit status {code})"
+
+
 @contextmanager
 def fail_fast_on_triton_exit(triton, description: str, log_file: str, log_note: str = "") -> Iterator[None]:
     """While ``Triton`` starts and binds models: a tritonserver that exits (a bad option, a missing
-    library, a port taken in the meantime) ends PyTriton's readiness wait within a second with a
-    :class:`ServerError` quoting its errors (from ``log_file`` and its output; ``log_note`` names a
-    log that outlives the server), instead of after PyTriton's 120 s timeout."""
+    library, a port taken in the meantime, a crash while loading a model) ends PyTriton's readiness
+    wait within a second, or the model load whose connection it closed, with a :class:`ServerError`
+    quoting its errors (from ``log_file`` and its output; ``log_note`` names a log that outlives the
+    server), instead of after PyTriton's 120 s timeout or with the HTTP client's traceback."""
     from pytriton.client.exceptions import PyTritonClientTimeoutError
     from pytriton.client.warnings import NotSupportedTimeoutWarning
 
@@ -236,7 +259,8 @@ def fail_fast_on_triton_exit(triton, description: str, log_file: str, log_note: 
                 except PyTritonClientTimeoutError:
                     server = _exited_tritonserver(triton)
                     if server is not None:
-                        raise ServerError(f"{description}: tritonserver exited while starting{log_note}"
+                        raise ServerError(f"{description}: tritonserver exited while starting"
+                                          f"{_exit_status(server)}{log_note}"
                                           f"{_exit_reason(server, log_file)}") from None
                     if remaining <= 1.0:
                         raise
@@ -245,6 +269,15 @@ def fail_fast_on_triton_exit(triton, description: str, log_file: str, log_note: 
         patched.append((module, original))
     try:
         yield
+    except ServerError:
+        raise
+    except Exception:
+        # a request to a tritonserver that died under it fails first (connection closed or refused)
+        server = _exited_tritonserver(triton, wait_s=5.0)
+        if server is None:
+            raise
+        raise ServerError(f"{description}: tritonserver exited while starting{_exit_status(server)}{log_note}"
+                          f"{_exit_reason(server, log_file)}") from None
     finally:
         for module, original in patched:
             module.wait_for_server_ready = original
@@ -301,6 +334,6 @@ def serve_forever(address: ServerAddress, bind, description: str, key: str, limi
                   flush=True)
             serve_until_stopped(triton, stop)
             if not stop.received:
+                server = getattr(triton, "_triton_server", None)
                 raise ServerError(f"{description} on {address.url}: Triton stopped serving without a stop signal "
-                                  f"(its process died){log_note}"
-                                  f"{_exit_reason(getattr(triton, '_triton_server', None), log_file)}")
+                                  f"(its process died){_exit_status(server)}{log_note}{_exit_reason(server, log_file)}")
