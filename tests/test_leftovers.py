@@ -19,6 +19,7 @@ def dirs(tmp_path, monkeypatch):
     monkeypatch.setattr(leftovers, "SHM_DIR", str(shm))
     monkeypatch.setattr(leftovers, "SYSTEM_TMP", str(tmp))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.setattr(leftovers, "tritonserver_running", lambda uid: False)  # other tests' servers
     return shm, tmp
 
 
@@ -76,6 +77,38 @@ def test_only_stale_leftovers_are_removed(dirs):
     assert {os.path.basename(p) for p in removed} == expected
     for name, path in made.items():
         assert path.exists() == (name not in expected), name
+
+
+def test_triton_environment_folders_stay_while_a_tritonserver_runs(dirs, monkeypatch):
+    """Nothing names a live server's python_env folder (it is only made and, at exit, removed): while any
+    tritonserver of this user runs, none is taken."""
+    _, tmp = dirs
+    env = tmp / "python_env_EEEEEE"
+    env.mkdir()
+    old = time.time() - 120
+    os.utime(env, (old, old))
+    monkeypatch.setattr(leftovers, "tritonserver_running", lambda uid: True)
+    assert leftovers.remove_stale() == [] and env.exists()
+    monkeypatch.setattr(leftovers, "tritonserver_running", lambda uid: False)
+    assert leftovers.remove_stale() == [str(env)] and not env.exists()
+
+
+def test_a_running_tritonserver_is_seen(tmp_path):
+    """A process whose name is tritonserver (a copy of sleep under that name) is found by its uid."""
+    import shutil
+
+    fake = tmp_path / "tritonserver"
+    shutil.copy(shutil.which("sleep"), fake)
+    assert not leftovers.tritonserver_running(os.getuid() + 12345)
+    proc = subprocess.Popen([str(fake), "30"])
+    try:
+        deadline = time.time() + 10
+        while not leftovers.tritonserver_running(os.getuid()) and time.time() < deadline:
+            time.sleep(0.05)
+        assert leftovers.tritonserver_running(os.getuid())
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_command_line_lists_without_removing(dirs):

@@ -10,7 +10,8 @@ by hand.
 
 Only this user's files are touched, and only those no running process has open, mapped, or names
 on its command line or as its directory; ``/dev/shm/psm_*`` and Triton's folders, whose names do
-not say who made them, must also be older than a minute (and ``python_env_*`` ones empty).
+not say who made them, must also be older than a minute. ``python_env_*`` folders, which nothing
+holds open while their server lives, go only when empty and while no tritonserver of this user runs.
 """
 
 from __future__ import annotations
@@ -87,19 +88,35 @@ def _is_empty_triton_env_folder(path: str) -> bool:
         return False
 
 
+def tritonserver_running(uid: int) -> bool:
+    """Whether a process of ``uid`` named tritonserver is alive on this node."""
+    for proc in glob.glob("/proc/[0-9]*"):
+        try:
+            if os.stat(proc).st_uid != uid:
+                continue
+            with open(os.path.join(proc, "comm"), encoding="utf-8", errors="replace") as f:
+                if f.read().strip() == "tritonserver":
+                    return True
+        except OSError:
+            pass
+    return False
+
+
 def stale_leftovers(tmp_dirs: Iterable[str] = (), now: float = None) -> List[str]:
     """The stale files and directories (see the module docstring)."""
     now = time.time() if now is None else now
     uid = os.getuid()
     used = paths_in_use()
     candidates = []
+    env_folders_free = not tritonserver_running(uid)
     for path in glob.glob(os.path.join(SHM_DIR, "pytrtion*")) + glob.glob(os.path.join(SHM_DIR, "psm_*")):
         candidates.append((path, os.path.basename(path).startswith("psm_")))
     for tmp in dict.fromkeys([*tmp_dirs, tempfile.gettempdir(), SYSTEM_TMP]):
         candidates += [(p, False) for p in glob.glob(os.path.join(tmp, "pytriton_*_*"))]
         candidates += [(p, True) for p in glob.glob(os.path.join(tmp, "folder??????")) if _is_triton_model_folder(p)]
-        candidates += [(p, True) for p in glob.glob(os.path.join(tmp, "python_env_??????"))
-                       if _is_empty_triton_env_folder(p)]
+        if env_folders_free:
+            candidates += [(p, True) for p in glob.glob(os.path.join(tmp, "python_env_??????"))
+                           if _is_empty_triton_env_folder(p)]
     stale = []
     for path, needs_age in candidates:
         try:
