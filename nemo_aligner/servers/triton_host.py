@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, Optional
 
 from nemo_aligner.servers.request_guard import ModelLimits, RequestGuard
-from nemo_aligner.utils.errors import ConfigError, ServerError
+from nemo_aligner.utils.errors import AlignerError, ConfigError, ServerError
 from nemo_aligner.utils.ports import check_bindable
 
 logger = logging.getLogger(__name__)
@@ -269,11 +269,11 @@ def fail_fast_on_triton_exit(triton, description: str, log_file: str, log_note: 
         patched.append((module, original))
     try:
         yield
-    except ServerError:
+    except AlignerError:  # ours, already one line (a bad model binding, the readiness wait above)
         raise
     except Exception:
-        # a request to a tritonserver that died under it fails first (connection closed or refused)
-        server = _exited_tritonserver(triton, wait_s=5.0)
+        # a request to a tritonserver that died under it fails as it goes (connection closed or refused)
+        server = _exited_tritonserver(triton, wait_s=1.0)
         if server is None:
             raise
         raise ServerError(f"{description}: tritonserver exited while starting{_exit_status(server)}{log_note}"
