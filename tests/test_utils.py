@@ -1,6 +1,9 @@
 """Launcher environment parsing, LR schedules, max_time, checkpoint naming, tokenizers, CPU clipping ops."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -297,6 +300,58 @@ def test_ports_bound_at_once_are_drawn_apart_from_ports_told_to_servers():
     told = {free_port() for _ in range(300)}
     at_once = {free_port(bound_at_once=True) for _ in range(300)}
     assert all(20000 <= p <= 27999 for p in told) and all(28000 <= p <= 32000 for p in at_once)
+
+
+def test_processes_drawing_ports_at_once_never_hand_out_the_same_port(tmp_path):
+    """Two processes (two launchers, two test workers) each draw 150 ports from the same 400 at once:
+    by chance ~56 would coincide; with the claim files none does."""
+    low = 24000
+    script = ("import sys; from nemo_aligner.utils import ports\n"
+              f"ports.REGISTRY_ROOT = {str(tmp_path)!r}; ports._TOLD = ({low}, {low + 399})\n"
+              "sys.stdin.readline()\n"  # both start drawing together
+              "print(' '.join(str(ports.free_port()) for _ in range(150)))\n")
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    for proc in procs:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    drawn = [set(map(int, proc.communicate(timeout=120)[0].split())) for proc in procs]
+    assert all(len(d) == 150 and all(low <= p < low + 400 for p in d) for d in drawn)
+    assert not drawn[0] & drawn[1]
+
+
+def test_port_claims_expire_and_a_fully_claimed_range_still_draws(tmp_path, monkeypatch):
+    """A claim older than ten minutes is void; where every port of the range is claimed, the claims are
+    passed over rather than drawing forever."""
+    import time
+
+    from nemo_aligner.utils import ports
+
+    low = next(p for p in range(25000, 27000, 3) if all(_bindable(q) for q in range(p, p + 3)))
+    monkeypatch.setattr(ports, "REGISTRY_ROOT", str(tmp_path))
+    monkeypatch.setattr(ports, "_TOLD", (low, low + 2))
+    monkeypatch.setattr(ports, "_handed_out", set())
+    monkeypatch.setattr(ports, "_CLAIM_TRIES", 50)
+    registry = tmp_path / f"nemo_aligner_ports_{os.getuid()}"
+    registry.mkdir(mode=0o700)
+    for port in (low, low + 1, low + 2):
+        (registry / str(port)).touch()
+    old = time.time() - 601
+    os.utime(registry / str(low + 2), (old, old))
+    assert ports.free_port() == low + 2  # the void claim taken over, the live ones left
+    assert time.time() - (registry / str(low + 2)).stat().st_mtime < 60
+    assert ports.free_port() in (low, low + 1)  # all claimed: passed over after _CLAIM_TRIES draws
+
+
+def _bindable(port):
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def test_nemo_keys_without_an_implementation_are_accepted_only_when_off():

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import errno
+import os
 import random
 import socket
-from typing import Dict
+import time
+from typing import Dict, Optional
 
 from nemo_aligner.utils.errors import ConfigError
 
@@ -22,11 +24,54 @@ _BOUND_AT_ONCE = (28000, 32000)
 # differ among themselves.
 _handed_out: set = set()
 _REMEMBERED = 4000
+# Ports handed out by this user's other processes on this machine (a file per port, made with
+# O_EXCL): two processes drawing at once (two launchers, two test workers) must not hand out the same
+# port either. A claim older than _CLAIM_TTL_S is void: its server has bound the port long since, or
+# never will.
+REGISTRY_ROOT = "/tmp"
+_CLAIM_TTL_S = 600.0
+_CLAIM_TRIES = 2000  # then the registry is passed over (a range all claimed within the TTL)
+
+
+def _registry() -> Optional[str]:
+    """This user's claim directory, or None where it cannot be had (read-only /tmp, another owner)."""
+    path = os.path.join(REGISTRY_ROOT, f"nemo_aligner_ports_{os.getuid()}")
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        if os.lstat(path).st_uid != os.getuid() or os.path.islink(path):
+            return None
+    except OSError:
+        return None
+    return path
+
+
+def _claim(port: int, registry: Optional[str]) -> bool:
+    """Claim ``port`` among this user's processes; False when another holds a live claim."""
+    if registry is None:
+        return True
+    path = os.path.join(registry, str(port))
+    for _ in range(2):
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            return True
+        except FileExistsError:
+            try:
+                if time.time() - os.stat(path).st_mtime < _CLAIM_TTL_S:
+                    return False
+                os.unlink(path)  # a void claim: take the port over
+            except FileNotFoundError:
+                pass
+            except OSError:
+                return False
+        except OSError:  # the directory went or filled up: this process's own memory still holds
+            return True
+    return False
 
 
 def free_port(bound_at_once: bool = False) -> int:
     """A port free on 127.0.0.1 now, none this process handed out before (it remembers up to 4000,
-    then starts afresh).
+    then starts afresh) and none another process of this user on this machine handed out in the last
+    10 minutes (a claim file per port under ``/tmp/nemo_aligner_ports_<uid>``).
 
     ``bound_at_once``: the port is bound within seconds by this process or one it starts now (drawn
     from 28000-32000); otherwise it is told to a process that may bind it much later, such as a
@@ -36,6 +81,7 @@ def free_port(bound_at_once: bool = False) -> int:
     drawing below the kernel's range keeps clear of those.
     """
     low, high = _BOUND_AT_ONCE if bound_at_once else _TOLD
+    registry, tries = _registry(), 0
     while True:
         port = _draws.randint(low, high)
         if port in _handed_out:
@@ -45,6 +91,9 @@ def free_port(bound_at_once: bool = False) -> int:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
+        tries += 1
+        if tries <= _CLAIM_TRIES and not _claim(port, registry):
+            continue
         if len(_handed_out) >= _REMEMBERED:
             _handed_out.clear()
         _handed_out.add(port)
