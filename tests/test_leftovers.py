@@ -99,16 +99,17 @@ def test_a_running_tritonserver_is_seen(tmp_path):
 
     fake = tmp_path / "tritonserver"
     shutil.copy(shutil.which("sleep"), fake)
-    assert not leftovers.tritonserver_running(os.getuid() + 12345)
     proc = subprocess.Popen([str(fake), "30"])
     try:
         deadline = time.time() + 10
-        while not leftovers.tritonserver_running(os.getuid()) and time.time() < deadline:
+        while proc.pid not in leftovers.tritonserver_pids(os.getuid()) and time.time() < deadline:
             time.sleep(0.05)
-        assert leftovers.tritonserver_running(os.getuid())
+        assert proc.pid in leftovers.tritonserver_pids(os.getuid())
+        assert proc.pid not in leftovers.tritonserver_pids(os.getuid() + 12345)
     finally:
         proc.kill()
         proc.wait()
+    assert proc.pid not in leftovers.tritonserver_pids(os.getuid())
 
 
 def test_command_line_lists_without_removing(dirs):

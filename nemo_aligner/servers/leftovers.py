@@ -88,18 +88,23 @@ def _is_empty_triton_env_folder(path: str) -> bool:
         return False
 
 
-def tritonserver_running(uid: int) -> bool:
-    """Whether a process of ``uid`` named tritonserver is alive on this node."""
+def tritonserver_pids(uid: int) -> List[int]:
+    """The processes of ``uid`` named tritonserver on this node."""
+    pids = []
     for proc in glob.glob("/proc/[0-9]*"):
         try:
             if os.stat(proc).st_uid != uid:
                 continue
             with open(os.path.join(proc, "comm"), encoding="utf-8", errors="replace") as f:
                 if f.read().strip() == "tritonserver":
-                    return True
+                    pids.append(int(os.path.basename(proc)))
         except OSError:
             pass
-    return False
+    return pids
+
+
+def tritonserver_running(uid: int) -> bool:
+    return bool(tritonserver_pids(uid))
 
 
 def stale_leftovers(tmp_dirs: Iterable[str] = (), now: float = None) -> List[str]:
