@@ -19,7 +19,7 @@ def dirs(tmp_path, monkeypatch):
     monkeypatch.setattr(leftovers, "SHM_DIR", str(shm))
     monkeypatch.setattr(leftovers, "SYSTEM_TMP", str(tmp))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
-    monkeypatch.setattr(leftovers, "tritonserver_running", lambda uid: False)  # other tests' servers
+    monkeypatch.setattr(leftovers, "tritonserver_pids", lambda uid: [])  # other tests' servers
     return shm, tmp
 
 
@@ -87,9 +87,9 @@ def test_triton_environment_folders_stay_while_a_tritonserver_runs(dirs, monkeyp
     env.mkdir()
     old = time.time() - 120
     os.utime(env, (old, old))
-    monkeypatch.setattr(leftovers, "tritonserver_running", lambda uid: True)
+    monkeypatch.setattr(leftovers, "tritonserver_pids", lambda uid: [12345])
     assert leftovers.remove_stale() == [] and env.exists()
-    monkeypatch.setattr(leftovers, "tritonserver_running", lambda uid: False)
+    monkeypatch.setattr(leftovers, "tritonserver_pids", lambda uid: [])
     assert leftovers.remove_stale() == [str(env)] and not env.exists()
 
 

@@ -314,6 +314,12 @@ def test_a_dead_triton_process_makes_the_server_exit_non_zero(tmp_path, rm_nemo_
     assert "Triton stopped serving without a stop signal (its process died)" in srv.text()
 
 
+def own_tritonservers():
+    """This process's live tritonserver children (in-process servers' Triton)."""
+    return [p for p in psutil.Process().children()
+            if "tritonserver" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE]
+
+
 def test_tritonserver_exiting_at_start_is_reported_at_once(monkeypatch, recwarn):
     """tritonserver exits while PyTriton waits for it to be ready (here: its gRPC port taken after the
     server checked it): one error quoting Triton's reason within seconds, not PyTriton's 120 s
@@ -341,8 +347,7 @@ def test_tritonserver_exiting_at_start_is_reported_at_once(monkeypatch, recwarn)
     assert f"127.0.0.1:{grpc}' already in use" in message, message
     time.sleep(0.5)
     # this process's own tritonserver (the other tests' servers run theirs under their own processes)
-    assert not [p for p in psutil.Process().children()
-                if "tritonserver" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE]
+    assert not own_tritonservers()
     assert not [str(w.message) for w in recwarn if "Could not clean workspace" in str(w.message)]
 
 
@@ -361,7 +366,7 @@ def test_tritonserver_dying_while_models_are_bound_is_one_error(monkeypatch, whe
     from nemo_aligner.utils.errors import ServerError
 
     def kill_tritonserver():
-        mine = [p for p in psutil.Process().children() if "tritonserver" in " ".join(p.cmdline())]
+        mine = own_tritonservers()
         assert len(mine) == 1
         os.kill(mine[0].pid, signal.SIGKILL)  # reaped by PyTriton's process handle, which reads its status
 
@@ -390,8 +395,7 @@ def test_tritonserver_dying_while_models_are_bound_is_one_error(monkeypatch, whe
     assert message.startswith("test server: tritonserver exited while starting (killed by signal 9)"), message
     assert "\n" not in message and "CudaDriverHelper" not in message
     time.sleep(0.5)
-    assert not [p for p in psutil.Process().children()
-                if "tritonserver" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE]
+    assert not own_tritonservers()
 
 
 def test_workspace_cleanup_warning_from_another_thread_is_not_shown(tmp_path, monkeypatch, recwarn):

@@ -103,17 +103,13 @@ def tritonserver_pids(uid: int) -> List[int]:
     return pids
 
 
-def tritonserver_running(uid: int) -> bool:
-    return bool(tritonserver_pids(uid))
-
-
 def stale_leftovers(tmp_dirs: Iterable[str] = (), now: float = None) -> List[str]:
     """The stale files and directories (see the module docstring)."""
     now = time.time() if now is None else now
     uid = os.getuid()
     used = paths_in_use()
     candidates = []
-    env_folders_free = not tritonserver_running(uid)
+    env_folders_free = not tritonserver_pids(uid)
     for path in glob.glob(os.path.join(SHM_DIR, "pytrtion*")) + glob.glob(os.path.join(SHM_DIR, "psm_*")):
         candidates.append((path, os.path.basename(path).startswith("psm_")))
     for tmp in dict.fromkeys([*tmp_dirs, tempfile.gettempdir(), SYSTEM_TMP]):

@@ -231,6 +231,11 @@ def _exit_status(server) -> str:
     return f" (killed by signal {-code})" if code < 0 else f" (exit status {code})"
 
 
+def _exit_details(server, log_file: str, log_note: str) -> str:
+    """An exited tritonserver's status, where its log is kept, and its error lines, for one message."""
+    return f"{_exit_status(server)}{log_note}{_exit_reason(server, log_file)}"
+
+
 @contextmanager
 def fail_fast_on_triton_exit(triton, description: str, log_file: str, log_note: str = "") -> Iterator[None]:
     """While ``Triton`` starts and binds models: a tritonserver that exits (a bad option, a missing
@@ -260,8 +265,7 @@ def fail_fast_on_triton_exit(triton, description: str, log_file: str, log_note: 
                     server = _exited_tritonserver(triton)
                     if server is not None:
                         raise ServerError(f"{description}: tritonserver exited while starting"
-                                          f"{_exit_status(server)}{log_note}"
-                                          f"{_exit_reason(server, log_file)}") from None
+                                          f"{_exit_details(server, log_file, log_note)}") from None
                     if remaining <= 1.0:
                         raise
 
@@ -276,8 +280,8 @@ def fail_fast_on_triton_exit(triton, description: str, log_file: str, log_note: 
         server = _exited_tritonserver(triton, wait_s=1.0)
         if server is None:
             raise
-        raise ServerError(f"{description}: tritonserver exited while starting{_exit_status(server)}{log_note}"
-                          f"{_exit_reason(server, log_file)}") from None
+        raise ServerError(f"{description}: tritonserver exited while starting"
+                          f"{_exit_details(server, log_file, log_note)}") from None
     finally:
         for module, original in patched:
             module.wait_for_server_ready = original
@@ -334,6 +338,6 @@ def serve_forever(address: ServerAddress, bind, description: str, key: str, limi
                   flush=True)
             serve_until_stopped(triton, stop)
             if not stop.received:
-                server = getattr(triton, "_triton_server", None)
                 raise ServerError(f"{description} on {address.url}: Triton stopped serving without a stop signal "
-                                  f"(its process died){_exit_status(server)}{log_note}{_exit_reason(server, log_file)}")
+                                  f"(its process died)"
+                                  f"{_exit_details(getattr(triton, '_triton_server', None), log_file, log_note)}")

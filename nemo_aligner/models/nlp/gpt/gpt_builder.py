@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from nemo_aligner.utils.config_checks import check_config_values, precision_name
 from nemo_aligner.utils.errors import ConfigError
-from nemo_aligner.utils.model_config import check_architecture_values
+from nemo_aligner.utils.model_config import check_architecture_values, sequence_parallel_on
 
 logger = logging.getLogger(__name__)
 
@@ -307,7 +307,7 @@ def transformer_config_from_cfg(cfg, precision="32"):
                               "learned positions end at the table; lower the sequence length")
     tp = int(_get(cfg, "tensor_model_parallel_size", 1))
     pp = int(_get(cfg, "pipeline_model_parallel_size", 1))
-    sequence_parallel = bool(_get(cfg, "sequence_parallel", False)) and tp > 1  # NeMo's rule: none at TP=1
+    sequence_parallel = sequence_parallel_on(cfg)  # NeMo's rule: none at TP=1
     if sequence_parallel and not torch.cuda.is_available():
         raise ConfigError(
             "model.sequence_parallel=True needs Transformer Engine on a GPU; set model.sequence_parallel=False on CPU"
