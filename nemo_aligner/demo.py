@@ -34,6 +34,15 @@ def remove_stage_dir(path: str) -> None:
         remove_dir_atomically(path)
 
 
+def tiny_optim(lr: float, min_lr: float, warmup_steps: int) -> list:
+    """The optimizer settings of a built-in tiny-model stage. The scripts' defaults are NeMo-Aligner's,
+    for pretrained billion-parameter models (SFT at lr 3e-5, actors at 9e-7): a 2-layer model trained
+    from scratch in a few hundred steps needs rates 10-30x higher and a cosine over the whole run."""
+    return [f"model.optim.lr={lr}", f"model.optim.sched.min_lr={min_lr}",
+            f"model.optim.sched.warmup_steps={warmup_steps}", "model.optim.sched.constant_steps=0",
+            "model.optim.weight_decay=0.01"]
+
+
 def run(script: str, overrides: list) -> None:
     cmd = [sys.executable, os.path.join(SCRIPTS, script)] + overrides
     print("\n$ " + " ".join(cmd[1:]), flush=True)
@@ -104,6 +113,7 @@ def sft_stage(out: str, paths: dict, name: str, steps: int, overrides: Sequence[
         f"trainer.sft.val_check_interval={max(steps // 6, 1)}",
         f"exp_manager.explicit_log_dir={sft_dir}",
         "exp_manager.resume_if_exists=False",
+        *tiny_optim(1e-3, 1e-4, 10),
         *overrides,
     ])
     rows = loss_table(os.path.join(sft_dir, "metrics.jsonl"))
@@ -278,6 +288,7 @@ def rloo_stage(out: str, paths: dict, sft_nemo: str, steps: int) -> None:
         "model.global_batch_size=64", "model.micro_batch_size=64", "model.reinforce.rollout_micro_batch_size=128",
         "model.reinforce.num_val_samples=200", "model.reinforce.length_params.max_length=9",
         "model.optim.lr=1.5e-4", *(f"{key}={value}" for key, value in COSINE_TO_1E_5.items()),
+        "model.optim.weight_decay=0.01",
         f"exp_manager.explicit_log_dir={rloo_dir}", "exp_manager.resume_if_exists=False",
     ])
 
@@ -292,7 +303,7 @@ def dpo_stage(out: str, paths: dict, sft_nemo: str, steps: int) -> None:
         f"++model.data.data_prefix={{train: [{paths['dpo_train']}], validation: [{paths['dpo_val']}]}}",
         f"trainer.dpo.max_steps={steps}", "trainer.dpo.max_epochs=100",
         f"trainer.dpo.val_check_interval={max(steps // 3, 1)}", "model.dpo.ref_policy_kl_penalty=0.2",
-        "model.dpo.sft_loss_weight=1.0", "model.optim.lr=2e-4", f"exp_manager.explicit_log_dir={dpo_dir}",
+        "model.dpo.sft_loss_weight=1.0", *tiny_optim(2e-4, 1e-5, 5), f"exp_manager.explicit_log_dir={dpo_dir}",
         "exp_manager.resume_if_exists=False",
     ])
     print("\nDPO (policy from the SFT model, reference = the SFT model), held-out pairs:")
@@ -314,7 +325,7 @@ def ppo_stage(out: str, paths: dict, sft_nemo: str, rm_nemo: str, steps: int) ->
     code = run_ppo(
         [f"pretrained_checkpoint.restore_from_path={rm_nemo}", f"exp_manager.explicit_log_dir={critic_dir}",
          "model.global_batch_size=64", "model.micro_batch_size=64", "trainer.ppo.max_batch_size=128",
-         "model.optim.lr=3e-4", "exp_manager.resume_if_exists=False"],
+         *tiny_optim(3e-4, 1e-5, 5), "exp_manager.resume_if_exists=False"],
         [f"pretrained_checkpoint.restore_from_path={sft_nemo}",
          f"++model.data.data_prefix={{train: [{paths['prompts_train']}], validation: [{paths['prompts_val']}]}}",
          f"exp_manager.explicit_log_dir={actor_dir}", "exp_manager.resume_if_exists=False",
@@ -322,7 +333,7 @@ def ppo_stage(out: str, paths: dict, sft_nemo: str, rm_nemo: str, steps: int) ->
          f"trainer.ppo.val_check_interval={max(steps // 4, 1)}", "trainer.ppo.save_interval=0",
          "model.ppo.num_rollout_samples=128", "model.global_batch_size=64", "model.micro_batch_size=64",
          "model.ppo.rollout_micro_batch_size=128", "model.ppo.num_val_samples=64",
-         "model.ppo.length_params.max_length=12", "model.optim.lr=1e-4", "trainer.ppo.critic_warmup_steps=3"],
+         "model.ppo.length_params.max_length=12", *tiny_optim(1e-4, 1e-6, 0), "trainer.ppo.critic_warmup_steps=3"],
         critic_log=os.path.join(out, "ppo_critic_server.log"))
     if code != 0:
         raise SystemExit(f"PPO failed (status {code}); critic log: {os.path.join(out, 'ppo_critic_server.log')}")
@@ -377,7 +388,7 @@ def reward_model_stage(out: str, backbone_nemo: str, rm_train: str, rm_val: str,
         f"++model.data.data_prefix={{train: [{rm_train}], validation: [{rm_val}]}}",
         f"trainer.rm.max_steps={steps}", "trainer.rm.max_epochs=100",
         f"model.micro_batch_size={batch}", f"model.global_batch_size={batch}",
-        f"trainer.rm.val_check_interval={max(steps // 4, 1)}",
+        f"trainer.rm.val_check_interval={max(steps // 4, 1)}", *tiny_optim(3e-4, 3e-5, 10),
         f"exp_manager.explicit_log_dir={rm_dir}", "exp_manager.resume_if_exists=False",
     ])
     print("\nReward model (regression on 4 x the task's score), held-out mean squared error:")

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from nemo_aligner.demo import tiny_optim  # noqa: F401 (the tests' tiny-model optimizer settings)
 from nemo_aligner.utils.ports import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -226,7 +227,7 @@ def rm_overrides(data, log_dir, steps, extra=()):
         "++model.data.data_impl=jsonl",
         f"++model.data.data_prefix={{train: [{data['rm_train']}], validation: [{data['rm_val']}], test: [{data['rm_val']}]}}",
         f"exp_manager.explicit_log_dir={log_dir}", f"trainer.rm.max_steps={steps}", "trainer.rm.max_epochs=100",
-        *extra,
+        *tiny_optim(3e-4, 3e-5, 10), *extra,
     ]
 
 
@@ -239,7 +240,8 @@ def train_builtin_sft(out, n_train: int, steps: int):
     run_script("train_gpt_sft.py", [
         f"model.data.train_ds.file_path={data['sft_train']}", f"model.data.validation_ds.file_path={data['sft_val']}",
         f"exp_manager.explicit_log_dir={out / 'run'}", f"trainer.sft.max_steps={steps}", "trainer.sft.max_epochs=100",
-        f"trainer.sft.val_check_interval={steps}", "exp_manager.create_checkpoint_callback=True"])
+        f"trainer.sft.val_check_interval={steps}", "exp_manager.create_checkpoint_callback=True",
+        *tiny_optim(1e-3, 1e-4, 10)])
     return str(out / "run" / "checkpoints" / "megatron_gpt_sft.nemo"), data
 
 
@@ -274,7 +276,7 @@ def train_steerlm(out, sft_model: str):
         f"model.restore_from_path={sft_model}", f"model.data.train_ds.file_path={data['steerlm_train']}",
         f"model.data.validation_ds.file_path={data['steerlm_val']}", f"exp_manager.explicit_log_dir={out / 'run'}",
         "trainer.sft.max_steps=200", "trainer.sft.max_epochs=100", "trainer.sft.val_check_interval=200",
-        "model.optim.lr=1e-3", "exp_manager.create_checkpoint_callback=True"])
+        *tiny_optim(1e-3, 1e-4, 10), "exp_manager.create_checkpoint_callback=True"])
     return str(out / "run" / "checkpoints" / "megatron_gpt_steerlm.nemo"), data
 
 
@@ -292,7 +294,7 @@ def train_regression_rm(out, data, sft_model: str, steps: int = 300):
         f"exp_manager.explicit_log_dir={out}", f"trainer.rm.max_steps={steps}", "trainer.rm.max_epochs=100",
         f"trainer.rm.val_check_interval={steps}", f"pretrained_checkpoint.restore_from_path={sft_model}",
         "model.reward_model_type=regression", "model.regression.num_attributes=2",
-        "model.regression.attribute_names=[quality,verbosity]"])
+        "model.regression.attribute_names=[quality,verbosity]", *tiny_optim(3e-4, 3e-5, 10)])
     return str(out)
 
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from conftest import REPO, subprocess_env
+from conftest import REPO, read_metrics, subprocess_env
 from nemo_aligner.utils.errors import AlignerError, ConfigError
 
 
@@ -97,6 +97,8 @@ def test_dpo_trainer_and_registry(weak_sft):
     result = trainer.fit(dataset=pairs, max_steps=10)
     assert result.total_steps == 10 and result.metrics["final_val_loss"] < 0.69  # below log 2: learned something
     assert trainer.config["dpo"]["beta"] == 0.2
+    # the API's schedule: the learning_rate given, from the first step to the last
+    assert [r["train/lr"] for r in read_metrics(str(out / "dpo" / "fit_1")) if "train/lr" in r] == [2e-4] * 10
 
 
 def test_errors_are_clear(weak_sft, tmp_path):
@@ -276,8 +278,10 @@ def test_from_pretrained_imports_a_hugging_face_directory(tmp_path, mcore_single
     tiny_hf("gpt2", True).save_pretrained(tmp_path / "other" / "hf_llama")
     other = SFTTrainer.from_pretrained(str(tmp_path / "other" / "hf_llama"), output_dir=str(tmp_path / "out"))
     assert other.model_path != path and read_model_config(other.model_path).normalization == "layernorm"
-    result = trainer.fit(dataset=[{"input": "reverse ab =", "output": "ba"}] * 64, max_steps=2)
-    assert result.total_steps == 2 and os.path.isfile(result.model_path)
+    # the default learning_rate (2e-5), constant past the scripts' warm-up and under their min_lr
+    result = trainer.fit(dataset=[{"input": "reverse ab =", "output": "ba"}] * 64, max_steps=12)
+    assert result.total_steps == 12 and os.path.isfile(result.model_path)
+    assert [r["train/lr"] for r in read_metrics(str(tmp_path / "out" / "fit_1")) if "train/lr" in r] == [2e-5] * 12
 
 
 def test_api_arguments_are_checked_before_anything_runs(weak_sft, tmp_path):

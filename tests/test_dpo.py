@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_script, tiny_optim
 from nemo_aligner.data.nlp.dpo_dataset import DPOPairDataset, collate_dpo, render_chat_prompt
 from nemo_aligner.utils.errors import DataError
 from nemo_aligner.utils.preference_losses import preference_loss, preference_objective, sequence_logps
@@ -141,7 +141,7 @@ def test_dpo_learns_preferences_and_keeps_the_reference(tmp_path, sft_nemo, seed
         f"++model.data.data_prefix={{train: [{data['dpo_train']}], validation: [{data['dpo_val']}]}}",
         f"exp_manager.explicit_log_dir={log_dir}", "trainer.dpo.max_steps=60", "trainer.dpo.max_epochs=100",
         "trainer.dpo.val_check_interval=30", "model.dpo.ref_policy_kl_penalty=0.2",
-        "model.optim.lr=2e-4", f"model.seed={seed}"])
+        *tiny_optim(2e-4, 1e-5, 5), f"model.seed={seed}"])
     val = [r for r in read_metrics(log_dir) if "val/accuracy" in r]
     print(f"DPO seed {seed}: " + ", ".join(f"step {r['step']}: accuracy {r['val/accuracy']:.3f}, margin "
                                            f"{r['val/reward_margin']:.3f}" for r in val))

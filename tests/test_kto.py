@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_script, tiny_optim
+
 from nemo_aligner.data.nlp.kto_dataset import KTODataset, collate_kto
 from nemo_aligner.utils.errors import DataError
 from nemo_aligner.utils.preference_losses import kto_loss, sequence_logps
@@ -110,7 +111,8 @@ def test_kto_separates_desirable_from_undesirable(tmp_path, sft_nemo, seed):
         f"pretrained_checkpoint.restore_from_path={sft_nemo}",
         f"++model.data.data_prefix={{train: [{data['kto_train']}], validation: [{data['kto_val']}]}}",
         f"exp_manager.explicit_log_dir={log_dir}", "trainer.kto.max_steps=60", "trainer.kto.max_epochs=100",
-        "trainer.kto.val_check_interval=30", "model.optim.lr=2e-4", f"model.seed={seed}"])
+        "trainer.kto.val_check_interval=30", *tiny_optim(2e-4, 1e-5, 5), "model.kto.ref_policy_kl_penalty=0.1",
+        f"model.seed={seed}"])
     metrics = read_metrics(log_dir)
     val = [r for r in metrics if "val/reward_margin" in r]
     first_train = next(r for r in metrics if "train/reward_margin" in r)

@@ -16,7 +16,7 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from conftest import TINY_ARCH, forward_logits, read_metrics, run_script, train_losses, val_losses
+from conftest import TINY_ARCH, forward_logits, read_metrics, run_script, tiny_optim, train_losses, val_losses
 
 LORA = ["model.peft.peft_scheme=lora", "model.peft.lora_tuning.adapter_dim=8", "model.peft.lora_tuning.alpha=16",
         "model.peft.lora_tuning.target_modules=[all]", "model.peft.lora_tuning.row_init_method=normal"]
@@ -503,7 +503,7 @@ def test_lora_ppo_actor_and_critic(tmp_path, task_data, quick_rm, quick_sft):
              "trainer.ppo.max_steps=2", "trainer.ppo.max_epochs=100", "model.ppo.num_rollout_samples=16",
              "model.global_batch_size=16", "model.micro_batch_size=8", "model.ppo.rollout_micro_batch_size=16",
              "model.ppo.length_params.max_length=9", "model.ppo.num_val_samples=16", "trainer.ppo.save_interval=2",
-             "model.optim.lr=1e-3", "model.peft.peft_scheme=lora"]
+             *tiny_optim(1e-3, 1e-6, 0), "model.peft.peft_scheme=lora"]
     proc = subprocess.run([sys.executable, "-m", "nemo_aligner.launchers.ppo_local", "--critic-log",
                            str(tmp_path / "critic.log"), "--critic", *critic, "--actor", *actor],
                           env=subprocess_env(), capture_output=True, text=True, timeout=600)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import SCRIPTS, free_port, read_metrics, run_script, subprocess_env
+from conftest import SCRIPTS, free_port, read_metrics, run_script, subprocess_env, tiny_optim
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def weak_sft_nemo(tmp_path_factory, task_data):
         f"model.data.train_ds.file_path={task_data['sft_train']}",
         f"model.data.validation_ds.file_path={task_data['sft_val']}",
         f"exp_manager.explicit_log_dir={out}", "trainer.sft.max_steps=120", "trainer.sft.max_epochs=100",
-        "trainer.sft.val_check_interval=120"])
+        "trainer.sft.val_check_interval=120", *tiny_optim(1e-3, 1e-4, 10)])
     return str(out / "checkpoints" / "megatron_gpt_sft.nemo")
 
 
@@ -30,7 +30,7 @@ def actor_overrides(data, actor_nemo, log_dir, steps, extra=()):
             f"exp_manager.explicit_log_dir={log_dir}", f"trainer.ppo.max_steps={steps}", "trainer.ppo.max_epochs=100",
             "model.ppo.num_rollout_samples=32", "model.global_batch_size=16", "model.micro_batch_size=8",
             "model.ppo.rollout_micro_batch_size=16", "model.ppo.length_params.max_length=12",
-            "model.ppo.num_val_samples=32", *extra]
+            "model.ppo.num_val_samples=32", *tiny_optim(1e-5, 1e-6, 0), *extra]
 
 
 def launch(critic, actor, timeout=900, critic_log=None):
@@ -93,7 +93,7 @@ def test_reward_rises_on_the_builtin_task(tmp_path, task_data, reward_model, wea
     model is exploitable, so the task's own score does not rise with it (see docs/ppo.md); this test
     checks that PPO optimises the reward it is given (the 300-step reward model of ``reward_model``)."""
     critic = [f"pretrained_checkpoint.restore_from_path={reward_model[0]}", f"exp_manager.explicit_log_dir={tmp_path / 'c'}",
-              "model.optim.lr=3e-4", "model.global_batch_size=64"]
+              *tiny_optim(3e-4, 1e-5, 5), "model.global_batch_size=64"]
     actor = actor_overrides(task_data, weak_sft_nemo, tmp_path / "a", 30, [
         "trainer.ppo.val_check_interval=15", "trainer.ppo.save_interval=0", "model.optim.lr=5e-5",
         "trainer.ppo.critic_warmup_steps=3", "model.ppo.num_rollout_samples=128", "model.global_batch_size=64",

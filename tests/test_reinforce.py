@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_script, tiny_optim
 from nemo_aligner.algorithms.reinforce import group_advantages
 from nemo_aligner.utils.errors import AlignerError, ConfigError
 from nemo_aligner.environments.reward_sources import FunctionRewardSource, load_reward_fn
@@ -128,7 +128,7 @@ def test_rloo_raises_the_task_reward(tmp_path, weak_policy, seed):
         "model.reinforce.num_rollout_samples=32", "model.reinforce.num_responses_per_prompt=4",
         "model.global_batch_size=64", "model.micro_batch_size=16", "model.reinforce.rollout_micro_batch_size=32",
         "model.reinforce.num_val_samples=64", "model.reinforce.length_params.max_length=9",
-        "model.optim.lr=5e-5", "model.optim.sched.name=Constant", f"model.seed={seed}"])
+        *tiny_optim(5e-5, 5e-5, 0), "model.optim.sched.name=Constant", f"model.seed={seed}"])
     metrics = read_metrics(log_dir)
     rewards = [r["train/rewards"] for r in metrics if "train/rewards" in r]
     val = {r["step"]: r["val/global_rewards"] for r in metrics if "val/global_rewards" in r}

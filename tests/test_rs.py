@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_script, tiny_optim
 from nemo_aligner.utils.ppo_utils import select_top_n
 
 
@@ -102,7 +102,7 @@ def test_rejection_sampling_raises_the_task_score(tmp_path, weak_policy, seed):
         "model.rs.num_rollout_samples=32", "model.rs.num_rollouts_per_prompt=4", "model.rs.top_n_rollouts=1",
         "model.global_batch_size=32", "model.micro_batch_size=16", "model.rs.rollout_micro_batch_size=32",
         "model.rs.num_val_samples=64", "model.rs.length_params.max_length=9",
-        "model.optim.lr=5e-5", "model.optim.sched.name=Constant", f"model.seed={seed}"])
+        *tiny_optim(5e-5, 5e-5, 0), "model.optim.sched.name=Constant", f"model.seed={seed}"])
     metrics = read_metrics(log_dir)
     rewards = [r["train/rewards"] for r in metrics if "train/rewards" in r]
     kept = [r["train/selected_rewards"] for r in metrics if "train/selected_rewards" in r]

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from conftest import SCRIPTS, read_metrics, run_as_slurm_tasks, run_script, train_losses, val_losses
+from conftest import SCRIPTS, read_metrics, run_as_slurm_tasks, run_script, tiny_optim, train_losses, val_losses
 
 SMALL = ["model.encoder_seq_length=32", "model.data.train_ds.micro_batch_size=4",
          "model.data.train_ds.global_batch_size=16"]
@@ -21,6 +21,7 @@ def sft_overrides(data, log_dir, steps, extra=()):
         f"exp_manager.explicit_log_dir={log_dir}",
         f"trainer.sft.max_steps={steps}",
         "trainer.sft.max_epochs=1000",
+        *tiny_optim(1e-3, 1e-4, 10),
         *extra,
     ]
 
@@ -155,7 +156,7 @@ def test_sft_chat_format(tmp_path, builtin_data):
         f"model.data.validation_ds.file_path={builtin_data['chat_val']}",
         f"exp_manager.explicit_log_dir={log_dir}", "model.data.chat=True",
         "trainer.sft.max_steps=40", "trainer.sft.max_epochs=100", "trainer.sft.val_check_interval=20",
-        "model.optim.sched.warmup_steps=2", *SMALL, "model.encoder_seq_length=64"])
+        *tiny_optim(1e-3, 1e-4, 2), *SMALL, "model.encoder_seq_length=64"])
     val = val_losses(log_dir)
     assert 0.0 < val[40] < val[20] < 3.0, val
     assert next(r for r in read_metrics(log_dir) if "val/tokens" in r)["val/tokens"] > 64 * 4

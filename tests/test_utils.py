@@ -85,27 +85,73 @@ def test_checkpoint_name_like_lightning():
     assert callback.monitor_value({"val_global_rewards": 0.25}) == 0.25
 
 
-def test_cosine_schedule_matches_nemo_shape():
-    """Linear warm-up to lr, cosine to min_lr at max_steps - constant_steps, then min_lr."""
+def _nemo_cosine_annealing(step, lr, min_lr, warmup, constant, max_steps):
+    """NeMo's CosineAnnealing (nemo/core/optim/lr_scheduler.py, WarmupAnnealHoldPolicy.get_lr) at ``step``
+    (scheduler steps taken before the optimizer step), written out from its source."""
+    import math
+
+    decay = max_steps - (constant + warmup)
+
+    def megatron_style(step):  # _linear_warmup_with_cosine_annealing
+        if warmup > 0 and step <= warmup:
+            return lr * step / warmup
+        if step > warmup + decay:
+            return min_lr
+        return min_lr + 0.5 * (math.cos(math.pi * (step - warmup) / decay) + 1.0) * (lr - min_lr)
+
+    if 0 < warmup >= step:
+        return megatron_style(step) if constant else lr * (step + 1) / (warmup + 1)
+    if constant > 0 and warmup + decay < step <= max_steps:
+        return megatron_style(step)
+    if step > max_steps:
+        return min_lr
+    if constant:
+        return megatron_style(step)
+    return (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (max_steps - warmup))) + min_lr
+
+
+@pytest.mark.parametrize("warmup,constant,max_steps", [
+    (4, 0, 14),     # warm-up from lr / (warmup + 1), cosine to max_steps
+    (4, 2, 14),     # NeMo-Aligner's shape: warm-up from 0, cosine to max_steps - constant_steps, then min_lr
+    (0, 3, 10),
+    (3, 20, 12),    # a run shorter than warmup + constant_steps: min_lr right after the warm-up
+    (10, 1000, 6),  # ends within the warm-up
+])
+def test_cosine_schedule_matches_nemo(warmup, constant, max_steps, caplog):
+    """Each step's LR is NeMo's CosineAnnealing's for the same keys (NeMo-Aligner's defaults:
+    warmup_steps 10, constant_steps 1000)."""
     from omegaconf import OmegaConf
 
     from nemo_aligner.utils.optim import build_scheduler
 
     param = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([param], lr=1.0)
-    cfg = OmegaConf.create({"lr": 1.0, "sched": {"name": "CosineAnnealing", "warmup_steps": 4,
-                                                   "constant_steps": 2, "min_lr": 0.1}})
-    sched = build_scheduler(opt, cfg, max_steps=14)
+    cfg = OmegaConf.create({"lr": 1.0, "sched": {"name": "CosineAnnealing", "warmup_steps": warmup,
+                                                   "constant_steps": constant, "min_lr": 0.1}})
+    with caplog.at_level("WARNING"):
+        sched = build_scheduler(opt, cfg, max_steps=max_steps)
     lrs = []
-    for _ in range(15):
+    for _ in range(max_steps):
         lrs.append(opt.param_groups[0]["lr"])
         sched.step(1)
-    assert lrs[:5] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])  # NeMo: lr * (step + 1) / (warmup + 1)
-    import math
+    expected = [_nemo_cosine_annealing(s, 1.0, 0.1, warmup, constant, max_steps) for s in range(max_steps)]
+    assert lrs == pytest.approx(expected)
+    held = "after warm-up the LR stays at min_lr=0.1, as NeMo's CosineAnnealing does" in caplog.text
+    assert held == (max_steps > warmup and max_steps - constant <= warmup and constant > 0)
+    if (warmup, constant) == (4, 2):  # by hand: 0, lr/4, ..., then cosine over 8 steps, then min_lr
+        assert lrs[:5] == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0])
+        assert lrs[8] == pytest.approx(0.1 + 0.9 * 0.5)
+        assert lrs[12:] == pytest.approx([0.1, 0.1])
+    if (warmup, constant) == (4, 0):
+        assert lrs[:5] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])
 
-    mid = 4 + (12 - 4) / 2  # half-way through the decay
-    assert lrs[int(mid)] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
-    assert lrs[12:] == pytest.approx([0.1, 0.1, 0.1])
+
+def test_schedule_constant_and_refusals():
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.utils.optim import build_scheduler
+
+    param = torch.nn.Parameter(torch.zeros(1))
     constant = build_scheduler(torch.optim.SGD([param], lr=1.0), OmegaConf.create({"lr": 0.5}), max_steps=3)
     assert constant.get_lr({"lr_mult": 1.0}) == 0.5
     from nemo_aligner.utils.errors import ConfigError
@@ -478,6 +524,37 @@ def test_nemo_aligner_tutorial_values_are_accepted(caplog):
         check_keys(cfg, "gpt_knowledge_distillation", [])
     assert "model.data.chunk_count is not read by nemo-aligner" in caplog.text
     assert "n_examples_per_chunk" not in caplog.text
+
+
+# NeMo-Aligner's shipped values (examples/nlp/gpt/conf/<name>.yaml): lr, weight_decay, warmup_steps,
+# constant_steps, min_lr (gpt_grpo, this project's own, takes the actors').
+ALIGNER_OPTIM = {
+    "gpt_sft": (3e-5, 0.01, 10, 1000, 9e-7), "training_rm": (9e-6, 0.1, 10, 1000, 9e-7),
+    "gpt_dpo": (9e-6, 0.1, 10, 1000, 9e-7), "gpt_kto": (9e-6, 0.1, 10, 1000, 9e-7),
+    "gpt_spin": (9e-6, 0.1, 10, 1000, 9e-7), "gpt_knowledge_distillation": (3e-5, 0.01, 10, 1000, 9e-7),
+    "gpt_ppo_critic": (9e-6, 0.1, 10, 1000, 9e-7), "gpt_ppo_actor": (9e-7, 0.1, 10, 1000, 9e-8),
+    "gpt_reinforce_actor": (9e-7, 0.1, 10, 1000, 9e-8), "gpt_rs_actor": (9e-7, 0.1, 10, 1000, 9e-8),
+    "gpt_grpo": (9e-7, 0.1, 10, 1000, 9e-8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALIGNER_OPTIM))
+def test_optimizer_defaults_are_nemo_aligners(name):
+    """The scripts' optimizer defaults are NeMo-Aligner's, and the learning rates its tutorials set alone
+    (SFT 5e-6, CAI's SFT 1e-6, distillation 1e-5, SteerLM's reward model 2e-6) build a schedule."""
+    from nemo_aligner.utils.config_keys import load_shipped
+    from nemo_aligner.utils.optim import build_scheduler
+
+    optim = load_shipped(name).model.optim
+    assert (float(optim.lr), float(optim.weight_decay), optim.sched.warmup_steps, optim.sched.constant_steps,
+            float(optim.sched.min_lr)) == ALIGNER_OPTIM[name]
+    if name == "gpt_kto":
+        assert load_shipped(name).model.kto.ref_policy_kl_penalty == 0.2
+    param = torch.nn.Parameter(torch.zeros(1))
+    for lr in {"gpt_sft": (5e-6, 1e-6), "gpt_knowledge_distillation": (1e-5,), "training_rm": (2e-6,)}.get(name, ()):
+        optim.lr = lr
+        sched = build_scheduler(torch.optim.SGD([param], lr=1.0), optim, max_steps=2000)
+        assert sched.max_lr == lr and sched.min_lr == 9e-7
 
 
 def test_a_layer_spec_name_counts_only_in_megatron_core_checkpoints():

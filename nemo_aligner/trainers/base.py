@@ -187,7 +187,11 @@ class BaseTrainer:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         values = {"trainer.devices": world, "trainer.num_nodes": 1,
                   "exp_manager.explicit_log_dir": run_dir, "exp_manager.resume_if_exists": False,
-                  "exp_manager.create_wandb_logger": bool(self._config.get("use_wandb", False))}
+                  "exp_manager.create_wandb_logger": bool(self._config.get("use_wandb", False)),
+                  # the API's optimizer (not the scripts' NeMo-Aligner schedules): AdamW at a constant
+                  # learning_rate from the first step; overrides={"model.optim.sched.name": ...} for others
+                  "model.optim.sched.name": "Constant", "model.optim.sched.warmup_steps": 0,
+                  "model.optim.weight_decay": 0.01}
         if self._config.get("precision") is not None:
             values["trainer.precision"] = self._config["precision"]
         values.update(self._config.get("overrides") or {})

@@ -71,7 +71,6 @@ class RolloutTrainer(BaseTrainer):
             "model.tensor_model_parallel_size": int((policy.get("dtensor_cfg") or {}).get("tensor_parallel_size", 1)),
             "model.pipeline_model_parallel_size": int(section.get("pipeline_parallel_size", 1)),
             "model.optim.lr": float(policy.get("learning_rate", 1e-6)),
-            "model.optim.sched.name": "Constant",
             f"model.{name}.num_rollout_samples": prompts,
             f"model.{name}.{responses_key}": responses,
             f"model.{name}.num_val_samples": len(val),

@@ -50,7 +50,6 @@ class SelfPlayTrainer(BaseTrainer):
             "model.micro_batch_size": int(spin.get("micro_batch_size", min(batch, 8))),
             "model.encoder_seq_length": int(policy.get("max_total_sequence_length", 512)),
             "model.optim.lr": float(policy.get("learning_rate", 1e-5)),
-            "model.optim.sched.name": "Constant",
             "model.spin.ref_policy_kl_penalty": list(beta) if isinstance(beta, (list, tuple)) else beta,
             "model.spin.rollout_micro_batch_size": int(spin.get("rollout_micro_batch_size", batch)),
             "model.spin.length_params.max_length": int(spin.get("max_new_tokens", 128)),

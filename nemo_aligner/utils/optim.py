@@ -113,9 +113,11 @@ def build_optimizer(optim_cfg, model_chunks, dtype: torch.dtype, clip_grad: floa
 def build_scheduler(optimizer, optim_cfg, max_steps: int):
     """NeMo's schedules on megatron-core's ``OptimizerParamScheduler``.
 
-    ``CosineAnnealing``: linear warm-up over ``warmup_steps`` (from ``lr / (warmup_steps + 1)``, as
-    NeMo), cosine decay to
-    ``min_lr`` until ``max_steps - constant_steps``, then ``min_lr``.
+    ``CosineAnnealing``: linear warm-up over ``warmup_steps``, cosine decay to ``min_lr`` until
+    ``max_steps - constant_steps``, then ``min_lr``. As NeMo's: the warm-up's first step takes
+    ``lr / (warmup_steps + 1)`` without ``constant_steps`` and 0 with them (NeMo's Megatron-style branch,
+    ``lr * step / warmup_steps``), and a run that ends within ``warmup_steps + constant_steps`` holds
+    ``min_lr`` from the end of the warm-up (with a warning).
     ``Constant``/``ConstantLR`` (or no ``sched``): warm-up, then ``lr``.
     """
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -131,10 +133,19 @@ def build_scheduler(optimizer, optim_cfg, max_steps: int):
     if sched.get("warmup_ratio") and not warmup:
         warmup = int(float(sched.warmup_ratio) * max_steps)
     constant = int(sched.get("constant_steps", 0) or 0)
-    decay_steps = max(int(sched.get("max_steps", 0) or max_steps) - constant, 1)
+    total = int(sched.get("max_steps", 0) or max_steps)
+    decay_steps = max(total - constant, 1)
+    hold_phase = style == "cosine" and constant > 0  # NeMo's CosineAnnealing with constant_steps
     if style != "constant" and decay_steps <= warmup:
-        logger.warning("model.optim.sched: no steps left to decay after warm-up; using a constant LR")
-        style, min_lr = "constant", lr
+        if hold_phase and total > warmup:
+            logger.warning("model.optim.sched: the run's %d steps end within warmup_steps (%d) + constant_steps (%d): "
+                           "after warm-up the LR stays at min_lr=%g, as NeMo's CosineAnnealing does; lower "
+                           "model.optim.sched.constant_steps to decay from lr over the run", total, warmup, constant,
+                           min_lr)
+            decay_steps = warmup + 1  # min_lr from the first step after the warm-up
+        else:
+            logger.warning("model.optim.sched: no steps left to decay after warm-up; using a constant LR")
+            style, min_lr = "constant", lr
     if min_lr > lr:  # megatron-core asserts it; a schedule that "decays" upwards is a typo
         raise ConfigError(f"model.optim.sched.min_lr={min_lr:g} is above model.optim.lr={lr:g}: "
                           f"{sched.get('name')} decays from lr down to min_lr")
@@ -143,8 +154,9 @@ def build_scheduler(optimizer, optim_cfg, max_steps: int):
     decay_steps = max(decay_steps, warmup + 1)
     return OptimizerParamScheduler(
         optimizer,
-        # NeMo's warm-up: lr * (step + 1) / (warmup_steps + 1), so the first step already learns.
-        init_lr=lr / (warmup + 1) if warmup else lr,
+        # NeMo's warm-up: lr * (step + 1) / (warmup_steps + 1), so the first step already learns; with
+        # constant_steps its CosineAnnealing warms up as Megatron does, lr * step / warmup_steps.
+        init_lr=(0.0 if hold_phase else lr / (warmup + 1)) if warmup else lr,
         max_lr=lr,
         min_lr=min_lr,
         lr_warmup_steps=warmup,
