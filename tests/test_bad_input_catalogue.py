@@ -207,6 +207,18 @@ def config_values(**overrides):
     return lambda: check_config_values(sft_config(**overrides))
 
 
+def schedule_values(**overrides):
+    """The start-up schedule checks on gpt_sft.yaml with ``overrides`` (dotted keys under model.optim)."""
+    from nemo_aligner.utils.optim import check_schedule
+
+    def check():
+        cfg = sft_config()
+        for key, value in overrides.items():
+            OmegaConf.update(cfg, key, value, force_add=True)
+        check_schedule(cfg.model.optim)
+    return check
+
+
 def section_values(section: str, **values):
     """The value checks on a config holding ``values`` under ``section`` (``inference``, ``trainer.ppo``)."""
     from nemo_aligner.utils.config_checks import check_config_values
@@ -469,6 +481,12 @@ CONFIG_CASES = {
     "adam-beta-of-one": (config_values(**{"model.optim.betas": [0.9, 1.0]}),
                          r"model\.optim\.betas=\[0\.9, 1\.0\] must be two numbers in \[0, 1\)"),
     "zero-adam-eps": (config_values(**{"model.optim.eps": 0.0}), r"model\.optim\.eps=0\.0 must be > 0"),
+    "min-lr-above-lr": (schedule_values(**{"model.optim.lr": 5e-7}),
+                        r"^model\.optim\.sched\.min_lr=9e-07 is above model\.optim\.lr=5e-07: CosineAnnealing decays "
+                        r"from lr down to min_lr$"),
+    "warm-up-steps-and-ratio": (schedule_values(**{"model.optim.sched.warmup_ratio": 0.05}),
+                                r"^model\.optim\.sched\.warmup_steps=10 and model\.optim\.sched\.warmup_ratio=0\.05 "
+                                r"are both set: NeMo takes one of them \(set warmup_steps=null to use the ratio\)$"),
     "no-training-batches": (config_values(**{"trainer.limit_train_batches": 0}),
                             r"trainer\.limit_train_batches=0 leaves no training batches"),
     "dropout-of-one": (config_values(**{"model.attention_dropout": 1.0}),

@@ -146,6 +146,52 @@ def test_cosine_schedule_matches_nemo(warmup, constant, max_steps, caplog):
         assert lrs[:5] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])
 
 
+def test_schedule_ratios_and_start_up_refusals(caplog):
+    """NeMo's warmup_ratio/constant_ratio (a share of the run's steps) give the same LRs as the steps
+    they stand for; a phase given both ways, min_lr above lr and keys the schedule does not read are
+    named at start-up (check_keys), before any model loads."""
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.utils.config_keys import check_keys, load_shipped
+    from nemo_aligner.utils.optim import build_scheduler
+
+    def lrs(sched, max_steps=20):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        scheduler = build_scheduler(opt, OmegaConf.create({"lr": 1.0, "sched": sched}), max_steps=max_steps)
+        out = []
+        for _ in range(max_steps):
+            out.append(opt.param_groups[0]["lr"])
+            scheduler.step(1)
+        return out
+
+    cosine = {"name": "CosineAnnealing", "min_lr": 0.1}
+    assert lrs(dict(cosine, warmup_ratio=0.2, constant_ratio=0.25)) == pytest.approx(
+        lrs(dict(cosine, warmup_steps=4, constant_steps=5)))
+    assert lrs(dict(cosine, warmup_ratio=0.2, constant_ratio=0.25))[:5] == pytest.approx([0, 0.25, 0.5, 0.75, 1.0])
+    cases = [({"model.optim.sched.warmup_ratio": 0.1},  # the shipped warmup_steps: 10 is still set
+              r"^model\.optim\.sched\.warmup_steps=10 and model\.optim\.sched\.warmup_ratio=0\.1 are both set: "
+              r"NeMo takes one of them \(set warmup_steps=null to use the ratio\)$"),
+             ({"model.optim.sched.constant_ratio": 0.1}, r"constant_steps=1000 and model\.optim\.sched\.constant_ratio"),
+             ({"model.optim.lr": 5e-7}, r"^model\.optim\.sched\.min_lr=9e-07 is above model\.optim\.lr=5e-07: "
+                                        r"CosineAnnealing decays from lr down to min_lr$")]
+    for values, message in cases:
+        cfg = load_shipped("gpt_sft")
+        for key, value in values.items():
+            OmegaConf.update(cfg, key, value, force_add=True)
+        with pytest.raises(ConfigError, match=message):
+            check_keys(cfg, "gpt_sft")
+    cfg = load_shipped("gpt_sft")
+    OmegaConf.update(cfg, "model.optim.sched.warmup_steps", None)
+    OmegaConf.update(cfg, "model.optim.sched.warmup_ratio", 0.1, force_add=True)
+    OmegaConf.update(cfg, "model.optim.sched.hold_steps", 5, force_add=True)
+    with caplog.at_level(logging.WARNING):
+        check_keys(cfg, "gpt_sft")
+    assert "model.optim.sched.hold_steps is not read: the schedule reads name, warmup_steps, warmup_ratio" in caplog.text
+    assert "warmup_ratio is not read" not in caplog.text
+
+
 def test_schedule_constant_and_refusals():
     from omegaconf import OmegaConf
 

@@ -41,7 +41,7 @@ NON_NEGATIVE_NUMBERS = frozenset({
     "val_check_interval", "save_interval", "lr", "min_lr", "weight_decay", "gradient_clip_val", "temperature", "warmup_steps", "timeout_s",
     "hidden_dropout", "attention_dropout", "ffn_dropout", "initial_policy_kl_penalty", "reference_policy_kl_penalty",
     "ref_policy_kl_penalty", "sft_loss_weight", "preference_loss_weight", "gt_reward_scale", "constant_steps",
-    "hold_steps", "warmup_ratio", "entropy_bonus", "ratio_eps", "discount_factor", "gae_lambda",
+    "hold_steps", "warmup_ratio", "constant_ratio", "entropy_bonus", "ratio_eps", "discount_factor", "gae_lambda",
     "desirable_loss_weight", "undesirable_loss_weight", "kd_loss_weight", "loss_clip_val", "wait_for_server_s",
     "shutdown_idle_s", "top_p", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_input_jitter_eps",
     "moe_expert_capacity_factor", "moe_router_bias_update_rate",

@@ -298,6 +298,11 @@ def check_keys(cfg: DictConfig, config_name: str, overrides: Iterable[str] = (),
     """Refuse near misses of real keys; warn about keys nothing reads. ``cfg`` is the composed run config;
     ``shipped`` this project's config of the script (loaded here when not given)."""
     check_config_values(cfg)  # refused features and bad values first: they name the key to change
+    optim = OmegaConf.select(cfg, "model.optim", throw_on_missing=False)
+    if isinstance(optim, DictConfig):  # before the model loads: the schedule is built after it
+        from nemo_aligner.utils.optim import check_schedule
+
+        check_schedule(optim, warn=warn)
     if shipped is None:
         try:
             shipped = load_shipped(config_name)

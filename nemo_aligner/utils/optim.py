@@ -110,6 +110,37 @@ def build_optimizer(optim_cfg, model_chunks, dtype: torch.dtype, clip_grad: floa
     return optimizer
 
 
+# model.optim.sched keys the schedule reads (NeMo's CosineAnnealing's, and this project's override switch).
+_SCHED_KEYS = ("name", "warmup_steps", "warmup_ratio", "constant_steps", "constant_ratio", "min_lr", "max_steps",
+               "override_checkpoint_schedule")
+
+
+def check_schedule(optim_cfg, warn: bool = False) -> str:
+    """Refuse, naming the keys, a ``model.optim.sched`` that NeMo refuses or that cannot decay (an unknown
+    name; a phase given both as steps and as a ratio; ``min_lr`` above ``lr``); with ``warn``, name the
+    keys the schedule does not read. Returns megatron-core's decay style."""
+    sched = optim_cfg.get("sched") or {}
+    name = str(sched.get("name", "constant") or "constant").lower()
+    if name not in _DECAY_STYLES:
+        raise ConfigError(f"model.optim.sched.name={sched.get('name')!r} is not supported; use CosineAnnealing or Constant")
+    for steps, ratio in (("warmup_steps", "warmup_ratio"), ("constant_steps", "constant_ratio")):
+        if sched.get(steps) is not None and sched.get(ratio) is not None:
+            raise ConfigError(f"model.optim.sched.{steps}={sched.get(steps)} and model.optim.sched.{ratio}="
+                              f"{sched.get(ratio)} are both set: NeMo takes one of them (set {steps}=null to use "
+                              "the ratio)")
+    style = _DECAY_STYLES[name]
+    if style != "constant":
+        lr, min_lr = optim_lr(optim_cfg), float(sched.get("min_lr", 0.0) or 0.0)
+        if min_lr > lr:  # megatron-core asserts it (NeMo too); a schedule that "decays" upwards is a typo
+            raise ConfigError(f"model.optim.sched.min_lr={min_lr:g} is above model.optim.lr={lr:g}: "
+                              f"{sched.get('name')} decays from lr down to min_lr")
+    if warn:
+        for key in sched.keys():
+            if str(key) not in _SCHED_KEYS and sched.get(key) is not None:
+                logger.warning("model.optim.sched.%s is not read: the schedule reads %s", key, ", ".join(_SCHED_KEYS))
+    return style
+
+
 def build_scheduler(optimizer, optim_cfg, max_steps: int):
     """NeMo's schedules on megatron-core's ``OptimizerParamScheduler``.
 
@@ -122,18 +153,14 @@ def build_scheduler(optimizer, optim_cfg, max_steps: int):
     """
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    style = check_schedule(optim_cfg)
     sched = optim_cfg.get("sched") or {}
-    name = str(sched.get("name", "constant") or "constant").lower()
-    if name not in _DECAY_STYLES:
-        raise ConfigError(f"model.optim.sched.name={sched.get('name')!r} is not supported; use CosineAnnealing or Constant")
-    style = _DECAY_STYLES[name]
     lr = optim_lr(optim_cfg)
     min_lr = float(sched.get("min_lr", 0.0) or 0.0) if style != "constant" else lr
-    warmup = int(sched.get("warmup_steps", 0) or 0)
-    if sched.get("warmup_ratio") and not warmup:
-        warmup = int(float(sched.warmup_ratio) * max_steps)
-    constant = int(sched.get("constant_steps", 0) or 0)
     total = int(sched.get("max_steps", 0) or max_steps)
+    # NeMo's phases: a number of steps, or a ratio of the run's steps
+    warmup = int(sched.get("warmup_steps") or int(float(sched.get("warmup_ratio") or 0.0) * total))
+    constant = int(sched.get("constant_steps") or int(float(sched.get("constant_ratio") or 0.0) * total))
     decay_steps = max(total - constant, 1)
     hold_phase = style == "cosine" and constant > 0  # NeMo's CosineAnnealing with constant_steps
     if style != "constant" and decay_steps <= warmup:
@@ -146,9 +173,6 @@ def build_scheduler(optimizer, optim_cfg, max_steps: int):
         else:
             logger.warning("model.optim.sched: no steps left to decay after warm-up; using a constant LR")
             style, min_lr = "constant", lr
-    if min_lr > lr:  # megatron-core asserts it; a schedule that "decays" upwards is a typo
-        raise ConfigError(f"model.optim.sched.min_lr={min_lr:g} is above model.optim.lr={lr:g}: "
-                          f"{sched.get('name')} decays from lr down to min_lr")
     weight_decay = float(optim_cfg.get("weight_decay", 0.0) or 0.0)
     # megatron-core requires warm-up to end before decay does, even for a constant schedule.
     decay_steps = max(decay_steps, warmup + 1)
