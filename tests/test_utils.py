@@ -138,6 +138,8 @@ def test_cosine_schedule_matches_nemo(warmup, constant, max_steps, caplog):
     assert lrs == pytest.approx(expected)
     held = "after warm-up the LR stays at min_lr=0.1, as NeMo's CosineAnnealing does" in caplog.text
     assert held == (max_steps > warmup and max_steps - constant <= warmup and constant > 0)
+    within = f"the run's {max_steps} steps end within the warm-up (warmup_steps={warmup}): the LR stays below"
+    assert (within in caplog.text) == (max_steps <= warmup)
     if (warmup, constant) == (4, 2):  # by hand: 0, lr/4, ..., then cosine over 8 steps, then min_lr
         assert lrs[:5] == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0])
         assert lrs[8] == pytest.approx(0.1 + 0.9 * 0.5)

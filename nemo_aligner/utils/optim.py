@@ -164,7 +164,11 @@ def build_scheduler(optimizer, optim_cfg, max_steps: int):
     decay_steps = max(total - constant, 1)
     hold_phase = style == "cosine" and constant > 0  # NeMo's CosineAnnealing with constant_steps
     if style != "constant" and decay_steps <= warmup:
-        if hold_phase and total > warmup:
+        if total <= warmup:
+            logger.warning("model.optim.sched: the run's %d steps end within the warm-up (warmup_steps=%d): the LR "
+                           "stays below model.optim.lr=%g", total, warmup, lr)
+            style, min_lr = "constant", lr
+        elif hold_phase:
             logger.warning("model.optim.sched: the run's %d steps end within warmup_steps (%d) + constant_steps (%d): "
                            "after warm-up the LR stays at min_lr=%g, as NeMo's CosineAnnealing does; lower "
                            "model.optim.sched.constant_steps to decay from lr over the run", total, warmup, constant,
