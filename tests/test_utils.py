@@ -110,6 +110,21 @@ def _nemo_cosine_annealing(step, lr, min_lr, warmup, constant, max_steps):
     return (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (max_steps - warmup))) + min_lr
 
 
+def scheduled_lrs(sched: dict, max_steps: int) -> list:
+    """The LR of each of ``max_steps`` optimizer steps under ``build_scheduler`` with lr 1 and ``sched``."""
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.utils.optim import build_scheduler
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = build_scheduler(opt, OmegaConf.create({"lr": 1.0, "sched": sched}), max_steps=max_steps)
+    lrs = []
+    for _ in range(max_steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        scheduler.step(1)
+    return lrs
+
+
 @pytest.mark.parametrize("warmup,constant,max_steps", [
     (4, 0, 14),     # warm-up from lr / (warmup + 1), cosine to max_steps
     (4, 2, 14),     # NeMo-Aligner's shape: warm-up from 0, cosine to max_steps - constant_steps, then min_lr
@@ -120,20 +135,9 @@ def _nemo_cosine_annealing(step, lr, min_lr, warmup, constant, max_steps):
 def test_cosine_schedule_matches_nemo(warmup, constant, max_steps, caplog):
     """Each step's LR is NeMo's CosineAnnealing's for the same keys (NeMo-Aligner's defaults:
     warmup_steps 10, constant_steps 1000)."""
-    from omegaconf import OmegaConf
-
-    from nemo_aligner.utils.optim import build_scheduler
-
-    param = torch.nn.Parameter(torch.zeros(1))
-    opt = torch.optim.SGD([param], lr=1.0)
-    cfg = OmegaConf.create({"lr": 1.0, "sched": {"name": "CosineAnnealing", "warmup_steps": warmup,
-                                                   "constant_steps": constant, "min_lr": 0.1}})
     with caplog.at_level("WARNING"):
-        sched = build_scheduler(opt, cfg, max_steps=max_steps)
-    lrs = []
-    for _ in range(max_steps):
-        lrs.append(opt.param_groups[0]["lr"])
-        sched.step(1)
+        lrs = scheduled_lrs({"name": "CosineAnnealing", "warmup_steps": warmup, "constant_steps": constant,
+                             "min_lr": 0.1}, max_steps)
     expected = [_nemo_cosine_annealing(s, 1.0, 0.1, warmup, constant, max_steps) for s in range(max_steps)]
     assert lrs == pytest.approx(expected)
     held = "after warm-up the LR stays at min_lr=0.1, as NeMo's CosineAnnealing does" in caplog.text
@@ -157,21 +161,11 @@ def test_schedule_ratios_and_start_up_refusals(caplog):
     from omegaconf import OmegaConf
 
     from nemo_aligner.utils.config_keys import check_keys, load_shipped
-    from nemo_aligner.utils.optim import build_scheduler
-
-    def lrs(sched, max_steps=20):
-        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-        scheduler = build_scheduler(opt, OmegaConf.create({"lr": 1.0, "sched": sched}), max_steps=max_steps)
-        out = []
-        for _ in range(max_steps):
-            out.append(opt.param_groups[0]["lr"])
-            scheduler.step(1)
-        return out
 
     cosine = {"name": "CosineAnnealing", "min_lr": 0.1}
-    assert lrs(dict(cosine, warmup_ratio=0.2, constant_ratio=0.25)) == pytest.approx(
-        lrs(dict(cosine, warmup_steps=4, constant_steps=5)))
-    assert lrs(dict(cosine, warmup_ratio=0.2, constant_ratio=0.25))[:5] == pytest.approx([0, 0.25, 0.5, 0.75, 1.0])
+    by_ratio = scheduled_lrs(dict(cosine, warmup_ratio=0.2, constant_ratio=0.25), 20)
+    assert by_ratio == pytest.approx(scheduled_lrs(dict(cosine, warmup_steps=4, constant_steps=5), 20))
+    assert by_ratio[:5] == pytest.approx([0, 0.25, 0.5, 0.75, 1.0])
     cases = [({"model.optim.sched.warmup_ratio": 0.1},  # the shipped warmup_steps: 10 is still set
               r"^model\.optim\.sched\.warmup_steps=10 and model\.optim\.sched\.warmup_ratio=0\.1 are both set: "
               r"NeMo takes one of them \(set warmup_steps=null to use the ratio\)$"),

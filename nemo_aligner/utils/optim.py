@@ -113,6 +113,12 @@ def build_optimizer(optim_cfg, model_chunks, dtype: torch.dtype, clip_grad: floa
 # model.optim.sched keys the schedule reads (NeMo's CosineAnnealing's, and this project's override switch).
 _SCHED_KEYS = ("name", "warmup_steps", "warmup_ratio", "constant_steps", "constant_ratio", "min_lr", "max_steps",
                "override_checkpoint_schedule")
+# NeMo's phases: each a number of steps or a share of the run's steps (not both).
+_PHASES = (("warmup_steps", "warmup_ratio"), ("constant_steps", "constant_ratio"))
+
+
+def _phase_steps(sched, steps_key: str, ratio_key: str, total: int) -> int:
+    return int(sched.get(steps_key) or int(float(sched.get(ratio_key) or 0.0) * total))
 
 
 def check_schedule(optim_cfg, warn: bool = False) -> str:
@@ -123,7 +129,7 @@ def check_schedule(optim_cfg, warn: bool = False) -> str:
     name = str(sched.get("name", "constant") or "constant").lower()
     if name not in _DECAY_STYLES:
         raise ConfigError(f"model.optim.sched.name={sched.get('name')!r} is not supported; use CosineAnnealing or Constant")
-    for steps, ratio in (("warmup_steps", "warmup_ratio"), ("constant_steps", "constant_ratio")):
+    for steps, ratio in _PHASES:
         if sched.get(steps) is not None and sched.get(ratio) is not None:
             raise ConfigError(f"model.optim.sched.{steps}={sched.get(steps)} and model.optim.sched.{ratio}="
                               f"{sched.get(ratio)} are both set: NeMo takes one of them (set {steps}=null to use "
@@ -158,9 +164,7 @@ def build_scheduler(optimizer, optim_cfg, max_steps: int):
     lr = optim_lr(optim_cfg)
     min_lr = float(sched.get("min_lr", 0.0) or 0.0) if style != "constant" else lr
     total = int(sched.get("max_steps", 0) or max_steps)
-    # NeMo's phases: a number of steps, or a ratio of the run's steps
-    warmup = int(sched.get("warmup_steps") or int(float(sched.get("warmup_ratio") or 0.0) * total))
-    constant = int(sched.get("constant_steps") or int(float(sched.get("constant_ratio") or 0.0) * total))
+    warmup, constant = (_phase_steps(sched, steps, ratio, total) for steps, ratio in _PHASES)
     decay_steps = max(total - constant, 1)
     hold_phase = style == "cosine" and constant > 0  # NeMo's CosineAnnealing with constant_steps
     if style != "constant" and decay_steps <= warmup:
