@@ -43,8 +43,28 @@ def tiny_optim(lr: float, min_lr: float, warmup_steps: int) -> list:
             "model.optim.weight_decay=0.01"]
 
 
+# The batch sizes of the built-in tiny-model runs, for the scripts whose defaults (NeMo-Aligner's:
+# global batches of 64-128 in micro-batches of 1, 512 rollout prompts) are made for billion-parameter
+# models on a cluster. A stage's own overrides come after these and win.
+TINY_BATCH = {
+    "train_gpt_sft.py": ("model.data.train_ds.global_batch_size=32", "model.data.train_ds.micro_batch_size=8"),
+    "train_gpt_dpo.py": ("model.global_batch_size=32", "model.micro_batch_size=4"),
+    "train_gpt_kto.py": ("model.global_batch_size=32", "model.micro_batch_size=8"),
+    "train_reward_model.py": ("model.global_batch_size=32",),
+    "serve_ppo_critic.py": ("model.global_batch_size=32", "model.micro_batch_size=4"),
+    "train_gpt_reinforce_actor.py": ("model.reinforce.num_rollout_samples=128",),
+}
+# SteerLM's scripts read gpt_sft.yaml's batch keys
+TINY_BATCH["train_steerlm_model.py"] = TINY_BATCH["train_steerlm2.py"] = TINY_BATCH["train_gpt_sft.py"]
+
+
+def tiny_batch(script: str) -> list:
+    """The built-in tiny model's batch-size overrides for ``script`` (a file name; none for the others)."""
+    return list(TINY_BATCH.get(os.path.basename(script), ()))
+
+
 def run(script: str, overrides: list) -> None:
-    cmd = [sys.executable, os.path.join(SCRIPTS, script)] + overrides
+    cmd = [sys.executable, os.path.join(SCRIPTS, script)] + tiny_batch(script) + overrides
     print("\n$ " + " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True)
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from nemo_aligner.demo import tiny_optim  # noqa: F401 (the tests' tiny-model optimizer settings)
+from nemo_aligner.demo import tiny_batch, tiny_optim  # noqa: F401 (the tests' tiny-model settings)
 from nemo_aligner.utils.ports import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,9 +85,11 @@ def failure_excerpt(text: str, tail: int = 4000) -> str:
 def run_python(path: str, args, nproc: int = 1, timeout: int = 300, check: bool = True, cwd=None,
                like_nproc: int = None, cpu_only: bool = False):
     """Run a script alone or under torchrun with ``nproc`` processes; returns the CompletedProcess.
-    ``like_nproc``, ``cpu_only``: its device kind (``subprocess_env``)."""
+    ``like_nproc``, ``cpu_only``: its device kind (``subprocess_env``). The built-in tiny model's batch
+    sizes (``tiny_batch``, as the demo's) go before ``args``, which override them."""
     import tempfile
 
+    args = tiny_batch(path) + list(args)
     # torchrun's per-run log directory (empty without --redirects) goes with the run, not to /tmp
     with tempfile.TemporaryDirectory(prefix="torchrun_logs_") as logs:
         if nproc > 1:
@@ -411,6 +413,7 @@ class ServerProcess:
         self.final_text = ""
 
     def start(self, args):
+        args = tiny_batch(self.script) + list(args)  # as run_python
         if self.nproc > 1:
             # torchrun's log directory in the workspace: removed with it, none left in /tmp
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={self.nproc}",

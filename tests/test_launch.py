@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import SCRIPTS, TINY_ARCH, run_python, subprocess_env, train_losses
+from conftest import SCRIPTS, TINY_ARCH, run_python, subprocess_env, tiny_batch, train_losses
 from nemo_aligner.utils.distributed import check_world_size
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.launch_info import read_launch_info
@@ -88,7 +88,7 @@ def _run_ranks_by_env(env_for_rank, nproc, args, timeout=300):
     for rank in range(nproc):
         env = subprocess_env(nproc)
         env.update(env_for_rank(rank))
-        procs.append(subprocess.Popen([sys.executable, SFT, *args], env=env, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, SFT, *tiny_batch(SFT), *args], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     outputs = [p.communicate(timeout=timeout) for p in procs]
     for p, (out, err) in zip(procs, outputs):
@@ -116,7 +116,7 @@ def test_devices_start_ranks_like_torchrun_and_mpirun(tmp_path, builtin_data):
 def test_real_mpirun_with_config_path_first(tmp_path, builtin_data):
     """NeMo-Aligner's CI form: ``mpirun -np 2 python train.py --config-path=... --config-name=... ...``."""
     cmd = ["mpirun", "-np", "2", "--oversubscribe", sys.executable, "-u", SFT, f"--config-path={CONF}",
-           "--config-name=gpt_sft", "trainer.num_nodes=1", *_sft_args(builtin_data, tmp_path / "mpi",
+           "--config-name=gpt_sft", "trainer.num_nodes=1", *tiny_batch(SFT), *_sft_args(builtin_data, tmp_path / "mpi",
                                                                       ["trainer.devices=2"])]
     if os.geteuid() == 0:
         cmd.insert(1, "--allow-run-as-root")

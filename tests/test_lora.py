@@ -493,11 +493,12 @@ def test_lora_ppo_actor_and_critic(tmp_path, task_data, quick_rm, quick_sft):
     import subprocess
     import sys
 
-    from conftest import subprocess_env
+    from conftest import subprocess_env, tiny_batch
 
     critic_dir, actor_dir = tmp_path / "critic", tmp_path / "actor"
     data = f"++model.data.data_prefix={{train: [{task_data['prompts_train']}], validation: [{task_data['prompts_val']}]}}"
-    critic = [f"pretrained_checkpoint.restore_from_path={quick_rm}", f"exp_manager.explicit_log_dir={critic_dir}",
+    critic = [*tiny_batch("serve_ppo_critic.py"), f"pretrained_checkpoint.restore_from_path={quick_rm}",
+              f"exp_manager.explicit_log_dir={critic_dir}",
               "model.peft.peft_scheme=lora"]
     actor = [f"pretrained_checkpoint.restore_from_path={quick_sft}", data, f"exp_manager.explicit_log_dir={actor_dir}",
              "trainer.ppo.max_steps=2", "trainer.ppo.max_epochs=100", "model.ppo.num_rollout_samples=16",

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import SCRIPTS, free_port, read_metrics, run_script, subprocess_env, tiny_optim
+from conftest import SCRIPTS, free_port, read_metrics, run_script, subprocess_env, tiny_batch, tiny_optim
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,8 @@ def actor_overrides(data, actor_nemo, log_dir, steps, extra=()):
 
 
 def launch(critic, actor, timeout=900, critic_log=None):
-    cmd = [sys.executable, "-m", "nemo_aligner.launchers.ppo_local", "--critic", *critic, "--actor", *actor]
+    cmd = [sys.executable, "-m", "nemo_aligner.launchers.ppo_local", "--critic", *tiny_batch("serve_ppo_critic.py"),
+           *critic, "--actor", *actor]
     if critic_log:
         cmd[3:3] = ["--critic-log", str(critic_log)]
     proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
@@ -112,7 +113,8 @@ def test_dead_critic_stops_the_actor(tmp_path, task_data, quick_rm, quick_sft):
     port = free_port()
     log = open(tmp_path / "critic.log", "w+")
     critic = subprocess.Popen(
-        [sys.executable, os.path.join(SCRIPTS, "serve_ppo_critic.py"), f"pretrained_checkpoint.restore_from_path={quick_rm}",
+        [sys.executable, os.path.join(SCRIPTS, "serve_ppo_critic.py"), *tiny_batch("serve_ppo_critic.py"),
+         f"pretrained_checkpoint.restore_from_path={quick_rm}",
          f"exp_manager.explicit_log_dir={tmp_path / 'critic'}", f"trainer.ppo.port={port}",
          f"trainer.ppo.grpc_port={free_port()}", f"trainer.ppo.metrics_port={free_port()}"],
         env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

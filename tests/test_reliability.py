@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SCRIPTS, read_metrics, subprocess_env
+from conftest import SCRIPTS, read_metrics, subprocess_env, tiny_batch
 
 
 def test_sigterm_saves_and_the_same_command_resumes(tmp_path, builtin_data):
@@ -290,7 +290,7 @@ def test_a_wandb_key_never_reaches_logs_or_files(tmp_path, builtin_data):
     env = subprocess_env()
     env.update(WANDB_API_KEY=secret, WANDB_MODE="offline", WANDB_DIR=str(tmp_path / "wandb_dir"))
     (tmp_path / "wandb_dir").mkdir()
-    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "train_gpt_sft.py"),
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "train_gpt_sft.py"), *tiny_batch("train_gpt_sft.py"),
                            f"model.data.train_ds.file_path={builtin_data['sft_train']}",
                            f"model.data.validation_ds.file_path={builtin_data['sft_val']}",
                            f"exp_manager.explicit_log_dir={tmp_path / 'run'}", "trainer.sft.max_steps=2",

@@ -599,6 +599,41 @@ def test_optimizer_defaults_are_nemo_aligners(name):
         assert sched.max_lr == lr and sched.min_lr == 9e-7
 
 
+# NeMo-Aligner's shipped batch sizes (examples/nlp/gpt/conf/<name>.yaml)
+ALIGNER_BATCH = {
+    "gpt_sft": {"model.data.train_ds.global_batch_size": 128, "model.data.train_ds.micro_batch_size": 1,
+                "model.global_batch_size": 128, "model.micro_batch_size": 1,
+                "model.data.validation_ds.global_batch_size": 128, "model.steerlm2.micro_batch_size": 1},
+    "training_rm": {"model.global_batch_size": 64, "model.micro_batch_size": 2},
+    "gpt_ppo_critic": {"model.global_batch_size": 64, "model.micro_batch_size": 1},
+    **{name: {"model.global_batch_size": 64, "model.micro_batch_size": 1}
+       for name in ("gpt_dpo", "gpt_kto", "gpt_spin", "gpt_knowledge_distillation")},
+    **{name: {"model.global_batch_size": 64, "model.micro_batch_size": 1,
+              f"model.{alg}.num_rollout_samples": 512, f"model.{alg}.num_val_samples": 512,
+              f"model.{alg}.rollout_micro_batch_size": 8}
+       for name, alg in (("gpt_ppo_actor", "ppo"), ("gpt_reinforce_actor", "reinforce"), ("gpt_rs_actor", "rs"))},
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALIGNER_BATCH))
+def test_batch_size_defaults_are_nemo_aligners(name):
+    """The scripts' batch sizes are NeMo-Aligner's (made for a cluster); the demo's tiny-model values
+    are overrides that each of those scripts accepts."""
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.demo import TINY_BATCH
+    from nemo_aligner.utils.config_keys import load_shipped
+
+    cfg = load_shipped(name)
+    assert {key: OmegaConf.select(cfg, key) for key in ALIGNER_BATCH[name]} == ALIGNER_BATCH[name]
+    script = {"gpt_sft": "train_gpt_sft.py", "gpt_dpo": "train_gpt_dpo.py", "gpt_kto": "train_gpt_kto.py",
+              "training_rm": "train_reward_model.py", "gpt_ppo_critic": "serve_ppo_critic.py",
+              "gpt_reinforce_actor": "train_gpt_reinforce_actor.py"}.get(name)
+    for override in TINY_BATCH.get(script, ()):
+        key, value = override.split("=")
+        assert OmegaConf.select(cfg, key) not in (None, int(value)), override  # an existing key, a new value
+
+
 def test_a_layer_spec_name_counts_only_in_megatron_core_checkpoints():
     """NeMo reads ``model.name`` as the layer spec of its megatron-core GPT (``mcore_gpt: True``) and
     ignores it in its older GPT's checkpoints, whose configs may carry any name."""

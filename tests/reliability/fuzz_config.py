@@ -30,6 +30,7 @@ sys.path.insert(0, REPO)
 from omegaconf import OmegaConf  # noqa: E402
 
 from nemo_aligner.data.nlp.builtin_task import BuiltinTask  # noqa: E402
+from nemo_aligner.demo import tiny_batch  # noqa: E402
 
 # Keys whose values are paths the base command sets.
 SKIPPED = ("file_path", "data_prefix", "restore_from_path", "explicit_log_dir")
@@ -145,7 +146,7 @@ class Targets:
                                 "model.global_batch_size=8", "model.micro_batch_size=4",
                                 "model.spin.rollout_micro_batch_size=8", "model.spin.length_params.max_length=4"]}
             extra = self.SFT_EXTRA if target == "sft" else []
-            return [sys.executable, script] + restore[target] + files + common + extra
+            return [sys.executable, script] + tiny_batch(script) + restore[target] + files + common + extra
         prefix = f"{{train: [{train}], validation: [{val}], test: [{val}]}}"
         base = [sys.executable, script, f"pretrained_checkpoint.restore_from_path={nemo}",
                 f"++model.data.data_prefix={prefix}"] + common

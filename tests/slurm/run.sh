@@ -39,12 +39,13 @@ DATA=$WORK/data
 "$PY" -m nemo_aligner.data.nlp.builtin_task --out-dir "$DATA" --train 400 --val 32 >/dev/null
 "$PY" "$REPO/examples/nlp/gpt/train_gpt_sft.py" model.data.train_ds.file_path="$DATA/sft_train.jsonl" \
     model.data.validation_ds.file_path="$DATA/sft_val.jsonl" exp_manager.explicit_log_dir="$WORK/sft" \
+    model.data.train_ds.global_batch_size=32 model.data.train_ds.micro_batch_size=8 \
     trainer.sft.max_steps=20 trainer.sft.val_check_interval=20 >"$WORK/sft.log" 2>&1 || fail "SFT: $WORK/sft.log"
 SFT_NEMO=$WORK/sft/checkpoints/megatron_gpt_sft.nemo
 "$PY" "$REPO/examples/nlp/gpt/train_reward_model.py" ++model.data.data_impl=jsonl \
     "++model.data.data_prefix={train: [$DATA/rm_train.jsonl], validation: [$DATA/rm_val.jsonl], test: [$DATA/rm_val.jsonl]}" \
     pretrained_checkpoint.restore_from_path="$SFT_NEMO" exp_manager.explicit_log_dir="$WORK/rm" \
-    trainer.rm.max_steps=10 trainer.rm.val_check_interval=10 >"$WORK/rm.log" 2>&1 || fail "RM: $WORK/rm.log"
+    model.global_batch_size=32 trainer.rm.max_steps=10 trainer.rm.val_check_interval=10 >"$WORK/rm.log" 2>&1 || fail "RM: $WORK/rm.log"
 RM_NEMO=$WORK/rm/checkpoints/megatron_gpt.nemo
 
 leftovers() {  # PyTriton's shared memory and workspaces, and Triton's stub directories
