@@ -35,6 +35,21 @@ def test_prompt_and_answer_of_prompt_answer_and_chat_records():
     assert bytes(prompt).decode() == "\x00System\nS\n\x11User\nHi\n\x11Assistant\nHello\n\x11User\nQ2\n\x11Assistant\n"
 
 
+def test_a_record_of_the_other_sft_format_names_the_chat_key():
+    """A chat record read as prompt/answer (and the reverse) is refused naming the file:line and the
+    ``model.data.chat`` value that reads it (SPIN's default is chat, SFT's prompt/answer)."""
+    from nemo_aligner.utils.errors import DataError
+
+    chat = {"__line__": 3, "conversations": [{"from": "User", "value": "q"}, {"from": "Assistant", "value": "a"}]}
+    with pytest.raises(DataError, match=r"d\.jsonl:3: missing field 'input' .*a chat record; set model\.data\.chat=True"):
+        GPTSFTDataset("d.jsonl", TOK, 64, records=[chat])
+    with pytest.raises(DataError, match=r"d\.jsonl:5: missing field 'conversations' .*a prompt/answer record; "
+                                        r"set model\.data\.chat=False"):
+        GPTSFTChatDataset("d.jsonl", TOK, 64, records=[{"__line__": 5, "input": "q", "output": "a"}])
+    with pytest.raises(DataError, match=r"d\.jsonl:7: missing field 'output' \(found \['input'\]\)$"):
+        GPTSFTDataset("d.jsonl", TOK, 64, records=[{"__line__": 7, "input": "q"}])  # no hint: not a chat record
+
+
 def test_pairs_put_the_data_answer_against_the_generation():
     batch = collate_spin([{"input_ids": ids("ab=") + ids("cd") + [TOK.eos_id], "answer_start": 3}],
                          TOK.eos_id, 32)
@@ -131,7 +146,8 @@ def test_unusable_settings_are_one_line(tmp_path, weak_policy):
     """A beta list shorter than the iterations and a zero rollout micro-batch size: exit 1, one ``error:`` line."""
     model, data = weak_policy
     common = [f"pretrained_checkpoint.restore_from_path={model}", f"model.data.train_ds.file_path={data['sft_train']}",
-              f"model.data.validation_ds.file_path={data['sft_val']}", f"exp_manager.explicit_log_dir={tmp_path / 'x'}"]
+              f"model.data.validation_ds.file_path={data['sft_val']}", f"exp_manager.explicit_log_dir={tmp_path / 'x'}",
+              "model.data.chat=False"]
     for extra, message in ((["trainer.spin.max_iterations=3", "model.spin.ref_policy_kl_penalty=[0.1,0.2]"],
                             "error: model.spin.ref_policy_kl_penalty has 2 values for trainer.spin.max_iterations=3"),
                            (["model.spin.rollout_micro_batch_size=0"],
@@ -144,7 +160,7 @@ def _spin(model, data, log_dir, seed, extra=(), **kwargs):
     return run_script("train_gpt_spin.py", [
         f"pretrained_checkpoint.restore_from_path={model}", f"model.data.train_ds.file_path={data['sft_train']}",
         f"model.data.validation_ds.file_path={data['sft_val']}", f"exp_manager.explicit_log_dir={log_dir}",
-        "model.global_batch_size=64", "model.micro_batch_size=16", "model.spin.rollout_micro_batch_size=64",
+        "model.data.chat=False", "model.global_batch_size=64", "model.micro_batch_size=16", "model.spin.rollout_micro_batch_size=64",
         "model.spin.length_params.max_length=9", "model.optim.lr=2e-5", "model.optim.sched.name=Constant",
         "model.spin.ref_policy_kl_penalty=0.1", f"model.seed={seed}", *extra], **kwargs)
 
@@ -182,6 +198,30 @@ def test_self_play_raises_held_out_likelihood_of_the_answers(tmp_path, weak_poli
     assert all(m > 0 for m in margin), margin
     assert after > before, (before, after)
     assert "SPIN finished: 45 steps in 3 iterations" in proc.stdout
+
+
+def test_nemo_aligners_spin_command_reads_chat_records(tmp_path, weak_policy):
+    """NeMo-Aligner's SPIN tutorial command sets no data format: its default reads NeMo chat records
+    with NeMo-Aligner's ``<extra_id_*>`` turn strings (sizes changed for the tiny model); prompt/answer
+    records under that default are refused in one line naming the key that reads them."""
+    model, data = weak_policy
+    command = ["trainer.num_nodes=1", "trainer.devices=1", "model.micro_batch_size=2", "model.global_batch_size=8",
+               f"pretrained_checkpoint.restore_from_path={model}", "exp_manager.create_wandb_logger=false",
+               f"exp_manager.explicit_log_dir={tmp_path / 'spin'}", "trainer.spin.max_iterations=1",
+               "trainer.spin.max_epochs=1", "trainer.spin.max_steps=2", "trainer.spin.val_check_interval=2",
+               "trainer.spin.limit_val_batches=1", "model.spin.length_params.max_length=9"]
+    proc = run_script("train_gpt_spin.py", command + [f"model.data.train_ds.file_path={data['chat_train']}",
+                                                      f"model.data.validation_ds.file_path={data['chat_val']}"])
+    train = [r for r in read_metrics(tmp_path / "spin") if "train/loss" in r]
+    assert [r["step"] for r in train] == [1, 2] and all(np.isfinite(r["train/loss"]) for r in train)
+    assert "SPIN finished: 2 steps" in proc.stdout
+    wrong = run_script("train_gpt_spin.py", command + [f"model.data.train_ds.file_path={data['sft_train']}",
+                                                       f"model.data.validation_ds.file_path={data['sft_val']}"],
+                       check=False)
+    errors = [line for line in wrong.stderr.splitlines() if line.startswith("error:")]
+    assert wrong.returncode == 1 and "Traceback" not in wrong.stderr, wrong.stderr[-2000:]
+    assert len(errors) == 1 and f"{data['sft_train']}:1: missing field 'conversations'" in errors[0], errors
+    assert errors[0].endswith("a prompt/answer record; set model.data.chat=False to read them"), errors
 
 
 def test_resume_keeps_the_moved_reference_even_at_another_tp(tmp_path, weak_policy):

@@ -45,6 +45,7 @@ class SelfPlayTrainer(BaseTrainer):
             "pretrained_checkpoint.restore_from_path": self.model_path,
             "model.data.train_ds.file_path": self._write(run_dir, "train", train),
             "model.data.validation_ds.file_path": self._write(run_dir, "validation", val),
+            "model.data.chat": False,
             "model.data.validation_ds.drop_last": False,
             "model.global_batch_size": batch,
             "model.micro_batch_size": int(spin.get("micro_batch_size", min(batch, 8))),

@@ -143,6 +143,7 @@ class Targets:
             files = [f"model.data.train_ds.file_path={train}", f"model.data.validation_ds.file_path={val}"]
             restore = {"sft": [], "steerlm": [f"model.restore_from_path={nemo}"],
                        "spin": [f"pretrained_checkpoint.restore_from_path={nemo}", "trainer.spin.max_iterations=1",
+                                "model.data.chat=False",
                                 "model.global_batch_size=8", "model.micro_batch_size=4",
                                 "model.spin.rollout_micro_batch_size=8", "model.spin.length_params.max_length=4"]}
             extra = self.SFT_EXTRA if target == "sft" else []

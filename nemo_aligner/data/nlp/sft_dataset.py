@@ -8,6 +8,7 @@ Each sample is a dict with ``input_ids`` (the whole sequence) and ``answer_start
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import string
 from typing import Dict, List, Optional, Sequence
@@ -48,6 +49,20 @@ def truncate(ids: List[int], n_remove: int, method: str) -> List[int]:
     return ids[: max(len(ids) - n_remove, 0)] if method == "right" else ids[n_remove:]
 
 
+@contextlib.contextmanager
+def format_hint(record: Dict, chat: bool):
+    """A missing field of a record in the other SFT format (a chat record read as prompt/answer, or the
+    reverse) names the ``model.data.chat`` value that reads it."""
+    try:
+        yield
+    except DataError as err:
+        if chat and "conversations" not in record and ("input" in record or "output" in record):
+            raise DataError(f"{err}: a prompt/answer record; set model.data.chat=False to read them") from None
+        if not chat and "conversations" in record:
+            raise DataError(f"{err}: a chat record; set model.data.chat=True to read them") from None
+        raise
+
+
 class GPTSFTDataset(torch.utils.data.Dataset):
     """``{"input": ..., "output": ...}`` records rendered with ``prompt_template``.
 
@@ -79,8 +94,9 @@ class GPTSFTDataset(torch.utils.data.Dataset):
             template_fields(part)  # each half is formatted on its own
         self.records = records if records is not None else read_jsonl(file_path)
         for record in self.records:
-            require_fields(record, self.fields, file_path)
-            require_fields(record, [label_key], file_path, non_empty=True)  # no answer: nothing to learn
+            with format_hint(record, chat=False):
+                require_fields(record, self.fields, file_path)
+                require_fields(record, [label_key], file_path, non_empty=True)  # no answer: nothing to learn
 
     def __len__(self) -> int:
         return len(self.records)
@@ -144,7 +160,8 @@ class GPTSFTChatDataset(torch.utils.data.Dataset):
         self._warned_empty = False
         self.records = records if records is not None else read_jsonl(file_path)
         for record in self.records:
-            require_fields(record, ["conversations"], file_path, types=(list,), non_empty=True)
+            with format_hint(record, chat=True):
+                require_fields(record, ["conversations"], file_path, types=(list,), non_empty=True)
             problem = validate_chat_record(record, f"{record.get('__file__', file_path)}:{record.get('__line__', '?')}")
             if problem:
                 raise DataError(problem)
