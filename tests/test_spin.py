@@ -35,9 +35,13 @@ def test_prompt_and_answer_of_prompt_answer_and_chat_records():
     assert bytes(prompt).decode() == "\x00System\nS\n\x11User\nHi\n\x11Assistant\nHello\n\x11User\nQ2\n\x11Assistant\n"
 
 
-def test_a_record_of_the_other_sft_format_names_the_chat_key():
+def test_a_record_of_the_other_sft_format_names_the_chat_key(tmp_path):
     """A chat record read as prompt/answer (and the reverse) is refused naming the file:line and the
-    ``model.data.chat`` value that reads it (SPIN's default is chat, SFT's prompt/answer)."""
+    ``model.data.chat`` value that reads it (SPIN's default is chat, SFT's prompt/answer);
+    ``compute_topk_logits.py``'s section is ``data.data``, its key ``data.chat``."""
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.data.nlp.builders import build_sft_dataset
     from nemo_aligner.utils.errors import DataError
 
     chat = {"__line__": 3, "conversations": [{"from": "User", "value": "q"}, {"from": "Assistant", "value": "a"}]}
@@ -48,6 +52,10 @@ def test_a_record_of_the_other_sft_format_names_the_chat_key():
         GPTSFTChatDataset("d.jsonl", TOK, 64, records=[{"__line__": 5, "input": "q", "output": "a"}])
     with pytest.raises(DataError, match=r"d\.jsonl:7: missing field 'output' \(found \['input'\]\)$"):
         GPTSFTDataset("d.jsonl", TOK, 64, records=[{"__line__": 7, "input": "q"}])  # no hint: not a chat record
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"input": "q", "output": "a"}) + "\n")
+    with pytest.raises(DataError, match=r"p\.jsonl:1: missing field 'conversations' .*set data\.chat=False to read them$"):
+        build_sft_dataset(OmegaConf.create({"file_path": str(path)}), TOK, 64, True, True, key="data.data")
 
 
 def test_pairs_put_the_data_answer_against_the_generation():

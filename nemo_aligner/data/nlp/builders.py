@@ -29,9 +29,10 @@ def build_sft_dataset(ds_cfg, tokenizer, max_seq_length: int, chat: bool, answer
         return PackedDataset(ds_cfg.get("file_path") or ds_cfg.get("file_names"), "sft", seq, tokenizer.vocab_size,
                              f"{key}.file_path")
     records, name = _records(ds_cfg.get("file_path") or ds_cfg.get("file_names"), key)
+    chat_key = key.rsplit(".", 1)[0] + ".chat"  # model.data.train_ds -> model.data.chat
     if chat:
         dataset = GPTSFTChatDataset(name, tokenizer, seq, chat_prompt_tokens=chat_prompt_tokens,
-                                    answer_only_loss=answer_only_loss, records=records)
+                                    answer_only_loss=answer_only_loss, records=records, chat_key=chat_key)
         report_lengths(dataset, key)
         return dataset
     dataset = GPTSFTDataset(
@@ -44,6 +45,7 @@ def build_sft_dataset(ds_cfg, tokenizer, max_seq_length: int, chat: bool, answer
         truncation_method=ds_cfg.get("truncation_method", "right"),
         answer_only_loss=answer_only_loss,
         records=records,
+        chat_key=chat_key,
     )
     report_lengths(dataset, key)
     return dataset

@@ -50,16 +50,16 @@ def truncate(ids: List[int], n_remove: int, method: str) -> List[int]:
 
 
 @contextlib.contextmanager
-def format_hint(record: Dict, chat: bool):
+def format_hint(record: Dict, chat: bool, chat_key: str):
     """A missing field of a record in the other SFT format (a chat record read as prompt/answer, or the
-    reverse) names the ``model.data.chat`` value that reads it."""
+    reverse) names the ``chat_key`` value that reads it."""
     try:
         yield
     except DataError as err:
         if chat and "conversations" not in record and ("input" in record or "output" in record):
-            raise DataError(f"{err}: a prompt/answer record; set model.data.chat=False to read them") from None
+            raise DataError(f"{err}: a prompt/answer record; set {chat_key}=False to read them") from None
         if not chat and "conversations" in record:
-            raise DataError(f"{err}: a chat record; set model.data.chat=True to read them") from None
+            raise DataError(f"{err}: a chat record; set {chat_key}=True to read them") from None
         raise
 
 
@@ -74,7 +74,8 @@ class GPTSFTDataset(torch.utils.data.Dataset):
 
     def __init__(self, file_path: str, tokenizer, max_seq_length: int, prompt_template: str = "{input} {output}",
                  label_key: str = "output", add_bos: bool = False, add_eos: bool = True, add_sep: bool = False,
-                 truncation_method: str = "right", answer_only_loss: bool = True, records=None):
+                 truncation_method: str = "right", answer_only_loss: bool = True, records=None,
+                 chat_key: str = "model.data.chat"):
         self.file_path = file_path
         self.tokenizer = tokenizer
         self.max_seq_length = int(max_seq_length)
@@ -94,7 +95,7 @@ class GPTSFTDataset(torch.utils.data.Dataset):
             template_fields(part)  # each half is formatted on its own
         self.records = records if records is not None else read_jsonl(file_path)
         for record in self.records:
-            with format_hint(record, chat=False):
+            with format_hint(record, False, chat_key):
                 require_fields(record, self.fields, file_path)
                 require_fields(record, [label_key], file_path, non_empty=True)  # no answer: nothing to learn
 
@@ -151,7 +152,8 @@ class GPTSFTChatDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, file_path: str, tokenizer, max_seq_length: int, chat_prompt_tokens: Optional[dict] = None,
-                 add_eos: bool = False, answer_only_loss: bool = True, records=None):
+                 add_eos: bool = False, answer_only_loss: bool = True, records=None,
+                 chat_key: str = "model.data.chat"):
         self.file_path = file_path
         self.tokenizer = tokenizer
         self.max_seq_length = int(max_seq_length)
@@ -160,7 +162,7 @@ class GPTSFTChatDataset(torch.utils.data.Dataset):
         self._warned_empty = False
         self.records = records if records is not None else read_jsonl(file_path)
         for record in self.records:
-            with format_hint(record, chat=True):
+            with format_hint(record, True, chat_key):
                 require_fields(record, ["conversations"], file_path, types=(list,), non_empty=True)
             problem = validate_chat_record(record, f"{record.get('__file__', file_path)}:{record.get('__line__', '?')}")
             if problem:
