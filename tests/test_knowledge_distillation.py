@@ -279,3 +279,32 @@ def test_nemo_aligners_chunked_command(tmp_path, kd_records, base_nemo):
     assert "512 training and 64 validation examples" in out  # both chunks that exist (of 3), every record
     assert "train_with_logits_1.jsonl: 212 records; model.data.n_examples_per_chunk says 300" in out
     assert (tmp_path / "run" / "checkpoints" / "megatron_gpt_knowledge_distillation.nemo").is_file()
+
+
+def test_nemo_aligners_teacher_command_on_chat_data(tmp_path, weak_policy):
+    """NeMo-Aligner's documented compute_topk_logits.py command (sizes and paths changed) parses as it is:
+    chat data renders with its default turn strings (``<extra_id_1>User``), and the keys of its config
+    that change nothing for a forward pass are named in a warning."""
+    from nemo_aligner.utils.tokenizers import ByteTokenizer
+
+    teacher, data = weak_policy
+    out = tmp_path / "train_with_logits_0.jsonl"
+    proc = run_python(TOPK_SCRIPT, [
+        "trainer.num_nodes=1", "trainer.devices=1", f"pretrained_checkpoint.restore_from_path={teacher}",
+        "model.megatron_amp_O2=True", "model.tensor_model_parallel_size=1", "data.chat=True", "data.sample=True",
+        "data.num_workers=0", "data.data.max_seq_length=64", f"data.data.file_path={data['chat_val']}",
+        "data.data.add_eos=False", "data.data.hf_dataset=True", "top_k=4", "model.global_batch_size=16",
+        "model.micro_batch_size=2", "start_from_idx=0", "end_at_idx=3", f"output_path={out}",
+        "model.restore_from_path=other.nemo", "model.answer_only_loss=True", "model.use_flash_attention=True"])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in records] == [0, 1, 2, 3]
+    tok, ids = ByteTokenizer(), records[0]["tokens"] + [records[0]["labels"][-1]]
+
+    def starts_at(part: str) -> list:
+        sub = tok.text_to_ids(part)  # <extra_id_N> is one special token, as in NeMo's tokenizers
+        return [i for i in range(len(ids) - len(sub) + 1) if ids[i:i + len(sub)] == sub]
+
+    assert starts_at("<extra_id_0>System\n") == [0] and starts_at("<extra_id_1>User\n")
+    assert starts_at("<extra_id_1>Assistant\n") and not starts_at("\x11"), tok.ids_to_text(ids)
+    for key in ("model.restore_from_path", "model.answer_only_loss", "model.use_flash_attention"):
+        assert f"{key} is accepted for NeMo-Aligner's commands but changes nothing here" in proc.stdout + proc.stderr, key

@@ -83,6 +83,14 @@ UNREAD: Dict[str, str] = {
     "megatron_amp_O2": "precision follows trainer.precision (bf16/16: fp32 master weights in the optimizer)",
     "dist_ckpt_load_strictness": "checkpoints load strictly: a missing or unexpected tensor is an error naming it",
 }
+# UNREAD for one config only: config name -> full key -> why it changes nothing there.
+UNREAD_IN: Dict[str, Dict[str, str]] = {
+    "compute_topk_logits": {
+        "model.restore_from_path": "the teacher is pretrained_checkpoint.restore_from_path",
+        "model.resume_from_checkpoint": "nothing trains; output_path's records already written are skipped",
+        "model.answer_only_loss": "the records' loss mask covers the answers (as NeMo-Aligner's)",
+    },
+}
 # Subtrees whose contents are data, not keys (data paths, logger kwargs, a tokenizer's settings).
 OPEN_SUBTREES = ("model.data.data_prefix", "exp_manager.wandb_logger_kwargs", "model.tokenizer",
                  "model.overwrite_base_config", "model.optim.sched", "hydra", "model.chat_prompt_tokens")
@@ -324,7 +332,9 @@ def check_keys(cfg: DictConfig, config_name: str, overrides: Iterable[str] = (),
     warn_trt_llm(cfg)
     script = os.path.basename(sys.argv[0]) if sys.argv else ""
     for key in override_keys(overrides):
-        suffix = _suffix_match(key, UNREAD)
+        why = UNREAD_IN.get(config_name, {}).get(key)
+        suffix = None if why else _suffix_match(key, UNREAD)
         if suffix and not UNREAD[suffix].startswith(f"read by {script} "):
-            logger.warning("%s is accepted for NeMo-Aligner's commands but changes nothing here: %s", key,
-                           UNREAD[suffix])
+            why = UNREAD[suffix]
+        if why:
+            logger.warning("%s is accepted for NeMo-Aligner's commands but changes nothing here: %s", key, why)
