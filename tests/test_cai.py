@@ -190,3 +190,28 @@ def test_null_sampling_settings_are_the_defaults(tmp_path, quick_sft):
             *(f"inference.{key}={value}" for key, value in zip(("temperature", "top_k", "top_p"), values))])
         outputs.append(out.read_text())
     assert outputs[0] == outputs[1] and outputs[0].count("\n") == 2
+
+
+def test_megatron_gpt_eval_keys_parse_and_its_absent_features_are_refused(tmp_path, quick_sft):
+    """Every key of NeMo's megatron_gpt_inference.yaml parses at its default (the web page's settings
+    and the top-level micro_batch_size name themselves as changing nothing); loading a training
+    checkpoint (checkpoint_dir, checkpoint_name, hparams_file) and the chat web page are one error line."""
+    nemo_defaults = ["micro_batch_size=-1", "expert_model_parallel_size=-1", "tensor_model_parallel_size=-1",
+                     "pipeline_model_parallel_size=-1", "pipeline_model_parallel_split_rank=-1", "megatron_amp_O2=False",
+                     "checkpoint_dir=null", "checkpoint_name=null", "hparams_file=null", "server=False", "port=5555",
+                     "web_server=False", "share=False", "username=test", "password=test2", "web_port=9889",
+                     "chat=False", "chatbot_config.value=False", "chatbot_config.user=User",
+                     "trainer.logger=False", "trainer.use_distributed_sampler=False"]
+    out = tmp_path / "out.jsonl"
+    proc = run_script("generate_gpt.py", [f"gpt_model_file={quick_sft}", "prompts=['sort cba = ']", f"output_file={out}",
+                                          "inference.tokens_to_generate=4", *nemo_defaults])
+    assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == ["sort cba = "]
+    text = proc.stdout + proc.stderr
+    for key in ("micro_batch_size", "share", "web_port", "chatbot_config.user"):
+        assert f"{key} is accepted for NeMo-Aligner's commands but changes nothing here" in text, key
+    for bad, message in (("checkpoint_dir=/ckpts", "error: checkpoint_dir=/ckpts: generation reads a .nemo (gpt_model_file)"),
+                         ("chat=True", "error: chat=True: NeMo's chat web page is not available")):
+        proc = run_script("generate_gpt.py", [f"gpt_model_file={quick_sft}", "prompts=['x']", bad], check=False)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert len(errors) == 1 and errors[0].startswith(message), errors

@@ -128,10 +128,21 @@ def serve(cfg: DictConfig, model) -> None:
                                               flush=True))
 
 
+def refuse_eval_features(cfg: DictConfig) -> None:
+    """``megatron_gpt_eval.py``'s loading from a training checkpoint and its chat web page are not here."""
+    for key in ("checkpoint_dir", "checkpoint_name", "hparams_file"):
+        if cfg.get(key) is not None:
+            raise ConfigError(f"{key}={cfg.get(key)}: generation reads a .nemo (gpt_model_file); a training run "
+                              f"writes one (exp_manager.checkpoint_callback_params.save_nemo_on_train_end)")
+    if cfg.get("chat"):
+        raise ConfigError("chat=True: NeMo's chat web page is not available; server=True serves the REST API "
+                          "(steerlm.attributes builds SteerLM chat prompts)")
+
+
 def apply_eval_parallel_sizes(cfg: DictConfig) -> None:
     """NeMo's ``megatron_gpt_eval.py`` sets the parallel sizes at the top level
     (``tensor_model_parallel_size=8``); a value other than -1 there sets ``model.*``."""
-    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
         value = cfg.get(key, -1)
         if value is None or value == -1:
             continue
@@ -147,6 +158,7 @@ def run_generate(cfg: DictConfig) -> List[dict]:
     serve NeMo's text generation REST API)."""
     if not cfg.get("gpt_model_file"):
         raise ConfigError("gpt_model_file is required: the .nemo to generate with")
+    refuse_eval_features(cfg)
     apply_eval_parallel_sizes(cfg)
     init_run(cfg, cfg.gpt_model_file, "gpt_model_file")
     if bool(cfg.get("server", False)):

@@ -132,7 +132,8 @@ REFUSED_UNLESS = {
                                                           "split (-1 or 0)"),
 }
 # megatron_gpt_eval.py's top-level parallel sizes: -1 means "keep model.*".
-MINUS_ONE_KEEPS = frozenset({"tensor_model_parallel_size", "pipeline_model_parallel_size"})
+MINUS_ONE_KEEPS = frozenset({"tensor_model_parallel_size", "pipeline_model_parallel_size",
+                             "expert_model_parallel_size", "micro_batch_size"})
 # -1 (or null) means "no limit" for these.
 INTS_OR_UNLIMITED = frozenset({"max_steps", "max_epochs"})
 # Lightning's ``limit_*_batches``: a fraction (float <= 1.0) or a count (int; -1 or null: all).

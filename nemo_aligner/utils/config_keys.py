@@ -90,10 +90,16 @@ UNREAD_IN: Dict[str, Dict[str, str]] = {
         "model.resume_from_checkpoint": "nothing trains; output_path's records already written are skipped",
         "model.answer_only_loss": "the records' loss mask covers the answers (as NeMo-Aligner's)",
     },
+    "gpt_generate": {  # NeMo's megatron_gpt_eval.py keys
+        "micro_batch_size": "prompts are generated batch_size at a time",
+        **{key: "NeMo's Gradio web page is not available (server=True serves the REST API)"
+           for key in ("share", "username", "password", "web_port", "chatbot_config")},
+    },
 }
 # Subtrees whose contents are data, not keys (data paths, logger kwargs, a tokenizer's settings).
 OPEN_SUBTREES = ("model.data.data_prefix", "exp_manager.wandb_logger_kwargs", "model.tokenizer",
-                 "model.overwrite_base_config", "model.optim.sched", "hydra", "model.chat_prompt_tokens")
+                 "model.overwrite_base_config", "model.optim.sched", "hydra", "model.chat_prompt_tokens",
+                 "chatbot_config")
 # model.* keys read by the model builder (from a checkpoint or the run) without a shipped default.
 _MODEL_KEYS_READ = ARCHITECTURE_KEYS + CHECKPOINT_UNLESS_SET + (
     "activations_checkpoint_granularity", "activations_checkpoint_method", "activations_checkpoint_num_layers",
@@ -332,7 +338,8 @@ def check_keys(cfg: DictConfig, config_name: str, overrides: Iterable[str] = (),
     warn_trt_llm(cfg)
     script = os.path.basename(sys.argv[0]) if sys.argv else ""
     for key in override_keys(overrides):
-        why = UNREAD_IN.get(config_name, {}).get(key)
+        why = next((why for name, why in UNREAD_IN.get(config_name, {}).items()
+                    if key == name or key.startswith(name + ".")), None)
         suffix = None if why else _suffix_match(key, UNREAD)
         if suffix and not UNREAD[suffix].startswith(f"read by {script} "):
             why = UNREAD[suffix]
