@@ -131,7 +131,7 @@ REFUSED_UNLESS = {
     "pipeline_model_parallel_split_rank": ((-1, 0, None), "it splits encoder-decoder models; a GPT model has no "
                                                           "split (-1 or 0)"),
 }
-# megatron_gpt_eval.py's top-level parallel sizes: -1 means "keep model.*".
+# megatron_gpt_eval.py's top-level sizes: -1 means "keep model.*" (micro_batch_size: read by nothing).
 MINUS_ONE_KEEPS = frozenset({"tensor_model_parallel_size", "pipeline_model_parallel_size",
                              "expert_model_parallel_size", "micro_batch_size"})
 # -1 (or null) means "no limit" for these.
