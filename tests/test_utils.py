@@ -634,6 +634,28 @@ def test_batch_size_defaults_are_nemo_aligners(name):
         assert OmegaConf.select(cfg, key) not in (None, int(value)), override  # an existing key, a new value
 
 
+@pytest.mark.parametrize("name, metrics, expected", [
+    ("gpt_sft", {"val_loss": 1.25, "validation_loss": 1.25},
+     "megatron_gpt_sft--val_loss=1.250-step=4-consumed_samples=64-epoch=0"),
+    ("training_rm", {"val_loss": 0.5}, "megatron_gpt--val_loss=0.500-step=4-consumed_samples=64-epoch=0"),
+    ("gpt_ppo_actor", {"val_global_rewards": 0.5, "ppo_optimization_step": 8},
+     "megatron_gpt-step=4-consumed_samples=64-ppo_optimization_step=8-epoch=0-val_rewards=0.500"),
+    ("gpt_reinforce_actor", {"val_global_rewards": 0.5, "ppo_optimization_step": 8},
+     "megatron_gpt-step=4-consumed_samples=64-reinforce_optimization_step=8-epoch=0-val_rewards=0.500"),
+])
+def test_checkpoint_names_are_nemo_aligners(name, metrics, expected):
+    """The shipped monitor and filename are NeMo-Aligner's (checkpoint directories get its names) and
+    fill from the metrics the trainers log; the monitor reads the same value."""
+    from nemo_aligner.utils.checkpoint_callback import CheckpointCallback
+    from nemo_aligner.utils.config_keys import load_shipped
+
+    params = load_shipped(name).exp_manager.checkpoint_callback_params
+    values = {"step": 4, "consumed_samples": 64, "epoch": 0, **metrics}
+    assert format_checkpoint_name(params.filename, values) == expected
+    value = CheckpointCallback("/tmp", params.filename, monitor=params.monitor, mode=params.mode).monitor_value(values)
+    assert value == next(v for k, v in metrics.items() if k.startswith("val"))
+
+
 def test_a_layer_spec_name_counts_only_in_megatron_core_checkpoints():
     """NeMo reads ``model.name`` as the layer spec of its megatron-core GPT (``mcore_gpt: True``) and
     ignores it in its older GPT's checkpoints, whose configs may carry any name."""
