@@ -656,6 +656,31 @@ def test_checkpoint_names_are_nemo_aligners(name, metrics, expected):
     assert value == next(v for k, v in metrics.items() if k.startswith("val"))
 
 
+def test_the_checkpoints_architecture_wins_with_a_warning_only_for_what_the_command_line_set(caplog):
+    """The shipped configs' tiny-model shape gives way to a checkpoint's silently; a value the
+    command line set (``model.num_layers=40``) is named in a warning with the checkpoint's."""
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.utils.model_config import merge_checkpoint_config, record_command_line
+
+    ckpt = OmegaConf.create({"mcore_gpt": True, "num_layers": 32, "hidden_size": 4096})
+    run = {"num_layers": 2, "hidden_size": 128, "micro_batch_size": 1}
+    try:
+        for keys, expected in (([], []), (["model.num_layers", "trainer.devices"], ["model.num_layers=2 (the checkpoint has 32)"])):
+            record_command_line(keys)
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="nemo_aligner.utils.model_config"):
+                merged = merge_checkpoint_config(ckpt, OmegaConf.create(run))
+            assert (merged.num_layers, merged.hidden_size) == (32, 4096)
+            assert [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO] == [
+                f"the checkpoint's architecture wins over {e}: architecture keys shape a model built from scratch only"
+                for e in expected]
+    finally:
+        record_command_line([])
+
+
 def test_a_layer_spec_name_counts_only_in_megatron_core_checkpoints():
     """NeMo reads ``model.name`` as the layer spec of its megatron-core GPT (``mcore_gpt: True``) and
     ignores it in its older GPT's checkpoints, whose configs may carry any name."""

@@ -114,6 +114,9 @@ def prepare_config(cfg: DictConfig, config_name: str, args: List[str], extra_key
 
     warn = os.environ.get("NEMO_ALIGNER_SPAWNED") != "1" and read_launch_info().rank == 0
     config_keys.check_keys(cfg, config_name, overrides, warn=warn, shipped=shipped, extra_keys=extra_keys)
+    from nemo_aligner.utils.model_config import record_command_line
+
+    record_command_line(config_keys.override_keys(overrides))
     return cfg
 
 

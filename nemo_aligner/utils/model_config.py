@@ -38,6 +38,16 @@ HEAD_KEYS = ("use_avg_pool",)
 _CHECKPOINT_ONLY = ("mcore_gpt", "dist_ckpt_format", "target", "precision", "nemo_version", "transformer_engine",
                     # the saving run's layout of the experts: the checkpoint loads at any layout
                     "expert_model_parallel_size", "expert_tensor_parallel_size")
+# The model.* keys this process's command line set (``record_command_line``): an architecture value
+# the checkpoint overrides is named in a warning when the user asked for it; the shipped configs'
+# tiny-model shape (for models built from scratch) is overridden silently.
+_COMMAND_LINE_MODEL_KEYS = set()
+
+
+def record_command_line(keys: Iterable[str]) -> None:
+    """Remember which ``model.*`` keys the command line set (``a.b`` keys, as ``override_keys`` gives)."""
+    _COMMAND_LINE_MODEL_KEYS.clear()
+    _COMMAND_LINE_MODEL_KEYS.update(key[len("model."):] for key in keys if key.startswith("model."))
 
 
 def sequence_parallel_on(model_cfg) -> bool:
@@ -72,10 +82,14 @@ def merge_checkpoint_config(ckpt_cfg: DictConfig, run_cfg: DictConfig,
     ignored = []
     for key in architecture_keys:
         if key in run and key in base and run[key] is not None and run[key] != base[key] and key != "tokenizer":
-            ignored.append(f"{key}={base[key]} (config had {run[key]})")
+            ignored.append((key, f"model.{key}={run[key]} (the checkpoint has {base[key]})"))
         run.pop(key, None)
+    asked = [text for key, text in ignored if key in _COMMAND_LINE_MODEL_KEYS]
+    if asked:
+        logger.warning("the checkpoint's architecture wins over %s: architecture keys shape a model built from "
+                       "scratch only", ", ".join(asked))
     if ignored:
-        logger.info("using the checkpoint's architecture: %s", ", ".join(ignored))
+        logger.debug("the checkpoint's architecture over the config's: %s", ", ".join(text for _, text in ignored))
     for key in CHECKPOINT_UNLESS_SET:
         if run.get(key) is None:
             run.pop(key, None)  # null: keep the checkpoint's value
