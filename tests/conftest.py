@@ -123,6 +123,18 @@ def run_as_slurm_tasks(path: str, args, ntasks: int = 2, timeout: int = 300):
     return outputs
 
 
+def run_ppo_local(critic, actor, timeout: int = 900, critic_log=None):
+    """``python -m nemo_aligner.launchers.ppo_local`` with the critic's and the actor's overrides (the
+    critic after the tiny model's batch sizes); asserts it exits 0."""
+    cmd = [sys.executable, "-m", "nemo_aligner.launchers.ppo_local", "--critic", *tiny_batch("serve_ppo_critic.py"),
+           *critic, "--actor", *actor]
+    if critic_log:
+        cmd[3:3] = ["--critic-log", str(critic_log)]
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
 def run_script(name: str, overrides, nproc: int = 1, **kwargs):
     return run_python(os.path.join(SCRIPTS, name), overrides, nproc=nproc, **kwargs)
 

@@ -490,25 +490,18 @@ def test_lora_reward_model_trains_its_head_with_the_adapters(tmp_path, base_nemo
 def test_lora_ppo_actor_and_critic(tmp_path, task_data, quick_rm, quick_sft):
     """PPO with LoRA on both the actor (GRPO's and REINFORCE's model too) and the critic (whose co-located
     reward model is kept as a copy of the adapters and head only): the KL to the reference starts at 0."""
-    import subprocess
-    import sys
-
-    from conftest import subprocess_env, tiny_batch
+    from conftest import run_ppo_local
 
     critic_dir, actor_dir = tmp_path / "critic", tmp_path / "actor"
     data = f"++model.data.data_prefix={{train: [{task_data['prompts_train']}], validation: [{task_data['prompts_val']}]}}"
-    critic = [*tiny_batch("serve_ppo_critic.py"), f"pretrained_checkpoint.restore_from_path={quick_rm}",
-              f"exp_manager.explicit_log_dir={critic_dir}",
+    critic = [f"pretrained_checkpoint.restore_from_path={quick_rm}", f"exp_manager.explicit_log_dir={critic_dir}",
               "model.peft.peft_scheme=lora"]
     actor = [f"pretrained_checkpoint.restore_from_path={quick_sft}", data, f"exp_manager.explicit_log_dir={actor_dir}",
              "trainer.ppo.max_steps=2", "trainer.ppo.max_epochs=100", "model.ppo.num_rollout_samples=16",
              "model.global_batch_size=16", "model.micro_batch_size=8", "model.ppo.rollout_micro_batch_size=16",
              "model.ppo.length_params.max_length=9", "model.ppo.num_val_samples=16", "trainer.ppo.save_interval=2",
              *tiny_optim(1e-3, 1e-6, 0), "model.peft.peft_scheme=lora"]
-    proc = subprocess.run([sys.executable, "-m", "nemo_aligner.launchers.ppo_local", "--critic-log",
-                           str(tmp_path / "critic.log"), "--critic", *critic, "--actor", *actor],
-                          env=subprocess_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    run_ppo_local(critic, actor, timeout=600, critic_log=tmp_path / "critic.log")
     metrics = [r for r in read_metrics(actor_dir) if "train/init_policy_kl" in r]
     assert metrics[0]["train/init_policy_kl"] == pytest.approx(0.0, abs=1e-6) and metrics[1]["train/init_policy_kl"] != 0
     assert all(".adapter_layer." in k for k in _adapter_file(actor_dir / "checkpoints" / "megatron_gpt_ppo_actor.nemo"))

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import SCRIPTS, free_port, read_metrics, run_script, subprocess_env, tiny_batch, tiny_optim
+from conftest import SCRIPTS, free_port, read_metrics, run_ppo_local, run_script, subprocess_env, tiny_batch, tiny_optim
 
 
 @pytest.fixture(scope="module")
@@ -33,22 +33,12 @@ def actor_overrides(data, actor_nemo, log_dir, steps, extra=()):
             "model.ppo.num_val_samples=32", *tiny_optim(1e-5, 1e-6, 0), *extra]
 
 
-def launch(critic, actor, timeout=900, critic_log=None):
-    cmd = [sys.executable, "-m", "nemo_aligner.launchers.ppo_local", "--critic", *tiny_batch("serve_ppo_critic.py"),
-           *critic, "--actor", *actor]
-    if critic_log:
-        cmd[3:3] = ["--critic-log", str(critic_log)]
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc
-
-
 def test_two_steps_checkpoints_and_resume(tmp_path, task_data, quick_rm, quick_sft):
     critic_dir, actor_dir = tmp_path / "critic", tmp_path / "actor"
     critic = [f"pretrained_checkpoint.restore_from_path={quick_rm}", f"exp_manager.explicit_log_dir={critic_dir}"]
     actor = actor_overrides(task_data, quick_sft, actor_dir, 2, ["trainer.ppo.save_interval=2",
                                                                "trainer.ppo.val_check_interval=2"])
-    proc = launch(critic, actor, critic_log=tmp_path / "critic1.log")
+    proc = run_ppo_local(critic, actor, critic_log=tmp_path / "critic1.log")
     assert "PPO finished: 2 steps" in proc.stdout
     metrics = [r for r in read_metrics(actor_dir) if "train/rewards" in r]
     assert [r["step"] for r in metrics] == [1, 2]
@@ -77,7 +67,7 @@ def test_two_steps_checkpoints_and_resume(tmp_path, task_data, quick_rm, quick_s
     actor = actor_overrides(task_data, quick_sft, actor_dir, 4, ["trainer.ppo.save_interval=2",
                                                                "trainer.ppo.val_check_interval=2"])
     first_run_log = (tmp_path / "critic1.log").read_text()
-    proc = launch(critic, actor, critic_log=tmp_path / "critic1.log")  # the same log: appended to
+    proc = run_ppo_local(critic, actor, critic_log=tmp_path / "critic1.log")  # the same log: appended to
     assert "actor resumed at PPO step 2" in proc.stdout + proc.stderr
     log = (tmp_path / "critic1.log").read_text()
     assert log.startswith(first_run_log) and "===== ppo_local: a new run" in log
@@ -100,7 +90,7 @@ def test_reward_rises_on_the_builtin_task(tmp_path, task_data, reward_model, wea
         "trainer.ppo.critic_warmup_steps=3", "model.ppo.num_rollout_samples=128", "model.global_batch_size=64",
         "model.micro_batch_size=16", "model.ppo.rollout_micro_batch_size=32", "model.ppo.num_val_samples=64",
         f"model.seed={seed}"])
-    launch(critic, actor, critic_log=tmp_path / "critic.log")
+    run_ppo_local(critic, actor, critic_log=tmp_path / "critic.log")
     val = {r["step"]: r["val/global_rewards"] for r in read_metrics(tmp_path / "a") if "val/global_rewards" in r}
     assert sorted(val) == [0, 15, 30]
     assert val[30] >= val[0] + 0.3, val
