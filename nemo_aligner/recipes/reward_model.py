@@ -34,9 +34,6 @@ def build_reward_dataset(model, data_cfg, split: str):
     paths = data_prefix_paths(data_cfg, split)
     if paths is None:
         return None
-    impl = str(data_cfg.get("data_impl", "jsonl"))
-    if impl != "jsonl":
-        raise ConfigError(f"model.data.data_impl={impl!r}: only jsonl is supported")
     seq = int(data_cfg.get("seq_length") or model.cfg.encoder_seq_length)
     key = f"model.data.data_prefix.{split}"
     append_eod = bool(data_cfg.get("append_eod", True))

@@ -82,6 +82,8 @@ UNREAD: Dict[str, str] = {
     "mcore_gpt": "every model is a megatron-core GPTModel",
     "megatron_amp_O2": "precision follows trainer.precision (bf16/16: fp32 master weights in the optimizer)",
     "dist_ckpt_load_strictness": "checkpoints load strictly: a missing or unexpected tensor is an error naming it",
+    "dist_ckpt_format": "checkpoints are written in megatron-core's torch_dist format (NeMo reads it); torch_dist "
+                        "and zarr checkpoints are both read",
 }
 # UNREAD for one config only: config name -> full key -> why it changes nothing there.
 UNREAD_IN: Dict[str, Dict[str, str]] = {
