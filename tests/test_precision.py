@@ -141,3 +141,28 @@ def test_checkpoint_and_nemo_round_trip(mcore_single, tmp_path, role, precision)
         assert pc.dtype == pa.dtype and torch.equal(pa, pc), name
     if role in ("reward", "critic"):  # the heads stay float32 in a half-precision model
         assert a.module.rm_head.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("optim_name", ["distributed_fused_adam", "fused_adam"])
+@pytest.mark.parametrize("saved,resumed", [("32", "bf16"), ("bf16", "32")])
+def test_resuming_at_another_precision_is_one_error_naming_both(mcore_single, tmp_path, monkeypatch, saved, resumed,
+                                                                   optim_name):
+    """The optimizer state of a float32 run (no master copies) and of a bf16 run (float32 masters beside
+    bf16 weights) have different layouts: resuming one as the other failed inside megatron-core's
+    loader (a KeyError called the checkpoint damaged, or a traceback); now one error names both."""
+    from nemo_aligner.utils.errors import CheckpointError
+    from nemo_aligner.utils.train_checkpoint import load_train_checkpoint, save_train_checkpoint
+
+    monkeypatch.setitem(OPTIM, "name", optim_name)
+    a = build("sft", saved, seed=0)
+    step(a, sft_batch(1))
+    save_train_checkpoint(str(tmp_path / "ckpt"), a, a.optimizer, a.scheduler, {"step": 1})
+    b = build("sft", resumed, seed=0)
+    names = {"32": r"float32 weights \(trainer.precision=32\)", "bf16": r"bfloat16 weights \(trainer.precision=bf16\)"}
+    with pytest.raises(CheckpointError, match=rf"saved by a run with {names[saved]}; this run's are "
+                                              rf"{names[resumed].replace(' weights', '')}"):
+        load_train_checkpoint(str(tmp_path / "ckpt"), b, b.optimizer, b.scheduler, load_rng=False)
+    c = build("sft", saved, seed=1)  # the same precision resumes
+    load_train_checkpoint(str(tmp_path / "ckpt"), c, c.optimizer, c.scheduler, load_rng=False)
+    for (name, pa), pc in zip(a.module.named_parameters(), c.module.parameters()):
+        assert torch.equal(pa, pc), name

@@ -164,8 +164,31 @@ def _model_state(model) -> dict:
     return select() if select is not None else model.sharded_state_dict()
 
 
+# trainer.precision of a run whose weights have this dtype
+_PRECISION_OF = {"float32": "32", "bfloat16": "bf16", "float16": "16"}
+
+
+def _weights_dtype(model) -> str:
+    """The dtype of the model's weights (``float32``, ``bfloat16``, ...): trainer.precision decides it,
+    and with it the layout of the optimizer state (float32 master copies beside half-precision weights)."""
+    return str(next(getattr(model, "module", model).parameters()).dtype).replace("torch.", "")
+
+
+def check_weights_dtype(directory: str, saved: dict, model) -> None:
+    """A checkpoint saved at another precision is an error naming both: its optimizer state has another
+    layout (checkpoints from before this field: no check)."""
+    then, now = saved.get("weights_dtype"), _weights_dtype(model)
+    if then is not None and then != now:
+        raise CheckpointError(
+            f"checkpoint {directory} was saved by a run with {then} weights (trainer.precision="
+            f"{_PRECISION_OF.get(then, then)}); this run's are {now} (trainer.precision={_PRECISION_OF.get(now, now)}) "
+            "and the optimizer state does not carry over between them: resume with the precision it was saved "
+            "with, or start a new run in another exp_manager.explicit_log_dir")
+
+
 def save_train_checkpoint(directory: str, model, optimizer, scheduler, trainer_state: dict) -> None:
     """Collective: write a complete training checkpoint to ``directory`` (atomically)."""
+    trainer_state = {**trainer_state, "weights_dtype": _weights_dtype(model)}
     model_sd = _model_state(model)
     sharded = {"state_dict": {**model_sd, **_extras(model, model_sd)}}
     opt_sd = _optimizer_sharded(model, optimizer, model_sd, is_loading=False)
@@ -253,6 +276,8 @@ def load_train_checkpoint(directory: str, model, optimizer, scheduler, load_rng:
         raise CheckpointError(f"{directory}: not a training checkpoint (no {TRAINER_STATE})")
     if identity is not None:
         check_resumed_run(directory, state, identity, key)
+    if optimizer is not None:
+        check_weights_dtype(directory, state, model)
     model_sd = _model_state(model)
     extras = _extras(model, model_sd)
     sharded = {"state_dict": {**model_sd, **extras}}
