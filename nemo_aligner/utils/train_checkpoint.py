@@ -174,21 +174,40 @@ def _weights_dtype(model) -> str:
     return str(next(getattr(model, "module", model).parameters()).dtype).replace("torch.", "")
 
 
-def check_weights_dtype(directory: str, saved: dict, model) -> None:
-    """A checkpoint saved at another precision is an error naming both: its optimizer state has another
-    layout (checkpoints from before this field: no check)."""
-    then, now = saved.get("weights_dtype"), _weights_dtype(model)
-    if then is not None and then != now:
+def _optimizer_layout(model) -> dict:
+    """What decides the layout of the optimizer state, saved with each checkpoint."""
+    optim = model.cfg.get("optim") or {}
+    return {"weights_dtype": _weights_dtype(model), "distributed_optimizer": uses_distributed_optimizer(optim),
+            "optim_name": str(optim.get("name"))}
+
+
+def check_optimizer_layout(directory: str, saved: dict, model) -> None:
+    """A checkpoint whose optimizer state has another layout (another precision, or a distributed
+    optimizer against a plain one) is an error naming both sides (checkpoints from before these
+    fields: no check)."""
+    now = _optimizer_layout(model)
+    fix = ("the optimizer state does not carry over between them: resume with the setting it was saved with, "
+           "or start a new run in another exp_manager.explicit_log_dir")
+    then_dtype = saved.get("weights_dtype")
+    if then_dtype is not None and then_dtype != now["weights_dtype"]:
         raise CheckpointError(
-            f"checkpoint {directory} was saved by a run with {then} weights (trainer.precision="
-            f"{_PRECISION_OF.get(then, then)}); this run's are {now} (trainer.precision={_PRECISION_OF.get(now, now)}) "
-            "and the optimizer state does not carry over between them: resume with the precision it was saved "
-            "with, or start a new run in another exp_manager.explicit_log_dir")
+            f"checkpoint {directory} was saved by a run with {then_dtype} weights (trainer.precision="
+            f"{_PRECISION_OF.get(then_dtype, then_dtype)}); this run's are {now['weights_dtype']} (trainer.precision="
+            f"{_PRECISION_OF.get(now['weights_dtype'], now['weights_dtype'])}) and {fix}")
+    then_distributed = saved.get("distributed_optimizer")
+    if then_distributed is not None and then_distributed != now["distributed_optimizer"]:
+        def kind(distributed: bool) -> str:
+            return "a distributed optimizer" if distributed else "a plain (not distributed) optimizer"
+
+        raise CheckpointError(
+            f"checkpoint {directory} was saved with {kind(then_distributed)} (model.optim.name="
+            f"{saved.get('optim_name')}); this run has {kind(now['distributed_optimizer'])} (model.optim.name="
+            f"{now['optim_name']}) and {fix}")
 
 
 def save_train_checkpoint(directory: str, model, optimizer, scheduler, trainer_state: dict) -> None:
     """Collective: write a complete training checkpoint to ``directory`` (atomically)."""
-    trainer_state = {**trainer_state, "weights_dtype": _weights_dtype(model)}
+    trainer_state = {**trainer_state, **_optimizer_layout(model)}
     model_sd = _model_state(model)
     sharded = {"state_dict": {**model_sd, **_extras(model, model_sd)}}
     opt_sd = _optimizer_sharded(model, optimizer, model_sd, is_loading=False)
@@ -277,7 +296,7 @@ def load_train_checkpoint(directory: str, model, optimizer, scheduler, load_rng:
     if identity is not None:
         check_resumed_run(directory, state, identity, key)
     if optimizer is not None:
-        check_weights_dtype(directory, state, model)
+        check_optimizer_layout(directory, state, model)
     model_sd = _model_state(model)
     extras = _extras(model, model_sd)
     sharded = {"state_dict": {**model_sd, **extras}}
