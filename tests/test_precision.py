@@ -169,11 +169,11 @@ def test_resuming_at_another_precision_is_one_error_naming_both(mcore_single, tm
 
 
 @pytest.mark.parametrize("saved,resumed", [("fused_adam", "distributed_fused_adam"),
-                                           ("distributed_fused_adam", "fused_adam")])
+                                           ("distributed_fused_adam", "fused_adam"), ("sgd", "adamw")])
 def test_resuming_with_another_kind_of_optimizer_is_one_error_naming_both(mcore_single, tmp_path, monkeypatch, saved,
                                                                           resumed):
-    """A distributed optimizer's state (flat buffers per bucket) and a plain one's (per parameter) do not
-    load into each other: one error names both model.optim.name values."""
+    """A distributed optimizer's state (flat buffers per bucket) and a plain one's (per parameter), or
+    SGD's and Adam's, do not load into each other: one error names both model.optim.name values."""
     from nemo_aligner.utils.errors import CheckpointError
     from nemo_aligner.utils.train_checkpoint import load_train_checkpoint, save_train_checkpoint
 
@@ -183,7 +183,8 @@ def test_resuming_with_another_kind_of_optimizer_is_one_error_naming_both(mcore_
     save_train_checkpoint(str(tmp_path / "ckpt"), a, a.optimizer, a.scheduler, {"step": 1})
     monkeypatch.setitem(OPTIM, "name", resumed)
     b = build("sft", "32", seed=0)
-    kind = {"fused_adam": "a plain \\(not distributed\\) optimizer", "distributed_fused_adam": "a distributed optimizer"}
+    kind = {"fused_adam": "a plain \\(not distributed\\) Adam optimizer", "adamw": "a plain \\(not distributed\\) Adam optimizer",
+            "sgd": "a plain \\(not distributed\\) SGD optimizer", "distributed_fused_adam": "a distributed Adam optimizer"}
     with pytest.raises(CheckpointError, match=rf"saved with {kind[saved]} \(model.optim.name={saved}\); this run has "
                                               rf"{kind[resumed]} \(model.optim.name={resumed}\)"):
         load_train_checkpoint(str(tmp_path / "ckpt"), b, b.optimizer, b.scheduler, load_rng=False)

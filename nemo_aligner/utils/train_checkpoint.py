@@ -177,13 +177,19 @@ def _weights_dtype(model) -> str:
 def _optimizer_layout(model) -> dict:
     """What decides the layout of the optimizer state, saved with each checkpoint."""
     optim = model.cfg.get("optim") or {}
+    name = str(optim.get("name", "fused_adam"))
     return {"weights_dtype": _weights_dtype(model), "distributed_optimizer": uses_distributed_optimizer(optim),
-            "optim_name": str(optim.get("name"))}
+            "optimizer": "sgd" if name.lower() == "sgd" else "adam", "optim_name": name}
+
+
+def _optimizer_kind(layout: dict) -> str:
+    where = "a distributed" if layout.get("distributed_optimizer") else "a plain (not distributed)"
+    return f"{where} {'SGD' if layout.get('optimizer') == 'sgd' else 'Adam'} optimizer"
 
 
 def check_optimizer_layout(directory: str, saved: dict, model) -> None:
-    """A checkpoint whose optimizer state has another layout (another precision, or a distributed
-    optimizer against a plain one) is an error naming both sides (checkpoints from before these
+    """A checkpoint whose optimizer state has another layout (another precision, a distributed optimizer
+    against a plain one, SGD against Adam) is an error naming both sides (checkpoints from before these
     fields: no check)."""
     now = _optimizer_layout(model)
     fix = ("the optimizer state does not carry over between them: resume with the setting it was saved with, "
@@ -194,15 +200,11 @@ def check_optimizer_layout(directory: str, saved: dict, model) -> None:
             f"checkpoint {directory} was saved by a run with {then_dtype} weights (trainer.precision="
             f"{_PRECISION_OF.get(then_dtype, then_dtype)}); this run's are {now['weights_dtype']} (trainer.precision="
             f"{_PRECISION_OF.get(now['weights_dtype'], now['weights_dtype'])}) and {fix}")
-    then_distributed = saved.get("distributed_optimizer")
-    if then_distributed is not None and then_distributed != now["distributed_optimizer"]:
-        def kind(distributed: bool) -> str:
-            return "a distributed optimizer" if distributed else "a plain (not distributed) optimizer"
-
+    if "distributed_optimizer" in saved and _optimizer_kind(saved) != _optimizer_kind(now):
         raise CheckpointError(
-            f"checkpoint {directory} was saved with {kind(then_distributed)} (model.optim.name="
-            f"{saved.get('optim_name')}); this run has {kind(now['distributed_optimizer'])} (model.optim.name="
-            f"{now['optim_name']}) and {fix}")
+            f"checkpoint {directory} was saved with {_optimizer_kind(saved)} (model.optim.name="
+            f"{saved.get('optim_name')}); this run has {_optimizer_kind(now)} (model.optim.name={now['optim_name']}) "
+            f"and {fix}")
 
 
 def save_train_checkpoint(directory: str, model, optimizer, scheduler, trainer_state: dict) -> None:
