@@ -222,3 +222,23 @@ def test_agent_shared_store_listens_on_its_address_only(form):
     with pytest.raises(OSError):  # still bound: nobody else can take the port
         socket.create_server(("127.0.0.1", store.port))
     assert DynamicRendezvousHandler._create_tcp_store_server.__name__ == "_create_tcp_store_server"
+
+
+def test_ranks_that_tp_x_pp_cannot_divide_are_refused_before_any_starts(monkeypatch):
+    """``trainer.devices=2`` with TP=2 x PP=2: one error in the supervising process, no ranks started
+    (each rank used to load the model and print the same error)."""
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.utils import self_launch
+
+    monkeypatch.setattr(self_launch, "launched_by_a_launcher", lambda: False)
+    started = []
+    monkeypatch.setattr(self_launch, "spawn_ranks", lambda nproc, argv=None: started.append(nproc) or 0)
+    trainer = OmegaConf.create({"devices": 2, "num_nodes": 1})
+    model = OmegaConf.create({"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2})
+    with pytest.raises(ConfigError, match=r"^trainer.devices=2 \(2 ranks\) is not divisible by "
+                                          r"model.tensor_model_parallel_size=2 x model.pipeline_model_parallel_size=2$"):
+        self_launch.maybe_spawn(trainer, ["train.py"], model_cfg=model)
+    assert started == []
+    OmegaConf.update(model, "pipeline_model_parallel_size", 1)
+    assert self_launch.maybe_spawn(trainer, ["train.py"], model_cfg=model) == 0 and started == [2]

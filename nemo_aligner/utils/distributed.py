@@ -49,16 +49,22 @@ def check_world_size(world_size: int, devices: int, num_nodes: int) -> None:
         )
 
 
-def check_parallel_sizes(world_size: int, tp: int, pp: int, num_attention_heads: int,
-                         num_query_groups: Optional[int], num_layers: int) -> int:
-    """Validate TP/PP against the world size and the model; returns the data-parallel size."""
+def check_divisible(world_size: int, tp: int, pp: int, what: Optional[str] = None) -> None:
+    """The world size must be a multiple of TP x PP (the model-parallel group size); ``what`` names
+    where the world size comes from (default: "world size N")."""
     if tp < 1 or pp < 1:
         raise ConfigError("model.tensor_model_parallel_size and model.pipeline_model_parallel_size must be >= 1")
     if world_size % (tp * pp) != 0:
         raise ConfigError(
-            f"world size {world_size} is not divisible by model.tensor_model_parallel_size={tp} x "
+            f"{what or f'world size {world_size}'} is not divisible by model.tensor_model_parallel_size={tp} x "
             f"model.pipeline_model_parallel_size={pp}"
         )
+
+
+def check_parallel_sizes(world_size: int, tp: int, pp: int, num_attention_heads: int,
+                         num_query_groups: Optional[int], num_layers: int) -> int:
+    """Validate TP/PP against the world size and the model; returns the data-parallel size."""
+    check_divisible(world_size, tp, pp)
     if num_attention_heads % tp != 0:
         raise ConfigError(
             f"model.tensor_model_parallel_size={tp} does not divide model.num_attention_heads={num_attention_heads}"

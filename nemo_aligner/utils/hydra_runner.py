@@ -149,7 +149,7 @@ def hydra_runner(config_path: str, config_name: str, extra_keys=()) -> Callable:
         def guarded(cfg: DictConfig):
             try:
                 cfg = prepare_config(cfg, config_name, command_line[1:], extra_keys, config_dir())
-                spawned = maybe_spawn(cfg.get("trainer"), argv=command_line)
+                spawned = maybe_spawn(cfg.get("trainer"), argv=command_line, model_cfg=cfg.get("model"))
                 if spawned is not None:  # this process started the ranks and waited for them
                     sys.exit(spawned)
                 result = task(cfg)

@@ -122,11 +122,12 @@ def spawn_ranks(nproc: int, argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-def maybe_spawn(trainer_cfg, argv: Optional[List[str]] = None) -> Optional[int]:
+def maybe_spawn(trainer_cfg, argv: Optional[List[str]] = None, model_cfg=None) -> Optional[int]:
     """Start the ranks ``trainer.devices`` asks for when no launcher started this process.
 
     Returns the exit status to leave with when it did (this process only supervised), or None to run
-    the job in this process (one rank, or a launcher already started the ranks)."""
+    the job in this process (one rank, or a launcher already started the ranks). ``model_cfg``: its
+    TP x PP must divide the ranks' number, checked before any starts."""
     if launched_by_a_launcher():
         return None
     devices = trainer_cfg.get("devices", 1) if trainer_cfg is not None else 1
@@ -134,5 +135,11 @@ def maybe_spawn(trainer_cfg, argv: Optional[List[str]] = None) -> Optional[int]:
     nproc = ranks_to_start(devices, num_nodes)
     if nproc <= 1:
         return None
+    if model_cfg is not None:
+        from nemo_aligner.utils.distributed import check_divisible
+
+        sizes = [model_cfg.get(key, 1) for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size")]
+        if all(isinstance(size, int) and not isinstance(size, bool) for size in sizes):
+            check_divisible(nproc, *(size or 1 for size in sizes), what=f"trainer.devices={devices} ({nproc} ranks)")
     logger.info("starting %d ranks on this machine (trainer.devices=%s)", nproc, devices)
     return spawn_ranks(nproc, argv)
