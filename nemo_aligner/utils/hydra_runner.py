@@ -27,14 +27,34 @@ _HYDRA_DEFAULTS = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_log
 _OTHER_RANK_EXIT_DELAY_S = 3.0
 
 
-def report_user_error(err: Exception) -> None:
-    """Print ``error: ...`` without a traceback and exit 1 (all ranks, so torchrun stops the job)."""
+def _rank() -> Optional[int]:
     import torch.distributed as dist
 
-    rank = dist.get_rank() if dist.is_initialized() else (int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit()
-                                                          else None)
+    if dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None
+
+
+def report_interrupt() -> None:
+    """Ctrl-C (SIGINT): one line from rank 0, no traceback, exit status 130 (128 + SIGINT) on every
+    rank. Nothing is saved; SIGTERM is the signal that stops a trainer after its step with a checkpoint."""
+    if _rank() in (None, 0):
+        print("interrupted (Ctrl-C): stopped without saving; to stop a trainer after its current step with a "
+              "checkpoint, send SIGTERM instead (kill <pid>)", file=sys.stderr, flush=True)
+    _leave(130)
+
+
+def report_user_error(err: Exception) -> None:
+    """Print ``error: ...`` without a traceback and exit 1 (all ranks, so torchrun stops the job)."""
+    rank = _rank()
     prefix = f"[rank {rank}] " if rank not in (None, 0) else ""
     print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
+    _leave(1, rank)
+
+
+def _leave(status: int, rank: Optional[int] = None) -> None:
+    import torch.distributed as dist
+
     if dist.is_initialized() and dist.get_world_size() > 1:
         # Other ranks may be waiting in a collective; leave so the launcher tears the job down. A rank
         # other than 0 waits a moment first: rank 0 usually meets the same error a little later (it
@@ -43,8 +63,8 @@ def report_user_error(err: Exception) -> None:
         sys.stdout.flush()
         if rank not in (None, 0):
             time.sleep(_OTHER_RANK_EXIT_DELAY_S)
-        os._exit(1)
-    sys.exit(1)
+        os._exit(status)
+    sys.exit(status)
 
 
 def run_cli(main: Callable[[], object]) -> None:
@@ -53,6 +73,8 @@ def run_cli(main: Callable[[], object]) -> None:
         main()
     except AlignerError as err:
         report_user_error(err)
+    except KeyboardInterrupt:
+        report_interrupt()
 
 
 # Hydra's command-line flags and whether each takes a value (``--cfg`` and ``--info`` may or may not).
@@ -159,6 +181,8 @@ def hydra_runner(config_path: str, config_name: str, extra_keys=()) -> Callable:
                 report_user_error(err)
             except MissingMandatoryValue as err:  # a '???' in the yaml that the command line did not set
                 report_user_error(ConfigError(f"{err.full_key or err} is required"))
+            except KeyboardInterrupt:
+                report_interrupt()
 
         @functools.wraps(task)
         def wrapper(cfg: Optional[DictConfig] = None):

@@ -8,7 +8,8 @@ module per concern, applied from here only:
   ``cpu_compat`` (megatron-core on a machine without CUDA), ``checkpoint_results`` (synchronous
   checkpoint writes report through an in-process queue), ``moe_without_te`` (megatron-core's MoE
   router where Transformer Engine is absent), ``moe_equal_tokens`` (MoE layers with experts split
-  over ranks that hold different numbers of tokens).
+  over ranks that hold different numbers of tokens), ``stop_signal_dumps`` (no stack dump on
+  SIGINT/SIGTERM from megatron-core's inference coordinator, which the CPU patches import).
 - :func:`use_lean_rope` (by the GPT builder, which owns the replacement): ``rope``.
 - :func:`use_sentencepiece_schema` (before transformers reads a sentencepiece model):
   ``sentencepiece_schema``, the model file's protobuf schema where sentencepiece's own module
@@ -34,13 +35,15 @@ def apply_at_import() -> None:
 def apply() -> bool:
     """Start-up patches; returns whether the CPU patches were applied (no CUDA here)."""
     from nemo_aligner.utils.patches.checkpoint_results import use_in_process_results_queue
-    from nemo_aligner.utils.patches import moe_equal_tokens, moe_without_te
+    from nemo_aligner.utils.patches import moe_equal_tokens, moe_without_te, stop_signal_dumps
     from nemo_aligner.utils.patches.cpu_compat import apply_cpu_patches
 
     use_in_process_results_queue()
     moe_without_te.install()
     moe_equal_tokens.install()
-    return apply_cpu_patches()
+    applied = apply_cpu_patches()
+    stop_signal_dumps.install()  # after the imports above: the CPU patches import the inference engines
+    return applied
 
 
 def use_sentencepiece_schema() -> None:
