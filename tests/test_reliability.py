@@ -419,32 +419,59 @@ def test_chaos_short_run(tmp_path):
     assert "kills  resumed  checkpoints lost" in proc.stdout and "SFT kill 1/2 (save" in proc.stdout
 
 
-def test_ctrl_c_stops_every_rank_with_one_line_and_status_130(tmp_path, builtin_data):
-    """Ctrl-C in a terminal (SIGINT to the whole process group) on a run that started its own ranks:
-    one "interrupted" line, exit status 130, no traceback and no stack dump (megatron-core's inference
-    coordinator, imported by the CPU patches, registers faulthandler on SIGINT and SIGTERM)."""
+def _two_rank_sft(tmp_path, builtin_data):
+    """``train_gpt_sft.py trainer.devices=2`` (the script starts its ranks) in its own process group,
+    returned once it has logged 3 steps, with its log file and log directory."""
     log_dir = tmp_path / "sft"
     args = [sys.executable, os.path.join(SCRIPTS, "train_gpt_sft.py"), "trainer.devices=2",
             f"model.data.train_ds.file_path={builtin_data['sft_train']}",
             f"model.data.validation_ds.file_path={builtin_data['sft_val']}", f"exp_manager.explicit_log_dir={log_dir}",
             "trainer.sft.max_steps=100000", "trainer.sft.max_epochs=10000", "trainer.sft.val_check_interval=0",
             "model.data.train_ds.global_batch_size=8", "model.data.train_ds.micro_batch_size=4"]
-    out = open(tmp_path / "run.log", "w+")
-    proc = subprocess.Popen(args, env=subprocess_env(2), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.time() + 180
-        while not (log_dir / "metrics.jsonl").exists() or len(read_metrics(log_dir)) < 3:
-            assert proc.poll() is None and time.time() < deadline, (tmp_path / "run.log").read_text()[-3000:]
-            time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=60) == 130, (tmp_path / "run.log").read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
+    log = tmp_path / "run.log"
+    proc = subprocess.Popen(args, env=subprocess_env(2), stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.time() + 180
+    while not (log_dir / "metrics.jsonl").exists() or len(read_metrics(log_dir)) < 3:
+        if proc.poll() is not None or time.time() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    text = (tmp_path / "run.log").read_text()
+            raise AssertionError(log.read_text()[-3000:])
+        time.sleep(0.2)
+    return proc, log, log_dir
+
+
+def _wait(proc, log) -> int:
+    try:
+        return proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise AssertionError(log.read_text()[-3000:])
+
+
+def test_ctrl_c_stops_every_rank_with_one_line_and_status_130(tmp_path, builtin_data):
+    """Ctrl-C in a terminal (SIGINT to the whole process group) on a run that started its own ranks:
+    one "interrupted" line, exit status 130, no traceback and no stack dump (megatron-core's inference
+    coordinator, imported by the CPU patches, registers faulthandler on SIGINT and SIGTERM)."""
+    proc, log, _ = _two_rank_sft(tmp_path, builtin_data)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert _wait(proc, log) == 130, log.read_text()[-3000:]
+    text = log.read_text()
     assert text.count("interrupted (Ctrl-C): stopped without saving") == 1, text[-3000:]
     assert "Traceback" not in text and "Stack (most recent call first)" not in text, text[-3000:]
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the supervisor", "SIGUSR1 to every process"])
+def test_a_stop_signal_to_a_run_that_started_its_ranks_saves_and_exits_0(tmp_path, builtin_data, how):
+    """As a single process does: the ranks finish their step and save, and the supervising process
+    waits for them (no 30 s limit) and exits 0; torch's agent would stop them and exit 143."""
+    proc, log, log_dir = _two_rank_sft(tmp_path, builtin_data)
+    sig = signal.SIGUSR1 if "SIGUSR1" in how else signal.SIGTERM
+    (os.killpg if "every" in how else os.kill)(proc.pid, sig)
+    assert _wait(proc, log) == 0, log.read_text()[-3000:]
+    stopped_at = max(r["step"] for r in read_metrics(log_dir) if "train/loss" in r)
+    assert any(f"step={stopped_at}-" in c for c in os.listdir(log_dir / "checkpoints")), log.read_text()[-3000:]
+    assert "Traceback" not in log.read_text()
 
 
 def test_megatron_cores_signal_stack_dumps_are_undone_and_handlers_kept():

@@ -7,10 +7,13 @@ behind ``torchrun``; the first process only supervises them and exits with the w
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import sys
 import tempfile
+import threading
 import uuid
 from typing import List, Optional
 
@@ -67,6 +70,67 @@ def worker_command(argv: Optional[List[str]] = None) -> List[str]:
     return ["-u", os.path.abspath(argv[0]), *argv[1:]]
 
 
+def _child_pids() -> List[int]:
+    """The processes this one started (its ranks), from /proc."""
+    me, children = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):  # gone meanwhile
+                continue
+            if ppid == me:
+                children.append(int(entry))
+    return children
+
+
+# Stop signals the supervising process passes on to the ranks and then keeps waiting for them; the
+# ones torch's agent handles (it stops the ranks: the signal passed on, SIGKILL after 30 s).
+_PASSED_ON = (signal.SIGTERM, signal.SIGUSR1)
+_AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
+
+
+@contextlib.contextmanager
+def ranks_finish_their_stop():
+    """SIGTERM or SIGUSR1 to the supervising process go on to the ranks, which finish their step, save a
+    checkpoint and exit 0; this process keeps waiting for them (however long the save takes) and exits
+    with their status, as a single-process run does. A second SIGTERM stops them as torch's agent does
+    (the signal passed on, SIGKILL after 30 s). Torch's agent keeps SIGINT/SIGHUP/SIGQUIT (Ctrl-C). Where
+    the agent cannot leave SIGTERM alone (a torch that reads neither ``LaunchConfig.signals_to_handle``
+    nor ``TORCHELASTIC_SIGNALS_TO_HANDLE``) or /proc is absent, the agent's own handling applies."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    if not os.path.isdir("/proc") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    passed = set()
+
+    def pass_on(signum, frame):
+        if signum == signal.SIGTERM and signum in passed:
+            raise SignalException(f"Process {os.getpid()} got signal: {signal.Signals(signum)}",
+                                  sigval=signal.Signals(signum))
+        passed.add(signum)
+        for pid in _child_pids():
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    previous_env = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = _AGENT_SIGNALS
+    previous = {sig: signal.signal(sig, pass_on) for sig in _PASSED_ON}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if previous_env is None:
+            os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
+        else:
+            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = previous_env
+
+
 def spawn_ranks(nproc: int, argv: Optional[List[str]] = None) -> int:
     """Run ``nproc`` copies of this command under torch's elastic agent on this machine; returns the
     exit status for this (supervising) process: 0, or the first failed worker's code."""
@@ -83,6 +147,8 @@ def spawn_ranks(nproc: int, argv: Optional[List[str]] = None) -> int:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ["NEMO_ALIGNER_SPAWNED"] = "1"  # the ranks: start-up warnings were printed here already
     extra = {"local_addr": "127.0.0.1"} if "local_addr" in LaunchConfig.__dataclass_fields__ else {}
+    if "signals_to_handle" in LaunchConfig.__dataclass_fields__:  # else read from the environment
+        extra["signals_to_handle"] = _AGENT_SIGNALS
     # The agent's per-rank error files go to a directory removed afterwards (torch's default leaves
     # a /tmp/torchelastic_* directory behind per run); a failed rank has printed its error already.
     logs = tempfile.TemporaryDirectory(prefix="nemo_aligner_ranks_")
@@ -103,7 +169,7 @@ def spawn_ranks(nproc: int, argv: Optional[List[str]] = None) -> int:
         monitor_interval=0.2,
     )
     try:
-        with stores_bound_to_their_host() as shared:
+        with stores_bound_to_their_host() as shared, ranks_finish_their_stop():
             # The agent's store, already listening, is the ranks' MASTER_PORT: no port is chosen,
             # released and bound again later (another process may take it in between).
             if not shared:
