@@ -323,6 +323,39 @@ def test_ppo_local_splits_the_cores_between_its_jobs(monkeypatch):
     assert job_env(2, {"OMP_NUM_THREADS": ""})["OMP_NUM_THREADS"] == "8"  # empty counts as unset
 
 
+def test_ppo_local_passes_stop_signals_on():
+    """SIGTERM/SIGINT to both jobs; SIGUSR1 (the actor's save-and-stop) to the actor only (the server's
+    default action for it would kill it), or as SIGTERM to the server before the actor starts; jobs that
+    have exited get nothing."""
+    import signal
+
+    from nemo_aligner.launchers.ppo_local import pass_on
+
+    class Job:
+        def __init__(self, running=True):
+            self.running, self.got = running, []
+
+        def poll(self):
+            return None if self.running else 0
+
+        def send_signal(self, sig):
+            self.got.append(sig)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        actor, critic = Job(), Job()
+        pass_on(sig, actor, critic)
+        assert actor.got == [sig] and critic.got == [sig]
+    actor, critic = Job(), Job()
+    pass_on(signal.SIGUSR1, actor, critic)
+    assert actor.got == [signal.SIGUSR1] and critic.got == []
+    critic = Job()
+    pass_on(signal.SIGUSR1, None, critic)
+    assert critic.got == [signal.SIGTERM]
+    actor, critic = Job(running=False), Job()
+    pass_on(signal.SIGUSR1, actor, critic)
+    assert actor.got == [] and critic.got == [signal.SIGTERM]
+
+
 def test_demo_report_table_and_curves(tmp_path, capsys):
     """The demo's summary: first and last of the training metrics, each policy's task and reward-model
     scores with their change from the SFT model's, the half-gap target, and report.png written."""

@@ -11,7 +11,7 @@ are split evenly between the processes of both jobs: they run at the same time (
 while the actor generates and trains), and each torch process would otherwise use every core. The
 server is stopped with SIGTERM after the actor has exited, whatever happened to it (the critic
 saves only together with the actor, so the two checkpoints stay in step); the exit status is the
-actor's.
+actor's. SIGTERM and SIGINT go on to both jobs, SIGUSR1 to the actor (it saves and stops).
 """
 
 from __future__ import annotations
@@ -79,6 +79,20 @@ def wait_ready(proc: subprocess.Popen, log_path: str, timeout_s: float, offset: 
     raise RuntimeError(f"the critic server was not ready after {timeout_s:.0f}s; see {log_path}")
 
 
+def pass_on(signum: int, actor: Optional[subprocess.Popen], critic: subprocess.Popen) -> None:
+    """A stop signal this launcher received, to the jobs still running: SIGTERM and SIGINT to both,
+    SIGUSR1 (the actor's "save and stop", Slurm's ``--signal``; the server has none) to the actor, or as
+    SIGTERM to the server while the actor has not started."""
+    if signum == signal.SIGUSR1:
+        if actor is not None and actor.poll() is None:
+            actor.send_signal(signum)
+            return
+        signum = signal.SIGTERM
+    for proc in (actor, critic):
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signum)
+
+
 def run(critic_overrides: List[str], actor_overrides: List[str], critic_nproc: int = 1, actor_nproc: int = 1,
         port: Optional[int] = None, critic_log: Optional[str] = None, ready_timeout_s: float = 600.0) -> int:
     port = port or free_port()
@@ -102,11 +116,9 @@ def run(critic_overrides: List[str], actor_overrides: List[str], critic_nproc: i
     previous = {}
 
     def forward(signum, frame):
-        for proc in (actor, critic):
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signum)
+        pass_on(signum, actor, critic)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         previous[sig] = signal.signal(sig, forward)
     try:
         wait_ready(critic, log_path, ready_timeout_s, offset)

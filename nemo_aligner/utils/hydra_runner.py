@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import sys
 import time
 from typing import Callable, List, Optional, Tuple
@@ -38,6 +39,10 @@ def _rank() -> Optional[int]:
 def report_interrupt() -> None:
     """Ctrl-C (SIGINT): one line from rank 0, no traceback, exit status 130 (128 + SIGINT) on every
     rank. Nothing is saved; SIGTERM is the signal that stops a trainer after its step with a checkpoint."""
+    try:  # a second Ctrl-C (or a launcher passing it on) while leaving
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        pass
     if _rank() in (None, 0):
         print("interrupted (Ctrl-C): stopped without saving; to stop a trainer after its current step with a "
               "checkpoint, send SIGTERM instead (kill <pid>)", file=sys.stderr, flush=True)
