@@ -160,7 +160,8 @@ _HUGE = {"inputs": [{"name": "tokens", "shape": [64, 100_000_000_000], "datatype
                    {"name": "sequence_lengths", "shape": [64, 1], "datatype": "INT64", "data": [1] * 64}]}
 CRAFTED_REQUESTS = {  # method, path, body, status, message (the server's inputs.max_sequence_length: 128)
     "huge-declared-shape": ("POST", "/v2/models/reward_model/infer", json.dumps(_HUGE), 400,
-                            "more than 512 elements per row"),
+                            "more than 512 elements per row, more than this server takes (4 x the 128 tokens it "
+                            "scores; a client's pad_to_length (remote_critic_rm, remote_rm) must not exceed that)"),
     "model-unload": ("POST", "/v2/repository/models/reward_model/unload", "{}", 403, "not served here"),
     "header-not-json": ("POST", "/v2/models/reward_model/infer", "{not json", 400, "not JSON"),
 }

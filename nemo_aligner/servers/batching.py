@@ -91,7 +91,9 @@ PADDED_WIDTH_FACTOR = 4
 
 def guard_limits(max_rows: int, max_seq_length: int) -> ModelLimits:
     """The request guard's limits for a model taking ``max_rows`` rows of up to ``max_seq_length`` tokens."""
-    return ModelLimits(int(max_rows), PADDED_WIDTH_FACTOR * int(max_seq_length))
+    return ModelLimits(int(max_rows), PADDED_WIDTH_FACTOR * int(max_seq_length),
+                       f"{PADDED_WIDTH_FACTOR} x the {int(max_seq_length)} tokens it scores; a client's "
+                       "pad_to_length (remote_critic_rm, remote_rm) must not exceed that")
 
 
 class TrainedLengthWarning:

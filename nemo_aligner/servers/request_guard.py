@@ -44,6 +44,7 @@ class ModelLimits:
 
     max_rows: int
     max_row_elements: int
+    row_elements_why: str = ""  # where max_row_elements comes from, for the refusal's message
 
     def max_body_bytes(self, inputs: int) -> int:
         return inputs * self.max_rows * self.max_row_elements * _JSON_BYTES_PER_ELEMENT + _HEADER_ALLOWANCE
@@ -80,8 +81,9 @@ def check_infer_header(model: str, header: Mapping, limits: ModelLimits, data_by
         for d in shape[1:]:
             row *= d
             if row > limits.max_row_elements:
+                why = f" ({limits.row_elements_why})" if limits.row_elements_why else ""
                 raise BadRequest(f"{model}: input {name!r} of shape {shape} has more than "
-                                 f"{limits.max_row_elements} elements per row, more than this server takes")
+                                 f"{limits.max_row_elements} elements per row, more than this server takes{why}")
         if not isinstance(datatype, str):
             raise BadRequest(f"{model}: input {name!r} has no datatype")
         size = (spec.get("parameters") or {}).get("binary_data_size")
