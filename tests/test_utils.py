@@ -714,6 +714,32 @@ def test_the_checkpoints_architecture_wins_with_a_warning_only_for_what_the_comm
         record_command_line([])
 
 
+def test_the_python_apis_architecture_values_are_named_like_the_command_lines(caplog):
+    """``compose_config`` (every Python-API trainer's config) records the keys its caller set, so a
+    checkpoint that overrides the caller's ``model.num_layers`` is named in a warning, as on the command
+    line; the shipped tiny shape still gives way silently."""
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.trainers.base import compose_config
+    from nemo_aligner.utils.model_config import merge_checkpoint_config, record_command_line
+
+    ckpt = OmegaConf.create({"mcore_gpt": True, "num_layers": 32, "hidden_size": 4096})
+    try:
+        for values, expected in (({}, []), ({"model.num_layers": 3}, ["model.num_layers=3 (the checkpoint has 32)"])):
+            cfg = compose_config("gpt_sft", values)
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="nemo_aligner.utils.model_config"):
+                merged = merge_checkpoint_config(ckpt, cfg.model)
+            assert (merged.num_layers, merged.hidden_size) == (32, 4096)
+            assert [r.getMessage() for r in caplog.records] == [
+                f"the checkpoint's architecture wins over {e}: architecture keys shape a model built from scratch only"
+                for e in expected]
+    finally:
+        record_command_line([])
+
+
 def test_a_layer_spec_name_counts_only_in_megatron_core_checkpoints():
     """NeMo reads ``model.name`` as the layer spec of its megatron-core GPT (``mcore_gpt: True``) and
     ignores it in its older GPT's checkpoints, whose configs may carry any name."""

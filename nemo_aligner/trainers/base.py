@@ -57,6 +57,11 @@ def compose_config(config_name: str, values: Dict[str, Any]) -> DictConfig:
             OmegaConf.update(cfg, key, value, merge=False)
         except Exception as err:  # struct mode: the key does not exist
             raise ConfigError(f"unknown config key {key!r} for {config_name}.yaml ({type(err).__name__})") from None
+    from nemo_aligner.utils.model_config import record_command_line
+
+    # as a command line's keys: an architecture value the caller set that a checkpoint overrides is
+    # named in a warning
+    record_command_line(values)
     return cfg
 
 
