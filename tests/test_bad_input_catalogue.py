@@ -535,6 +535,9 @@ CONFIG_CASES = {
                         r"^pipeline_model_parallel_split_rank=2 is not supported: it splits encoder-decoder models"),
     "eval-parallel-size-zero": (generate_config(tensor_model_parallel_size=0),
                                 r"^tensor_model_parallel_size=0 must be > 0 \(or -1: keep model\.\*\)$"),
+    "eval-micro-batch-zero": (generate_config(micro_batch_size=0),
+                              r"^micro_batch_size=0 must be > 0 \(or -1: unused; prompts are generated batch_size "
+                              r"at a time\)$"),
     "eval-parallel-sizes-disagree": (eval_parallel_sizes(tensor_model_parallel_size=2,
                                                          **{"model.tensor_model_parallel_size": 4}),
                                      r"^tensor_model_parallel_size=2 and model\.tensor_model_parallel_size=4 disagree; "
