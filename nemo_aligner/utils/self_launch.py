@@ -107,11 +107,12 @@ def ranks_finish_their_stop():
     passed = set()
 
     def pass_on(signum, frame):
-        if signum == signal.SIGTERM and signum in passed:
+        children = _child_pids()
+        if not children or (signum == signal.SIGTERM and signum in passed):  # no ranks (yet), or a second SIGTERM
             raise SignalException(f"Process {os.getpid()} got signal: {signal.Signals(signum)}",
                                   sigval=signal.Signals(signum))
         passed.add(signum)
-        for pid in _child_pids():
+        for pid in children:
             try:
                 os.kill(pid, signum)
             except ProcessLookupError:

@@ -171,12 +171,13 @@ _PRECISION_OF = {"float32": "32", "bfloat16": "bf16", "float16": "16"}
 def _weights_dtype(model) -> str:
     """The dtype of the model's weights (``float32``, ``bfloat16``, ...): trainer.precision decides it,
     and with it the layout of the optimizer state (float32 master copies beside half-precision weights)."""
-    return str(next(getattr(model, "module", model).parameters()).dtype).replace("torch.", "")
+    first = next(iter(getattr(model, "module", model).parameters()), None)
+    return str(first.dtype).replace("torch.", "") if first is not None else "none"
 
 
 def _optimizer_layout(model) -> dict:
     """What decides the layout of the optimizer state, saved with each checkpoint."""
-    optim = model.cfg.get("optim") or {}
+    optim = (getattr(model, "cfg", None) or {}).get("optim") or {}
     name = str(optim.get("name", "fused_adam"))
     return {"weights_dtype": _weights_dtype(model), "distributed_optimizer": uses_distributed_optimizer(optim),
             "optimizer": "sgd" if name.lower() == "sgd" else "adam", "optim_name": name}
