@@ -131,10 +131,10 @@ REFUSED_UNLESS = {
     "pipeline_model_parallel_split_rank": ((-1, 0, None), "it splits encoder-decoder models; a GPT model has no "
                                                           "split (-1 or 0)"),
 }
-# megatron_gpt_eval.py's top-level sizes: -1 means "keep model.*" (micro_batch_size: read by nothing).
-MINUS_ONE_KEEPS = frozenset({"tensor_model_parallel_size", "pipeline_model_parallel_size",
-                             "expert_model_parallel_size", "micro_batch_size"})
-_MINUS_ONE_MEANS = {"micro_batch_size": " (or -1: unused; prompts are generated batch_size at a time)"}
+# megatron_gpt_eval.py's top-level sizes that take -1, and what -1 means for each.
+MINUS_ONE_KEEPS = {"tensor_model_parallel_size": "keep model.*", "pipeline_model_parallel_size": "keep model.*",
+                   "expert_model_parallel_size": "keep model.*",
+                   "micro_batch_size": "unused; prompts are generated batch_size at a time"}
 # -1 (or null) means "no limit" for these.
 INTS_OR_UNLIMITED = frozenset({"max_steps", "max_epochs"})
 # Lightning's ``limit_*_batches``: a fraction (float <= 1.0) or a count (int; -1 or null: all).
@@ -236,8 +236,8 @@ def check_config_values(cfg: DictConfig) -> None:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{path}={shown(value)} must be an integer, got {type_name(value)}")
             if name in POSITIVE_INTS and value <= 0:
-                raise ConfigError(f"{path}={value} must be > 0" + (_MINUS_ONE_MEANS.get(path, " (or -1: keep model.*)")
-                                                                   if path in MINUS_ONE_KEEPS else ""))
+                raise ConfigError(f"{path}={value} must be > 0"
+                                  + (f" (or -1: {MINUS_ONE_KEEPS[path]})" if path in MINUS_ONE_KEEPS else ""))
             if name in NON_NEGATIVE_INTS and value < 0:
                 raise ConfigError(f"{path}={value} must be >= 0")
         elif name in INTS_OR_UNLIMITED:
