@@ -65,6 +65,7 @@ def test_save_tp2_load_tp1_and_pp2(tmp_path, base_nemo):
         assert result["loss1"] == pytest.approx(reference["loss1"], rel=2e-5), tag
 
 
+@pytest.mark.stack
 def test_save_load_round_trip_in_process(tmp_path, mcore_single):
     from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
     from nemo_aligner.models.nlp.gpt.loading import load_model
@@ -123,6 +124,7 @@ def test_wrong_shape_checkpoint_is_named(tmp_path, mcore_single):
             other.load_weights(nemo_file.weights_dir(directory), what="model.restore_from_path")
 
 
+@pytest.mark.stack
 def test_interrupted_save_keeps_previous_checkpoint(tmp_path, mcore_single):
     from nemo_aligner.utils.checkpoint_callback import latest_checkpoint
     from nemo_aligner.utils.train_checkpoint import read_trainer_state, save_train_checkpoint

@@ -15,6 +15,7 @@ from test_cpu_kernels import _step_logits
 from test_generation import PROMPTS, build
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("fast", [True, False], ids=["bf16-units", "no-bf16-units"])
 def test_wgrad_accumulation_of_bf16_activations(monkeypatch, fast):
     """main_grad += grad_output^T @ input: one bf16 GEMM added to main_grad where the CPU has bf16

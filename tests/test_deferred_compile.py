@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import subprocess_env
@@ -75,6 +76,7 @@ def test_torch_compile_is_restored_after_the_block():
     assert torch.compile is real
 
 
+@pytest.mark.stack
 def test_importing_megatron_core_leaves_the_compiler_unimported():
     """In a fresh process: nemo_aligner installs the hook, megatron-core imports without torch._dynamo,
     its fusion kernels are deferred, and torch.compile is the real one again afterwards; neither

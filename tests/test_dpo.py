@@ -186,6 +186,7 @@ def test_reference_weights_stay_while_the_policy_trains(mcore_single):
     assert metrics["reward_margin"] > 0 and metrics["accuracy"] == 1.0
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("average", [False, True])
 def test_logged_metrics_equal_an_independent_computation(mcore_single, average):
     """The DPO model's loss and logged metrics (preference loss, SFT loss, rewards, accuracy) with an SFT

@@ -112,6 +112,7 @@ def check_cached_logits_equal_forward(extra):
     return decoder
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("arch", [TINY_ARCH, TINY_GPT2_ARCH, dict(TINY_ARCH, qk_layernorm=True),
                                   dict(TINY_ARCH, window_size=[4, 0]), MOE_ARCH],
                          ids=["llama", "gpt2", "qk_layernorm", "window", "moe"])
@@ -302,6 +303,7 @@ def test_sampling_settings():
     assert SamplingParams.from_cfg(OmegaConf.create({"end_strings": ["a", 7]})).end_strings == ["a", "7"]
 
 
+@pytest.mark.stack
 def test_tp2_and_pp2_generate_like_one_process(tmp_path, base_nemo):
     nemo, _ = base_nemo
     outs = {}

@@ -31,6 +31,7 @@ def test_group_normalised_advantages():
     assert adv[4:].tolist() == [0.0, 0.0]  # equal rewards: no signal, not a division by zero
 
 
+@pytest.mark.stack
 def test_grpo_script_runs_with_kl_in_the_loss(tmp_path, quick_sft, builtin_data):
     log_dir = tmp_path / "grpo"
     proc = run_script("train_gpt_grpo.py", [

@@ -87,6 +87,7 @@ def _export(tokenizer, out, add_bos=True):
     return AutoTokenizer.from_pretrained(str(out), local_files_only=True), caveats
 
 
+@pytest.mark.stack
 @needs_exact_conversion
 @pytest.mark.parametrize("kind", sorted(SP_KINDS))
 def test_sentencepiece_export_encodes_as_the_sentencepiece_library(sp_models, kind, tmp_path):
@@ -164,6 +165,7 @@ def _tiktoken_vocab(path, corpus_text, size=300):
     return ranks
 
 
+@pytest.mark.stack
 def test_tiktoken_export_encodes_as_the_tiktoken_library(corpus, tmp_path):
     import tiktoken
 

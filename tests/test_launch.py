@@ -95,6 +95,7 @@ def _run_ranks_by_env(env_for_rank, nproc, args, timeout=300):
         assert p.returncode == 0, f"rank failed ({p.returncode}):\n{out[-3000:]}\n{err[-4000:]}"
 
 
+@pytest.mark.stack
 def test_devices_start_ranks_like_torchrun_and_mpirun(tmp_path, builtin_data):
     """``trainer.devices=2`` run by hand starts 2 ranks; TP=2 training equals the same run under
     torchrun and under mpirun's variables, step for step."""
@@ -197,6 +198,7 @@ def test_nemo_extraction_knows_the_local_rank_under_mpirun(monkeypatch):
     assert _local_rank() == 1
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("form", ["addr_port", "bootstrap_info"])
 def test_agent_shared_store_listens_on_its_address_only(form):
     """The store the elastic agent shares with its ranks, in both call forms torch has used."""

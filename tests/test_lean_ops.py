@@ -1,5 +1,6 @@
 """The local spec's lean RoPE, SwiGLU and RMSNorm equal megatron-core's and torch's own (values and gradients)."""
 
+import pytest
 import torch
 
 from nemo_aligner.models.nlp.gpt import lean_ops
@@ -14,6 +15,7 @@ def _reference_rope(t, freqs, mscale):
     return torch.cat((x * cos + torch.cat((-x2, x1), dim=-1) * sin, rest), dim=-1)
 
 
+@pytest.mark.stack
 def test_rope_matches_megatron_core_values_and_gradients():
     from megatron.core.models.common.embeddings import rope_utils
 

@@ -144,6 +144,7 @@ def test_lora_on_experts_with_expert_parallelism_matches_one_process(tmp_path):
     assert restored["loss0"] == pytest.approx(two["loss0"], rel=1e-6)
 
 
+@pytest.mark.stack
 def test_adapters_add_the_scaled_low_rank_update_and_only_they_train(mcore_single):
     from nemo_aligner.models.nlp.gpt import lora
     from nemo_aligner.models.nlp.gpt.megatron_gpt_model import MegatronGPTModel
@@ -189,6 +190,7 @@ def test_adapters_add_the_scaled_low_rank_update_and_only_they_train(mcore_singl
         assert generate_texts(model, prompts) != texts
 
 
+@pytest.mark.stack
 def test_nemo_adapter_layout_across_tp_and_pp(mcore_single):
     """NeMo's PEFT files split linear_in by rows (column-parallel layers) or columns (row-parallel ones) and
     linear_out by rows, one file per TP/PP rank with stage-local layer numbers: files of a TP=2 or PP=2 run

@@ -272,6 +272,7 @@ def llama_like(mcore_single, tmp_path_factory):
     return tiny, tok, state, tokens, forward_logits(model, tokens), tmp_path_factory.mktemp("llama_like")
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("activation", ["swiglu", "fast-swiglu"])
 def test_legacy_megatron_names_tp2_sharded_gz_nemo(llama_like, activation):
     """NeMo's pre-mcore names, TP=2 shards in mp_rank_0X/, a gzip-compressed tar, no padded_vocab_size in the
@@ -303,6 +304,7 @@ def test_legacy_mcore_names_with_te_norms_in_one_ckpt(llama_like):
                                rtol=0, atol=0)
 
 
+@pytest.mark.stack
 def test_zarr_distributed_checkpoint(llama_like):
     tiny, tok, state, tokens, logits, work = llama_like
     directory = _nemo_dir(work / "zarr_dir", _model_config(tiny, tok.config(), mcore_gpt=True,
@@ -841,6 +843,7 @@ def test_hostile_moe_values_are_refused_or_computed(mcore_single, key):
         assert torch.isfinite(out).all(), (key, value)
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("source", ["torch_dist", "legacy"])
 def test_moe_expert_parallel_matches_one_process(moe_like, tmp_path, source):
     """Two ranks each holding 2 of the 4 experts (model.expert_model_parallel_size=2, data parallel 2): the

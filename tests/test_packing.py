@@ -77,6 +77,7 @@ def _model(cls, arch, **section):
     return cls(cfg, ByteTokenizer(), trainable=False)
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("arch", [TINY_ARCH, TINY_GPT2_ARCH], ids=["rope", "learned-positions"])
 def test_packed_sft_loss_equals_unpacked(mcore_single, builtin_data, arch):
     from nemo_aligner.data.nlp.builders import build_sft_dataset, sft_collate_fn

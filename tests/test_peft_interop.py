@@ -50,6 +50,7 @@ def _base(tmp_path, arch):
     return hf, import_hf_model(str(tmp_path / "hf"), str(tmp_path / "base.nemo"))
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("arch", ["llama", "gemma", "gpt2"])
 def test_peft_adapters_convert_both_ways_with_peft_logits(tmp_path, mcore_single, arch):
     """PEFT adapters (random A and B; GQA/MQA; some projections and layers left out; rsLoRA's scale) ->

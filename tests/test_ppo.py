@@ -33,6 +33,7 @@ def actor_overrides(data, actor_nemo, log_dir, steps, extra=()):
             "model.ppo.num_val_samples=32", *tiny_optim(1e-5, 1e-6, 0), *extra]
 
 
+@pytest.mark.stack
 def test_two_steps_checkpoints_and_resume(tmp_path, task_data, quick_rm, quick_sft):
     critic_dir, actor_dir = tmp_path / "critic", tmp_path / "actor"
     critic = [f"pretrained_checkpoint.restore_from_path={quick_rm}", f"exp_manager.explicit_log_dir={critic_dir}"]

@@ -106,6 +106,7 @@ def step(model, batch):
     return float(loss)
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("precision", ["bf16", "16"])
 @pytest.mark.parametrize("role", list(BATCHES))
 def test_checkpoint_and_nemo_round_trip(mcore_single, tmp_path, role, precision):
@@ -143,6 +144,7 @@ def test_checkpoint_and_nemo_round_trip(mcore_single, tmp_path, role, precision)
         assert a.module.rm_head.weight.dtype == torch.float32
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("optim_name", ["distributed_fused_adam", "fused_adam"])
 @pytest.mark.parametrize("saved,resumed", [("32", "bf16"), ("bf16", "32")])
 def test_resuming_at_another_precision_is_one_error_naming_both(mcore_single, tmp_path, monkeypatch, saved, resumed,

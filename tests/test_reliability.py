@@ -461,6 +461,7 @@ def test_ctrl_c_stops_every_rank_with_one_line_and_status_130(tmp_path, builtin_
     assert "Traceback" not in text and "Stack (most recent call first)" not in text, text[-3000:]
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("how", ["SIGTERM to the supervisor", "SIGUSR1 to every process"])
 def test_a_stop_signal_to_a_run_that_started_its_ranks_saves_and_exits_0(tmp_path, builtin_data, how):
     """As a single process does: the ranks finish their step and save, and the supervising process
@@ -474,6 +475,7 @@ def test_a_stop_signal_to_a_run_that_started_its_ranks_saves_and_exits_0(tmp_pat
     assert "Traceback" not in log.read_text()
 
 
+@pytest.mark.stack
 def test_megatron_cores_signal_stack_dumps_are_undone_and_handlers_kept():
     """After the coordinator's import, SIGTERM reaches the Python handler installed before the patch
     (a trainer's checkpoint-then-stop) and SIGINT raises KeyboardInterrupt, neither with a dump."""

@@ -107,6 +107,7 @@ def infer_body(header, data=b""):
     return head + data, {"Inference-Header-Content-Length": str(len(head)), "Content-Type": "application/octet-stream"}
 
 
+@pytest.mark.stack
 def test_the_guard_forwards_good_requests_and_refuses_bad_ones_on_one_connection(guard):
     port, _ = guard
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)

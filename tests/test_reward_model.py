@@ -130,6 +130,7 @@ def test_head_reads_last_real_token(mcore_single, avg_pool):
     assert module_head_dtype(model) == torch.float32
 
 
+@pytest.mark.stack
 def test_logged_loss_equals_the_pairwise_loss_of_the_models_rewards(mcore_single):
     """The ranking model's training loss and logged metrics (loss, accuracy, mean rewards), with a
     padding pair, against ``-log sigmoid(r_chosen - r_rejected)`` of the rewards the model infers."""

@@ -54,6 +54,7 @@ def test_tensorboard_wandb_and_metrics_are_logged(tmp_path, builtin_data):
     assert {"train/lr", "train/grad_norm", "train/tokens_per_sec"} <= set(record)
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("precision", ["32", "bf16"])
 def test_resume_equals_uninterrupted_run(tmp_path, builtin_data, precision):
     """Stop after step 8 (of 12), resume from its checkpoint, compare every later step's loss.
@@ -91,6 +92,7 @@ def test_resume_equals_uninterrupted_run(tmp_path, builtin_data, precision):
     assert json.loads((resumed / "checkpoints" / step8[0] / "trainer_state.json").read_text())["epoch"] == 1
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("parallel", [["model.tensor_model_parallel_size=2"], ["model.pipeline_model_parallel_size=2"], []],
                          ids=["tp2", "pp2", "dp2"])
 def test_sft_script_two_processes_matches_one(tmp_path, builtin_data, base_nemo, parallel):
@@ -109,6 +111,7 @@ def test_sft_script_two_processes_matches_one(tmp_path, builtin_data, base_nemo,
     assert val_losses(two)[3] == pytest.approx(val_losses(one)[3], rel=2e-5)
 
 
+@pytest.mark.stack
 def test_distributed_optimizer_resume_dp2(tmp_path, builtin_data, base_nemo):
     """megatron-core's DistributedOptimizer (state sharded over DP=2): resume is exact too, which
     needs dp_reshardable checkpoints and a per-parameter Adam step after loading. always_save_nemo

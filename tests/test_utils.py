@@ -258,6 +258,7 @@ def test_checkpoint_pruning_keeps_top_k_and_newest(tmp_path):
     assert incomplete_checkpoints(str(tmp_path)) == [str(tmp_path / "ck-step=7")]
 
 
+@pytest.mark.stack
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU patches apply only where no GPU is visible")
 def test_cpu_gradient_clipping_ops_match_megatron_fallbacks():
     """The foreach norm/scale used for clipping on a CPU equal megatron-core's per-tensor fallbacks,
