@@ -389,3 +389,31 @@ def test_preference_and_reward_datasets_count_their_truncations(caplog):
     assert any("rm.jsonl: 2 of 3 comparison pairs are longer than the sequence length 16 and are skipped" in m
                and "first: rm.jsonl:1" in m for m in messages), messages
     assert any("dpo.jsonl: 1 of 2 samples" in m and "first: dpo.jsonl:1" in m for m in messages), messages
+
+
+def test_sampled_dataset_draws_whole_passes_in_seeded_orders():
+    """NeMo's ``model.data.sample=True``: 50 draws from 20 records take every record 2 or 3 times (two
+    whole passes, then 10 of a third), each pass in its own order; the seed fixes the draws."""
+    import pickle
+
+    from nemo_aligner.data.nlp.builders import SampledDataset
+
+    rows = records(*({"input": f"q{i}", "output": f"a{i}"} for i in range(20)))
+    base = GPTSFTDataset("x.jsonl", TOK, 64, records=rows)
+    sampled = SampledDataset(base, 50, seed=3)
+    assert len(sampled) == 50
+    drawn = [sampled.indices[i].item() for i in range(50)]
+    assert sorted(drawn[:20]) == list(range(20)) and sorted(drawn[20:40]) == list(range(20))
+    assert len(set(drawn[40:])) == 10 and drawn[:20] != drawn[20:40] and drawn[:20] != list(range(20))
+    counts = [drawn.count(i) for i in range(20)]
+    assert set(counts) == {2, 3} and sum(counts) == 50
+    assert sampled[5]["input_ids"] == base[drawn[5]]["input_ids"]
+    assert drawn == SampledDataset(base, 50, seed=3).indices.tolist() != SampledDataset(base, 50, seed=4).indices.tolist()
+    # fewer draws than records: a random part, no repeats
+    part = SampledDataset(base, 8, seed=3).indices.tolist()
+    assert len(set(part)) == 8 and part != list(range(8))
+    # the wrapped dataset's attributes, and a copy for a worker process
+    assert sampled.tokenizer is base.tokenizer
+    assert pickle.loads(pickle.dumps(sampled)).indices.tolist() == drawn
+    with pytest.raises(ConfigError, match="model.data.train_ds: no records to sample 4 from"):
+        SampledDataset([], 4, seed=0)

@@ -152,6 +152,21 @@ def test_max_time_saves_and_stops(tmp_path, builtin_data):
     assert "resumed at step 1" in proc.stdout and "SFT finished: 3 steps" in proc.stdout
 
 
+def test_sample_lets_max_steps_outlast_one_pass(tmp_path, builtin_data):
+    """NeMo-Aligner's ``model.data.sample=True``: 20 records make one global batch of 16 a pass, yet
+    ``max_steps=3`` with ``max_epochs=1`` trains 3 steps on 48 records drawn from the 20."""
+    train = tmp_path / "twenty.jsonl"
+    with open(builtin_data["sft_train"]) as f:
+        train.write_text("".join(f.readlines()[:20]))
+    data = dict(builtin_data, sft_train=str(train))
+    overrides = sft_overrides(data, tmp_path / "sampled", 3, SMALL + ["trainer.sft.val_check_interval=3"])
+    overrides = [o for o in overrides if not o.startswith("trainer.sft.max_epochs=")] + ["trainer.sft.max_epochs=1"]
+    proc = run_script("train_gpt_sft.py", overrides + ["model.data.sample=True"])
+    assert "model.data.sample=True: 48 training records (trainer.sft.max_steps=3 x global_batch_size=16) " \
+           "drawn from 20" in proc.stdout + proc.stderr
+    assert "SFT finished: 3 steps, 1 epochs" in proc.stdout
+
+
 def test_sft_chat_format(tmp_path, builtin_data):
     log_dir = tmp_path / "chat"
     run_script("train_gpt_sft.py", [

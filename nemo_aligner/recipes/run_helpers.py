@@ -67,3 +67,22 @@ def fit_and_export(trainer, model, exp) -> Dict:
     exp.logger.finalize()
     summary.update(nemo_path=nemo_path, log_dir=exp.log_dir)
     return summary
+
+
+def sample_to_max_steps(dataset, cfg, algorithm: str, global_batch_size: int, seed: int):
+    """NeMo-Aligner's ``model.data.sample=True``: the training set becomes ``trainer.<algorithm>.max_steps``
+    x ``global_batch_size`` records drawn from it (``SampledDataset``), so that ``max_steps`` may outlast
+    one pass over the data (an epoch is then the whole run). Without a positive max_steps it is unchanged."""
+    if not bool(cfg.model.data.get("sample", False)):
+        return dataset
+    from nemo_aligner.data.nlp.builders import SampledDataset
+
+    max_steps = cfg.trainer[algorithm].get("max_steps")
+    if max_steps is None or int(max_steps) <= 0:
+        logger.info("model.data.sample=True needs trainer.%s.max_steps > 0 (it is %s): the training set is "
+                    "used as it is", algorithm, max_steps)
+        return dataset
+    num_samples = int(max_steps) * int(global_batch_size)
+    logger.info("model.data.sample=True: %d training records (trainer.%s.max_steps=%d x global_batch_size=%d) "
+                "drawn from %d", num_samples, algorithm, int(max_steps), int(global_batch_size), len(dataset))
+    return SampledDataset(dataset, num_samples, seed)

@@ -14,7 +14,7 @@ from nemo_aligner.algorithms.spin import SPINTrainer, plan_spin_steps
 from nemo_aligner.data.nlp.builders import build_dataloader, build_sft_dataset
 from nemo_aligner.data.nlp.spin_dataset import collate_spin
 from nemo_aligner.models.nlp.gpt.megatron_gpt_spin_model import MegatronGPTSPINModel
-from nemo_aligner.recipes.run_helpers import fit_and_export, report_finished, start_from_checkpoint
+from nemo_aligner.recipes.run_helpers import fit_and_export, report_finished, sample_to_max_steps, start_from_checkpoint
 from nemo_aligner.utils.run_control import RunTimer, max_time_of
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ def run_spin(cfg: DictConfig, callbacks=None) -> Dict[str, float]:
     collate = partial(collate_spin, pad_id=model.tokenizer.eos_id, max_seq_length=seq,
                       pad_to_multiple_of=data_cfg.get("pad_to_multiple_of", 8))
     seed = int(cfg.model.get("seed", 1234))
+    train_ds = sample_to_max_steps(train_ds, cfg, "spin", cfg.model.global_batch_size, seed)
     workers = int(data_cfg.get("num_workers", 0) or 0)
     train_batches = OmegaConf.create({"global_batch_size": int(cfg.model.global_batch_size),
                                       "micro_batch_size": int(cfg.model.micro_batch_size),

@@ -18,6 +18,32 @@ def _records(paths, key: str):
     return records, str(names[0]) if len(names) == 1 else ",".join(map(str, names))
 
 
+class SampledDataset(torch.utils.data.Dataset):
+    """``num_samples`` records of ``dataset`` as NeMo's ``model.data.sample=True`` index mapping draws them:
+    whole passes over the records, each pass in its own seeded order, cut at ``num_samples``. Every record
+    appears ``num_samples // len(dataset)`` or one more times; fewer samples than records take a random part."""
+
+    def __init__(self, dataset, num_samples: int, seed: int, key: str = "model.data.train_ds"):
+        n = len(dataset)
+        if n == 0:
+            raise ConfigError(f"{key}: no records to sample {num_samples} from")
+        generator = torch.Generator().manual_seed(seed)
+        passes = -(-int(num_samples) // n)
+        self.indices = torch.cat([torch.randperm(n, generator=generator) for _ in range(passes)])[:int(num_samples)]
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int):
+        return self.dataset[int(self.indices[index])]
+
+    def __getattr__(self, name):  # the wrapped dataset's own attributes (its name, tokenizer, ...)
+        if name in ("dataset", "indices"):  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
 def build_sft_dataset(ds_cfg, tokenizer, max_seq_length: int, chat: bool, answer_only_loss: bool,
                       chat_prompt_tokens=None, key: str = "model.data.train_ds"):
     """A prompt/answer or chat SFT dataset from one ``model.data.*_ds`` section (with ``packed_sequence``:
