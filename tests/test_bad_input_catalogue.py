@@ -171,6 +171,8 @@ TEMPLATE_CASES = {
     "unbalanced": ("{input {output}", r"prompt_template='\{input \{output\}' is not a valid template"),
     "positional": ("{0} {output}", r"prompt_template='\{0\} \{output\}': \{0\} is not a record field name"),
     "attribute": ("{input.upper} {output}", r"\{input\.upper\} is not a record field name"),
+    "null": (None, r"prompt_template=null: prompt/answer records need a template such as '\{input\} \{output\}' "
+                   r"\(model\.data\.chat=True reads chat records without one\)"),
 }
 
 
@@ -461,8 +463,6 @@ CONFIG_CASES = {
     "zero-distillation-scale": (shipped_config_values("gpt_knowledge_distillation",
                                                       **{"model.knowledge_distillation.logits_scale": 0.0}),
                                 r"model\.knowledge_distillation\.logits_scale=0\.0 must be > 0"),
-    "null-prompt-template": (config_values(**{"model.data.train_ds.prompt_template": None}),
-                             r"model\.data\.train_ds\.prompt_template=null: this key needs a value"),
     "nan-anywhere": (config_values(**{"model.data.train_ds.min_seq_length": float("nan")}),
                      r"model\.data\.train_ds\.min_seq_length=nan is not a number"),
     "unknown-recompute-granularity": (config_values(**{"model.activations_checkpoint_granularity": "some"}),

@@ -210,8 +210,9 @@ def test_self_play_raises_held_out_likelihood_of_the_answers(tmp_path, weak_poli
 
 def test_nemo_aligners_spin_command_reads_chat_records(tmp_path, weak_policy):
     """NeMo-Aligner's SPIN tutorial command sets no data format: its default reads NeMo chat records
-    with NeMo-Aligner's ``<extra_id_*>`` turn strings (sizes changed for the tiny model); prompt/answer
-    records under that default are refused in one line naming the key that reads them."""
+    with NeMo-Aligner's ``<extra_id_*>`` turn strings (sizes changed for the tiny model), also with its
+    gpt_spin.yaml's ``prompt_template: null``; prompt/answer records under that default are refused in one
+    line naming the key that reads them."""
     model, data = weak_policy
     command = ["trainer.num_nodes=1", "trainer.devices=1", "model.micro_batch_size=2", "model.global_batch_size=8",
                f"pretrained_checkpoint.restore_from_path={model}", "exp_manager.create_wandb_logger=false",
@@ -219,7 +220,8 @@ def test_nemo_aligners_spin_command_reads_chat_records(tmp_path, weak_policy):
                "trainer.spin.max_epochs=1", "trainer.spin.max_steps=2", "trainer.spin.val_check_interval=2",
                "trainer.spin.limit_val_batches=1", "model.spin.length_params.max_length=9"]
     proc = run_script("train_gpt_spin.py", command + [f"model.data.train_ds.file_path={data['chat_train']}",
-                                                      f"model.data.validation_ds.file_path={data['chat_val']}"])
+                                                      f"model.data.validation_ds.file_path={data['chat_val']}",
+                                                      "model.data.train_ds.prompt_template=null"])
     train = [r for r in read_metrics(tmp_path / "spin") if "train/loss" in r]
     assert [r["step"] for r in train] == [1, 2] and all(np.isfinite(r["train/loss"]) for r in train)
     assert "SPIN finished: 2 steps" in proc.stdout

@@ -50,7 +50,7 @@ NON_NEGATIVE_NUMBERS = frozenset({
 FINITE_NUMBERS = frozenset({"default_chosen_reward", "default_rejected_reward", "mean", "loss_mask_val"})
 # Keys a run cannot do without: null is an error (elsewhere null means "the default" or "off").
 NOT_NULL = frozenset({"seed", "global_batch_size", "micro_batch_size", "gt_reward_scale", "sft_loss_weight", "preference_loss_weight",
-                      "prompt_template", "label_key", "ratio_eps", "discount_factor", "gae_lambda", "max_length",
+                      "label_key", "ratio_eps", "discount_factor", "gae_lambda", "max_length",
                       "num_rollouts_per_prompt", "top_n_rollouts", "desirable_loss_weight", "undesirable_loss_weight",
                       "kd_loss_weight", "target_logits_scale", "logits_scale", "loss_clip_val", "shutdown_idle_s",
                       "num_rollout_samples", "tensor_model_parallel_size", "pipeline_model_parallel_size",

@@ -87,6 +87,9 @@ class GPTSFTDataset(torch.utils.data.Dataset):
         self.truncation_method = truncation_method
         self.answer_only_loss = answer_only_loss
         marker = "{" + label_key + "}"
+        if prompt_template is None:  # NeMo-Aligner's configs leave it null: only chat records do without one
+            raise ConfigError(f"prompt_template=null: prompt/answer records need a template such as "
+                              f"'{{input}} {{output}}' ({chat_key}=True reads chat records without one)")
         if marker not in prompt_template:
             raise ConfigError(f"prompt_template {prompt_template!r} does not contain {marker} (label_key={label_key!r})")
         self.fields = template_fields(prompt_template)
