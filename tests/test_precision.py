@@ -107,13 +107,19 @@ def step(model, batch):
 
 
 @pytest.mark.stack
-@pytest.mark.parametrize("precision", ["bf16", "16"])
+@pytest.mark.parametrize("precision,optim_name", [("bf16", "fused_adam"), ("16", "fused_adam"),
+                                                  ("bf16", "distributed_fused_adam")],
+                         ids=["bf16", "16", "bf16-distributed"])
 @pytest.mark.parametrize("role", list(BATCHES))
-def test_checkpoint_and_nemo_round_trip(mcore_single, tmp_path, role, precision):
+def test_checkpoint_and_nemo_round_trip(mcore_single, tmp_path, monkeypatch, role, precision, optim_name):
+    """With the distributed optimizer (NeMo-Aligner's default) the float32 heads of the reward model and
+    the critic sit in the same optimizer groups as bf16 weights, which megatron-core maps to the wrong
+    optimizer slots unless patched (utils/patches/optimizer_state.py)."""
     from nemo_aligner.models.nlp.gpt.loading import load_model
     from nemo_aligner.utils.nemo_file import save_nemo
     from nemo_aligner.utils.train_checkpoint import load_train_checkpoint, save_train_checkpoint
 
+    monkeypatch.setitem(OPTIM, "name", optim_name)
     make = BATCHES[role]
     a = build(role, precision, seed=0)
     half = torch.bfloat16 if precision == "bf16" else torch.float16

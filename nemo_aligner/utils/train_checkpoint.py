@@ -107,10 +107,9 @@ def _match_param_groups(optimizer, opt_state) -> None:
 def _optimizer_sharded(model, optimizer, model_sd: dict, is_loading: bool):
     if optimizer is None:
         return None
-    with without_stub_optimizers(optimizer):
+    with without_stub_optimizers(optimizer), float32_params_listed(optimizer):
         if not uses_distributed_optimizer(model.cfg.get("optim") or {}):
-            with float32_params_listed(optimizer):
-                return optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+            return optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
         if is_loading:
             # The DistributedOptimizer needs allocated states to map checkpoint shards onto.
             for inner in getattr(optimizer, "chained_optimizers", [optimizer]):

@@ -16,7 +16,7 @@ module per concern, applied from here only:
   refuses the installed protobuf.
 - ``rendezvous_store``: torch's rendezvous store listening on its host only (used by the launch
   code around the calls it covers).
-- ``optimizer_state``: megatron-core's optimizers made able to save and load float32 parameters of a
+- ``optimizer_state``: megatron-core's optimizers (plain and distributed) made able to save and load float32 parameters of a
   bf16 model and a chained optimizer with a parameter-less part (used by the checkpoint code around
   its ``sharded_state_dict`` calls).
 """

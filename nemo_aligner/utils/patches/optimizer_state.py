@@ -15,11 +15,23 @@ def float32_params_listed(optimizer):
     alone, so a float32 parameter in a param group has no entry (``KeyError``). For the duration,
     each group's lists name every slot in the optimizer's order: the bf16 model parameter and its
     float32 master, or the float32 parameter twice. ``load_state_dict`` then copies the saved values
-    into the same tensors."""
+    into the same tensors.
+
+    The distributed optimizer has the same blind spot in another form: its map from a model parameter
+    to its optimizer slot (``model_param_group_index_map``) counts a group's parameters in gradient-
+    buffer order (the bf16 buffer's, then the float32 buffer's), while the slots list the group's
+    float32 parameters first; in a group holding both kinds every slot is off, and saving meets
+    another parameter's state (an AssertionError on shapes, or a silent swap where shapes agree). For
+    the duration the map follows the slots' order."""
     inners = [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
               if any(getattr(o, "fp32_from_fp32_groups", None) or [])]
     saved = [(o, o.float16_groups, o.fp32_from_float16_groups) for o in inners]
+    distributed = [(o, o.model_param_group_index_map, [g["params"] for g in o.opt_group_ranges])
+                   for o in getattr(optimizer, "chained_optimizers", [optimizer])
+                   if hasattr(o, "model_param_group_index_map") and hasattr(o, "opt_group_ranges")]
     try:
+        for inner, index_map, _ in distributed:
+            inner.model_param_group_index_map = _slot_order(inner.opt_group_ranges, index_map)
         for inner in inners:
             model_groups, main_groups = [], []
             for group, halves, masters in zip(inner.optimizer.param_groups, inner.float16_groups,
@@ -32,6 +44,25 @@ def float32_params_listed(optimizer):
     finally:
         for inner, halves, masters in saved:
             inner.float16_groups, inner.fp32_from_float16_groups = halves, masters
+        for inner, index_map, params in distributed:
+            inner.model_param_group_index_map = index_map
+            for group_range, group_params in zip(inner.opt_group_ranges, params):
+                group_range["params"] = group_params
+
+
+def _slot_order(group_ranges, index_map):
+    """``index_map`` with each group's float32 parameters first, as the distributed optimizer lists the
+    slots (``_build_model_and_main_param_groups``); ``group_ranges``' lists are put in that order too."""
+    import torch
+
+    ordered = dict(index_map)
+    for group_index, group_range in enumerate(group_ranges):
+        params = group_range["params"]
+        group_range["params"] = ([p for p in params if p.dtype == torch.float32]
+                                 + [p for p in params if p.dtype != torch.float32])
+        for order, param in enumerate(group_range["params"]):
+            ordered[param] = (group_index, order)
+    return ordered
 
 
 @contextmanager
