@@ -19,10 +19,10 @@ def float32_params_listed(optimizer):
 
     The distributed optimizer has the same blind spot in another form: its map from a model parameter
     to its optimizer slot (``model_param_group_index_map``) counts a group's parameters in gradient-
-    buffer order (the bf16 buffer's, then the float32 buffer's), while the slots list the group's
-    float32 parameters first; in a group holding both kinds every slot is off, and saving meets
-    another parameter's state (an AssertionError on shapes, or a silent swap where shapes agree). For
-    the duration the map follows the slots' order."""
+    buffer order, while the slots list the group's float32 parameters first. Where the bf16 buffer
+    comes first, every slot of a group holding both kinds is off and saving meets another parameter's
+    state (an AssertionError on its shape). For the duration the map follows the slots' order
+    (unchanged where it already did)."""
     inners = [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
               if any(getattr(o, "fp32_from_fp32_groups", None) or [])]
     saved = [(o, o.float16_groups, o.fp32_from_float16_groups) for o in inners]
