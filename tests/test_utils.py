@@ -324,6 +324,38 @@ def test_ppo_local_splits_the_cores_between_its_jobs(monkeypatch):
     assert job_env(2, {"OMP_NUM_THREADS": ""})["OMP_NUM_THREADS"] == "8"  # empty counts as unset
 
 
+def test_ppo_local_hands_hydra_flags_to_their_job(monkeypatch):
+    """A job's words run to the next job flag or launcher option: Hydra's --config-path/--config-name
+    (a user's own config files) reach the script instead of stopping argparse."""
+    from nemo_aligner.launchers import ppo_local
+
+    got = {}
+    monkeypatch.setattr(ppo_local, "run", lambda critic, actor, *rest: got.update(critic=critic, actor=actor, rest=rest) or 0)
+    argv = ["--port", "5557", "--critic", "--config-path=/my/conf", "--config-name", "gpt_ppo_critic", "a=1",
+            "--actor", "-cp", "/my/conf", "-cn=gpt_ppo_actor", "++b={x: [1]}", "--actor-nproc=2", "--critic-log", "c.log"]
+    assert ppo_local.main(argv) == 0
+    assert got["critic"] == ["--config-path=/my/conf", "--config-name", "gpt_ppo_critic", "a=1"]
+    assert got["actor"] == ["-cp", "/my/conf", "-cn=gpt_ppo_actor", "++b={x: [1]}"]
+    assert got["rest"] == (1, 2, 5557, "c.log", 600.0)
+    # the order of the groups is free, and a job flag may come twice (its words add up)
+    ppo_local.main(["--actor", "x=1", "--critic", "y=2", "--actor", "z=3"])
+    assert got["critic"] == ["y=2"] and got["actor"] == ["x=1", "z=3"]
+
+
+def test_ppo_local_ports_compose_with_a_config_that_lacks_them(tmp_path):
+    """NeMo-Aligner's gpt_ppo_critic.yaml names only trainer.ppo.port: the launcher's gRPC and metrics
+    ports are added to such a user config instead of stopping Hydra ('Key grpc_port is not in struct')."""
+    from hydra import compose, initialize_config_dir
+
+    from nemo_aligner.launchers.ppo_local import server_ports
+
+    (tmp_path / "my_critic.yaml").write_text("trainer:\n  ppo:\n    port: 5556\n    combine_rm_and_critic_server: True\n")
+    with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
+        cfg = compose(config_name="my_critic", overrides=server_ports(6000))
+    ppo = cfg.trainer.ppo
+    assert ppo.port == 6000 and len({ppo.port, ppo.grpc_port, ppo.metrics_port}) == 3, ppo
+
+
 def test_ppo_local_passes_stop_signals_on():
     """SIGTERM/SIGINT to both jobs; SIGUSR1 (the actor's save-and-stop) to the actor only (the server's
     default action for it would kill it), or as SIGTERM to the server before the actor starts; jobs that

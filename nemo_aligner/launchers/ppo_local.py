@@ -33,6 +33,13 @@ SCRIPTS = examples_dir("nlp", "gpt")
 READY = "critic server ready"
 
 
+def server_ports(port: int) -> List[str]:
+    """The critic server's port overrides: HTTP ``port``, free gRPC and metrics ports. ``++`` adds the
+    last two where a user's own config (NeMo-Aligner's gpt_ppo_critic.yaml) has no such keys."""
+    return [f"trainer.ppo.port={port}", f"++trainer.ppo.grpc_port={free_port()}",
+            f"++trainer.ppo.metrics_port={free_port()}"]
+
+
 def command(script: str, nproc: int, overrides: List[str]) -> List[str]:
     path = os.path.join(SCRIPTS, script)
     if nproc > 1:
@@ -96,8 +103,7 @@ def pass_on(signum: int, actor: Optional[subprocess.Popen], critic: subprocess.P
 def run(critic_overrides: List[str], actor_overrides: List[str], critic_nproc: int = 1, actor_nproc: int = 1,
         port: Optional[int] = None, critic_log: Optional[str] = None, ready_timeout_s: float = 600.0) -> int:
     port = port or free_port()
-    critic_overrides = [*critic_overrides, f"trainer.ppo.port={port}", f"trainer.ppo.grpc_port={free_port()}",
-                        f"trainer.ppo.metrics_port={free_port()}"]
+    critic_overrides = [*critic_overrides, *server_ports(port)]
     actor_overrides = [*actor_overrides, "remote_critic_rm.critic.ip=127.0.0.1", f"remote_critic_rm.critic.port={port}"]
     log_path = critic_log or tempfile.NamedTemporaryFile(prefix="critic_server_", suffix=".log", delete=False).name
     env = job_env(critic_nproc + actor_nproc)
@@ -138,17 +144,42 @@ def run(critic_overrides: List[str], actor_overrides: List[str], critic_nproc: i
     return code
 
 
+JOBS = ("--critic", "--actor")
+OPTIONS = ("--critic-nproc", "--actor-nproc", "--port", "--critic-log", "--ready-timeout", "-h", "--help")
+
+
+def split_jobs(argv: List[str]):
+    """``(launcher options, {"--critic": [...], "--actor": [...]})``: each job's words run from its flag to
+    the next job flag or launcher option, Hydra's own flags included (``--config-path``, ``-cn``), which
+    argparse would take for options of its own."""
+    rest, jobs, current = [], {job: [] for job in JOBS}, None
+    for word in argv:
+        if word in JOBS:
+            current = word
+        elif word.split("=", 1)[0] in OPTIONS:
+            current = None
+            rest.append(word)
+        elif current is not None:
+            jobs[current].append(word)
+        else:
+            rest.append(word)
+    return rest, jobs
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Run the PPO critic server and actor together on this machine.")
-    parser.add_argument("--critic", nargs="*", default=[], help="overrides for serve_ppo_critic.py")
-    parser.add_argument("--actor", nargs="*", default=[], help="overrides for train_gpt_ppo_actor.py")
+    rest, jobs = split_jobs(sys.argv[1:] if argv is None else list(argv))
+    parser = argparse.ArgumentParser(description="Run the PPO critic server and actor together on this machine.",
+                                     usage="%(prog)s [options] --critic WORDS... --actor WORDS...")
+    parser.add_argument("--critic", nargs="*", default=[], help="the words for serve_ppo_critic.py: overrides "
+                        "and Hydra flags (--config-path, --config-name), up to --actor or a launcher option")
+    parser.add_argument("--actor", nargs="*", default=[], help="the words for train_gpt_ppo_actor.py, as --critic's")
     parser.add_argument("--critic-nproc", type=int, default=1)
     parser.add_argument("--actor-nproc", type=int, default=1)
     parser.add_argument("--port", type=int, default=None, help="critic HTTP port (default: a free one)")
     parser.add_argument("--critic-log", default=None, help="file for the server's output, appended to (default: a temp file)")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
-    args = parser.parse_args(argv)
-    return run(args.critic, args.actor, args.critic_nproc, args.actor_nproc, args.port, args.critic_log,
+    args = parser.parse_args(rest)
+    return run(jobs["--critic"], jobs["--actor"], args.critic_nproc, args.actor_nproc, args.port, args.critic_log,
                args.ready_timeout)
 
 
