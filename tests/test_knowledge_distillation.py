@@ -281,6 +281,25 @@ def test_nemo_aligners_chunked_command(tmp_path, kd_records, base_nemo):
     assert (tmp_path / "run" / "checkpoints" / "megatron_gpt_knowledge_distillation.nemo").is_file()
 
 
+def test_chunked_jsonl_without_n_chunks_is_one_line(tmp_path):
+    """NeMo-Aligner's gpt_knowledge_distillation.yaml sets data_impl=chunked_jsonl with n_chunks null (its
+    script fails on range(None)): one line naming the key and the way out."""
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.data.nlp.reward_datasets import data_prefix_paths
+    from nemo_aligner.utils.errors import ConfigError
+
+    cfg = OmegaConf.create({"data_impl": "chunked_jsonl", "n_chunks": None,
+                            "data_prefix": {"train": [str(tmp_path / "t_CHUNK_ID.jsonl")]}})
+    with pytest.raises(ConfigError, match=r"^model\.data\.n_chunks=null must be >= 1 with model\.data\.data_impl="
+                                          r"chunked_jsonl \(files with CHUNK_ID replaced by 0 \.\. n_chunks-1\); one "
+                                          r"whole file per split: model\.data\.data_impl=jsonl$"):
+        data_prefix_paths(cfg, "train", chunks=True)
+    cfg.n_chunks = {"train": 0}
+    with pytest.raises(ConfigError, match=r"n_chunks=\{'train': 0\} must be >= 1"):
+        data_prefix_paths(cfg, "train", chunks=True)
+
+
 def test_nemo_aligners_teacher_command_on_chat_data(tmp_path, weak_policy):
     """NeMo-Aligner's documented compute_topk_logits.py command (sizes and paths changed) parses as it is:
     chat data renders with its default turn strings (``<extra_id_1>User``), and the keys of its config

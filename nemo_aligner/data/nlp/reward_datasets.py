@@ -303,8 +303,10 @@ def data_prefix_paths(data_cfg, split: str, chunks: bool = False, packs: bool = 
         if isinstance(n_chunks, (dict,)) or hasattr(n_chunks, "get"):
             n_chunks = n_chunks.get(split)
         if n_chunks is None or int(n_chunks) < 1:
-            raise ConfigError(f"model.data.n_chunks={data_cfg.get('n_chunks')} must be >= 1 with "
-                              "model.data.data_impl=chunked_jsonl")
+            given = "null" if data_cfg.get("n_chunks") is None else data_cfg.get("n_chunks")
+            raise ConfigError(f"model.data.n_chunks={given} must be >= 1 with model.data.data_impl=chunked_jsonl "
+                              "(files with CHUNK_ID replaced by 0 .. n_chunks-1); one whole file per split: "
+                              "model.data.data_impl=jsonl")
         return [c for p in paths for c in chunk_paths(str(p), n_chunks, split)]
     if data_cfg.get("data_impl") == "packed_jsonl":
         if not packs:
