@@ -224,7 +224,7 @@ def test_nemo_aligners_spin_command_reads_chat_records(tmp_path, weak_policy):
                                                       "model.data.train_ds.prompt_template=null"])
     train = [r for r in read_metrics(tmp_path / "spin") if "train/loss" in r]
     assert [r["step"] for r in train] == [1, 2] and all(np.isfinite(r["train/loss"]) for r in train)
-    assert "SPIN finished: 2 steps" in proc.stdout
+    assert "SPIN finished: 2 steps in 1 iteration," in proc.stdout  # an iteration that max_steps cut short
     wrong = run_script("train_gpt_spin.py", command + [f"model.data.train_ds.file_path={data['sft_train']}",
                                                        f"model.data.validation_ds.file_path={data['sft_val']}"],
                        check=False)

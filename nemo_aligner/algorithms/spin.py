@@ -116,4 +116,6 @@ class SPINTrainer(SupervisedTrainer):
         return self.model.get_loss_and_metrics_vanilla_sft(batch, forward_only=True)
 
     def summary(self, seconds: float) -> Dict[str, float]:
-        return dict(super().summary(seconds), iterations=min(self.iteration, self.max_iterations))
+        # iterations begun: one that max_steps or max_time cut short counts (2 steps of a 25-step iteration: 1)
+        begun = -(-self.step // self.steps_per_iteration)
+        return dict(super().summary(seconds), iterations=min(begun, self.max_iterations))

@@ -61,6 +61,7 @@ def run_spin(cfg: DictConfig, callbacks=None) -> Dict[str, float]:
         trainer.callbacks = callbacks
     summary = fit_and_export(trainer, model, exp)
     summary["best_checkpoint"] = exp.checkpoint_callback.best() if exp.checkpoint_callback else None
-    report_finished(summary, f"SPIN finished: {summary['steps']} steps in {summary['iterations']} iterations, train "
+    report_finished(summary, f"SPIN finished: {summary['steps']} steps in {summary['iterations']} "
+                             f"iteration{'' if summary['iterations'] == 1 else 's'}, train "
                              f"loss {summary['final_train_loss']:.4f}, validation SFT loss {summary['final_val_loss']:.4f}")
     return summary
