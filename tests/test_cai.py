@@ -192,10 +192,76 @@ def test_null_sampling_settings_are_the_defaults(tmp_path, quick_sft):
     assert outputs[0] == outputs[1] and outputs[0].count("\n") == 2
 
 
+@pytest.mark.parametrize("start", ["restored", "from-scratch"])
+def test_megatron_gpt_eval_reads_a_training_checkpoint(tmp_path, builtin_data, base_nemo, start):
+    """NeMo's checkpoint_dir/checkpoint_name(/hparams_file) source: the step-4 checkpoint of an SFT run
+    (started from a .nemo, or from scratch with the config's architecture) generates exactly what the
+    .nemo the run wrote at step 4 generates (sampled, seeded: any weight or tokenizer difference shows)."""
+    log_dir = tmp_path / "sft"
+    restore = [f"model.restore_from_path={base_nemo[0]}"] if start == "restored" else []
+    run_script("train_gpt_sft.py", restore + [
+        f"model.data.train_ds.file_path={builtin_data['sft_train']}",
+        f"model.data.validation_ds.file_path={builtin_data['sft_val']}", f"exp_manager.explicit_log_dir={log_dir}",
+        "trainer.sft.max_steps=4", "trainer.sft.val_check_interval=2", "trainer.sft.limit_val_batches=1",
+        "model.data.train_ds.global_batch_size=8", "model.data.train_ds.micro_batch_size=4",
+        "model.optim.lr=1e-2", "model.optim.sched.warmup_steps=0", "model.optim.sched.constant_steps=0",
+        "model.optim.sched.min_lr=1e-3", "exp_manager.checkpoint_callback_params.save_top_k=-1"])
+    ckpts = log_dir / "checkpoints"
+    step4 = next(c for c in os.listdir(ckpts) if "-step=4-" in c and not c.endswith(".nemo"))
+    sampled = ["prompts=['sort cba = ','reverse abc = ']", "inference.greedy=False", "inference.temperature=1.0",
+               "inference.top_k=0", "inference.seed=5", "inference.tokens_to_generate=6"]
+    outs = {}
+    for name, source in (("nemo", [f"gpt_model_file={ckpts / 'megatron_gpt_sft.nemo'}"]),
+                         ("checkpoint", [f"checkpoint_dir={ckpts}", f"checkpoint_name='{step4}'"])):
+        out = tmp_path / f"{name}.jsonl"
+        run_script("generate_gpt.py", source + sampled + [f"output_file={out}"])
+        outs[name] = [json.loads(line)["response"] for line in out.read_text().splitlines()]
+    assert outs["checkpoint"] == outs["nemo"] and len(outs["nemo"]) == 2, outs
+    # an explicit hparams_file, and a checkpoint of another step (2), load too
+    step2 = next(c for c in os.listdir(ckpts) if "-step=2-" in c and not c.endswith(".nemo"))
+    proc = run_script("generate_gpt.py", [f"checkpoint_dir={ckpts}", f"checkpoint_name='{step2}'",
+                                          f"hparams_file={log_dir / 'hparams.yaml'}", *sampled])
+    assert proc.stdout.count('"response"') == 2
+
+
+def test_training_checkpoint_sources_that_cannot_load_are_one_line(tmp_path):
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.recipes.generate import generation_source
+    from nemo_aligner.utils.errors import ConfigError
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    (ckpts / "step=2").mkdir(parents=True)
+    hparams = tmp_path / "run" / "hparams.yaml"
+
+    def source(**keys):
+        return generation_source(OmegaConf.create({"gpt_model_file": None, **keys}))
+
+    for keys, message in (
+            ({"checkpoint_dir": str(ckpts)}, r"checkpoint_dir=.* and checkpoint_name=None: give both"),
+            ({"checkpoint_dir": str(ckpts), "checkpoint_name": "step=9"}, r"step=9: not a checkpoint directory"),
+            ({"checkpoint_dir": str(ckpts), "checkpoint_name": "step=2"},
+             r"hparams_file=.*run/hparams\.yaml: no such file \(the hparams\.yaml a training run writes")):
+        with pytest.raises(ConfigError, match=message):
+            source(**keys)
+    for text, message in (
+            ("model: [1, 2]\n", r"has no model section"),
+            ("model:\n  restore_from_path: /gone/base.nemo\n",
+             r"model\.restore_from_path=/gone/base\.nemo, the \.nemo the run started from, does not exist"),
+            ("model:\n  peft:\n    peft_scheme: lora\n", r"a lora run's checkpoint holds its adapters only")):
+        hparams.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            source(checkpoint_dir=str(ckpts), checkpoint_name="step=2")
+    hparams.write_text("cfg:\n  num_layers: 2\n")  # NeMo's hparams.yaml: the model config under cfg
+    assert source(checkpoint_dir=str(ckpts), checkpoint_name="step=2").base is None
+    with pytest.raises(ConfigError, match=r"gpt_model_file=m\.nemo and checkpoint_dir=.*: give one of them"):
+        generation_source(OmegaConf.create({"gpt_model_file": "m.nemo", "checkpoint_dir": str(ckpts)}))
+
+
 def test_megatron_gpt_eval_keys_parse_and_its_absent_features_are_refused(tmp_path, quick_sft):
     """Every key of NeMo's megatron_gpt_inference.yaml parses at its default (the web page's settings
-    and the top-level micro_batch_size name themselves as changing nothing); loading a training
-    checkpoint (checkpoint_dir, checkpoint_name, hparams_file) and the chat web page are one error line."""
+    and the top-level micro_batch_size name themselves as changing nothing); a training checkpoint
+    (checkpoint_dir) beside gpt_model_file and the chat web page are one error line."""
     nemo_defaults = ["micro_batch_size=-1", "expert_model_parallel_size=-1", "tensor_model_parallel_size=-1",
                      "pipeline_model_parallel_size=-1", "pipeline_model_parallel_split_rank=-1", "megatron_amp_O2=False",
                      "checkpoint_dir=null", "checkpoint_name=null", "hparams_file=null", "server=False", "port=5555",
@@ -209,7 +275,8 @@ def test_megatron_gpt_eval_keys_parse_and_its_absent_features_are_refused(tmp_pa
     text = proc.stdout + proc.stderr
     for key in ("micro_batch_size", "share", "web_port", "chatbot_config.user"):
         assert f"{key} is accepted for NeMo-Aligner's commands but changes nothing here" in text, key
-    for bad, message in (("checkpoint_dir=/ckpts", "error: checkpoint_dir=/ckpts: generation reads a .nemo (gpt_model_file)"),
+    for bad, message in (("checkpoint_dir=/ckpts", f"error: gpt_model_file={quick_sft} and checkpoint_dir=/ckpts: give "
+                                                   "one of them"),
                          ("chat=True", "error: chat=True: NeMo's chat web page is not available")):
         proc = run_script("generate_gpt.py", [f"gpt_model_file={quick_sft}", "prompts=['x']", bad], check=False)
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]

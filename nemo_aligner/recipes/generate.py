@@ -111,7 +111,7 @@ def server_port(cfg: DictConfig) -> int:
     return int(port)
 
 
-def serve(cfg: DictConfig, model) -> None:
+def serve(cfg: DictConfig, model, source: str) -> None:
     """``server=True``: answer ``PUT http://<host>:<port>/generate`` until SIGTERM/SIGINT."""
     import signal
     import threading
@@ -124,19 +124,87 @@ def serve(cfg: DictConfig, model) -> None:
             signal.signal(sig, lambda *_: stop.set())
     host, port = server_host(cfg), server_port(cfg)
     serve_text_generation(generation_service(model), host, port, int(model.cfg.encoder_seq_length), stop,
-                          ready=lambda: print(f"serving {cfg.gpt_model_file} on http://{host}:{port}/generate",
+                          ready=lambda: print(f"serving {source} on http://{host}:{port}/generate",
                                               flush=True))
 
 
 def refuse_eval_features(cfg: DictConfig) -> None:
-    """``megatron_gpt_eval.py``'s loading from a training checkpoint and its chat web page are not here."""
-    for key in ("checkpoint_dir", "checkpoint_name", "hparams_file"):
-        if cfg.get(key) is not None:
-            raise ConfigError(f"{key}={cfg.get(key)}: generation reads a .nemo (gpt_model_file); a training run "
-                              f"writes one (exp_manager.checkpoint_callback_params.save_nemo_on_train_end)")
+    """``megatron_gpt_eval.py``'s chat web page is not here."""
     if cfg.get("chat"):
         raise ConfigError("chat=True: NeMo's chat web page is not available; server=True serves the REST API "
                           "(steerlm.attributes builds SteerLM chat prompts)")
+
+
+class TrainingCheckpoint:
+    """NeMo's other source for ``megatron_gpt_eval.py``: a training run's checkpoint directory
+    (``checkpoint_dir``/``checkpoint_name``) with the run's ``hparams_file`` (default: the hparams.yaml
+    of the log directory holding ``checkpoint_dir``). The architecture and tokenizer come from the .nemo
+    the run started from (``restore_from_path`` in the run's config), or, for a run that started from
+    scratch, from the run's model config; the weights from the checkpoint."""
+
+    def __init__(self, cfg: DictConfig):
+        directory, name = cfg.get("checkpoint_dir"), cfg.get("checkpoint_name")
+        if not directory or not name:
+            raise ConfigError(f"checkpoint_dir={directory} and checkpoint_name={name}: give both (a training "
+                              "checkpoint directory and its parent), or gpt_model_file")
+        self.directory = os.path.join(str(directory), str(name))
+        if not os.path.isdir(self.directory):
+            raise ConfigError(f"checkpoint_dir/checkpoint_name={self.directory}: not a checkpoint directory (a "
+                              "training run's checkpoints/<name>; NeMo's .ckpt files are not read)")
+        hparams = cfg.get("hparams_file") or os.path.join(os.path.dirname(os.path.abspath(str(directory))),
+                                                            "hparams.yaml")
+        if not os.path.isfile(hparams):
+            raise ConfigError(f"hparams_file={cfg.get('hparams_file') or hparams}: no such file (the hparams.yaml a "
+                              "training run writes in its log directory)")
+        try:
+            run = OmegaConf.load(hparams)
+        except Exception as err:  # a YAML error names the line
+            raise ConfigError(f"hparams_file={hparams}: not readable as YAML ({err})") from None
+        model = run.get("model", run.get("cfg"))  # this project's run config; NeMo's hparams.yaml holds cfg:
+        if not isinstance(model, DictConfig):
+            raise ConfigError(f"hparams_file={hparams}: has no model section (model: or NeMo's cfg:)")
+        peft = str((model.get("peft") or {}).get("peft_scheme") or "none").lower()
+        if peft not in ("none", "null"):
+            raise ConfigError(f"hparams_file={hparams}: a {peft} run's checkpoint holds its adapters only; generate "
+                              "from its .nemo with gpt_model_file=<base .nemo> model.peft.restore_from_path=<adapters>")
+        self.hparams, self.run_model = hparams, model
+        paths = [(OmegaConf.select(run, key, default=None), key)
+                 for key in ("pretrained_checkpoint.restore_from_path", "model.restore_from_path", "cfg.restore_from_path")]
+        paths = [(str(path), key) for path, key in paths if path]
+        self.base: Optional[str] = None
+        if paths:
+            self.base, key = paths[0]
+            if not os.path.exists(self.base):
+                raise ConfigError(f"hparams_file={hparams}: {key}={self.base}, the .nemo the run started from, does "
+                                  "not exist; its architecture and tokenizer are needed with the checkpoint's weights")
+
+    def prepare(self, cfg: DictConfig) -> Tuple[Optional[str], str]:
+        """``(restore path, its key)`` for the run set-up; a run from scratch lends ``cfg.model`` its architecture."""
+        if self.base is not None:
+            return self.base, "the run's restore_from_path"
+        keep = {k: cfg.model[k] for k in cfg.model if cfg.model.get(k) is not None}
+        with open_dict(cfg):
+            cfg.model = OmegaConf.merge(self.run_model, keep)
+        return None, "hparams_file"
+
+    def load(self, cfg: DictConfig):
+        model = load_model(GPTSFTModel, cfg.model, cfg.trainer.precision, self.base, key="the run's restore_from_path",
+                           trainable=False)
+        model.load_weights(self.directory, what=f"checkpoint_dir/checkpoint_name={self.directory}")
+        return model
+
+
+def generation_source(cfg: DictConfig) -> Optional[TrainingCheckpoint]:
+    """None for ``gpt_model_file``; a training checkpoint for ``checkpoint_dir``/``checkpoint_name``."""
+    if cfg.get("gpt_model_file"):
+        if cfg.get("checkpoint_dir") or cfg.get("checkpoint_name"):
+            raise ConfigError(f"gpt_model_file={cfg.gpt_model_file} and checkpoint_dir={cfg.get('checkpoint_dir')}: "
+                              "give one of them (a .nemo, or a training checkpoint with its hparams_file)")
+        return None
+    if not cfg.get("checkpoint_dir") and not cfg.get("checkpoint_name"):
+        raise ConfigError("gpt_model_file is required: the .nemo to generate with (or checkpoint_dir, "
+                          "checkpoint_name and hparams_file for a training checkpoint)")
+    return TrainingCheckpoint(cfg)
 
 
 def apply_eval_parallel_sizes(cfg: DictConfig) -> None:
@@ -156,17 +224,21 @@ def apply_eval_parallel_sizes(cfg: DictConfig) -> None:
 def run_generate(cfg: DictConfig) -> List[dict]:
     """Load ``gpt_model_file`` at the configured TP/PP and answer every prompt (or, with ``server=True``,
     serve NeMo's text generation REST API)."""
-    if not cfg.get("gpt_model_file"):
-        raise ConfigError("gpt_model_file is required: the .nemo to generate with")
+    source = generation_source(cfg)
     refuse_eval_features(cfg)
     apply_eval_parallel_sizes(cfg)
-    init_run(cfg, cfg.gpt_model_file, "gpt_model_file")
+    init_run(cfg, *((cfg.gpt_model_file, "gpt_model_file") if source is None else source.prepare(cfg)))
+
+    def load():
+        if source is not None:
+            return source.load(cfg)
+        return load_model(GPTSFTModel, cfg.model, cfg.trainer.precision, cfg.gpt_model_file, key="gpt_model_file",
+                          trainable=False)
+
     if bool(cfg.get("server", False)):
         if is_global_rank_zero():  # before minutes of loading; rank 0 binds (a failure here ends every rank)
             check_bindable(server_host(cfg), {"port": server_port(cfg)})
-        model = load_model(GPTSFTModel, cfg.model, cfg.trainer.precision, cfg.gpt_model_file, key="gpt_model_file",
-                           trainable=False)
-        serve(cfg, model)
+        serve(cfg, load(), cfg.gpt_model_file if source is None else source.directory)
         return []
     prompts = read_prompts(cfg)
     for i, (prompt, _) in enumerate(prompts):
@@ -183,8 +255,7 @@ def run_generate(cfg: DictConfig) -> List[dict]:
     output_file = cfg.get("output_file")
     if output_file and os.path.isdir(str(output_file)):
         raise ConfigError(f"output_file={output_file} is a directory; give the jsonl file's path")
-    model = load_model(GPTSFTModel, cfg.model, cfg.trainer.precision, cfg.gpt_model_file, key="gpt_model_file",
-                       trainable=False)
+    model = load()
     system = str((cfg.get("steerlm") or {}).get("system") or "")
     chat_tokens = model_chat_tokens(model.cfg)
     prompts_in = [p if attrs is None else steer_prompt(p, attrs, system=system, chat_tokens=chat_tokens)
