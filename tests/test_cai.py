@@ -248,7 +248,7 @@ def test_training_checkpoint_sources_that_cannot_load_are_one_line(tmp_path):
             ("model: [1, 2]\n", r"has no model section"),
             ("model:\n  restore_from_path: /gone/base.nemo\n",
              r"model\.restore_from_path=/gone/base\.nemo, the \.nemo the run started from, does not exist"),
-            ("model:\n  peft:\n    peft_scheme: lora\n", r"a lora run's checkpoint holds its adapters only")):
+            ("model:\n  peft:\n    peft_scheme: lora\n", r"a lora run's checkpoint is not read here \(its adapters would be left out\)")):
         hparams.write_text(text)
         with pytest.raises(ConfigError, match=message):
             source(checkpoint_dir=str(ckpts), checkpoint_name="step=2")

@@ -165,8 +165,9 @@ class TrainingCheckpoint:
             raise ConfigError(f"hparams_file={hparams}: has no model section (model: or NeMo's cfg:)")
         peft = str((model.get("peft") or {}).get("peft_scheme") or "none").lower()
         if peft not in ("none", "null"):
-            raise ConfigError(f"hparams_file={hparams}: a {peft} run's checkpoint holds its adapters only; generate "
-                              "from its .nemo with gpt_model_file=<base .nemo> model.peft.restore_from_path=<adapters>")
+            raise ConfigError(f"hparams_file={hparams}: a {peft} run's checkpoint is not read here (its adapters "
+                              "would be left out); generate with gpt_model_file=<base .nemo> "
+                              "model.peft.restore_from_path=<the run's adapters .nemo>")
         self.hparams, self.run_model = hparams, model
         paths = [(OmegaConf.select(run, key, default=None), key)
                  for key in ("pretrained_checkpoint.restore_from_path", "model.restore_from_path", "cfg.restore_from_path")]
