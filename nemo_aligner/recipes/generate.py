@@ -146,7 +146,7 @@ class TrainingCheckpoint:
         directory, name = cfg.get("checkpoint_dir"), cfg.get("checkpoint_name")
         if not directory or not name:
             raise ConfigError(f"checkpoint_dir={directory} and checkpoint_name={name}: give both (a training "
-                              "checkpoint directory and its parent), or gpt_model_file")
+                              "run's checkpoints directory and one checkpoint in it), or gpt_model_file")
         self.directory = os.path.join(str(directory), str(name))
         if not os.path.isdir(self.directory):
             raise ConfigError(f"checkpoint_dir/checkpoint_name={self.directory}: not a checkpoint directory (a "
