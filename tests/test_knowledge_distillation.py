@@ -143,6 +143,7 @@ def test_topk_records_are_the_teachers_and_survive_a_kill(tmp_path, kd_records, 
     proc = _compute(teacher, data["sft_val"], cut)
     out = proc.stdout + proc.stderr
     assert "Top-4 logits of 34 samples written" in out and "cut.jsonl:31: an unfinished record" in out, out[-2000:]
+    assert "top-k logits:" not in out  # progress every 30 s, not a line per global batch (3 batches here)
     resumed = [json.loads(line) for line in open(cut)]
     assert [r["index"] for r in resumed] == list(range(64))
     for a, b in zip(resumed, records):

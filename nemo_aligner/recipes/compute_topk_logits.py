@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import time
 from typing import Dict, List, Set
 
 import torch
@@ -60,6 +61,9 @@ def processed_indices(path: str) -> Set[int]:
             f.write(kept if not kept or kept.endswith(b"\n") else kept + b"\n")
         os.replace(tmp, path)
     return done
+
+
+REPORT_EVERY_S = 30.0  # progress lines while records are written (the final count is always printed)
 
 
 def topk_records(model, samples: List[Dict], indices: List[int], top_k: int, micro_batch_size: int) -> List[Dict]:
@@ -135,7 +139,7 @@ def run_compute_topk_logits(cfg: DictConfig) -> Dict:
     from megatron.core import parallel_state
 
     writes = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
-    written = 0
+    written, last_report = 0, time.monotonic()
     for first in range(0, len(todo), gbs):
         chunk = todo[first:first + gbs]
         per_rank = -(-len(chunk) // info.dp)
@@ -155,7 +159,9 @@ def run_compute_topk_logits(cfg: DictConfig) -> Dict:
                 f.flush()
                 os.fsync(f.fileno())
             written += len(chunk)
-            logger.info("top-k logits: %d of %d samples written", written, len(todo))
+            if time.monotonic() - last_report >= REPORT_EVERY_S and written < len(todo):  # one line, not one per batch
+                logger.info("top-k logits: %d of %d samples written", written, len(todo))
+                last_report = time.monotonic()
     if is_global_rank_zero():
         print(f"Top-{top_k} logits of {len(todo)} samples written to {output} "
               f"({len(done)} were already there)", flush=True)
