@@ -105,7 +105,12 @@ print(json.dumps(got))
     out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"dynamo": False, "restored": True, "deferred": True, "hooks_left": [], "wandb_imported": False,
+    # torch itself imported the compiler from torch.distributed.tensor.parallel up to 2.6 (megatron-core
+    # imports that module): there nothing is left for the deferral to save
+    torch_imports_it = subprocess.run(
+        [sys.executable, "-c", "import sys, torch.distributed.tensor.parallel; print('torch._dynamo' in sys.modules)"],
+        env=subprocess_env(), capture_output=True, text=True, timeout=120).stdout.strip() == "True"
+    assert got == {"dynamo": torch_imports_it, "restored": True, "deferred": True, "hooks_left": [], "wandb_imported": False,
                    "have_wandb": True, "wandb_after_patches": False, "same_wandb": True}, got
 
 
