@@ -461,13 +461,13 @@ def test_ctrl_c_stops_every_rank_with_one_line_and_status_130(tmp_path, builtin_
     assert "Traceback" not in text and "Stack (most recent call first)" not in text, text[-3000:]
 
 
-@pytest.mark.stack
 def _agent_leaves_stop_signals() -> bool:
     from torch.distributed.launcher.api import LaunchConfig
 
     return "signals_to_handle" in LaunchConfig.__dataclass_fields__
 
 
+@pytest.mark.stack
 @pytest.mark.skipif(not _agent_leaves_stop_signals(), reason="this torch's elastic agent handles SIGTERM itself "
                     "(no LaunchConfig.signals_to_handle before torch 2.9): it stops the ranks and exits 143")
 @pytest.mark.parametrize("how", ["SIGTERM to the supervisor", "SIGUSR1 to every process"])
