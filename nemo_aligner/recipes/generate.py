@@ -168,7 +168,7 @@ class TrainingCheckpoint:
             raise ConfigError(f"hparams_file={hparams}: a {peft} run's checkpoint is not read here (its adapters "
                               "would be left out); generate with gpt_model_file=<base .nemo> "
                               "model.peft.restore_from_path=<the run's adapters .nemo>")
-        self.hparams, self.run_model = hparams, model
+        self.run_model = model
         paths = [(OmegaConf.select(run, key, default=None), key)
                  for key in ("pretrained_checkpoint.restore_from_path", "model.restore_from_path", "cfg.restore_from_path")]
         paths = [(str(path), key) for path, key in paths if path]

@@ -23,12 +23,11 @@ def float32_params_listed(optimizer):
     comes first, every slot of a group holding both kinds is off and saving meets another parameter's
     state (an AssertionError on its shape). For the duration the map follows the slots' order
     (unchanged where it already did)."""
-    inners = [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
-              if any(getattr(o, "fp32_from_fp32_groups", None) or [])]
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    inners = [o for o in parts if any(getattr(o, "fp32_from_fp32_groups", None) or [])]
     saved = [(o, o.float16_groups, o.fp32_from_float16_groups) for o in inners]
     distributed = [(o, o.model_param_group_index_map, [g["params"] for g in o.opt_group_ranges])
-                   for o in getattr(optimizer, "chained_optimizers", [optimizer])
-                   if hasattr(o, "model_param_group_index_map") and hasattr(o, "opt_group_ranges")]
+                   for o in parts if hasattr(o, "model_param_group_index_map") and hasattr(o, "opt_group_ranges")]
     try:
         for inner, index_map, _ in distributed:
             inner.model_param_group_index_map = _slot_order(inner.opt_group_ranges, index_map)
