@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import SCRIPTS, read_metrics, subprocess_env, tiny_batch
+from nemo_aligner.utils.self_launch import agent_takes_signal_list
 
 
 def test_sigterm_saves_and_the_same_command_resumes(tmp_path, builtin_data):
@@ -461,14 +462,8 @@ def test_ctrl_c_stops_every_rank_with_one_line_and_status_130(tmp_path, builtin_
     assert "Traceback" not in text and "Stack (most recent call first)" not in text, text[-3000:]
 
 
-def _agent_leaves_stop_signals() -> bool:
-    from torch.distributed.launcher.api import LaunchConfig
-
-    return "signals_to_handle" in LaunchConfig.__dataclass_fields__
-
-
 @pytest.mark.stack
-@pytest.mark.skipif(not _agent_leaves_stop_signals(), reason="this torch's elastic agent handles SIGTERM itself "
+@pytest.mark.skipif(not agent_takes_signal_list(), reason="this torch's elastic agent handles SIGTERM itself "
                     "(no LaunchConfig.signals_to_handle before torch 2.9): it stops the ranks and exits 143")
 @pytest.mark.parametrize("how", ["SIGTERM to the supervisor", "SIGUSR1 to every process"])
 def test_a_stop_signal_to_a_run_that_started_its_ranks_saves_and_exits_0(tmp_path, builtin_data, how):

@@ -132,6 +132,14 @@ def ranks_finish_their_stop():
             os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = previous_env
 
 
+def agent_takes_signal_list() -> bool:
+    """Whether torch's elastic agent takes the signals it handles as a setting (torch 2.9 and newer), so
+    that SIGTERM/SIGUSR1 can be left to ``ranks_finish_their_stop``."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return "signals_to_handle" in LaunchConfig.__dataclass_fields__
+
+
 def spawn_ranks(nproc: int, argv: Optional[List[str]] = None) -> int:
     """Run ``nproc`` copies of this command under torch's elastic agent on this machine; returns the
     exit status for this (supervising) process: 0, or the first failed worker's code."""
@@ -148,7 +156,7 @@ def spawn_ranks(nproc: int, argv: Optional[List[str]] = None) -> int:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ["NEMO_ALIGNER_SPAWNED"] = "1"  # the ranks: start-up warnings were printed here already
     extra = {"local_addr": "127.0.0.1"} if "local_addr" in LaunchConfig.__dataclass_fields__ else {}
-    if "signals_to_handle" in LaunchConfig.__dataclass_fields__:  # else read from the environment
+    if agent_takes_signal_list():  # else read from the environment
         extra["signals_to_handle"] = _AGENT_SIGNALS
     # The agent's per-rank error files go to a directory removed afterwards (torch's default leaves
     # a /tmp/torchelastic_* directory behind per run); a failed rank has printed its error already.
