@@ -417,3 +417,19 @@ def test_sampled_dataset_draws_whole_passes_in_seeded_orders():
     assert pickle.loads(pickle.dumps(sampled)).indices.tolist() == drawn
     with pytest.raises(ConfigError, match="model.data.train_ds: no records to sample 4 from"):
         SampledDataset([], 4, seed=0)
+
+
+@pytest.mark.parametrize("limit,expected", [(5, 40), (5.0, 40), (2.5, 16), (1.0, 20), (0.5, 20), (-1, 20), (None, 20)])
+def test_sampled_validation_takes_limit_val_batches_global_batches(limit, expected):
+    """``model.data.sample=True`` draws ``limit_val_batches`` x the validation global batch (8) records,
+    as NeMo-Aligner's scripts do; a fraction, -1 or no limit keep the 20 records as they are; without
+    ``sample`` nothing changes."""
+    from omegaconf import OmegaConf
+
+    from nemo_aligner.recipes.run_helpers import sample_validation
+
+    base = list(range(20))
+    cfg = OmegaConf.create({"model": {"data": {"sample": True}}, "trainer": {"sft": {"limit_val_batches": limit}}})
+    assert len(sample_validation(base, cfg, "sft", 8, seed=0)) == expected
+    cfg.model.data.sample = False
+    assert sample_validation(base, cfg, "sft", 8, seed=0) is base

@@ -154,16 +154,23 @@ def test_max_time_saves_and_stops(tmp_path, builtin_data):
 
 def test_sample_lets_max_steps_outlast_one_pass(tmp_path, builtin_data):
     """NeMo-Aligner's ``model.data.sample=True``: 20 records make one global batch of 16 a pass, yet
-    ``max_steps=3`` with ``max_epochs=1`` trains 3 steps on 48 records drawn from the 20."""
+    ``max_steps=3`` with ``max_epochs=1`` trains 3 steps on 48 records drawn from the 20; validation
+    takes ``limit_val_batches=5`` x its global batch of 8 records drawn from its 64."""
     train = tmp_path / "twenty.jsonl"
     with open(builtin_data["sft_train"]) as f:
         train.write_text("".join(f.readlines()[:20]))
     data = dict(builtin_data, sft_train=str(train))
     overrides = sft_overrides(data, tmp_path / "sampled", 3, SMALL + ["trainer.sft.val_check_interval=3"])
     overrides = [o for o in overrides if not o.startswith("trainer.sft.max_epochs=")] + ["trainer.sft.max_epochs=1"]
-    proc = run_script("train_gpt_sft.py", overrides + ["model.data.sample=True"])
+    proc = run_script("train_gpt_sft.py", overrides + [
+        "model.data.sample=True", "trainer.sft.limit_val_batches=5", "model.data.validation_ds.global_batch_size=8",
+        "model.data.validation_ds.micro_batch_size=4"])
+    out = proc.stdout + proc.stderr
     assert "model.data.sample=True: 48 training records (trainer.sft.max_steps=3 x global_batch_size=16) " \
-           "drawn from 20" in proc.stdout + proc.stderr
+           "drawn from 20" in out
+    assert "model.data.sample=True: 40 validation records (trainer.sft.limit_val_batches=5 x global_batch_size=8) " \
+           "drawn from 64" in out
+    assert "48 training samples, 40 validation samples" in out
     assert "SFT finished: 3 steps, 1 epochs" in proc.stdout
 
 

@@ -73,16 +73,28 @@ def sample_to_max_steps(dataset, cfg, algorithm: str, global_batch_size: int, se
     """NeMo-Aligner's ``model.data.sample=True``: the training set becomes ``trainer.<algorithm>.max_steps``
     x ``global_batch_size`` records drawn from it (``SampledDataset``), so that ``max_steps`` may outlast
     one pass over the data (an epoch is then the whole run). Without a positive max_steps it is unchanged."""
+    return _sampled(dataset, cfg, algorithm, "max_steps", global_batch_size, seed, "training")
+
+
+def sample_validation(dataset, cfg, algorithm: str, global_batch_size: int, seed: int):
+    """NeMo-Aligner's ``model.data.sample=True`` for the validation set: ``trainer.<algorithm>.limit_val_batches``
+    x its ``global_batch_size`` records drawn from it, fewer or more than the file holds. A fraction
+    (a float up to 1.0) or -1 leaves it as it is: Aligner's product is then no record count."""
+    return _sampled(dataset, cfg, algorithm, "limit_val_batches", global_batch_size, seed, "validation")
+
+
+def _sampled(dataset, cfg, algorithm: str, count_key: str, global_batch_size: int, seed: int, split: str):
     if not bool(cfg.model.data.get("sample", False)):
         return dataset
     from nemo_aligner.data.nlp.builders import SampledDataset
 
-    max_steps = cfg.trainer[algorithm].get("max_steps")
-    if max_steps is None or int(max_steps) <= 0:
-        logger.info("model.data.sample=True needs trainer.%s.max_steps > 0 (it is %s): the training set is "
-                    "used as it is", algorithm, max_steps)
+    count = cfg.trainer[algorithm].get(count_key)
+    if count is None or isinstance(count, bool) or (isinstance(count, float) and count <= 1.0) or int(count) <= 0:
+        logger.info("model.data.sample=True draws the %s set from trainer.%s.%s, a number of batches > 0 (it is "
+                    "%s): the %s set is used as it is", split, algorithm, count_key, count, split)
         return dataset
-    num_samples = int(max_steps) * int(global_batch_size)
-    logger.info("model.data.sample=True: %d training records (trainer.%s.max_steps=%d x global_batch_size=%d) "
-                "drawn from %d", num_samples, algorithm, int(max_steps), int(global_batch_size), len(dataset))
-    return SampledDataset(dataset, num_samples, seed)
+    num_samples = int(count) * int(global_batch_size)
+    logger.info("model.data.sample=True: %d %s records (trainer.%s.%s=%d x global_batch_size=%d) drawn from %d",
+                num_samples, split, algorithm, count_key, int(count), int(global_batch_size), len(dataset))
+    key = "model.data.train_ds" if split == "training" else "model.data.validation_ds"
+    return SampledDataset(dataset, num_samples, seed, key=key)

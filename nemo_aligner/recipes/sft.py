@@ -9,7 +9,7 @@ from typing import Dict
 from omegaconf import DictConfig, open_dict
 
 from nemo_aligner.recipes.prepare_packed import check_packed_attention
-from nemo_aligner.recipes.run_helpers import fit_and_export, report_finished, sample_to_max_steps
+from nemo_aligner.recipes.run_helpers import fit_and_export, report_finished, sample_to_max_steps, sample_validation
 from nemo_aligner.algorithms.supervised import SupervisedTrainer, plan_max_steps
 from nemo_aligner.data.nlp.builders import build_dataloader, build_sft_dataset, sft_collate_fn
 from nemo_aligner.data.nlp.jsonl import check_files_exist
@@ -56,6 +56,7 @@ def run_sft(cfg: DictConfig, callbacks=None, model_cls=GPTSFTModel, build_datase
                else sft_collate_fn(model.tokenizer, seq_len, data_cfg.get("pad_to_multiple_of", 8)))
     seed = int(cfg.model.get("seed", 1234))
     train_ds = sample_to_max_steps(train_ds, cfg, "sft", data_cfg.train_ds.global_batch_size, seed)
+    val_ds = sample_validation(val_ds, cfg, "sft", data_cfg.validation_ds.global_batch_size, seed)
     workers = int(data_cfg.get("num_workers", 0) or 0)
     train_dl = build_dataloader(train_ds, data_cfg.train_ds, collate, info.dp_rank, info.dp, seed,
                                 num_workers=workers, train=True, key="model.data.train_ds")

@@ -14,7 +14,8 @@ from nemo_aligner.algorithms.spin import SPINTrainer, plan_spin_steps
 from nemo_aligner.data.nlp.builders import build_dataloader, build_sft_dataset
 from nemo_aligner.data.nlp.spin_dataset import collate_spin
 from nemo_aligner.models.nlp.gpt.megatron_gpt_spin_model import MegatronGPTSPINModel
-from nemo_aligner.recipes.run_helpers import fit_and_export, report_finished, sample_to_max_steps, start_from_checkpoint
+from nemo_aligner.recipes.run_helpers import (fit_and_export, report_finished, sample_to_max_steps, sample_validation,
+                                              start_from_checkpoint)
 from nemo_aligner.utils.run_control import RunTimer, max_time_of
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ def run_spin(cfg: DictConfig, callbacks=None) -> Dict[str, float]:
             "global_batch_size": int(val_cfg.get("global_batch_size") or cfg.model.global_batch_size),
             "micro_batch_size": int(val_cfg.get("micro_batch_size") or cfg.model.micro_batch_size),
             "shuffle": False, "drop_last": bool(val_cfg.get("drop_last", False))})
+        val_ds = sample_validation(val_ds, cfg, "spin", val_batches.global_batch_size, seed)
         val_dl = build_dataloader(val_ds, val_batches, collate, info.dp_rank, info.dp, seed, num_workers=workers,
                                   train=False, key="model.data.validation_ds")
         n_val = len(val_ds)
