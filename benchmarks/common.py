@@ -77,9 +77,15 @@ def device_description() -> str:
     """What the timings ran on, for the printed tables: the GPU's name, or the CPU and its threads."""
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
+    return f"CPU {cpu_model()}, {torch.get_num_threads()} threads, decode GEMM {decode_gemms()}"
+
+
+def decode_gemms() -> str:
+    """The CPU decode GEMM chosen for each precision (they differ: e.g. bf16 on oneDNN where the CPU
+    has AMX, float32 on our kernel), e.g. ``native (fp32), onednn (bf16)``."""
     from nemo_aligner.utils.cpu_gemm import decode_gemm_backend
 
-    return f"CPU {cpu_model()}, {torch.get_num_threads()} threads, decode GEMM {decode_gemm_backend()}"
+    return f"{decode_gemm_backend(torch.float32)} (fp32), {decode_gemm_backend(torch.bfloat16)} (bf16)"
 
 
 def versions_line() -> str:
@@ -232,10 +238,8 @@ def median(values: List[float]) -> float:
 
 
 def machine() -> dict:
-    from nemo_aligner.utils.cpu_gemm import decode_gemm_backend
-
     return {"cpu": platform.processor() or platform.machine(), "cpu_model": cpu_model(),
-            "decode_gemm": decode_gemm_backend(), "threads": torch.get_num_threads(),
+            "decode_gemm": decode_gemms(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "cuda": torch.cuda.is_available(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "versions": versions()}
 
