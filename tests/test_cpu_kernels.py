@@ -176,9 +176,15 @@ def test_bf16_stores_round_like_torch(ext):
     assert torch.equal(bits(written), bits(expected)) or torch.equal(bits(written), bits(zero))
 
 
-@pytest.mark.parametrize("per_group,d,masked", [(2, 16, True), (1, 12, False), (4, 64, True)])
-def test_decode_attention_over_a_bf16_cache(ext, per_group, d, masked):
+# Head widths: 64 (one register block of columns), 76 (a block, 8 columns, 4 more), 12 and 16;
+# 33 keys: eight groups of four and one more.
+ATTENTION_SHAPES = [(2, 16, True), (1, 12, False), (4, 64, True), (1, 76, True)]
+
+
+@pytest.mark.parametrize("per_group,d,masked", ATTENTION_SHAPES)
+def test_decode_attention_over_a_bf16_cache(gemm_ext, per_group, d, masked):
     """A bf16 cache is read as float32: the same result as the float32 kernel over its values."""
+    ext = gemm_ext
     batch, groups, length, end = 4, 2, 40, 33
     qkv, cache = _layout(batch, groups, per_group, d, length, seed=5)
     cache = cache.bfloat16()
@@ -188,8 +194,9 @@ def test_decode_attention_over_a_bf16_cache(ext, per_group, d, masked):
     assert torch.equal(out, ext.decode_attention(qkv, cache.float(), end, mask, d ** -0.5, groups, per_group))
 
 
-@pytest.mark.parametrize("per_group,d,masked", [(2, 16, True), (1, 12, False), (4, 64, True)])
-def test_decode_attention_equals_sdpa(ext, per_group, d, masked):
+@pytest.mark.parametrize("per_group,d,masked", ATTENTION_SHAPES)
+def test_decode_attention_equals_sdpa(gemm_ext, per_group, d, masked):
+    ext = gemm_ext
     batch, groups, length, end = 4, 2, 40, 33
     qkv, cache = _layout(batch, groups, per_group, d, length, seed=3)
     qkv *= 2  # peaked softmaxes too
@@ -209,7 +216,8 @@ def test_decode_attention_equals_sdpa(ext, per_group, d, masked):
 @pytest.fixture(scope="module", params=["this CPU's", "AVX2"])
 def gemm_ext(request, ext):
     """The kernels as built for this CPU, and (where that build is AVX-512's) the AVX2 build that
-    CPUs without AVX-512 get: both packed GEMMs are tested on an AVX-512 machine."""
+    CPUs without AVX-512 get: both packed GEMMs and both decode attentions are tested on an AVX-512
+    machine."""
     if request.param == "AVX2":
         flags = cpu_kernels.compile_flags()
         if "-mavx512f" not in flags:

@@ -166,15 +166,107 @@ inline float dot(const float* a, const T* b, int64_t n) {
   return s;
 }
 
-// y[i] += a * x[i]; x float32 or bf16 (a KV cache), read as float32.
-template <typename T>
-inline void axpy(float a, const T* x, float* y, int64_t n) {
-  int64_t i = 0;
 #ifdef NA_AVX2
-  __m256 va = _mm256_set1_ps(a);
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load8(x + i), _mm256_loadu_ps(y + i)));
+// a . b_u for four rows b_u, each summed exactly as dot() sums it (four independent chains: the
+// query's loads are shared and the chains' latencies overlap).
+template <typename T>
+inline void dot4(const float* a, const T* b0, const T* b1, const T* b2, const T* b3, int64_t n, float* out) {
+  __m256 x0 = _mm256_setzero_ps(), x1 = x0, x2 = x0, x3 = x0, y0 = x0, y1 = x0, y2 = x0, y3 = x0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 lo = _mm256_loadu_ps(a + i), hi = _mm256_loadu_ps(a + i + 8);
+    x0 = _mm256_fmadd_ps(lo, load8(b0 + i), x0);
+    y0 = _mm256_fmadd_ps(hi, load8(b0 + i + 8), y0);
+    x1 = _mm256_fmadd_ps(lo, load8(b1 + i), x1);
+    y1 = _mm256_fmadd_ps(hi, load8(b1 + i + 8), y1);
+    x2 = _mm256_fmadd_ps(lo, load8(b2 + i), x2);
+    y2 = _mm256_fmadd_ps(hi, load8(b2 + i + 8), y2);
+    x3 = _mm256_fmadd_ps(lo, load8(b3 + i), x3);
+    y3 = _mm256_fmadd_ps(hi, load8(b3 + i + 8), y3);
+  }
+  for (; i + 8 <= n; i += 8) {
+    const __m256 lo = _mm256_loadu_ps(a + i);
+    x0 = _mm256_fmadd_ps(lo, load8(b0 + i), x0);
+    x1 = _mm256_fmadd_ps(lo, load8(b1 + i), x1);
+    x2 = _mm256_fmadd_ps(lo, load8(b2 + i), x2);
+    x3 = _mm256_fmadd_ps(lo, load8(b3 + i), x3);
+  }
+  float s0 = hsum(_mm256_add_ps(x0, y0)), s1 = hsum(_mm256_add_ps(x1, y1)), s2 = hsum(_mm256_add_ps(x2, y2)),
+        s3 = hsum(_mm256_add_ps(x3, y3));
+  for (; i < n; ++i) {  // std::fma: one rounding in every instantiation, however the compiler vectorises them
+    s0 = std::fma(a[i], load1(b0 + i), s0);
+    s1 = std::fma(a[i], load1(b1 + i), s1);
+    s2 = std::fma(a[i], load1(b2 + i), s2);
+    s3 = std::fma(a[i], load1(b3 + i), s3);
+  }
+  out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
 #endif
-  for (; i < n; ++i) y[i] += a * load1(x + i);
+
+// y[i] += sum over t < end of w[t] * x[t * d + i] for i < d (t with keep[t] false skipped; x float32
+// or bf16, a KV cache's values, read as float32), each y[i] accumulated in t order; 64 columns at a
+// time stay in registers across the rows instead of being read and written once per row.
+#if defined(NA_AVX2) && defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+template <typename T>
+inline void weighted_rows(const float* w, const T* x, const bool* keep, int64_t end, int64_t d, float* y) {
+  int64_t i = 0;
+#if defined(NA_AVX2) && defined(__AVX512F__)
+  for (; i + 64 <= d; i += 64) {
+    __m512 r0 = _mm512_loadu_ps(y + i), r1 = _mm512_loadu_ps(y + i + 16), r2 = _mm512_loadu_ps(y + i + 32),
+           r3 = _mm512_loadu_ps(y + i + 48);
+    for (int64_t t = 0; t < end; ++t) {
+      if (keep != nullptr && !keep[t]) continue;
+      const __m512 a = _mm512_set1_ps(w[t]);
+      const T* v = x + t * d + i;
+      r0 = _mm512_fmadd_ps(a, load16(v), r0);
+      r1 = _mm512_fmadd_ps(a, load16(v + 16), r1);
+      r2 = _mm512_fmadd_ps(a, load16(v + 32), r2);
+      r3 = _mm512_fmadd_ps(a, load16(v + 48), r3);
+    }
+    _mm512_storeu_ps(y + i, r0), _mm512_storeu_ps(y + i + 16, r1), _mm512_storeu_ps(y + i + 32, r2);
+    _mm512_storeu_ps(y + i + 48, r3);
+  }
+#elif defined(NA_AVX2)
+  for (; i + 64 <= d; i += 64) {
+    __m256 r0 = _mm256_loadu_ps(y + i), r1 = _mm256_loadu_ps(y + i + 8), r2 = _mm256_loadu_ps(y + i + 16),
+           r3 = _mm256_loadu_ps(y + i + 24), r4 = _mm256_loadu_ps(y + i + 32), r5 = _mm256_loadu_ps(y + i + 40),
+           r6 = _mm256_loadu_ps(y + i + 48), r7 = _mm256_loadu_ps(y + i + 56);
+    for (int64_t t = 0; t < end; ++t) {
+      if (keep != nullptr && !keep[t]) continue;
+      const __m256 a = _mm256_set1_ps(w[t]);
+      const T* v = x + t * d + i;
+      r0 = _mm256_fmadd_ps(a, load8(v), r0);
+      r1 = _mm256_fmadd_ps(a, load8(v + 8), r1);
+      r2 = _mm256_fmadd_ps(a, load8(v + 16), r2);
+      r3 = _mm256_fmadd_ps(a, load8(v + 24), r3);
+      r4 = _mm256_fmadd_ps(a, load8(v + 32), r4);
+      r5 = _mm256_fmadd_ps(a, load8(v + 40), r5);
+      r6 = _mm256_fmadd_ps(a, load8(v + 48), r6);
+      r7 = _mm256_fmadd_ps(a, load8(v + 56), r7);
+    }
+    _mm256_storeu_ps(y + i, r0), _mm256_storeu_ps(y + i + 8, r1), _mm256_storeu_ps(y + i + 16, r2);
+    _mm256_storeu_ps(y + i + 24, r3), _mm256_storeu_ps(y + i + 32, r4), _mm256_storeu_ps(y + i + 40, r5);
+    _mm256_storeu_ps(y + i + 48, r6), _mm256_storeu_ps(y + i + 56, r7);
+  }
+#endif
+#ifdef NA_AVX2
+  for (; i + 8 <= d; i += 8) {
+    __m256 r = _mm256_loadu_ps(y + i);
+    for (int64_t t = 0; t < end; ++t)
+      if (keep == nullptr || keep[t]) r = _mm256_fmadd_ps(_mm256_set1_ps(w[t]), load8(x + t * d + i), r);
+    _mm256_storeu_ps(y + i, r);
+  }
+#endif
+  for (; i < d; ++i)
+    for (int64_t t = 0; t < end; ++t)
+      if (keep == nullptr || keep[t]) y[i] = std::fma(w[t], load1(x + t * d + i), y[i]);
 }
 
 // o = row * rsqrt(mean(row^2) + eps) * w over h floats; returns the rsqrt.
@@ -310,7 +402,19 @@ void decode_attention_rows(const float* q, int64_t row_width, const T* c, float*
       const T* values = keys + t_len * d;
       const bool* m = mask != nullptr ? mask + b * mask_stride : nullptr;
       constexpr float kSkip = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < end; ++t) {
+      int64_t t = 0;
+#ifdef NA_AVX2
+      for (; t + 4 <= end; t += 4) {  // four keys at a time (see dot4)
+        const T* k = keys + t * d;
+        for (int64_t j = 0; j < per_group; ++j) {
+          float four[4];
+          dot4(qg + j * d, k, k + d, k + 2 * d, k + 3 * d, d, four);
+          for (int64_t u = 0; u < 4; ++u)
+            scores[j * end + t + u] = m == nullptr || m[t + u] ? four[u] * fscale : kSkip;
+        }
+      }
+#endif
+      for (; t < end; ++t) {
         const bool keep = m == nullptr || m[t];
         const T* k = keys + t * d;
         for (int64_t j = 0; j < per_group; ++j) scores[j * end + t] = keep ? dot(qg + j * d, k, d) * fscale : kSkip;
@@ -328,11 +432,7 @@ void decode_attention_rows(const float* q, int64_t row_width, const T* c, float*
         inv_sum[j] = sum > 0.f ? 1.0f / sum : 0.f;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < end; ++t) {
-        if (m != nullptr && !m[t]) continue;
-        const T* v = values + t * d;
-        for (int64_t j = 0; j < per_group; ++j) axpy(scores[j * end + t], v, acc.data() + j * d, d);
-      }
+      for (int64_t j = 0; j < per_group; ++j) weighted_rows(scores.data() + j * end, values, m, end, d, acc.data() + j * d);
       float* og = o + (b * groups + g) * per_group * d;
       for (int64_t j = 0; j < per_group; ++j)
         for (int64_t i = 0; i < d; ++i) og[j * d + i] = acc[j * d + i] * inv_sum[j];
