@@ -82,24 +82,88 @@ def failure_excerpt(text: str, tail: int = 4000) -> str:
     return head + text[-tail:]
 
 
+ZYGOTE_DIR = os.path.join(REPO, "tests", "zygote")
+_zygote = {}  # this pytest process's pre-imported interpreter: "socket", "proc"
+
+
+def zygote_env(env: dict) -> tuple:
+    """``(python, env)`` for a script run through this process's pre-imported interpreter
+    (``tests/zygote/``; torchrun's ranks too, through ``PYTHON_EXEC``), or the real interpreter where
+    there is none (``NEMO_ALIGNER_TEST_ZYGOTE=0`` turns it off)."""
+    if not _zygote.get("socket"):
+        return sys.executable, env
+    shim = os.path.join(ZYGOTE_DIR, "python")
+    env = dict(env, NEMO_ALIGNER_TEST_ZYGOTE=_zygote["socket"], ZYGOTE_REAL_PYTHON=sys.executable, PYTHON_EXEC=shim)
+    return shim, env
+
+
+def start_zygote() -> None:
+    """Start the pre-imported interpreter that forks this process's script runs (``run_python``)."""
+    import tempfile
+    import time
+
+    if os.environ.get("NEMO_ALIGNER_TEST_ZYGOTE") == "0" or sys.platform != "linux":
+        return
+    folder = tempfile.mkdtemp(prefix="zygote_")
+    path = os.path.join(folder, "sock")
+    env = subprocess_env()
+    for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # each run sets its own threads; the default is torch's
+        env.pop(key, None)
+        if key in os.environ:
+            env[key] = os.environ[key]
+    proc = subprocess.Popen([sys.executable, os.path.join(ZYGOTE_DIR, "server.py"), path], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None and not os.path.exists(path):
+        time.sleep(0.05)
+    if proc.poll() is not None or not os.path.exists(path):
+        stop_process(proc)
+        return
+    _zygote.update(socket=path, proc=proc, folder=folder)
+
+
+def stop_process(proc) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def zygote():
+    """The pre-imported interpreter for this pytest process's script runs, stopped at the end."""
+    import shutil
+
+    start_zygote()
+    yield _zygote.get("socket")
+    if _zygote.get("proc") is not None:
+        stop_process(_zygote["proc"])
+        shutil.rmtree(_zygote["folder"], ignore_errors=True)
+    _zygote.clear()
+
+
 def run_python(path: str, args, nproc: int = 1, timeout: int = 300, check: bool = True, cwd=None,
                like_nproc: int = None, cpu_only: bool = False):
     """Run a script alone or under torchrun with ``nproc`` processes; returns the CompletedProcess.
     ``like_nproc``, ``cpu_only``: its device kind (``subprocess_env``). The built-in tiny model's batch
-    sizes (``tiny_batch``, as the demo's) go before ``args``, which override them."""
+    sizes (``tiny_batch``, as the demo's) go before ``args``, which override them. The run starts
+    from the pre-imported interpreter (``zygote_env``) where there is one."""
     import tempfile
 
     args = tiny_batch(path) + list(args)
+    python, env = zygote_env(subprocess_env(nproc, like_nproc, cpu_only))
     # torchrun's per-run log directory (empty without --redirects) goes with the run, not to /tmp
     with tempfile.TemporaryDirectory(prefix="torchrun_logs_") as logs:
         if nproc > 1:
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            cmd = [python, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                    "--master_addr=127.0.0.1", f"--master_port={free_port()}", f"--log-dir={logs}", path]
         else:
-            cmd = [sys.executable, path]
+            cmd = [python, path]
         cmd += [str(a) for a in args]
-        proc = subprocess.run(cmd, env=subprocess_env(nproc, like_nproc, cpu_only), cwd=cwd, capture_output=True,
-                              text=True, timeout=timeout)
+        proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{failure_excerpt(proc.stdout)}\n"
                              f"{failure_excerpt(proc.stderr, 6000)}")

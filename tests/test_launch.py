@@ -163,6 +163,21 @@ def test_started_ranks_report_an_error_once_and_exit_1(tmp_path, builtin_data):
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
 
 
+def test_devices_start_the_ranks_with_python_exec(tmp_path, builtin_data):
+    """``PYTHON_EXEC`` names the ranks' interpreter, as under torchrun: each started rank runs it."""
+    calls = tmp_path / "calls"
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    args = _sft_args(builtin_data, tmp_path / "run", ["trainer.devices=2", "trainer.sft.max_steps=1"])
+    env = dict(subprocess_env(2), PYTHON_EXEC=str(wrapper))
+    proc = subprocess.run([sys.executable, SFT, *tiny_batch(SFT), *args], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = calls.read_text().splitlines()
+    assert len(lines) == 2 and all(SFT in line for line in lines), lines
+
+
 def test_config_path_and_name_before_overrides(tmp_path, builtin_data):
     args = [a for a in _sft_args(builtin_data, tmp_path / "cp") if not a.startswith("trainer.sft.max_steps")]
     proc = run_python(SFT, [f"--config-path={CONF}", "--config-name", "gpt_sft", *args, "trainer.sft.max_steps=1"])

@@ -183,7 +183,8 @@ def spawn_ranks(nproc: int, argv: Optional[List[str]] = None) -> int:
             # released and bound again later (another process may take it in between).
             if not shared:
                 os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-            elastic_launch(config, entrypoint=sys.executable)(*worker_command(argv))
+            # PYTHON_EXEC: the ranks' interpreter, as torchrun reads it
+            elastic_launch(config, entrypoint=os.environ.get("PYTHON_EXEC") or sys.executable)(*worker_command(argv))
     except ChildFailedError as err:
         codes = [failure.exitcode for _, failure in sorted(err.failures.items())]
         code = next((c for c in codes if c and c > 0), 1)
