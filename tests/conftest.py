@@ -36,10 +36,11 @@ TINY_GPT2_ARCH = {
 # critic-server file (~90 s) last and left the other worker idle meanwhile.
 LONG_FILES_FIRST = {
     "not learning": (
-        "test_lora.py", "test_sft.py", "test_reward_server.py", "test_nemo_formats.py", "test_aligner_commands.py",
-        "test_expert_lockstep.py", "test_ppo.py", "test_critic_server.py", "test_parallel.py", "test_reward_model.py",
-        "test_knowledge_distillation.py", "test_launch.py", "test_reliability.py", "test_bad_input.py", "test_dpo.py",
-        "test_spin.py", "test_checkpoints.py", "test_steerlm2.py", "test_rs.py", "test_cai.py", "test_grpo.py"),
+        "test_reward_server.py", "test_reliability.py", "test_lora.py", "test_sft.py", "test_critic_server.py",
+        "test_ppo.py", "test_aligner_commands.py", "test_launch.py", "test_cai.py", "test_api.py",
+        "test_expert_lockstep.py", "test_nemo_formats.py", "test_knowledge_distillation.py", "test_spin.py",
+        "test_steerlm.py", "test_precision.py", "test_reward_model.py", "test_generation.py", "test_bad_input.py",
+        "test_dpo.py", "test_rs.py"),
     "learning": (
         "test_grpo.py", "test_ppo.py", "test_steerlm2.py", "test_api.py", "test_reinforce.py", "test_spin.py",
         "test_rs.py", "test_reward_model.py", "test_sft.py", "test_kto.py", "test_knowledge_distillation.py",
