@@ -14,12 +14,12 @@ import pytest
 from conftest import subprocess_env, zygote_env
 
 SCRIPT = textwrap.dedent("""
-    import json, os, signal, sys, time
+    import json, os, signal, sys, tempfile, time
     import torch
     mode = sys.argv[1]
     if mode == "describe":
         print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "file": __file__, "cwd": os.getcwd(),
-                          "var": os.environ.get("ZYGOTE_TEST_VAR"), "name": __name__,
+                          "var": os.environ.get("ZYGOTE_TEST_VAR"), "name": __name__, "tmp": tempfile.gettempdir(),
                           "threads": torch.get_num_threads(), "stdin": sys.stdin.read()}))
         print("to stderr", file=sys.stderr)
     elif mode == "exit":
@@ -49,7 +49,7 @@ def run_both(through, tmp_path, args, **kwargs):
     shim, env = through
     results = []
     for python, run_env in ((sys.executable, subprocess_env()), (shim, env)):
-        run_env = dict(run_env, ZYGOTE_TEST_VAR="value", OMP_NUM_THREADS="1")
+        run_env = dict(run_env, ZYGOTE_TEST_VAR="value", OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
         results.append(subprocess.run([python, str(script), *args], env=run_env, capture_output=True, text=True,
                                       timeout=120, cwd=tmp_path, **kwargs))
     return results
@@ -58,7 +58,7 @@ def run_both(through, tmp_path, args, **kwargs):
 def test_a_run_sees_what_python_gives_it(through, tmp_path):
     real, forked = run_both(through, tmp_path, ["describe", "a b"], input="from stdin")
     assert forked.returncode == real.returncode == 0, forked.stderr
-    assert forked.stdout == real.stdout  # argv, sys.path[0], __file__, cwd, environment, threads, stdin
+    assert forked.stdout == real.stdout  # argv, sys.path[0], __file__, cwd, environment, TMPDIR, threads, stdin
     assert '"threads": 1' in forked.stdout and forked.stderr.endswith("to stderr\n")
 
 

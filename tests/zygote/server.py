@@ -67,6 +67,9 @@ def run_child(request, fds):
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    import tempfile
+
+    tempfile.tempdir = None  # found again from this run's TMPDIR
     unbuffered = request["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED"))
 
     def stream(fd, mode, **kwargs):
