@@ -105,7 +105,8 @@ def start_zygote() -> None:
 
     if os.environ.get("NEMO_ALIGNER_TEST_ZYGOTE") == "0" or sys.platform != "linux":
         return
-    folder = tempfile.mkdtemp(prefix="zygote_")
+    # a Unix socket's path has at most 107 bytes: /tmp rather than a long TMPDIR
+    folder = tempfile.mkdtemp(prefix="zygote_", dir="/tmp" if os.path.isdir("/tmp") else None)
     path = os.path.join(folder, "sock")
     env = subprocess_env()
     for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # each run sets its own threads; the default is torch's
