@@ -13,6 +13,9 @@ import pytest
 
 from conftest import subprocess_env, zygote_env
 
+# what a fork inherits from torch's and megatron-core's imports changes between their releases
+pytestmark = pytest.mark.stack
+
 SCRIPT = textwrap.dedent("""
     import json, os, signal, sys, tempfile, time
     import torch

@@ -99,6 +99,14 @@ def run_child(request, fds):
     kind, target, args = request["kind"], request["target"], request["args"]
     first = os.path.dirname(os.path.abspath(target)) if kind == "script" else os.getcwd() if kind == "module" else ""
     sys.path[:] = [first, *extra, *base]
+    import atexit
+    import gc
+
+    def collect_all():  # registered first, so it runs last
+        if "triton" in sys.modules:  # its nanobind bindings report the frozen objects as leaks at exit
+            gc.unfreeze()
+
+    atexit.register(collect_all)
     if kind == "script":
         sys.argv = [target, *args]
         runpy.run_path(target, run_name="__main__")
