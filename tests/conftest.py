@@ -42,9 +42,9 @@ LONG_FILES_FIRST = {
         "test_steerlm.py", "test_precision.py", "test_reward_model.py", "test_generation.py", "test_bad_input.py",
         "test_dpo.py", "test_rs.py"),
     "learning": (
-        "test_grpo.py", "test_ppo.py", "test_steerlm2.py", "test_api.py", "test_reinforce.py", "test_spin.py",
-        "test_rs.py", "test_reward_model.py", "test_sft.py", "test_kto.py", "test_knowledge_distillation.py",
-        "test_dpo.py"),
+        "test_grpo.py", "test_ppo.py", "test_steerlm2.py", "test_api.py", "test_reinforce.py", "test_rs.py",
+        "test_spin.py", "test_sft.py", "test_dpo.py", "test_kto.py", "test_knowledge_distillation.py",
+        "test_reward_model.py"),
 }
 
 
