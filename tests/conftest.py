@@ -106,22 +106,26 @@ def start_zygote() -> None:
     if os.environ.get("NEMO_ALIGNER_TEST_ZYGOTE") == "0" or sys.platform != "linux":
         return
     # a Unix socket's path has at most 107 bytes: /tmp rather than a long TMPDIR
-    folder = tempfile.mkdtemp(prefix="zygote_", dir="/tmp" if os.path.isdir("/tmp") else None)
+    folder = _zygote["folder"] = tempfile.mkdtemp(prefix="zygote_", dir="/tmp" if os.path.isdir("/tmp") else None)
     path = os.path.join(folder, "sock")
     env = subprocess_env()
     for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # each run sets its own threads; the default is torch's
         env.pop(key, None)
         if key in os.environ:
             env[key] = os.environ[key]
-    proc = subprocess.Popen([sys.executable, os.path.join(ZYGOTE_DIR, "server.py"), path], env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None and not os.path.exists(path):
-        time.sleep(0.05)
-    if proc.poll() is not None or not os.path.exists(path):
-        stop_process(proc)
-        return
-    _zygote.update(socket=path, proc=proc, folder=folder)
+    with open(os.path.join(folder, "log"), "w+") as log:
+        proc = subprocess.Popen([sys.executable, os.path.join(ZYGOTE_DIR, "server.py"), path], env=env,
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None and not os.path.exists(path):
+            time.sleep(0.05)
+        if proc.poll() is not None or not os.path.exists(path):
+            stop_process(proc)
+            log.seek(0)
+            lines = log.read().strip().splitlines()
+            _zygote["why_not"] = lines[-1] if lines else f"exit status {proc.returncode}"
+            return
+    _zygote.update(socket=path, proc=proc)
 
 
 def stop_process(proc) -> None:
@@ -143,6 +147,7 @@ def zygote():
     yield _zygote.get("socket")
     if _zygote.get("proc") is not None:
         stop_process(_zygote["proc"])
+    if _zygote.get("folder"):
         shutil.rmtree(_zygote["folder"], ignore_errors=True)
     _zygote.clear()
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import subprocess_env, zygote_env
+from conftest import _zygote, subprocess_env, zygote_env
 
 # what a fork inherits from torch's and megatron-core's imports changes between their releases
 pytestmark = pytest.mark.stack
@@ -42,7 +42,8 @@ SCRIPT = textwrap.dedent("""
 @pytest.fixture
 def through(zygote):
     if not zygote:
-        pytest.skip("no pre-imported interpreter in this process (NEMO_ALIGNER_TEST_ZYGOTE=0 or it did not start)")
+        why = _zygote.get("why_not") or "NEMO_ALIGNER_TEST_ZYGOTE=0"
+        pytest.skip(f"no pre-imported interpreter in this process: {why}")
     return zygote_env(subprocess_env())
 
 
