@@ -172,7 +172,8 @@ def run_python(path: str, args, nproc: int = 1, timeout: int = 300, check: bool 
         cmd += [str(a) for a in args]
         proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{failure_excerpt(proc.stdout)}\n"
+        shown = " ".join([sys.executable, *cmd[1:]])  # the command as python runs it by hand
+        raise AssertionError(f"{shown} failed ({proc.returncode}):\n{failure_excerpt(proc.stdout)}\n"
                              f"{failure_excerpt(proc.stderr, 6000)}")
     return proc
 
