@@ -66,6 +66,15 @@ def test_a_run_sees_what_python_gives_it(through, tmp_path):
     assert '"threads": 1' in forked.stdout and forked.stderr.endswith("to stderr\n")
 
 
+def test_a_module_run_as_python_m_runs_it(through, tmp_path):
+    shim, env = through
+    real, forked = (subprocess.run([python, "-m", "torch.distributed.run", "--help"], env=run_env, capture_output=True,
+                                   text=True, timeout=120, cwd=tmp_path)
+                    for python, run_env in ((sys.executable, subprocess_env()), (shim, env)))
+    assert forked.returncode == real.returncode == 0
+    assert (forked.stdout, forked.stderr) == (real.stdout, real.stderr)
+
+
 @pytest.mark.parametrize("args, code", [(["exit", "3"], 3), (["raise"], 1)])
 def test_exit_status_and_errors_as_python_gives_them(through, tmp_path, args, code):
     real, forked = run_both(through, tmp_path, args)

@@ -22,7 +22,7 @@ import struct
 import sys
 
 PRELOAD = (
-    "numpy", "torch", "torch.distributed", "torch.distributed.run", "torch.distributed.checkpoint",
+    "numpy", "torch", "torch.distributed", "torch.distributed.launcher.api", "torch.distributed.checkpoint",
     "megatron.core", "megatron.core.models.gpt", "megatron.core.dist_checkpointing", "megatron.core.optimizer",
     "megatron.core.pipeline_parallel", "megatron.core.transformer", "megatron.core.distributed",
     "hydra", "omegaconf", "tqdm", "safetensors", "sentencepiece", "tokenizers", "yaml", "psutil",
@@ -112,6 +112,7 @@ def run_child(request, fds):
         runpy.run_path(target, run_name="__main__")
     elif kind == "module":
         sys.argv = [target, *args]  # runpy puts the module's file here, as ``python -m`` does
+        sys.modules.pop(target, None)  # imported here already: ``python -m`` runs it fresh as __main__
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:
         sys.argv = ["-c", *args]
