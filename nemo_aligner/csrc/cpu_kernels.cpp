@@ -211,6 +211,15 @@ inline __m512 load16(const at::BFloat16* p) {
 }
 #endif
 
+// The 64 values of a cache row from `p` on, requested ahead of use: a task's keys and values are a
+// few 4 KiB pages each, and the hardware prefetcher starts over at every page (measured on the
+// small benchmark shape: ~15% off the attention, float32 and bf16 caches).
+template <typename T>
+inline void prefetch_row(const T* p) {
+  const char* line = reinterpret_cast<const char*>(p);
+  for (int64_t l = 0; l < 64 * static_cast<int64_t>(sizeof(T)); l += 64) __builtin_prefetch(line + l, 0, 3);
+}
+
 // y[i] += sum over t < end of w[t] * x[t * d + i] for i < d (t with keep[t] false skipped; x float32
 // or bf16, a KV cache's values, read as float32), each y[i] accumulated in t order; 64 columns at a
 // time stay in registers across the rows instead of being read and written once per row (16-wide
@@ -223,6 +232,7 @@ inline void weighted_rows(const float* w, const T* x, const bool* keep, int64_t 
     __m512 r0 = _mm512_loadu_ps(y + i), r1 = _mm512_loadu_ps(y + i + 16), r2 = _mm512_loadu_ps(y + i + 32),
            r3 = _mm512_loadu_ps(y + i + 48);
     for (int64_t t = 0; t < end; ++t) {
+      if (t + 8 < end) prefetch_row(x + (t + 8) * d + i);
       if (keep != nullptr && !keep[t]) continue;
       const __m512 a = _mm512_set1_ps(w[t]);
       const T* v = x + t * d + i;
@@ -240,6 +250,7 @@ inline void weighted_rows(const float* w, const T* x, const bool* keep, int64_t 
            r3 = _mm256_loadu_ps(y + i + 24), r4 = _mm256_loadu_ps(y + i + 32), r5 = _mm256_loadu_ps(y + i + 40),
            r6 = _mm256_loadu_ps(y + i + 48), r7 = _mm256_loadu_ps(y + i + 56);
     for (int64_t t = 0; t < end; ++t) {
+      if (t + 8 < end) prefetch_row(x + (t + 8) * d + i);
       if (keep != nullptr && !keep[t]) continue;
       const __m256 a = _mm256_set1_ps(w[t]);
       const T* v = x + t * d + i;
@@ -407,6 +418,9 @@ void decode_attention_rows(const float* q, int64_t row_width, const T* c, float*
 #ifdef NA_AVX2
       for (; t + 4 <= end; t += 4) {  // four keys at a time (see dot4)
         const T* k = keys + t * d;
+        if (t + 12 <= end)  // the keys two passes ahead
+          for (int64_t r = 8; r < 12; ++r)
+            for (int64_t i = 0; i < d; i += 64) prefetch_row(k + r * d + i);
         for (int64_t j = 0; j < per_group; ++j) {
           float four[4];
           dot4(qg + j * d, k, k + d, k + 2 * d, k + 3 * d, d, four);
