@@ -213,7 +213,8 @@ inline __m512 load16(const at::BFloat16* p) {
 
 // The 64 values of a cache row from `p` on, requested ahead of use: a task's keys and values are a
 // few 4 KiB pages each, and the hardware prefetcher starts over at every page (measured on the
-// small benchmark shape: ~15% off the attention, float32 and bf16 caches).
+// small benchmark shape: the attention alone 14-21% faster over float32 and bf16 caches; a whole
+// greedy `generate` 1% (float32) and 3% (bf16), same tokens).
 template <typename T>
 inline void prefetch_row(const T* p) {
   const char* line = reinterpret_cast<const char*>(p);
