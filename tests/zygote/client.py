@@ -14,6 +14,8 @@ import socket
 import struct
 import sys
 
+from server import recv_message  # this file's folder; server.py imports only the standard library at the top
+
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -37,24 +39,6 @@ def parse(argv):
 def real_python(argv):
     python = os.environ.get("ZYGOTE_REAL_PYTHON") or sys.executable
     os.execv(python, [python, *argv])
-
-
-def recv_exact(conn, size):
-    data = b""
-    while len(data) < size:
-        chunk = conn.recv(size - len(data))
-        if not chunk:
-            return None
-        data += chunk
-    return data
-
-
-def recv_message(conn):
-    head = recv_exact(conn, 4)
-    if head is None:
-        return None
-    body = recv_exact(conn, struct.unpack("!I", head)[0])
-    return None if body is None else json.loads(body)
 
 
 def main(argv):

@@ -29,23 +29,37 @@ PRELOAD = (
 )
 
 
+# Messages both ways: a 4-byte big-endian length, then that many bytes of JSON (client.py uses these).
+def recv_exact(conn, size: int):
+    """``size`` bytes, or None where the peer closed first."""
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def recv_body(conn, head: bytes):
+    """The JSON message whose 4-byte length ``head`` has been read, or None."""
+    body = recv_exact(conn, struct.unpack("!I", head)[0]) if len(head) == 4 else None
+    return None if body is None else json.loads(body)
+
+
 def recv_message(conn):
-    """One length-prefixed JSON message and any file descriptors sent with it."""
+    head = recv_exact(conn, 4)
+    return None if head is None else recv_body(conn, head)
+
+
+def recv_request(conn):
+    """A client's request and the file descriptors sent with its length."""
     fds = array.array("i")
     head, ancillary, _, _ = conn.recvmsg(4, socket.CMSG_SPACE(16 * fds.itemsize))
-    if len(head) < 4:
-        return None, []
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-    (size,) = struct.unpack("!I", head)
-    body = b""
-    while len(body) < size:
-        chunk = conn.recv(size - len(body))
-        if not chunk:
-            return None, list(fds)
-        body += chunk
-    return json.loads(body), list(fds)
+    return recv_body(conn, head), list(fds)
 
 
 def send_message(conn, message) -> None:
@@ -53,9 +67,10 @@ def send_message(conn, message) -> None:
     conn.sendall(struct.pack("!I", len(body)) + body)
 
 
-def run_child(request, fds):
-    """In the forked child: become the requested ``python`` run. Returns its exit code (or raises
-    as the run does, for the interpreter's own top level to report)."""
+def run_child(request, fds, default_threads: int, base_path: list):
+    """In the forked child: become the requested ``python`` run (``default_threads``: torch's
+    threads where the run sets none; ``base_path``: sys.path after the run's own entries). Returns
+    its exit code (or raises as the run does, for the interpreter's own top level to report)."""
     import io
     import runpy
 
@@ -91,14 +106,13 @@ def run_child(request, fds):
     import torch
 
     threads = os.environ.get("OMP_NUM_THREADS", "")
-    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else request["default_threads"])
+    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else default_threads)
 
     # sys.path as ``python`` builds it for this run: its own first entry and PYTHONPATH, then the rest
-    base = request["base_path"]
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     kind, target, args = request["kind"], request["target"], request["args"]
     first = os.path.dirname(os.path.abspath(target)) if kind == "script" else os.getcwd() if kind == "module" else ""
-    sys.path[:] = [first, *extra, *base]
+    sys.path[:] = [first, *extra, *base_path]
     import atexit
     import gc
 
@@ -120,7 +134,7 @@ def run_child(request, fds):
     return 0
 
 
-def serve(path: str, default_threads: int, base_path: list):
+def serve(path: str):
     """Accept requests until SIGTERM; returns in a forked child with the child's work to do."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -143,7 +157,7 @@ def serve(path: str, default_threads: int, base_path: list):
             if key.fileobj is listener:
                 conn, _ = listener.accept()
                 try:
-                    request, fds = recv_message(conn)
+                    request, fds = recv_request(conn)
                 except OSError:
                     conn.close()
                     continue
@@ -167,7 +181,6 @@ def serve(path: str, default_threads: int, base_path: list):
                     os.close(wake_read)
                     os.close(wake_write)
                     conn.close()
-                    request.update(default_threads=default_threads, base_path=base_path)
                     return request, fds
                 for fd in fds:
                     os.close(fd)
@@ -251,12 +264,12 @@ def main():
     import gc
 
     gc.freeze()  # the imports' objects: no child's collector walks them (or copies their pages)
-    work = serve(path, default_threads, base_path)
+    work = serve(path)
     if work is None:
         return 0
     request, fds = work
     del work
-    return run_child(request, fds)
+    return run_child(request, fds, default_threads, base_path)
 
 
 if __name__ == "__main__":
