@@ -61,7 +61,7 @@ from nemo_aligner.utils.cpu_info import cpuinfo, has_fast_bf16_matmul
 from nemo_aligner.utils.errors import ConfigError
 
 ENV_VAR = "NEMO_ALIGNER_DECODE_GEMM"
-BACKENDS = ("native", "mkl", "onednn", "plain")
+BACKENDS = ("native", "mkl", "onednn", "amx", "plain")
 
 
 def cpu_vendor() -> str:
@@ -85,6 +85,9 @@ def available(backend: str) -> bool:
     if backend == "native":
         kernels = _kernels()
         return kernels is not None and kernels.has_packed_linear()
+    if backend == "amx":
+        kernels = _kernels()
+        return kernels is not None and kernels.has_amx()
     return backend == "plain"
 
 
@@ -130,8 +133,11 @@ def decode_gemm_backend(dtype: torch.dtype = torch.float32) -> str:
     if dtype == torch.bfloat16:
         if not has_fast_bf16_matmul():
             return "plain"
-        if "amx_bf16" not in cpuinfo("flags").split() and available("native") and native_packs_bf16():
-            return "native"  # AVX512_BF16 without AMX tiles (which oneDNN uses)
+        if "amx_bf16" in cpuinfo("flags").split():
+            if available("amx"):
+                return "amx"
+        elif available("native") and native_packs_bf16():
+            return "native"  # AVX512_BF16 without AMX tiles
         return "onednn" if available("onednn") else "plain"
     if cpu_vendor() == "GenuineIntel":
         if available("native") and native_is_avx512():
@@ -148,7 +154,7 @@ def pack(weight: torch.Tensor, rows: int, backend: str) -> Optional[torch.Tensor
     packed (not a CPU matrix of a dtype the backend packs: float32; bf16 for oneDNN, and for our
     GEMM where it is built with AVX512_BF16 and ``in`` is even; the plain backend; a build without
     the packed kernels)."""
-    dtypes = (torch.float32,)
+    dtypes = (torch.bfloat16,) if backend == "amx" else (torch.float32,)
     if backend == "onednn" or (backend == "native" and native_packs_bf16() and weight.shape[-1] % 2 == 0):
         dtypes = (torch.float32, torch.bfloat16)
     if backend == "plain" or weight.dim() != 2 or weight.dtype not in dtypes or weight.device.type != "cpu":
@@ -156,6 +162,8 @@ def pack(weight: torch.Tensor, rows: int, backend: str) -> Optional[torch.Tensor
     try:
         if backend == "native":
             return _kernels().pack_linear(weight.detach().contiguous())
+        if backend == "amx":
+            return _kernels().amx_pack(weight.detach().contiguous())
         if backend == "mkl":
             return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
@@ -178,6 +186,20 @@ def linear(weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[
         mkl_linear = torch.ops.mkl._mkl_linear
         return lambda x: mkl_linear(x, packed, weight, bias, rows)
     skinny = rows * weight.shape[1]
+    if backend == "amx":
+        amx_linear, out_features = _kernels().amx_linear, weight.shape[0]
+        float_bias = bias.float() if bias is not None else None
+        # float32 or bf16 x (float32 rounded to bf16 inside the kernel, as a cast would)
+        float_output = lambda x: amx_linear(x.contiguous(), packed, out_features, float_bias)  # noqa: E731
+
+        def call(x):
+            if x.numel() > skinny:  # a prefill's thousands of rows: torch's GEMM reuses its tiles far better
+                return F.linear(x, weight, bias)
+            return float_output(x).to(weight.dtype)
+
+        # the fused decode step's float32 activations go in as they are
+        call.float_output = call.float_input_output = float_output
+        return call
     if backend == "native" and weight.dtype == torch.bfloat16:
         packed_linear, out_features = _kernels().packed_linear, weight.shape[0]
         float_bias = bias.float() if bias is not None else None
@@ -217,7 +239,7 @@ def _training_choice(dtype: torch.dtype) -> bool:
             _TRAINING_CHOICE[key] = decode_gemm_backend() == "native" and not large_matmuls_on_torch()
         else:  # where bf16 decode steps run on packed weights, unless another backend is named
             _TRAINING_CHOICE[key] = (requested_backend() in ("auto", "onednn") and available("onednn")
-                                     and decode_gemm_backend(torch.bfloat16) in ("native", "onednn"))
+                                     and decode_gemm_backend(torch.bfloat16) in ("native", "onednn", "amx"))
     return _TRAINING_CHOICE[key]
 
 

@@ -67,6 +67,9 @@ def compile_flags() -> list:
             bf16 = ["-mavx512vl", "-mavx512bf16"]  # float32 -> bf16 stores in one instruction
             if {"avx512_bf16", "avx512vl"} <= cpu_flags and _compiler_accepts(bf16):
                 flags += bf16
+                amx = ["-mamx-tile", "-mamx-bf16"]  # the decode steps' bf16 GEMM on AMX tiles
+                if {"amx_tile", "amx_bf16"} <= cpu_flags and _compiler_accepts(amx):
+                    flags += amx
     return flags
 
 
