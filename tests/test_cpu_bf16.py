@@ -117,12 +117,13 @@ def test_bf16_decode_steps_widen_the_glue(mcore_single, monkeypatch, texts):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU decode GEMMs")
-@pytest.mark.parametrize("backend", ["onednn", "native"])
+@pytest.mark.parametrize("backend", ["onednn", "native", "amx"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-step", "python-step"])
 def test_bf16_decode_matmuls_run_on_packed_bf16_weights(mcore_single, monkeypatch, fused, backend):
     """Where the CPU has bf16 matmul units a bf16 model's decode steps multiply through packed bf16
-    weights (oneDNN's, or our AVX512_BF16 GEMM): the same logits as ``F.linear``'s bf16 matmuls to
-    bf16 rounding; oneDNN's prefill (more rows than packed for: ``F.linear``) identical."""
+    weights (oneDNN's, our AVX512_BF16 GEMM or our AMX GEMM): the same logits as ``F.linear``'s bf16
+    matmuls to bf16 rounding; oneDNN's and the AMX GEMM's prefill (more rows than packed for:
+    ``F.linear``) identical."""
     if not cpu_gemm.available(backend) or (backend == "native" and not cpu_gemm.native_packs_bf16()):
         pytest.skip(f"this machine has no {backend} bf16 GEMM")
     monkeypatch.setattr(generation, "has_fast_bf16_matmul", lambda: True)
@@ -136,7 +137,7 @@ def test_bf16_decode_matmuls_run_on_packed_bf16_weights(mcore_single, monkeypatc
     packed = _step_logits(model, fused, PROMPTS)
     monkeypatch.setenv(cpu_gemm.ENV_VAR, "plain")
     plain = _step_logits(model, fused, PROMPTS)
-    if backend == "onednn":
+    if backend in ("onednn", "amx"):
         assert torch.equal(packed[0], plain[0])
     assert torch.allclose(packed, plain, atol=3e-2 * plain.abs().max().item())
     assert (packed[1:].argmax(-1) == plain[1:].argmax(-1)).float().mean() > 0.9

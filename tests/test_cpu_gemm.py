@@ -18,7 +18,7 @@ def test_packed_linear_equals_f_linear(backend, with_bias):
     weight, bias = torch.randn(96, 64), torch.randn(96) if with_bias else None
     rows = 8
     packed = cpu_gemm.pack(weight, rows, backend)
-    assert (packed is None) == (backend == "plain")
+    assert (packed is None) == (backend in ("plain", "amx"))  # the AMX GEMM multiplies bf16 only
     call = cpu_gemm.linear(weight, bias, packed, rows, backend)
     # a decode step's [1, rows, in], a smaller batch, a prefill's [S, rows, in], a strided input,
     # and row counts around our kernel's 6-row blocks
@@ -30,20 +30,20 @@ def test_packed_linear_equals_f_linear(backend, with_bias):
 
 
 def test_which_matrices_each_backend_packs():
-    """CPU matrices: float32 by every backend, bf16 by oneDNN and (built with AVX512_BF16) our GEMM;
-    never fp16 or vectors."""
+    """CPU matrices: float32 by every backend but the AMX one, bf16 by oneDNN, the AMX GEMM and
+    (built with AVX512_BF16) our GEMM; never fp16 or vectors."""
     backends = [b for b in AVAILABLE if b != "plain"]
     if not backends:
         pytest.skip("this torch build has no packed GEMM")
     for backend in backends:
         packed_bf16 = cpu_gemm.pack(torch.randn(4, 4, dtype=torch.bfloat16), 2, backend)
-        packs_bf16 = backend == "onednn" or (backend == "native" and cpu_gemm.native_packs_bf16())
+        packs_bf16 = backend in ("onednn", "amx") or (backend == "native" and cpu_gemm.native_packs_bf16())
         assert (packed_bf16 is not None) == packs_bf16, backend
         if backend == "native":  # our bf16 GEMM takes pairs of inputs: an odd width is not packed
             assert cpu_gemm.pack(torch.randn(4, 5, dtype=torch.bfloat16), 2, backend) is None
         assert cpu_gemm.pack(torch.randn(4, 4, dtype=torch.float16), 2, backend) is None
         assert cpu_gemm.pack(torch.randn(4), 2, backend) is None
-        assert cpu_gemm.pack(torch.randn(4, 4), 2, backend) is not None
+        assert (cpu_gemm.pack(torch.randn(4, 4), 2, backend) is not None) == (backend != "amx")
 
 
 @pytest.mark.skipif(not cpu_gemm.available("onednn"), reason="this torch build has no oneDNN packed GEMM")
@@ -116,6 +116,65 @@ def test_native_bf16_gemm_refusals():
         ext.packed_gemm(x, False, packed, 64, torch.randn(64).bfloat16(), None)
 
 
+needs_amx = pytest.mark.skipif(not cpu_gemm.available("amx"),
+                               reason="no AMX tiles here (a CPU without amx_bf16, or our kernels built without them)")
+
+
+@needs_amx
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_linear_against_float64(with_bias):
+    """The AMX GEMM: float32 sums of the bf16 products, as close to a float64 product of the same
+    bf16 values as float32 sums get (``float_output``), those sums rounded once to bf16 (the call);
+    a float32 input is rounded to bf16 first, exactly as a cast. Row counts around the 16-row tiles
+    and 32-row passes, widths not a multiple of the 16-column tiles (an odd count of them), inner
+    widths not a multiple of the 32-deep tiles (odd too)."""
+    torch.manual_seed(12)
+    for out_features, in_features in ((40, 24), (96, 512), (33, 258), (16, 31), (2304, 768)):
+        weight = torch.randn(out_features, in_features).bfloat16()
+        bias = torch.randn(out_features).bfloat16() if with_bias else None
+        rows = 64
+        call = cpu_gemm.linear(weight, bias, cpu_gemm.pack(weight, rows, "amx"), rows, "amx")
+        for n in (1, 5, 16, 17, 32, 33, 48, 64):
+            x = torch.randn(n, in_features)
+            exact = F.linear(x.bfloat16().double(), weight.double(), bias.double() if bias is not None else None)
+            wide = call.float_output(x)
+            assert wide.dtype == torch.float32 and wide.shape == exact.shape
+            scale = (x.bfloat16().double().abs() @ weight.double().abs().t()).max()
+            assert (wide.double() - exact).abs().max() <= 1e-6 * scale, (out_features, in_features, n)
+            assert torch.equal(call.float_output(x.bfloat16()), wide)  # the kernel's rounding is the cast's
+            out = call(x.bfloat16())
+            assert out.dtype == torch.bfloat16 and torch.equal(out, wide.to(torch.bfloat16))
+        x3 = torch.randn(2, 3, in_features).bfloat16()  # [S, B, K] inputs keep their leading shape
+        assert call(x3).shape == (2, 3, out_features)
+        # more rows than packed for (a prefill): torch's bf16 matmul
+        big = torch.randn(3 * rows, in_features).bfloat16()
+        assert torch.equal(call(big), F.linear(big, weight, bias))
+
+
+@needs_amx
+def test_amx_gemm_refusals():
+    """The AMX kernel refuses what it does not compute, naming it, before any work."""
+    ext = cpu_gemm._kernels()
+    weight = torch.randn(40, 50).bfloat16()
+    packed = ext.amx_pack(weight)
+    assert packed.dtype == torch.bfloat16 and packed.shape == (3, 2, 16, 32)
+    with pytest.raises(RuntimeError, match="contiguous bf16 CPU"):
+        ext.amx_pack(torch.randn(40, 50))
+    with pytest.raises(RuntimeError, match="contiguous bf16 CPU"):
+        ext.amx_pack(weight.t())
+    x = torch.randn(4, 50)
+    with pytest.raises(RuntimeError, match="does not match"):
+        ext.amx_linear(torch.randn(4, 66), packed, 40, None)
+    with pytest.raises(RuntimeError, match="does not match"):
+        ext.amx_linear(x, packed, 60, None)
+    with pytest.raises(RuntimeError, match="from amx_pack"):
+        ext.amx_linear(x, ext.pack_linear(torch.randn(40, 50)) if cpu_gemm.available("native") else weight, 40, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ext.amx_linear(x, packed, 40, torch.randn(39))
+    with pytest.raises(RuntimeError, match="float32 or bf16|x"):
+        ext.amx_linear(x.half(), packed, 40, None)
+
+
 @pytest.mark.parametrize("machine,vendor,avx512,expected,without_native", [
     ("x86_64", "GenuineIntel", True, "native", "mkl"),
     ("x86_64", "GenuineIntel", False, "mkl", "mkl"),
@@ -141,14 +200,16 @@ def test_auto_choice_follows_the_cpu(monkeypatch, machine, vendor, avx512, expec
 
 @pytest.mark.parametrize("fast,amx,native_bf16,onednn,expected", [
     (True, False, True, True, "native"),   # AVX512_BF16 (Zen 4): our GEMM
-    (True, True, True, True, "onednn"),    # AMX tiles: oneDNN uses them
+    (True, True, True, True, "amx"),       # AMX tiles: our AMX GEMM
+    (True, "no-amx-build", True, True, "onednn"),  # AMX tiles, our kernels built without them: oneDNN's
     (True, False, False, True, "onednn"),  # our kernels built without the bf16 GEMM
     (False, False, True, True, "plain"),   # no bf16 units: oneDNN would emulate bf16
     (True, False, False, False, "plain"),
 ])
 def test_auto_choice_for_bf16_models(monkeypatch, fast, amx, native_bf16, onednn, expected):
     """A bf16 model decodes through packed bf16 weights where the CPU has bf16 matmul units: our
-    AVX512_BF16 GEMM, or oneDNN's where the CPU has AMX (or our GEMM is not built); elsewhere
+    AVX512_BF16 GEMM, our AMX GEMM where the CPU has AMX tiles, or oneDNN's where our GEMM is not
+    built; elsewhere
     oneDNN emulates bf16, slower than ``F.linear``'s path gains. The setting still wins; bf16
     training matmuls stay on oneDNN unless another backend is named."""
     monkeypatch.delenv(cpu_gemm.ENV_VAR, raising=False)
@@ -158,7 +219,7 @@ def test_auto_choice_for_bf16_models(monkeypatch, fast, amx, native_bf16, onednn
     monkeypatch.setattr(cpu_gemm, "cpuinfo", lambda field: "avx2 avx512f avx512_bf16" + (" amx_bf16" if amx else ""))
     monkeypatch.setattr(cpu_gemm, "has_fast_bf16_matmul", lambda: fast)
     monkeypatch.setattr(cpu_gemm, "native_packs_bf16", lambda: native_bf16)
-    monkeypatch.setattr(cpu_gemm, "available", lambda b: b != "onednn" or onednn)
+    monkeypatch.setattr(cpu_gemm, "available", lambda b: (b != "onednn" or onednn) and (b != "amx" or amx is True))
     assert cpu_gemm.decode_gemm_backend(torch.bfloat16) == expected
     assert cpu_gemm.decode_gemm_backend(torch.float32) == "native"
     assert cpu_gemm.bf16_training_on_onednn() == (expected != "plain")
@@ -173,7 +234,7 @@ def test_environment_override_and_its_errors(monkeypatch):
         monkeypatch.setenv(cpu_gemm.ENV_VAR, backend.upper())
         assert cpu_gemm.decode_gemm_backend() == backend
     monkeypatch.setenv(cpu_gemm.ENV_VAR, "blas")
-    with pytest.raises(ConfigError, match="NEMO_ALIGNER_DECODE_GEMM='blas'.*auto, native, mkl, onednn, plain"):
+    with pytest.raises(ConfigError, match="NEMO_ALIGNER_DECODE_GEMM='blas'.*auto, native, mkl, onednn, amx, plain"):
         cpu_gemm.decode_gemm_backend()
     monkeypatch.setenv(cpu_gemm.ENV_VAR, "mkl")
     monkeypatch.setattr(cpu_gemm, "available", lambda b: b != "mkl")
