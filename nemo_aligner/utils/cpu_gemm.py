@@ -26,11 +26,17 @@ library's packed GEMM runs that fastest depends on the CPU (measured, see benchm
   12 x 32 blocking), returning its float32 sums unrounded to the fused decode step: at the GRPO
   benchmark's 64 rows, 300-410 GFLOP/s against oneDNN's 180-330 with the widening cast; the GRPO
   shape's ``generate`` 0.83x oneDNN's time (interleaved calls in one process).
-- bf16 models on CPUs with AMX (or where our bf16 kernel is not built): oneDNN's packed bf16 weights
-  (Zen 4: the small benchmark model's decode step 0.75x the time of ``F.linear``'s; no difference on
-  an AMX Xeon).
+- bf16 models on CPUs with AMX tiles: our AMX kernel (``amx``: ``amx_pack``/``amx_linear`` in
+  ``utils.cpu_kernels``, 16 x 32 weight tiles, two column tiles against 32 rows at a time, float32
+  activations rounded inside and float32 sums returned): the small benchmark model's 32-row decode
+  matmuls stream weights at ~20 GB/s against ~11 GB/s for oneDNN's packed bf16 GEMM with the casts
+  around it, a whole greedy ``generate`` 0.75x the time (0.65x on the tiny model), 2-core Xeon.
+  More rows than the decode batch (prefills) go to ``F.linear``: torch's bf16 matmul, blocked for
+  large products, runs 2048 rows ~2.5x faster than this kernel.
+- bf16 models where neither of ours is built: oneDNN's packed bf16 weights (Zen 4: the small
+  benchmark model's decode step 0.75x the time of ``F.linear``'s).
 
-``NEMO_ALIGNER_DECODE_GEMM`` (``auto`` | ``native`` | ``mkl`` | ``onednn`` | ``plain``) overrides the choice.
+``NEMO_ALIGNER_DECODE_GEMM`` (``auto`` | ``native`` | ``mkl`` | ``onednn`` | ``amx`` | ``plain``) overrides the choice.
 
 Where the choice is ``native`` on a CPU other than Intel's, the float32 CPU matmuls of training and
 of log-prob passes use our kernel too (:class:`NativeLinear`, routed in by ``utils.patches.cpu_compat``): forward, input
@@ -120,9 +126,9 @@ def requested_backend() -> str:
 def decode_gemm_backend(dtype: torch.dtype = torch.float32) -> str:
     """The packed-GEMM backend for CPU decode steps of a ``dtype`` model: ``NEMO_ALIGNER_DECODE_GEMM``
     if set (an unavailable one is an error), else for float32 on Intel CPUs our own kernel where it
-    is built for AVX-512 (else MKL), on other x86 CPUs our own kernel (else oneDNN); for bf16, oneDNN
-    where the CPU has bf16 matmul units (the only backend here that packs bf16 weights); plain
-    ``F.linear`` elsewhere or where the chosen library is missing."""
+    is built for AVX-512 (else MKL), on other x86 CPUs our own kernel (else oneDNN); for bf16 where
+    the CPU has bf16 matmul units, our AMX kernel on CPUs with AMX tiles, our AVX512_BF16 kernel on
+    others, else oneDNN; plain ``F.linear`` elsewhere or where the chosen library is missing."""
     requested = requested_backend()
     if requested != "auto":
         if not available(requested):
@@ -152,8 +158,8 @@ def decode_gemm_backend(dtype: torch.dtype = torch.float32) -> str:
 def pack(weight: torch.Tensor, rows: int, backend: str) -> Optional[torch.Tensor]:
     """``weight`` [out, in] packed by ``backend`` for ``rows``-row inputs; None when it cannot be
     packed (not a CPU matrix of a dtype the backend packs: float32; bf16 for oneDNN, and for our
-    GEMM where it is built with AVX512_BF16 and ``in`` is even; the plain backend; a build without
-    the packed kernels)."""
+    GEMM where it is built with AVX512_BF16 and ``in`` is even; only bf16 for the AMX kernel; the
+    plain backend; a build without the packed kernels)."""
     dtypes = (torch.bfloat16,) if backend == "amx" else (torch.float32,)
     if backend == "onednn" or (backend == "native" and native_packs_bf16() and weight.shape[-1] % 2 == 0):
         dtypes = (torch.float32, torch.bfloat16)
@@ -177,9 +183,10 @@ def linear(weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[
     ``backend``), or ``F.linear`` when ``packed`` is None (and, for oneDNN, for inputs of more than
     ``rows`` rows).
 
-    Our bf16 GEMM sums in float32 and returns the sums rounded to bf16; the callable's
+    Our bf16 GEMMs sum in float32 and return the sums rounded to bf16; the callable's
     ``float_output`` attribute is the same product returned in float32 (unrounded), for callers
-    that widen the result anyway."""
+    that widen the result anyway. The AMX kernel's also takes float32 inputs (rounded to bf16
+    inside, as a cast would): ``float_input_output``."""
     if packed is None:
         return lambda x: F.linear(x, weight, bias)
     if backend == "mkl":
