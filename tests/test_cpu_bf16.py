@@ -12,7 +12,7 @@ from nemo_aligner.models.nlp.gpt import generation
 from nemo_aligner.utils import cpu_gemm, sdpa
 from nemo_aligner.utils.patches import cpu_compat
 from test_cpu_kernels import _step_logits
-from test_generation import PROMPTS, build
+from test_generation import PROMPTS, build, full_logits
 
 
 @pytest.mark.stack
@@ -114,6 +114,34 @@ def test_bf16_decode_steps_widen_the_glue(mcore_single, monkeypatch, texts):
     # the Python step (the fallback) over the same bf16 cache: the plain step exactly
     fallback = _step_logits(model, False, texts)
     assert torch.equal(fallback, plain)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU prefill")
+@pytest.mark.parametrize("fast", [True, False], ids=["bf16-units", "no-bf16-units"])
+def test_bf16_prefill_equals_the_models_own_forward(mcore_single, monkeypatch, fast):
+    """A bf16 prefill's norms and SwiGLU are the model's own (the fused kernels: float32 maths, one
+    rounding), so its logits are the model's bf16 forward bit for bit (matmuls on ``F.linear`` on
+    both sides); torch's bf16 norm and a separately rounded silu and product differed."""
+    from nemo_aligner.utils import cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip("the fused CPU kernels do not build here")
+    for module in (generation, cpu_gemm, sdpa, cpu_compat):
+        if hasattr(module, "has_fast_bf16_matmul"):
+            monkeypatch.setattr(module, "has_fast_bf16_matmul", lambda: fast)
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "plain")
+    monkeypatch.setattr(cpu_gemm, "_TRAINING_CHOICE", {})
+    model = build(TINY_ARCH, seed=5)
+    model.module.to(torch.bfloat16)
+    prompts = [text for text in PROMPTS if len(text) > 1]  # one token is a decode step (float32 glue)
+    assert len(prompts) >= 2
+    for text in prompts:
+        ids = model.tokenizer.text_to_ids(text)
+        with torch.inference_mode():
+            decoder = generation.KVCacheDecoder(model.module, 1, len(ids))
+            prefill = decoder.forward(torch.tensor([ids]), torch.arange(len(ids))[None], 0,
+                                      torch.ones(1, len(ids), dtype=torch.bool), False)[0].float()
+        assert torch.equal(prefill, full_logits(model, ids)), text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU decode GEMMs")

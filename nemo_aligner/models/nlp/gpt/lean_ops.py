@@ -146,6 +146,12 @@ class _SwiGLUFunction(torch.autograd.Function):
         return out
 
 
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x1) * x2`` over the halves of the last dimension, differentiable (one fused pass each
+    way for contiguous float32 and bf16 CPU tensors)."""
+    return _SwiGLUFunction.apply(x)
+
+
 class SwiGLU(torch.nn.Module):
     """``silu(x1) * x2`` over the halves of the last dimension (megatron-core's ``swiglu``)."""
 
@@ -153,7 +159,7 @@ class SwiGLU(torch.nn.Module):
         super().__init__()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SwiGLUFunction.apply(x)
+        return swiglu(x)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
         """No parameters: nothing in the (megatron-core) distributed checkpoint."""
