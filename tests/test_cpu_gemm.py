@@ -173,6 +173,12 @@ def test_amx_gemm_refusals():
         ext.amx_linear(x, packed, 40, torch.randn(39))
     with pytest.raises(RuntimeError, match="float32 or bf16|x"):
         ext.amx_linear(x.half(), packed, 40, None)
+    # an empty inner dimension: the bias (or zeros), as F.linear
+    empty = ext.amx_pack(torch.randn(40, 0).bfloat16())
+    bias = torch.randn(40)
+    assert torch.equal(ext.amx_linear(torch.randn(3, 0), empty, 40, bias), bias.expand(3, 40))
+    assert torch.equal(ext.amx_linear(torch.randn(3, 0), empty, 40, None), torch.zeros(3, 40))
+    assert ext.amx_linear(torch.randn(0, 50), packed, 40, None).shape == (0, 40)
 
 
 @pytest.mark.parametrize("machine,vendor,avx512,expected,without_native", [

@@ -11,7 +11,8 @@
 // rms_norm_forward/backward (one pass each instead of ~6 and ~7 ops); float32 or bf16 tensors,
 // bf16 computed in float32 and rounded once.
 // pack_linear/pack_matrix/packed_gemm: an AVX2/FMA (or AVX-512) GEMM over packed column panels, for decode
-// steps, prefills and (cpu_gemm.NativeLinear) training matmuls. Built at first use by
+// steps, prefills and (cpu_gemm.NativeLinear) training matmuls. amx_pack/amx_linear: a bf16 GEMM on
+// AMX tiles for the decode steps of bf16 models. Built at first use by
 // nemo_aligner/utils/cpu_kernels.py; torch's ops are the reference (tests/test_cpu_kernels.py).
 
 #include <torch/extension.h>
@@ -1187,13 +1188,19 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, 
     TORCH_CHECK(bias->numel() == n, "amx_linear: bias [N]");
     b = bias->data_ptr<float>();
   }
-  const int64_t rows = k == 0 ? 0 : x.numel() / k;
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   at::Tensor out = at::empty(shape, x.options().dtype(at::kFloat));
   if (rows == 0 || n == 0) return out;
+  if (k == 0) {  // an empty sum: the bias, or zeros
+    out.view({rows, n}).copy_(bias.has_value() ? bias->view({1, n}).expand({rows, n}) : at::zeros({rows, n}, out.options()));
+    return out;
+  }
 #ifdef NA_AMX
-  // x as bf16 rows of 32 * steps values, zero-padded to whole tiles (round to nearest even, as torch's cast)
+  // x as bf16 rows of 32 * steps values, zero-padded to whole tiles (round to nearest even, as torch's
+  // cast; denormal inputs become zero)
   const int64_t kp = steps * kAmxDepth, padded_rows = (rows + 15) / 16 * 16;
   at::Tensor a = at::empty({padded_rows, kp}, x.options().dtype(at::kBFloat16));
   uint16_t* ap = reinterpret_cast<uint16_t*>(a.data_ptr<at::BFloat16>());
