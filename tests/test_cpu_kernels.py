@@ -440,3 +440,42 @@ def test_a_build_finished_elsewhere_meanwhile_is_kept(ext, monkeypatch, tmp_path
     module = cpu_kernels._build_or_import(name, flags)
     assert module.swiglu(torch.zeros(1, 2)).shape == (1, 1)
     assert sorted(os.listdir(cpu_kernels.cache_root())) == [name, name + ".lock"]
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
+def test_huge_page_zeros(ext, dtype):
+    """Zero-filled tensors of the asked shape and dtype; from one 2 MiB page up, on memory aligned
+    to 2 MiB (Linux: where madvise can give it huge pages), returned to the system when freed;
+    smaller ones are ordinary tensors."""
+    big = ext.huge_page_zeros([3, 1024, 700], dtype)
+    assert big.shape == (3, 1024, 700) and big.dtype == dtype and big.is_contiguous()
+    assert not big.any()
+    big.fill_(3)
+    assert bool((big == 3).all())
+    small = ext.huge_page_zeros([5, 7], dtype)
+    assert small.shape == (5, 7) and not small.any()
+    assert ext.huge_page_zeros([0, 4], dtype).shape == (0, 4)
+    if sys.platform.startswith("linux"):
+        assert big.data_ptr() % (2 << 20) == 0
+        del big
+        before = _rss_bytes()
+        for _ in range(40):  # 40 x 8 MiB touched and freed: a leak would keep ~320 MiB
+            ext.huge_page_zeros([8 << 20], torch.uint8).fill_(1)
+        assert _rss_bytes() - before < 64 << 20
+
+
+def test_packs_on_huge_pages_equal_ordinary_ones(ext):
+    torch.manual_seed(3)
+    weight = torch.randn(2304, 768)
+    assert torch.equal(ext.pack_linear(weight, huge_pages=True), ext.pack_linear(weight))
+    if cpu_kernels.load().has_bf16_gemm():
+        weight = weight.bfloat16()
+        assert torch.equal(ext.pack_linear(weight, huge_pages=True), ext.pack_linear(weight))
