@@ -32,10 +32,6 @@
 #define NA_AVX2 1
 #endif
 
-#ifdef __linux__
-#include <sys/mman.h>
-#endif
-
 #if defined(__linux__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -686,43 +682,6 @@ std::vector<at::Tensor> rms_norm_backward(const at::Tensor& grad, const at::Tens
   return {dx, dweight};
 }
 
-
-// A zero-filled CPU tensor of `sizes` and `dtype` whose memory asks for 2 MiB pages where it spans
-// at least one (Linux: fresh anonymous memory aligned to 2 MiB, madvise(MADV_HUGEPAGE); elsewhere,
-// or where that fails, at::zeros). For what a decode step streams from memory once per step (packed
-// weights, the KV cache): with 4 KiB pages nearly every page it reads misses the TLB; the small
-// benchmark model's float32 decode matmuls took 34 instead of 41 ms a step on huge pages (2-core
-// Xeon, transparent huge pages in `madvise` mode).
-constexpr size_t kHugePage = size_t(2) << 20;
-
-at::Tensor huge_page_zeros(at::IntArrayRef sizes, at::ScalarType dtype) {
-  const auto options = at::TensorOptions().dtype(dtype).device(at::kCPU);
-  int64_t numel = 1;
-  for (const int64_t d : sizes) {
-    TORCH_CHECK(d >= 0, "huge_page_zeros: negative size");
-    numel *= d;
-  }
-  const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
-#ifdef __linux__
-  if (bytes >= kHugePage) {
-    const size_t span = bytes + kHugePage;
-    void* base = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (base != MAP_FAILED) {  // fresh anonymous memory reads as zeros
-      const uintptr_t first = reinterpret_cast<uintptr_t>(base);
-      const uintptr_t start = (first + kHugePage - 1) & ~(uintptr_t(kHugePage) - 1);
-      const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-      const size_t keep = (bytes + page - 1) / page * page, head = start - first, tail = span - head - keep;
-      if (head > 0) munmap(base, head);
-      if (tail > 0) munmap(reinterpret_cast<void*>(start + keep), tail);
-      void* data = reinterpret_cast<void*>(start);
-      madvise(data, keep, MADV_HUGEPAGE);  // a request: without it (THP off) the pages stay 4 KiB
-      return at::from_blob(data, sizes, [keep](void* p) { munmap(p, keep); }, options);
-    }
-  }
-#endif
-  return at::zeros(sizes, options);
-}
-
 // GEMM through packed panels: out (+)= x @ B (+ bias), float32, AVX2 + FMA or AVX-512.
 // B is packed as kPanel-column panels [ceil(N / kPanel), K, kPanel] (zero-padded): pack_linear packs
 // a linear layer's weight [N, K] (B = weight^T), pack_matrix a row-major B [K, N] (plain copies of
@@ -781,18 +740,16 @@ void pack_panels(const T* b, T* p, int64_t k, int64_t n, int64_t k_stride, int64
 }
 
 at::Tensor pack_panels(const float* b, int64_t k, int64_t n, int64_t k_stride, int64_t j_stride,
-                       const at::TensorOptions& options, bool huge_pages = false) {
-  // packed per call in training: no zeroing pass (nor fresh pages); a decode call's packs stay
-  const std::vector<int64_t> shape = {(n + kPanel - 1) / kPanel, k, kPanel};
-  at::Tensor packed = huge_pages ? huge_page_zeros(shape, at::kFloat) : at::empty(shape, options);
+                       const at::TensorOptions& options) {
+  // packed per call in training: no zeroing pass
+  at::Tensor packed = at::empty({(n + kPanel - 1) / kPanel, k, kPanel}, options);
   pack_panels(b, packed.data_ptr<float>(), k, n, k_stride, j_stride);
   return packed;
 }
 
 bool has_bf16_gemm();
 
-// huge_pages: the packs of a generate call (kept and streamed every decode step; see huge_page_zeros).
-at::Tensor pack_linear(const at::Tensor& weight, bool huge_pages) {
+at::Tensor pack_linear(const at::Tensor& weight) {
   if (weight.scalar_type() == at::kBFloat16) {
     // bf16: panels of column pairs [panels, K / 2, kPanel] of 32-bit words (int32 storage), each
     // word a column's two consecutive k, as VDPBF16PS multiplies them
@@ -800,8 +757,7 @@ at::Tensor pack_linear(const at::Tensor& weight, bool huge_pages) {
     TORCH_CHECK(weight.device().is_cpu() && weight.is_contiguous() && weight.dim() == 2 && weight.size(1) % 2 == 0,
                 "pack_linear: a bf16 weight must be a contiguous CPU [N, K] matrix with K even");
     const int64_t n = weight.size(0), pairs = weight.size(1) / 2;
-    const std::vector<int64_t> shape = {(n + kPanel - 1) / kPanel, pairs, kPanel};
-    at::Tensor packed = huge_pages ? huge_page_zeros(shape, at::kInt) : at::empty(shape, weight.options().dtype(at::kInt));
+    at::Tensor packed = at::empty({(n + kPanel - 1) / kPanel, pairs, kPanel}, weight.options().dtype(at::kInt));
     pack_panels(reinterpret_cast<const uint32_t*>(weight.data_ptr<at::BFloat16>()),
                 reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>()), pairs, n, 1, pairs);
     return packed;
@@ -809,7 +765,7 @@ at::Tensor pack_linear(const at::Tensor& weight, bool huge_pages) {
   check_f32(weight, "weight");
   TORCH_CHECK(weight.dim() == 2, "pack_linear: weight [N, K]");
   const int64_t n = weight.size(0), k = weight.size(1);
-  return pack_panels(weight.data_ptr<float>(), k, n, 1, k, weight.options(), huge_pages);
+  return pack_panels(weight.data_ptr<float>(), k, n, 1, k, weight.options());
 }
 
 at::Tensor pack_matrix(const at::Tensor& b) {
@@ -1118,7 +1074,7 @@ at::Tensor amx_pack(const at::Tensor& weight) {
               "amx_pack: weight must be a contiguous bf16 CPU [N, K] matrix");
   const int64_t n = weight.size(0), k = weight.size(1);
   const int64_t panels = (n + kAmxCols - 1) / kAmxCols, steps = (k + kAmxDepth - 1) / kAmxDepth;
-  at::Tensor packed = huge_page_zeros({panels, steps, 16, 32}, at::kBFloat16);  // streamed every decode step
+  at::Tensor packed = at::empty({panels, steps, 16, 32}, weight.options());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
@@ -1307,9 +1263,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_backward", &swiglu_backward, "the gradient of swiglu");
   m.def("rms_norm_forward", &rms_norm_forward, "RMSNorm for training: (output, rstd)");
   m.def("rms_norm_backward", &rms_norm_backward, "the gradient of RMSNorm: (dx, dweight)");
-  m.def("pack_linear", &pack_linear, "weight [N, K] -> column panels of weight^T for packed_gemm", py::arg("weight"),
-        py::arg("huge_pages") = false);
-  m.def("huge_page_zeros", &huge_page_zeros, "a zero-filled CPU tensor on 2 MiB pages where it spans one (Linux)");
+  m.def("pack_linear", &pack_linear, "weight [N, K] -> column panels of weight^T for packed_gemm");
   m.def("pack_matrix", &pack_matrix, "b [K, N] -> column panels of b for packed_gemm");
   m.def("packed_linear", &packed_linear, "x @ weight^T (+ bias) through pack_linear's panels");
   m.def("packed_gemm", &packed_gemm, "out (+)= x @ b (+ bias), x row-major or transposed, b packed");

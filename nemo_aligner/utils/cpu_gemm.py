@@ -166,8 +166,8 @@ def pack(weight: torch.Tensor, rows: int, backend: str) -> Optional[torch.Tensor
     if backend == "plain" or weight.dim() != 2 or weight.dtype not in dtypes or weight.device.type != "cpu":
         return None
     try:
-        if backend == "native":  # kept for a generate call and streamed every step: on huge pages
-            return _kernels().pack_linear(weight.detach().contiguous(), huge_pages=True)
+        if backend == "native":
+            return _kernels().pack_linear(weight.detach().contiguous())
         if backend == "amx":
             return _kernels().amx_pack(weight.detach().contiguous())
         if backend == "mkl":

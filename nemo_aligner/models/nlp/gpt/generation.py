@@ -230,12 +230,8 @@ class KVCacheDecoder:
         # [layer, B, group, key/value, T, d]: a group's key and value sit next to each other, as in
         # the QKV projection's output, so one copy per layer and step stores both. In the model's
         # dtype, the fused steps of a bf16 model too: reading the cache is much of a decode step.
-        shape = (len(layers), batch, self.groups, 2, max_len, self.head_dim)
-        kernels = cpu_kernels.load() if self.device.type == "cpu" else None
-        # On the CPU on 2 MiB pages where the kernels build: every decode step reads the cache once
-        # and with 4 KiB pages nearly every page it touches misses the TLB.
-        self.cache = (kernels.huge_page_zeros(shape, dtype) if kernels is not None
-                      else torch.zeros(shape, dtype=dtype, device=self.device))
+        self.cache = torch.zeros(len(layers), batch, self.groups, 2, max_len, self.head_dim, dtype=dtype,
+                                 device=self.device)
         self.slots = torch.arange(max_len, device=self.device)  # static_step's mask of slots after the current
         self.layer_cache = list(self.cache.unbind(0))
         self.layer_keys = [c[:, :, 0] for c in self.layer_cache]  # [B, group, T, d] views
