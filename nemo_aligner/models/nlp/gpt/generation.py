@@ -162,7 +162,9 @@ def _direct_norm(norm):
     cpu_params = _cpu_rms_norm_params(norm)
     if cpu_params is not None:
         return _cpu_rms_norm(norm.normalized_shape[0], *cpu_params)
-    if isinstance(norm, lean_ops.RMSNorm) and getattr(norm.weight, "dtype", None) == torch.bfloat16:
+    weight = getattr(norm, "weight", None)
+    if (isinstance(norm, lean_ops.RMSNorm) and weight is not None and weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu"):
         # the module itself: on bf16 CPU inputs it runs the fused kernel (one pass, float32 maths,
         # as the model's own forward), where torch's bf16 norm is several passes (a bf16 prefill:
         # the small benchmark model's 25 norms 51 -> ~6 ms)
