@@ -67,6 +67,21 @@ def test_packed_bf16_linear_equals_f_linear(with_bias):
         assert torch.allclose(out.float(), F.linear(x, weight, bias).float(), rtol=2 ** -7, atol=1e-2)
 
 
+def _check_bf16_gemm(call, weight, bias, x, where) -> torch.Tensor:
+    """``call.float_output(x)``: float32 sums of the bf16 products, as close to a float64 product of
+    the same bf16 values as float32 sums get; ``call`` on the bf16 input: those sums rounded once to
+    bf16. Returns the float32 sums."""
+    xb = x.bfloat16()
+    exact = F.linear(xb.double(), weight.double(), bias.double() if bias is not None else None)
+    wide = call.float_output(x)
+    assert wide.dtype == torch.float32 and wide.shape == exact.shape
+    scale = (xb.double().abs() @ weight.double().abs().t()).max()
+    assert (wide.double() - exact).abs().max() <= 1e-6 * scale, where
+    out = call(xb)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, wide.to(torch.bfloat16))
+    return wide
+
+
 needs_native_bf16 = pytest.mark.skipif(not cpu_gemm.available("native") or not cpu_gemm.native_packs_bf16(),
                                        reason="our packed GEMM is built without AVX512_BF16 on this machine")
 
@@ -84,14 +99,8 @@ def test_native_bf16_linear_against_float64(with_bias):
         bias = torch.randn(out_features).bfloat16() if with_bias else None
         call = cpu_gemm.linear(weight, bias, cpu_gemm.pack(weight, 8, "native"), 8, "native")
         for rows in (1, 5, 12, 13, 64, 200, 385):
-            x = torch.randn(rows, in_features).bfloat16()
-            exact = F.linear(x.double(), weight.double(), bias.double() if bias is not None else None)
-            wide = call.float_output(x)
-            assert wide.dtype == torch.float32 and wide.shape == exact.shape
-            scale = (x.double().abs() @ weight.double().abs().t()).max()
-            assert (wide.double() - exact).abs().max() <= 1e-6 * scale, (out_features, in_features, rows)
-            out = call(x)
-            assert out.dtype == torch.bfloat16 and torch.equal(out, wide.to(torch.bfloat16))
+            _check_bf16_gemm(call, weight, bias, torch.randn(rows, in_features).bfloat16(),
+                             (out_features, in_features, rows))
         x3 = torch.randn(2, 3, in_features).bfloat16()  # [S, B, K] inputs keep their leading shape
         assert call(x3).shape == (2, 3, out_features)
 
@@ -136,14 +145,8 @@ def test_amx_linear_against_float64(with_bias):
         call = cpu_gemm.linear(weight, bias, cpu_gemm.pack(weight, rows, "amx"), rows, "amx")
         for n in (1, 5, 16, 17, 32, 33, 48, 64):
             x = torch.randn(n, in_features)
-            exact = F.linear(x.bfloat16().double(), weight.double(), bias.double() if bias is not None else None)
-            wide = call.float_output(x)
-            assert wide.dtype == torch.float32 and wide.shape == exact.shape
-            scale = (x.bfloat16().double().abs() @ weight.double().abs().t()).max()
-            assert (wide.double() - exact).abs().max() <= 1e-6 * scale, (out_features, in_features, n)
+            wide = _check_bf16_gemm(call, weight, bias, x, (out_features, in_features, n))
             assert torch.equal(call.float_output(x.bfloat16()), wide)  # the kernel's rounding is the cast's
-            out = call(x.bfloat16())
-            assert out.dtype == torch.bfloat16 and torch.equal(out, wide.to(torch.bfloat16))
         x3 = torch.randn(2, 3, in_features).bfloat16()  # [S, B, K] inputs keep their leading shape
         assert call(x3).shape == (2, 3, out_features)
         # more rows than packed for (a prefill): torch's bf16 matmul

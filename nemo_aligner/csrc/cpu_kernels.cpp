@@ -1044,7 +1044,6 @@ at::Tensor packed_gemm(const at::Tensor& x, bool x_transposed, const at::Tensor&
   return result;
 }
 
-
 // AMX bf16 GEMM for decode steps: out [rows, n] = x [rows, K] (float32 rounded to bf16, or bf16) @
 // weight^T, float32 sums returned unrounded. amx_pack lays a bf16 weight [N, K] out as tiles
 // [ceil(N / 16), ceil(K / 32), 16, 32]: tile (panel, step) holds columns 16 * panel.. and k
@@ -1180,8 +1179,8 @@ void amx_task(const uint16_t* a, int64_t rows, int64_t steps, const uint16_t* pa
 
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(has_amx(), "amx_linear: this build or process has no AMX tiles");
-  check_f32_or_bf16(x, "x");
-  TORCH_CHECK(x.is_contiguous() && x.dim() >= 1, "amx_linear: x must be a contiguous CPU tensor");
+  check_f32_or_bf16(x, "x");  // and contiguous
+  TORCH_CHECK(x.dim() >= 1, "amx_linear: x must have at least one dimension");
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.dim() == 4 &&
                   packed.size(2) == 16 && packed.size(3) == 32,
               "amx_linear: packed must come from amx_pack");
@@ -1221,13 +1220,8 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, 
         std::memcpy(dst, static_cast<const uint16_t*>(xp) + r * k, k * 2);
         i = k;
       } else if (r < rows) {
-        const float* src = static_cast<const float*>(xp) + r * k;
-        for (; i + 16 <= k; i += 16)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
-        for (; i < k; ++i) {
-          const at::BFloat16 v(src[i]);
-          std::memcpy(dst + i, &v, 2);
-        }
+        store_floats(static_cast<const float*>(xp) + r * k, reinterpret_cast<at::BFloat16*>(dst), k);
+        i = k;
       }
       std::fill(dst + i, dst + kp, uint16_t(0));
     }

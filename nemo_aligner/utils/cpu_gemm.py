@@ -185,34 +185,26 @@ def linear(weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[
 
     Our bf16 GEMMs sum in float32 and return the sums rounded to bf16; the callable's
     ``float_output`` attribute is the same product returned in float32 (unrounded), for callers
-    that widen the result anyway. The AMX kernel's also takes float32 inputs (rounded to bf16
-    inside, as a cast would): ``float_input_output``."""
+    that widen the result anyway; it takes bf16 or float32 inputs (rounded to bf16 as a cast
+    would: by the AMX kernel itself)."""
     if packed is None:
         return lambda x: F.linear(x, weight, bias)
     if backend == "mkl":
         mkl_linear = torch.ops.mkl._mkl_linear
         return lambda x: mkl_linear(x, packed, weight, bias, rows)
     skinny = rows * weight.shape[1]
-    if backend == "amx":
-        amx_linear, out_features = _kernels().amx_linear, weight.shape[0]
+    if backend == "amx" or (backend == "native" and weight.dtype == torch.bfloat16):  # our bf16 GEMMs
+        kernels, out_features = _kernels(), weight.shape[0]
         float_bias = bias.float() if bias is not None else None
-        # float32 or bf16 x (float32 rounded to bf16 inside the kernel, as a cast would)
-        float_output = lambda x: amx_linear(x.contiguous(), packed, out_features, float_bias)  # noqa: E731
+        if backend == "amx":  # rounds float32 inputs to bf16 itself
+            float_output = lambda x: kernels.amx_linear(x.contiguous(), packed, out_features, float_bias)  # noqa: E731
+        else:
+            float_output = lambda x: kernels.packed_linear(x.to(weight.dtype).contiguous(), packed,  # noqa: E731
+                                                           out_features, float_bias)
 
         def call(x):
-            if x.numel() > skinny:  # a prefill's thousands of rows: torch's GEMM reuses its tiles far better
+            if backend == "amx" and x.numel() > skinny:  # a prefill's thousands of rows: torch's blocked GEMM
                 return F.linear(x, weight, bias)
-            return float_output(x).to(weight.dtype)
-
-        # the fused decode step's float32 activations go in as they are
-        call.float_output = call.float_input_output = float_output
-        return call
-    if backend == "native" and weight.dtype == torch.bfloat16:
-        packed_linear, out_features = _kernels().packed_linear, weight.shape[0]
-        float_bias = bias.float() if bias is not None else None
-        float_output = lambda x: packed_linear(x.contiguous(), packed, out_features, float_bias)  # noqa: E731
-
-        def call(x):
             return float_output(x).to(weight.dtype)
 
         call.float_output = float_output

@@ -147,12 +147,9 @@ def _widened(call, dtype: torch.dtype):
     it unrounded."""
     if call is None:
         return None
-    float_input_output = getattr(call, "float_input_output", None)  # our AMX GEMM: rounds the input itself
-    if float_input_output is not None:
-        return float_input_output
     float_output = getattr(call, "float_output", None)
-    if float_output is not None:
-        return lambda x: float_output(x.to(dtype))
+    if float_output is not None:  # takes the float32 activations as they are
+        return float_output
     return lambda x: call(x.to(dtype)).float()
 
 
