@@ -27,6 +27,11 @@
 #include <type_traits>
 #include <vector>
 
+#ifdef __linux__
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define NA_AVX2 1
@@ -739,17 +744,66 @@ void pack_panels(const T* b, T* p, int64_t k, int64_t n, int64_t k_stride, int64
   });
 }
 
+// A zero-filled CPU tensor of `sizes` and `dtype` whose memory asks for 2 MiB pages where it spans
+// at least one (Linux: fresh anonymous memory aligned to 2 MiB, madvise(MADV_HUGEPAGE); elsewhere,
+// or where that fails, at::zeros). For buffers a decode step streams once per step and that are kept
+// across generate calls (packed weights, the KV cache: decode_buffers.py): with 4 KiB pages nearly
+// every page they read misses the TLB (the small benchmark model's float32 decode matmuls: 34
+// instead of 41 ms a step, 2-core Xeon). Fresh huge pages cost more to fault in than 4 KiB ones
+// (0.7-1.3 s per GB on that VM), so only buffers that are kept are worth them.
+constexpr size_t kHugePage = size_t(2) << 20;
+
+at::Tensor huge_page_zeros(at::IntArrayRef sizes, at::ScalarType dtype) {
+  const auto options = at::TensorOptions().dtype(dtype).device(at::kCPU);
+  int64_t numel = 1;
+  for (const int64_t d : sizes) {
+    TORCH_CHECK(d >= 0, "huge_page_zeros: negative size");
+    numel *= d;
+  }
+  const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+#ifdef __linux__
+  if (bytes >= kHugePage) {
+    const size_t span = bytes + kHugePage;
+    void* base = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base != MAP_FAILED) {  // fresh anonymous memory reads as zeros
+      const uintptr_t first = reinterpret_cast<uintptr_t>(base);
+      const uintptr_t start = (first + kHugePage - 1) & ~(uintptr_t(kHugePage) - 1);
+      const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+      const size_t keep = (bytes + page - 1) / page * page, head = start - first, tail = span - head - keep;
+      if (head > 0) munmap(base, head);
+      if (tail > 0) munmap(reinterpret_cast<void*>(start + keep), tail);
+      void* data = reinterpret_cast<void*>(start);
+      madvise(data, keep, MADV_HUGEPAGE);  // a request: without it (THP off) the pages stay 4 KiB
+      return at::from_blob(data, sizes, [keep](void* p) { munmap(p, keep); }, options);
+    }
+  }
+#endif
+  return at::zeros(sizes, options);
+}
+
+// The tensor a pack of `shape` and `dtype` is written into: `reuse` where it is a contiguous CPU
+// tensor of exactly that shape and dtype (the pack a kept buffer held from the previous generate
+// call), else fresh memory: on 2 MiB pages where `huge_pages` (a pack that will be kept), else
+// uninitialised (packed per call in training: no zeroing pass).
+at::Tensor pack_target(at::IntArrayRef shape, at::ScalarType dtype, const c10::optional<at::Tensor>& reuse,
+                       bool huge_pages) {
+  if (reuse.has_value() && reuse->defined() && reuse->device().is_cpu() && reuse->scalar_type() == dtype &&
+      reuse->is_contiguous() && reuse->sizes() == shape)
+    return *reuse;
+  return huge_pages ? huge_page_zeros(shape, dtype) : at::empty(shape, at::TensorOptions().dtype(dtype));
+}
+
 at::Tensor pack_panels(const float* b, int64_t k, int64_t n, int64_t k_stride, int64_t j_stride,
-                       const at::TensorOptions& options) {
-  // packed per call in training: no zeroing pass
-  at::Tensor packed = at::empty({(n + kPanel - 1) / kPanel, k, kPanel}, options);
+                       const c10::optional<at::Tensor>& reuse = c10::nullopt, bool huge_pages = false) {
+  at::Tensor packed = pack_target({(n + kPanel - 1) / kPanel, k, kPanel}, at::kFloat, reuse, huge_pages);
   pack_panels(b, packed.data_ptr<float>(), k, n, k_stride, j_stride);
   return packed;
 }
 
 bool has_bf16_gemm();
 
-at::Tensor pack_linear(const at::Tensor& weight) {
+// reuse / huge_pages: see pack_target (a generate call's packs, kept across calls by decode_buffers.py).
+at::Tensor pack_linear(const at::Tensor& weight, const c10::optional<at::Tensor>& reuse, bool huge_pages) {
   if (weight.scalar_type() == at::kBFloat16) {
     // bf16: panels of column pairs [panels, K / 2, kPanel] of 32-bit words (int32 storage), each
     // word a column's two consecutive k, as VDPBF16PS multiplies them
@@ -757,7 +811,7 @@ at::Tensor pack_linear(const at::Tensor& weight) {
     TORCH_CHECK(weight.device().is_cpu() && weight.is_contiguous() && weight.dim() == 2 && weight.size(1) % 2 == 0,
                 "pack_linear: a bf16 weight must be a contiguous CPU [N, K] matrix with K even");
     const int64_t n = weight.size(0), pairs = weight.size(1) / 2;
-    at::Tensor packed = at::empty({(n + kPanel - 1) / kPanel, pairs, kPanel}, weight.options().dtype(at::kInt));
+    at::Tensor packed = pack_target({(n + kPanel - 1) / kPanel, pairs, kPanel}, at::kInt, reuse, huge_pages);
     pack_panels(reinterpret_cast<const uint32_t*>(weight.data_ptr<at::BFloat16>()),
                 reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>()), pairs, n, 1, pairs);
     return packed;
@@ -765,14 +819,14 @@ at::Tensor pack_linear(const at::Tensor& weight) {
   check_f32(weight, "weight");
   TORCH_CHECK(weight.dim() == 2, "pack_linear: weight [N, K]");
   const int64_t n = weight.size(0), k = weight.size(1);
-  return pack_panels(weight.data_ptr<float>(), k, n, 1, k, weight.options());
+  return pack_panels(weight.data_ptr<float>(), k, n, 1, k, reuse, huge_pages);
 }
 
 at::Tensor pack_matrix(const at::Tensor& b) {
   check_f32(b, "b");
   TORCH_CHECK(b.dim() == 2, "pack_matrix: b [K, N]");
   const int64_t k = b.size(0), n = b.size(1);
-  return pack_panels(b.data_ptr<float>(), k, n, n, 1, b.options());
+  return pack_panels(b.data_ptr<float>(), k, n, n, 1);
 }
 
 #ifdef NA_AVX2
@@ -1066,14 +1120,15 @@ bool has_amx() {
 #endif
 }
 
-at::Tensor amx_pack(const at::Tensor& weight) {
+// reuse / huge_pages: as pack_linear's.
+at::Tensor amx_pack(const at::Tensor& weight, const c10::optional<at::Tensor>& reuse, bool huge_pages) {
   TORCH_CHECK(has_amx(), "amx_pack: this build or process has no AMX tiles");
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.device().is_cpu() && weight.is_contiguous() &&
                   weight.dim() == 2,
               "amx_pack: weight must be a contiguous bf16 CPU [N, K] matrix");
   const int64_t n = weight.size(0), k = weight.size(1);
   const int64_t panels = (n + kAmxCols - 1) / kAmxCols, steps = (k + kAmxDepth - 1) / kAmxDepth;
-  at::Tensor packed = at::empty({panels, steps, 16, 32}, weight.options());
+  at::Tensor packed = pack_target({panels, steps, 16, 32}, at::kBFloat16, reuse, huge_pages);
   const uint16_t* src = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
@@ -1257,14 +1312,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_backward", &swiglu_backward, "the gradient of swiglu");
   m.def("rms_norm_forward", &rms_norm_forward, "RMSNorm for training: (output, rstd)");
   m.def("rms_norm_backward", &rms_norm_backward, "the gradient of RMSNorm: (dx, dweight)");
-  m.def("pack_linear", &pack_linear, "weight [N, K] -> column panels of weight^T for packed_gemm");
+  m.def("pack_linear", &pack_linear, "weight [N, K] -> column panels of weight^T for packed_gemm", py::arg("weight"),
+        py::arg("reuse") = py::none(), py::arg("huge_pages") = false);
+  m.def("huge_page_zeros", &huge_page_zeros, "a zero-filled CPU tensor on 2 MiB pages where it spans one (Linux)");
   m.def("pack_matrix", &pack_matrix, "b [K, N] -> column panels of b for packed_gemm");
   m.def("packed_linear", &packed_linear, "x @ weight^T (+ bias) through pack_linear's panels");
   m.def("packed_gemm", &packed_gemm, "out (+)= x @ b (+ bias), x row-major or transposed, b packed");
   m.def("packed_gemm_tile", &packed_gemm_tile, "(rows per register block, columns per panel) of packed_gemm");
   m.def("has_packed_linear", &has_packed_linear, "whether packed_linear has a kernel in this build");
   m.def("has_amx", &has_amx, "whether this build and process multiply bf16 on AMX tiles (amx_linear)");
-  m.def("amx_pack", &amx_pack, "bf16 weight [N, K] -> the AMX tiles amx_linear reads");
+  m.def("amx_pack", &amx_pack, "bf16 weight [N, K] -> the AMX tiles amx_linear reads", py::arg("weight"),
+        py::arg("reuse") = py::none(), py::arg("huge_pages") = false);
   m.def("amx_linear", &amx_linear, "x @ weight^T (+ bias) on AMX tiles: float32 sums of bf16 products");
   m.def("has_bf16_gemm", &has_bf16_gemm, "whether packed_gemm multiplies bf16 (AVX512_BF16) in this build");
 }

@@ -155,11 +155,16 @@ def decode_gemm_backend(dtype: torch.dtype = torch.float32) -> str:
     return "plain"
 
 
-def pack(weight: torch.Tensor, rows: int, backend: str) -> Optional[torch.Tensor]:
+def pack(weight: torch.Tensor, rows: int, backend: str, reuse: Optional[torch.Tensor] = None,
+         huge_pages: bool = False) -> Optional[torch.Tensor]:
     """``weight`` [out, in] packed by ``backend`` for ``rows``-row inputs; None when it cannot be
     packed (not a CPU matrix of a dtype the backend packs: float32; bf16 for oneDNN, and for our
     GEMM where it is built with AVX512_BF16 and ``in`` is even; only bf16 for the AMX kernel; the
-    plain backend; a build without the packed kernels)."""
+    plain backend; a build without the packed kernels).
+
+    Our kernels' packs (``native``, ``amx``) are written into ``reuse`` where it is an earlier pack
+    of the same shape (a kept buffer, see ``decode_buffers``), else into fresh memory, on 2 MiB pages
+    where ``huge_pages``; the other backends ignore both."""
     dtypes = (torch.bfloat16,) if backend == "amx" else (torch.float32,)
     if backend == "onednn" or (backend == "native" and native_packs_bf16() and weight.shape[-1] % 2 == 0):
         dtypes = (torch.float32, torch.bfloat16)
@@ -167,9 +172,9 @@ def pack(weight: torch.Tensor, rows: int, backend: str) -> Optional[torch.Tensor
         return None
     try:
         if backend == "native":
-            return _kernels().pack_linear(weight.detach().contiguous())
+            return _kernels().pack_linear(weight.detach().contiguous(), reuse, huge_pages)
         if backend == "amx":
-            return _kernels().amx_pack(weight.detach().contiguous())
+            return _kernels().amx_pack(weight.detach().contiguous(), reuse, huge_pages)
         if backend == "mkl":
             return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -31,8 +32,9 @@ from nemo_aligner.models.nlp.gpt import lean_ops
 from nemo_aligner.models.nlp.gpt.lean_ops import rotary_from_tables
 from nemo_aligner.models.nlp.gpt import lora
 from nemo_aligner.models.nlp.gpt.expert_lockstep import is_moe_layer, lockstep_for, moe_inference_call
-from nemo_aligner.utils import cpu_gemm, cpu_kernels
+from nemo_aligner.utils import cpu_gemm, cpu_kernels, decode_buffers
 from nemo_aligner.utils.cpu_info import has_fast_bf16_matmul
+from nemo_aligner.utils.decode_buffers import DecodeBuffers
 from nemo_aligner.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -73,9 +75,9 @@ def _gather_vocab(logits: torch.Tensor, tp: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def _pack_linear_weights(module, batch: int, backend: str, weight_of) -> dict:
-    """Packed copies (``cpu_gemm.pack``) of a CPU model's 2-D weights for ``batch``-row
-    matmuls, keyed by ``id(weight)``; empty where they cannot be packed.
+def _pack_linear_weights(module, batch: int, backend: str, weight_of, buffers: DecodeBuffers) -> dict:
+    """Packed copies (``cpu_gemm.pack``, into ``buffers``) of a CPU model's 2-D weights for
+    ``batch``-row matmuls, keyed by ``id(weight)``; empty where they cannot be packed.
 
     Packing costs one pass over the weights per ``generate`` call, so weights updated between
     rollouts are always current.
@@ -90,9 +92,9 @@ def _pack_linear_weights(module, batch: int, backend: str, weight_of) -> dict:
         weights.append(module.shared_embedding_or_output_weight() if module.share_embeddings_and_output_weights
                        else module.output_layer.weight)
     packed = {}
-    for param in weights:
+    for index, param in enumerate(weights):
         if param is not None:
-            matrix = cpu_gemm.pack(param, batch, backend)
+            matrix = buffers.pack(index, param, batch, backend)
             if matrix is not None:
                 packed[id(param)] = matrix
     return packed
@@ -208,7 +210,12 @@ class KVCacheDecoder:
         self.tp = tp
         self.gemm_backend = cpu_gemm.decode_gemm_backend(dtype) if self.device.type == "cpu" else "plain"
         self._weights = {}  # layer -> its weight with any LoRA adapter merged in (one tensor per call)
-        self.packed = _pack_linear_weights(module, batch, self.gemm_backend, self._weight) if tp == 1 else {}
+        # Packs and cache in the model's kept CPU buffers where free (decode_buffers); given back by
+        # close(), or when this decoder is collected.
+        self.buffers = decode_buffers.acquire(module, self.device)
+        self._give_back = weakref.finalize(self, decode_buffers.give_back, self.buffers)
+        self.packed = (_pack_linear_weights(module, batch, self.gemm_backend, self._weight, self.buffers)
+                       if tp == 1 else {})
         self.packed_batch = batch
         self.window = built_attention_window(module)
         self.rope = getattr(module, "rotary_pos_emb", None) if module.position_embedding_type == "rope" else None
@@ -229,12 +236,17 @@ class KVCacheDecoder:
         # [layer, B, group, key/value, T, d]: a group's key and value sit next to each other, as in
         # the QKV projection's output, so one copy per layer and step stores both. In the model's
         # dtype, the fused steps of a bf16 model too: reading the cache is much of a decode step.
-        self.cache = torch.zeros(len(layers), batch, self.groups, 2, max_len, self.head_dim, dtype=dtype,
-                                 device=self.device)
+        shape = (len(layers), batch, self.groups, 2, max_len, self.head_dim)
+        self.cache = (self.buffers.cache(shape, dtype) if self.device.type == "cpu"
+                      else torch.zeros(shape, dtype=dtype, device=self.device))
         self.slots = torch.arange(max_len, device=self.device)  # static_step's mask of slots after the current
         self.layer_cache = list(self.cache.unbind(0))
         self.layer_keys = [c[:, :, 0] for c in self.layer_cache]  # [B, group, T, d] views
         self.layer_values = [c[:, :, 1] for c in self.layer_cache]
+
+    def close(self) -> None:
+        """Give the model's kept buffers back for its next decoder (this one must not run again)."""
+        self._give_back()
 
     def _fused_plan(self, module) -> Optional[dict]:
         """What a decode step needs to run through the fused CPU kernels (``cpu_kernels``), or None
@@ -683,69 +695,72 @@ def _generate(module, tokenizer, prompts: Sequence[Sequence[int]], sampling: Sam
         positions = positions.clamp(max=max(max_sequence_length, longest) - 1)
     key_mask = slots >= pad.unsqueeze(1)  # padding slots are never attended to
     decoder = KVCacheDecoder(module, batch, total)
-    # The decoder's inputs live on its device (moved once, not per step); sampling runs where the
-    # logits are; the bookkeeping below (tokens, done, lengths) stays on the host.
-    positions, key_mask = positions.to(decoder.device), key_mask.to(decoder.device)
-    generator = torch.Generator(device=decoder.device).manual_seed(seed) if seed is not None else None
-    tp_rank0 = parallel_state.get_tensor_model_parallel_src_rank()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    last_stage = parallel_state.is_pipeline_last_stage()
+    try:
+        # The decoder's inputs live on its device (moved once, not per step); sampling runs where the
+        # logits are; the bookkeeping below (tokens, done, lengths) stays on the host.
+        positions, key_mask = positions.to(decoder.device), key_mask.to(decoder.device)
+        generator = torch.Generator(device=decoder.device).manual_seed(seed) if seed is not None else None
+        tp_rank0 = parallel_state.get_tensor_model_parallel_src_rank()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        last_stage = parallel_state.is_pipeline_last_stage()
 
-    matcher = EndStringMatcher(tokenizer, sampling.end_strings) if sampling.end_strings else None
-    done = budget == 0
-    is_end = torch.zeros(batch, dtype=torch.bool)
-    generated = torch.zeros(batch, dtype=torch.long)
-    padded = not bool(key_mask.all())
-    # GRPO/RLOO repeat each prompt per response: prefill each distinct prompt once.
-    distinct = {}
-    first = torch.tensor([distinct.setdefault(tuple(p), b) for b, p in enumerate(prompts)], dtype=torch.long)
-    fed, rows = slice(None), None
-    if len(distinct) < batch:
-        fed = torch.tensor(sorted(distinct.values()), dtype=torch.long)
-        rows = torch.searchsorted(fed, first)  # cache row -> its prompt's row among those fed
-    logits = decoder.forward(tokens[fed, :longest], positions[fed, :longest], 0, key_mask[fed], padded, rows)
-    graphed = _graphed_step(decoder, key_mask, longest, new_tokens)
-    for step in range(new_tokens):
-        if last_stage:
-            logits = logits[:, : tokenizer.vocab_size]  # vocabulary padding rows are never sampled
-            if step < length.min_length:
-                logits[:, tokenizer.eos_id] = float("-inf")
-            token = sample(logits, sampling, generator)
-            if tp > 1:
-                dist.broadcast(token, src=tp_rank0, group=_tp_group())
-        else:
-            token = torch.zeros(batch, dtype=torch.long, device=decoder.device)
-        if pp > 1:  # every stage needs the new tokens (the first embeds them, all track the ends)
-            dist.broadcast(token, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                           group=parallel_state.get_pipeline_model_parallel_group())
-        # A fresh tensor from sampling (or the broadcast): safe to edit in place. Finished rows get EOS.
-        token = token.cpu().masked_fill_(done, tokenizer.eos_id)
-        slot = longest + step
-        tokens.select(1, slot).copy_(token)
-        alive = ~done
-        generated += alive
-        stop = token == tokenizer.eos_id
-        if matcher is not None:
-            new, finished = token.tolist(), done.tolist()
-            tail_start = max(longest, slot + 1 - matcher.TAIL)
-            stop |= torch.tensor([not finished[b] and matcher.could_end(new[b])
-                                  and matcher.ended(tokens[b, tail_start : slot + 1].tolist()) for b in range(batch)])
-        is_end |= alive.logical_and_(stop)
-        done |= stop | (generated >= budget)
-        if bool(done.all()) or step == new_tokens - 1:
-            break
-        if graphed is not None:
-            logits = graphed(token.unsqueeze(1), positions[:, slot : slot + 1], slot)
-        else:
-            logits = decoder.forward(token.unsqueeze(1), positions[:, slot : slot + 1], slot, key_mask, padded)
+        matcher = EndStringMatcher(tokenizer, sampling.end_strings) if sampling.end_strings else None
+        done = budget == 0
+        is_end = torch.zeros(batch, dtype=torch.bool)
+        generated = torch.zeros(batch, dtype=torch.long)
+        padded = not bool(key_mask.all())
+        # GRPO/RLOO repeat each prompt per response: prefill each distinct prompt once.
+        distinct = {}
+        first = torch.tensor([distinct.setdefault(tuple(p), b) for b, p in enumerate(prompts)], dtype=torch.long)
+        fed, rows = slice(None), None
+        if len(distinct) < batch:
+            fed = torch.tensor(sorted(distinct.values()), dtype=torch.long)
+            rows = torch.searchsorted(fed, first)  # cache row -> its prompt's row among those fed
+        logits = decoder.forward(tokens[fed, :longest], positions[fed, :longest], 0, key_mask[fed], padded, rows)
+        graphed = _graphed_step(decoder, key_mask, longest, new_tokens)
+        for step in range(new_tokens):
+            if last_stage:
+                logits = logits[:, : tokenizer.vocab_size]  # vocabulary padding rows are never sampled
+                if step < length.min_length:
+                    logits[:, tokenizer.eos_id] = float("-inf")
+                token = sample(logits, sampling, generator)
+                if tp > 1:
+                    dist.broadcast(token, src=tp_rank0, group=_tp_group())
+            else:
+                token = torch.zeros(batch, dtype=torch.long, device=decoder.device)
+            if pp > 1:  # every stage needs the new tokens (the first embeds them, all track the ends)
+                dist.broadcast(token, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                               group=parallel_state.get_pipeline_model_parallel_group())
+            # A fresh tensor from sampling (or the broadcast): safe to edit in place. Finished rows get EOS.
+            token = token.cpu().masked_fill_(done, tokenizer.eos_id)
+            slot = longest + step
+            tokens.select(1, slot).copy_(token)
+            alive = ~done
+            generated += alive
+            stop = token == tokenizer.eos_id
+            if matcher is not None:
+                new, finished = token.tolist(), done.tolist()
+                tail_start = max(longest, slot + 1 - matcher.TAIL)
+                stop |= torch.tensor([not finished[b] and matcher.could_end(new[b])
+                                      and matcher.ended(tokens[b, tail_start : slot + 1].tolist()) for b in range(batch)])
+            is_end |= alive.logical_and_(stop)
+            done |= stop | (generated >= budget)
+            if bool(done.all()) or step == new_tokens - 1:
+                break
+            if graphed is not None:
+                logits = graphed(token.unsqueeze(1), positions[:, slot : slot + 1], slot)
+            else:
+                logits = decoder.forward(token.unsqueeze(1), positions[:, slot : slot + 1], slot, key_mask, padded)
 
-    # Back to right padding: [prompt][response][eos padding]. Every row fits max_sequence_length, so
-    # the width does too (unless a prompt alone is longer).
-    width = total if max_sequence_length is None else max(min(total, max_sequence_length), longest)
-    out = torch.full((batch, width), tokenizer.eos_id, dtype=torch.long)
-    for b in range(batch):
-        p, g = int(prompt_lengths[b]), int(generated[b])
-        out[b, :p] = tokens[b, pad[b]:longest]
-        out[b, p : p + g] = tokens[b, longest : longest + g]
-    return GenerationOutput(out, prompt_lengths, prompt_lengths + generated, is_end)
+        # Back to right padding: [prompt][response][eos padding]. Every row fits max_sequence_length, so
+        # the width does too (unless a prompt alone is longer).
+        width = total if max_sequence_length is None else max(min(total, max_sequence_length), longest)
+        out = torch.full((batch, width), tokenizer.eos_id, dtype=torch.long)
+        for b in range(batch):
+            p, g = int(prompt_lengths[b]), int(generated[b])
+            out[b, :p] = tokens[b, pad[b]:longest]
+            out[b, p : p + g] = tokens[b, longest : longest + g]
+        return GenerationOutput(out, prompt_lengths, prompt_lengths + generated, is_end)
+    finally:
+        decoder.close()
