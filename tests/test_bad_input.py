@@ -53,9 +53,10 @@ def test_bad_training_file(tmp_path, builtin_data, content, expected):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("variable", ["NEMO_ALIGNER_DECODE_GEMM", "NEMO_ALIGNER_CPU_KERNELS"])
+@pytest.mark.parametrize("variable", ["NEMO_ALIGNER_DECODE_GEMM", "NEMO_ALIGNER_CPU_KERNELS",
+                                      "NEMO_ALIGNER_DECODE_BUFFERS"])
 def test_bad_cpu_kernel_setting_is_refused_before_work(tmp_path, builtin_data, monkeypatch, variable):
-    """Both are read deep inside the first forward pass; a bad value stops the run at its start."""
+    """Each is read deep inside the first forward pass or generation; a bad value stops the run at its start."""
     monkeypatch.setenv(variable, "fastest")
     proc = run_bad(tmp_path, builtin_data["sft_train"], builtin_data["sft_val"])
     lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]

@@ -118,13 +118,14 @@ def prepare_config(cfg: DictConfig, config_name: str, args: List[str], extra_key
     resolved; near misses of real keys are refused and keys nothing reads are warned about (once:
     rank 0, and not again in the ranks ``trainer.devices`` starts). ``config_dir``: the script's config
     directory (default: examples/nlp/gpt/conf)."""
-    from nemo_aligner.utils import config_keys, cpu_gemm, cpu_kernels
+    from nemo_aligner.utils import config_keys, cpu_gemm, cpu_kernels, decode_buffers
     from nemo_aligner.utils.exp_manager import setup_console_logging
 
     setup_console_logging()
     # The CPU kernel settings are read deep inside the first forward: refuse a bad one before any work.
     cpu_kernels.mode()
     cpu_gemm.requested_backend()
+    decode_buffers.keep_requested()
     flags, overrides = split_hydra_flags(args)
     try:
         shipped = config_keys.load_shipped(config_name, config_dir)
