@@ -34,7 +34,6 @@ from nemo_aligner.models.nlp.gpt import lora
 from nemo_aligner.models.nlp.gpt.expert_lockstep import is_moe_layer, lockstep_for, moe_inference_call
 from nemo_aligner.utils import cpu_gemm, cpu_kernels, decode_buffers
 from nemo_aligner.utils.cpu_info import has_fast_bf16_matmul
-from nemo_aligner.utils.decode_buffers import DecodeBuffers
 from nemo_aligner.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -75,7 +74,8 @@ def _gather_vocab(logits: torch.Tensor, tp: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def _pack_linear_weights(module, batch: int, backend: str, weight_of, buffers: DecodeBuffers) -> dict:
+def _pack_linear_weights(module, batch: int, backend: str, weight_of,
+                         buffers: decode_buffers.DecodeBuffers) -> dict:
     """Packed copies (``cpu_gemm.pack``, into ``buffers``) of a CPU model's 2-D weights for
     ``batch``-row matmuls, keyed by ``id(weight)``; empty where they cannot be packed.
 
