@@ -145,6 +145,19 @@ def test_bf16_prefill_norms_and_swiglu_are_the_models_own(mcore_single):
         assert not torch.equal(decoder._activation(h), F.silu(gate) * up)
 
 
+def bf16_decode_model(monkeypatch, backend: str, seed: int):
+    """A tiny bf16 model whose decode matmuls run on ``backend``'s bf16 GEMM, as on a CPU with bf16
+    matmul units (skips where this machine lacks that GEMM)."""
+    if not cpu_gemm.available(backend) or (backend == "native" and not cpu_gemm.native_packs_bf16()):
+        pytest.skip(f"this machine has no {backend} bf16 GEMM")
+    monkeypatch.setattr(generation, "has_fast_bf16_matmul", lambda: True)
+    monkeypatch.setattr(cpu_gemm, "has_fast_bf16_matmul", lambda: True)
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, backend)
+    model = build(TINY_ARCH, seed=seed)
+    model.module.to(torch.bfloat16)
+    return model
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU decode GEMMs")
 @pytest.mark.parametrize("backend", ["onednn", "native", "amx"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-step", "python-step"])
@@ -153,13 +166,7 @@ def test_bf16_decode_matmuls_run_on_packed_bf16_weights(mcore_single, monkeypatc
     weights (oneDNN's, our AVX512_BF16 GEMM or our AMX GEMM): the same logits as ``F.linear``'s bf16
     matmuls to bf16 rounding; oneDNN's and the AMX GEMM's prefill (more rows than packed for:
     ``F.linear``) identical."""
-    if not cpu_gemm.available(backend) or (backend == "native" and not cpu_gemm.native_packs_bf16()):
-        pytest.skip(f"this machine has no {backend} bf16 GEMM")
-    monkeypatch.setattr(generation, "has_fast_bf16_matmul", lambda: True)
-    monkeypatch.setattr(cpu_gemm, "has_fast_bf16_matmul", lambda: True)
-    monkeypatch.setenv(cpu_gemm.ENV_VAR, backend)
-    model = build(TINY_ARCH, seed=5)
-    model.module.to(torch.bfloat16)
+    model = bf16_decode_model(monkeypatch, backend, seed=5)
     decoder = generation.KVCacheDecoder(model.module, len(PROMPTS), 8)
     assert decoder.gemm_backend == backend
     assert len(decoder.packed) == 4 * TINY_ARCH["num_layers"] + 1  # every layer's four matrices and the output

@@ -11,6 +11,7 @@ from conftest import TINY_ARCH, TINY_GPT2_ARCH
 from nemo_aligner.models.nlp.gpt.generation import KVCacheDecoder, LengthParams, SamplingParams, generate
 from nemo_aligner.utils import cpu_gemm, cpu_kernels, decode_buffers
 from nemo_aligner.utils.errors import ConfigError
+from test_cpu_bf16 import bf16_decode_model
 from test_generation import PROMPTS, build
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU decode buffers: a visible GPU holds the model")
@@ -70,15 +71,7 @@ def test_kept_buffers_are_reused_and_give_fresh_buffers_tokens(mcore_single, nat
 @pytest.mark.parametrize("backend", ["amx", "native", "onednn"])
 def test_bf16_kept_buffers(mcore_single, monkeypatch, backend):
     """A bf16 model's packs (our AMX or AVX512_BF16 GEMM; oneDNN's are not kept) and bf16 cache."""
-    from nemo_aligner.models.nlp.gpt import generation
-
-    if not cpu_gemm.available(backend) or (backend == "native" and not cpu_gemm.native_packs_bf16()):
-        pytest.skip(f"this machine has no {backend} bf16 GEMM")
-    monkeypatch.setattr(generation, "has_fast_bf16_matmul", lambda: True)
-    monkeypatch.setattr(cpu_gemm, "has_fast_bf16_matmul", lambda: True)
-    monkeypatch.setenv(cpu_gemm.ENV_VAR, backend)
-    model = build(TINY_ARCH, seed=8)
-    model.module.to(torch.bfloat16)
+    model = bf16_decode_model(monkeypatch, backend, seed=8)
     monkeypatch.setenv(decode_buffers.ENV_VAR, "free")
     fresh = _generate(model)
     monkeypatch.setenv(decode_buffers.ENV_VAR, "keep")
