@@ -68,6 +68,7 @@ from nemo_aligner.utils.errors import ConfigError
 
 ENV_VAR = "NEMO_ALIGNER_DECODE_GEMM"
 BACKENDS = ("native", "mkl", "onednn", "amx", "plain")
+REUSABLE_PACKS = ("native", "amx")  # backends whose packs pack() writes into given memory (``reuse``)
 
 
 def cpu_vendor() -> str:
@@ -162,7 +163,7 @@ def pack(weight: torch.Tensor, rows: int, backend: str, reuse: Optional[torch.Te
     GEMM where it is built with AVX512_BF16 and ``in`` is even; only bf16 for the AMX kernel; the
     plain backend; a build without the packed kernels).
 
-    Our kernels' packs (``native``, ``amx``) are written into ``reuse`` where it is an earlier pack
+    Our kernels' packs (``REUSABLE_PACKS``) are written into ``reuse`` where it is an earlier pack
     of the same shape (a kept buffer, see ``decode_buffers``), else into fresh memory, on 2 MiB pages
     where ``huge_pages``; the other backends ignore both."""
     dtypes = (torch.bfloat16,) if backend == "amx" else (torch.float32,)

@@ -28,7 +28,6 @@ from nemo_aligner.utils import cpu_gemm
 from nemo_aligner.utils.errors import ConfigError
 
 ENV_VAR = "NEMO_ALIGNER_DECODE_BUFFERS"
-_REUSABLE = ("native", "amx")  # backends that pack into given memory (the others' packs are made per call)
 _KEPT: "weakref.WeakKeyDictionary[torch.nn.Module, DecodeBuffers]" = weakref.WeakKeyDictionary()
 
 
@@ -63,7 +62,7 @@ class DecodeBuffers:
     def pack(self, key: Hashable, weight: torch.Tensor, rows: int, backend: str) -> Optional[torch.Tensor]:
         """``cpu_gemm.pack(weight, rows, backend)``; kept buffers write our kernels' packs into the
         memory of the previous pack under ``key`` where the shape is the same."""
-        kept = self.kept and backend in _REUSABLE
+        kept = self.kept and backend in cpu_gemm.REUSABLE_PACKS
         with torch.inference_mode(False):  # kept memory serves decoders in and out of inference mode
             packed = cpu_gemm.pack(weight, rows, backend, reuse=self._packs.get(key), huge_pages=kept)
         if kept:
@@ -73,11 +72,11 @@ class DecodeBuffers:
                 self._packs[key] = packed
         return packed
 
-    def cache(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """A CPU tensor of ``shape`` and ``dtype`` for the KV cache: zeros where fresh, else what the
-        previous call left (the decoder writes every slot before it reads it)."""
-        if not self.kept:
-            return torch.zeros(tuple(shape), dtype=dtype)
+    def cache(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` on ``device`` for the KV cache: zeros where fresh,
+        else what the previous call left (the decoder writes every slot before it reads it)."""
+        if not self.kept:  # (kept buffers are CPU ones, see acquire)
+            return torch.zeros(tuple(shape), dtype=dtype, device=device)
         size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if self._cache is not None and self._cache.numel() >= size:
             return self._cache[:size].view(dtype).view(tuple(shape))

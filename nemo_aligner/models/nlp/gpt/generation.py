@@ -237,8 +237,7 @@ class KVCacheDecoder:
         # the QKV projection's output, so one copy per layer and step stores both. In the model's
         # dtype, the fused steps of a bf16 model too: reading the cache is much of a decode step.
         shape = (len(layers), batch, self.groups, 2, max_len, self.head_dim)
-        self.cache = (self.buffers.cache(shape, dtype) if self.device.type == "cpu"
-                      else torch.zeros(shape, dtype=dtype, device=self.device))
+        self.cache = self.buffers.cache(shape, dtype, self.device)
         self.slots = torch.arange(max_len, device=self.device)  # static_step's mask of slots after the current
         self.layer_cache = list(self.cache.unbind(0))
         self.layer_keys = [c[:, :, 0] for c in self.layer_cache]  # [B, group, T, d] views
