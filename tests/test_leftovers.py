@@ -112,6 +112,44 @@ def test_a_running_tritonserver_is_seen(tmp_path):
     assert proc.pid not in leftovers.tritonserver_pids(os.getuid())
 
 
+def fake_stub(tmp_path, owner_pid):
+    """A process that looks like a Triton Python-backend stub: a copy of the shell under the stub's name,
+    waiting on a pipe, with the stub's arguments (model file, ``pytrtion<owner pid>-`` shared memory)."""
+    import shutil
+
+    exe = tmp_path / f"ws{owner_pid}" / "backends" / "python" / "triton_python_backend_stub"
+    exe.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(os.path.realpath("/bin/sh"), exe)
+    proc = subprocess.Popen([str(exe), "-c", "read line", "/tmp/folderXXXXXX/1/model.py",
+                             f"pytrtion{owner_pid}-0123456789abcdef-x"], stdin=subprocess.PIPE)
+    deadline = time.time() + 10
+    while proc.pid not in [pid for pid, _, _ in leftovers.stub_processes(os.getuid())] and time.time() < deadline:
+        time.sleep(0.05)
+    return proc, exe
+
+
+def test_stubs_of_exited_servers_are_stopped_and_others_kept(tmp_path):
+    """Python-backend stubs left by a crashed tritonserver: those whose PyTriton process has exited are
+    killed when a server starts, those of a tritonserver that exited under a live server by workspace;
+    a live server's stubs are kept."""
+    orphan, _ = fake_stub(tmp_path, dead_pid())
+    live, live_exe = fake_stub(tmp_path, os.getpid())
+    try:
+        found = {pid: argv for pid, _, argv in leftovers.stub_processes(os.getuid())}
+        assert orphan.pid in found and live.pid in found, found
+        assert orphan.pid in leftovers.orphaned_stubs() and live.pid not in leftovers.orphaned_stubs()
+        assert orphan.pid in leftovers.kill_orphaned_stubs()
+        assert orphan.wait(timeout=10) == -9 and live.poll() is None
+        assert leftovers.kill_stubs_under(str(tmp_path / "elsewhere")) == [] and live.poll() is None
+        assert leftovers.kill_stubs_under(str(live_exe.parents[2])) == [live.pid]
+        assert live.wait(timeout=10) == -9
+    finally:
+        for proc in (orphan, live):
+            proc.kill()
+            proc.wait()
+            proc.stdin.close()
+
+
 def test_command_line_lists_without_removing(dirs):
     shm, _ = dirs
     stale = shm / f"pytrtion{dead_pid()}-z"

@@ -356,7 +356,7 @@ def test_tritonserver_exiting_at_start_is_reported_at_once(monkeypatch, recwarn)
 def test_tritonserver_dying_while_models_are_bound_is_one_error(monkeypatch, when):
     """tritonserver killed before a model is bound (PyTriton would wait 120 s for it to be ready) or while
     the model loads (the load request fails under the HTTP client): one ServerError naming the signal
-    within seconds, not a traceback."""
+    within seconds, not a traceback; SIGKILL (the OOM killer, a user) is not a crash to start again after."""
     import signal
 
     import numpy as np
@@ -380,7 +380,10 @@ def test_tritonserver_dying_while_models_are_bound_is_one_error(monkeypatch, whe
 
         monkeypatch.setattr(tritonclient.http.InferenceServerClient, "load_model", killing_load)
 
+    binds = []
+
     def bind(triton):
+        binds.append(triton)
         if when == "before_bind":
             kill_tritonserver()
         triton.bind(model_name="reward_model", infer_func=lambda requests: [],
@@ -395,8 +398,59 @@ def test_tritonserver_dying_while_models_are_bound_is_one_error(monkeypatch, whe
     message = str(err.value)
     assert message.startswith("test server: tritonserver exited while starting (killed by signal 9)"), message
     assert "\n" not in message and "CudaDriverHelper" not in message
+    assert len(binds) == 1 and not isinstance(err.value, triton_host.CrashedWhileStarting)
     time.sleep(0.5)
     assert not own_tritonservers()
+
+
+@pytest.mark.parametrize("crashes", [1, 2])
+def test_tritonserver_crashing_while_starting_is_started_once_more(monkeypatch, caplog, crashes):
+    """tritonserver aborting while the models are bound (as its Python backend does now and then when
+    several servers start on a few busy cores): started once more in a fresh workspace, with a warning
+    naming the signal; a second crash is the one-line error."""
+    import signal
+
+    import numpy as np
+    from pytriton.model_config import ModelConfig, Tensor
+
+    from nemo_aligner.servers import triton_host
+    from nemo_aligner.utils.errors import ServerError
+
+    from nemo_aligner.servers.leftovers import stub_processes
+
+    starts, workspaces, served = [], [], []
+
+    def bind(triton):
+        starts.append(own_tritonservers()[0].pid)
+        workspaces.append(os.environ["PYTRITON_HOME"])
+        if len(starts) <= crashes:
+            os.kill(starts[-1], signal.SIGABRT)
+        triton.bind(model_name="reward_model", infer_func=lambda requests: [],
+                    inputs=[Tensor(name="tokens", dtype=np.int64, shape=(-1,))],
+                    outputs=[Tensor(name="rewards", dtype=np.float32, shape=(1,))], config=ModelConfig(max_batch_size=8))
+
+    def serve_until_stopped(triton, stop):
+        served.append(triton.is_alive())
+        stop.received = True  # as a SIGTERM once serving
+
+    monkeypatch.setattr(triton_host, "serve_until_stopped", serve_until_stopped)
+    address = triton_host.ServerAddress("127.0.0.1", free_port(), free_port(), free_port())
+    with caplog.at_level("WARNING", logger=triton_host.__name__):
+        if crashes == 1:
+            triton_host.serve_forever(address, bind, "test server", "inference", {})
+        else:
+            with pytest.raises(ServerError, match=r"^test server: tritonserver exited while starting "
+                                                  r"\(killed by signal 6\)[^\n]*$"):
+                triton_host.serve_forever(address, bind, "test server", "inference", {})
+    assert len(starts) == 2 and starts[0] != starts[1] and workspaces[0] != workspaces[1]
+    assert served == ([True] if crashes == 1 else [])
+    retried = [r.getMessage() for r in caplog.records if "starting it once more" in r.getMessage()]
+    assert retried == ["test server: tritonserver exited while starting (killed by signal 6): Signal (6) received.; "
+                       "starting it once more"], retried
+    time.sleep(0.5)
+    assert not own_tritonservers()
+    # the crashed tritonserver's Python-backend stubs (left running, holding its sockets) were stopped
+    assert not [pid for pid, _, argv in stub_processes(os.getuid()) if f"pytrtion{os.getpid()}-" in " ".join(argv)]
 
 
 def test_workspace_cleanup_warning_from_another_thread_is_not_shown(tmp_path, monkeypatch, recwarn):

@@ -8,7 +8,12 @@ Python-backend model and execution-environment folders (``/tmp/folderXXXXXX``,
 remove stale ones when they start; ``python -m nemo_aligner.servers.leftovers [--dry-run]`` does it
 by hand.
 
-Only this user's files are touched, and only those no running process has open, mapped, or names
+A tritonserver that crashes (an abort in its Python backend) can also leave its Python-backend stub
+processes running, holding its sockets and those files: a server kills its own tritonserver's stubs when
+that tritonserver exits (:func:`kill_stubs_under`), and a starting server kills any whose PyTriton
+process (named in their shared-memory argument) is gone.
+
+Only this user's files and processes are touched, and only those no running process has open, mapped, or names
 on its command line or as its directory; ``/dev/shm/psm_*`` and Triton's folders, whose names do
 not say who made them, must also be older than a minute. ``python_env_*`` folders, which nothing
 holds open while their server lives, go only when empty and while no tritonserver of this user runs.
@@ -21,9 +26,10 @@ import logging
 import os
 import re
 import shutil
+import signal
 import tempfile
 import time
-from typing import Iterable, List, Set
+from typing import Iterable, List, Set, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +109,73 @@ def tritonserver_pids(uid: int) -> List[int]:
     return pids
 
 
+def stub_processes(uid: int) -> List[Tuple[int, str, List[str]]]:
+    """``(pid, executable, argv)`` of ``uid``'s Triton Python-backend stubs on this node."""
+    found = []
+    for proc in glob.glob("/proc/[0-9]*"):
+        try:
+            if os.stat(proc).st_uid != uid:
+                continue
+            with open(os.path.join(proc, "comm"), encoding="utf-8", errors="replace") as f:
+                if not "triton_python_backend_stub".startswith(f.read().strip() or "-"):
+                    continue
+            exe = os.readlink(os.path.join(proc, "exe")).replace(" (deleted)", "")
+            with open(os.path.join(proc, "cmdline"), "rb") as f:
+                argv = [arg.decode(errors="replace") for arg in f.read().split(b"\0") if arg]
+        except OSError:
+            continue
+        if os.path.basename(exe) == "triton_python_backend_stub":
+            found.append((int(os.path.basename(proc)), exe, argv))
+    return found
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie has let go of its files and sockets too)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def _kill(pids: List[int], wait_s: float = 5.0) -> List[int]:
+    """SIGKILL ``pids`` and wait (up to ``wait_s``) until they are gone; returns those signalled."""
+    killed = []
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except OSError:
+            pass
+    deadline = time.monotonic() + wait_s
+    while not all(_gone(pid) for pid in killed) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return killed
+
+
+def kill_stubs_under(root: str) -> List[int]:
+    """SIGKILL this user's Python-backend stubs whose executable lies under ``root`` (the workspace of a
+    tritonserver that has exited); returns their pids."""
+    prefix = os.path.abspath(root).rstrip("/") + "/"
+    return _kill([pid for pid, exe, _ in stub_processes(os.getuid()) if exe.startswith(prefix)])
+
+
+def orphaned_stubs() -> List[int]:
+    """This user's Python-backend stubs whose PyTriton process (``pytrtion<pid>-`` in their arguments)
+    has exited."""
+    orphans = []
+    for pid, _, argv in stub_processes(os.getuid()):
+        owner = next((m for m in (_PID_NAMED[0].match(arg) for arg in argv) if m), None)
+        if owner is not None and not _pid_alive(int(owner.group(1))):
+            orphans.append(pid)
+    return orphans
+
+
+def kill_orphaned_stubs() -> List[int]:
+    """SIGKILL :func:`orphaned_stubs`; returns their pids."""
+    return _kill(orphaned_stubs())
+
+
 def stale_leftovers(tmp_dirs: Iterable[str] = (), now: float = None) -> List[str]:
     """The stale files and directories (see the module docstring)."""
     now = time.time() if now is None else now
@@ -137,7 +210,10 @@ def stale_leftovers(tmp_dirs: Iterable[str] = (), now: float = None) -> List[str
 
 
 def remove_stale(tmp_dirs: Iterable[str] = ()) -> List[str]:
-    """Remove :func:`stale_leftovers`; returns what was removed."""
+    """Kill :func:`kill_orphaned_stubs`, remove :func:`stale_leftovers`; returns what was removed."""
+    stubs = kill_orphaned_stubs()
+    if stubs:
+        logger.info("stopped %d Python-backend stub(s) of exited PyTriton servers", len(stubs))
     removed = []
     for path in stale_leftovers(tmp_dirs):
         try:
@@ -158,9 +234,12 @@ def main() -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    parser.add_argument("--dry-run", action="store_true", help="list what would be removed or stopped")
     parser.add_argument("--tmp-dir", action="append", default=[], help="another temporary directory to look in")
     args = parser.parse_args()
+    if args.dry_run:
+        for pid in orphaned_stubs():
+            print(f"process {pid} (a Python-backend stub of an exited server)")
     paths = stale_leftovers(args.tmp_dir) if args.dry_run else remove_stale(args.tmp_dir)
     for path in paths:
         print(path)

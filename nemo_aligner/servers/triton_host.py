@@ -10,6 +10,7 @@ import shutil
 import signal
 import sysconfig
 import tempfile
+import threading
 import time
 import warnings
 from contextlib import ExitStack, contextmanager
@@ -176,8 +177,10 @@ def serve_until_stopped(triton, stop: StopSignal, poll_s: float = 0.2) -> None:
 
 
 # The modules whose ``wait_for_server_ready`` PyTriton 0.7 calls (waiting up to 120 s for tritonserver
-# to become ready) while starting it and while binding models (the model manager's ``ModelClient``).
-_READINESS_WAIT_MODULES = ("pytriton.triton", "pytriton.models.manager", "pytriton.client.client")
+# to become ready) while starting it and while binding models (the model manager's ``ModelClient``, and
+# ``wait_for_model_ready``, which waits 60 s for the bound models).
+_READINESS_WAIT_MODULES = ("pytriton.triton", "pytriton.models.manager", "pytriton.client.client",
+                           "pytriton.client.utils")
 
 
 def _exited_tritonserver(triton, wait_s: float = 0.0):
@@ -212,21 +215,30 @@ def _exit_reason(server, log_file: str, lines: int = 3) -> str:
         text += "\n" + (server.logs() or "")[-20000:]
     except Exception:  # its output is a courtesy in the message, never a second error
         pass
-    found = [line.strip() for line in text.splitlines() if line.strip() and not any(n in line for n in _TRITON_NOISE)]
-    # Triton's own error records first (the first is the cause), then its command-line complaints
+    found = [line.strip() for line in text.splitlines() if line.strip() and not any(n in line for n in _TRITON_NOISE)
+             and not re.match(r"\s*\d+# ", line)]  # nor the frames of the backtrace it prints on a crash
+    # Triton's own error records first (the first is the cause), then its command-line complaints and
+    # what it says on a crash (an uncaught C++ exception, the signal)
     logged = [line for line in found if re.match(r"E\d{4} ", line)][:lines]
-    said = [line for line in found if re.match(r"(error|bad option|fail)", line, re.I)][-lines:]
+    said = [line for line in found
+            if re.match(r"(error|bad option|fail|terminate called|what\(\)|signal \(\d+\) received)", line, re.I)][-lines:]
     picked = [line[:300] for line in (logged or said or found[-lines:])]
     return ": " + " | ".join(picked) if picked else ""
 
 
-def _exit_status(server) -> str:
-    """`` (killed by signal N)`` or `` (exit status N)`` of an exited tritonserver, where known."""
+def _exit_code(server) -> Optional[int]:
+    """An exited tritonserver's exit code (negative: the signal that killed it), where known."""
     try:
         code = server._tritonserver_running_cmd.process.exit_code
-    except Exception:  # another PyTriton or sh keeps it elsewhere: the message goes without it
-        return ""
-    if not isinstance(code, int) or code == 0:
+    except Exception:  # another PyTriton or sh keeps it elsewhere
+        return None
+    return code if isinstance(code, int) else None
+
+
+def _exit_status(server) -> str:
+    """`` (killed by signal N)`` or `` (exit status N)`` of an exited tritonserver, where known."""
+    code = _exit_code(server)
+    if not code:
         return ""
     return f" (killed by signal {-code})" if code < 0 else f" (exit status {code})"
 
@@ -234,6 +246,23 @@ def _exit_status(server) -> str:
 def _exit_details(server, log_file: str, log_note: str) -> str:
     """An exited tritonserver's status, where its log is kept, and its error lines, for one message."""
     return f"{_exit_status(server)}{log_note}{_exit_reason(server, log_file)}"
+
+
+class CrashedWhileStarting(ServerError):
+    """tritonserver crashed (aborted, segfaulted) while starting or loading the models."""
+
+
+# Crashes a second start may not repeat: the Python backend aborts now and then when several model
+# processes start on a few busy cores (boost::interprocess::lock_exception while finalizing a model
+# instance whose stub missed its health check). Not SIGKILL (the OOM killer, a user) nor SIGTERM/SIGINT.
+_TRANSIENT_CRASH_SIGNALS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS)
+
+
+def _start_failure(server, description: str, log_file: str, log_note: str) -> ServerError:
+    """The one-line error for a tritonserver that exited while starting."""
+    code = _exit_code(server)
+    kind = CrashedWhileStarting if code is not None and -code in _TRANSIENT_CRASH_SIGNALS else ServerError
+    return kind(f"{description}: tritonserver exited while starting{_exit_details(server, log_file, log_note)}")
 
 
 @contextmanager
@@ -264,8 +293,7 @@ def fail_fast_on_triton_exit(triton, description: str, log_file: str, log_note: 
                 except PyTritonClientTimeoutError:
                     server = _exited_tritonserver(triton)
                     if server is not None:
-                        raise ServerError(f"{description}: tritonserver exited while starting"
-                                          f"{_exit_details(server, log_file, log_note)}") from None
+                        raise _start_failure(server, description, log_file, log_note) from None
                     if remaining <= 1.0:
                         raise
 
@@ -280,11 +308,33 @@ def fail_fast_on_triton_exit(triton, description: str, log_file: str, log_note: 
         server = _exited_tritonserver(triton, wait_s=1.0)
         if server is None:
             raise
-        raise ServerError(f"{description}: tritonserver exited while starting"
-                          f"{_exit_details(server, log_file, log_note)}") from None
+        raise _start_failure(server, description, log_file, log_note) from None
     finally:
         for module, original in patched:
             module.wait_for_server_ready = original
+
+
+@contextmanager
+def on_tritonserver_exit(triton, action: Callable[[], object], poll_s: float = 0.1) -> Iterator[None]:
+    """Run ``action`` once, from a watcher thread, as soon as ``triton``'s tritonserver has exited.
+
+    A tritonserver that crashes can leave its Python-backend stubs running; they hold its sockets, so a
+    request in flight (a model load) would wait for the client's 60 s timeout instead of failing."""
+    done = threading.Event()
+
+    def watch():
+        while not done.wait(poll_s):
+            if _exited_tritonserver(triton) is not None:
+                action()
+                return
+
+    watcher = threading.Thread(target=watch, name="tritonserver-exit-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
 
 
 def _ignore_workspace_cleanup_warnings() -> None:
@@ -303,22 +353,37 @@ def serve_forever(address: ServerAddress, bind, description: str, key: str, limi
 
     HTTP requests reach ``address`` through a :class:`RequestGuard` that refuses requests beyond
     ``limits`` (per model name); tritonserver's own HTTP, gRPC and metrics ports listen on
-    127.0.0.1 only (gRPC and metrics on the configured ports).
+    127.0.0.1 only (gRPC and metrics on the configured ports). A tritonserver that crashes while
+    starting (:class:`CrashedWhileStarting`) is started once more, in a fresh workspace, with a warning.
 
     Returns after a clean shutdown; the workspace is removed. The caller tells the other
     ranks to stop (``ServerSignal.EXIT``) afterwards.
     """
-    from pytriton.triton import Triton, TritonConfig
-
     from nemo_aligner.servers.leftovers import remove_stale
-    from nemo_aligner.utils.ports import free_port
 
     check_ports_free(address, key)
     remove_stale([workspace_dir] if workspace_dir else [])
     prepare_library_path()
-    backend_port = free_port(bound_at_once=True)  # tritonserver starts next
     _ignore_workspace_cleanup_warnings()
-    with workspace(workspace_dir) as ws, stop_on_signals(stop_on_sigterm) as stop:
+    with stop_on_signals(stop_on_sigterm) as stop:
+        try:
+            _start_and_serve(address, bind, description, key, limits, workspace_dir, triton_log_file, stop)
+            return
+        except CrashedWhileStarting as crash:
+            logger.warning("%s; starting it once more", crash)
+        _start_and_serve(address, bind, description, key, limits, workspace_dir, triton_log_file, stop)
+
+
+def _start_and_serve(address: ServerAddress, bind, description: str, key: str, limits: Dict[str, ModelLimits],
+                     workspace_dir: Optional[str], triton_log_file: Optional[str], stop: StopSignal) -> None:
+    """One start of tritonserver in a fresh workspace, serving until ``stop`` (see :func:`serve_forever`)."""
+    from pytriton.triton import Triton, TritonConfig
+
+    from nemo_aligner.servers.leftovers import kill_stubs_under
+    from nemo_aligner.utils.ports import free_port
+
+    backend_port = free_port(bound_at_once=True)  # tritonserver starts next
+    with workspace(workspace_dir) as ws:
         # the default log lives in the workspace, removed on exit: messages quote it instead of naming it
         log_file = triton_log_file or os.path.join(os.path.dirname(ws), "tritonserver.log")
         log_note = f" (log: {triton_log_file})" if triton_log_file else ""
@@ -327,8 +392,11 @@ def serve_forever(address: ServerAddress, bind, description: str, key: str, limi
                               metrics_port=address.metrics_port, log_verbose=0, log_file=log_file,
                               exit_timeout_secs=5)
         with ExitStack() as stack:
+            stubs_left = lambda: kill_stubs_under(os.path.dirname(ws))  # noqa: E731  (of a crashed tritonserver)
+            stack.callback(stubs_left)
             triton = Triton(config=config, workspace=ws)
             stack.callback(triton.stop)  # its __exit__; also after a failed start
+            stack.enter_context(on_tritonserver_exit(triton, stubs_left))
             with fail_fast_on_triton_exit(triton, description, log_file, log_note):
                 triton.__enter__()  # starts tritonserver
                 stack.enter_context(_guarded(address, backend_port, limits, key))
