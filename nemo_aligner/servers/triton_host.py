@@ -337,6 +337,21 @@ def on_tritonserver_exit(triton, action: Callable[[], object], poll_s: float = 0
         watcher.join()
 
 
+def _quiet_tritonserver_output(triton) -> None:
+    """Keep tritonserver's stdout/stderr out of ours (PyTriton prints every line by default).
+
+    Its log records go to its log file; what it prints besides is noise on every start on a machine
+    without a GPU (``Error: Failed to initialize NVML``), ``Signal (2) received.`` at every stop, and
+    a crash's backtrace, whose message lines the server's error quotes (PyTriton still keeps the
+    output for that)."""
+    init = getattr(triton, "_initialize_server", None)
+    if init is None or getattr(triton, "_triton_server", None) is not None:
+        return  # another PyTriton: its output stays as it is
+    init()
+    if hasattr(triton._triton_server, "_verbose"):
+        triton._triton_server._verbose = False
+
+
 def _ignore_workspace_cleanup_warnings() -> None:
     """PyTriton warns when it cannot empty its workspace: after a failed start, and when tritonserver
     exits by itself, where PyTriton's exit callback stops it from another thread (outside any
@@ -395,6 +410,7 @@ def _start_and_serve(address: ServerAddress, bind, description: str, key: str, l
             stubs_left = lambda: kill_stubs_under(os.path.dirname(ws))  # noqa: E731  (of a crashed tritonserver)
             stack.callback(stubs_left)
             triton = Triton(config=config, workspace=ws)
+            _quiet_tritonserver_output(triton)
             stack.callback(triton.stop)  # its __exit__; also after a failed start
             stack.enter_context(on_tritonserver_exit(triton, stubs_left))
             with fail_fast_on_triton_exit(triton, description, log_file, log_note):
