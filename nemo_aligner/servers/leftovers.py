@@ -9,12 +9,12 @@ remove stale ones when they start; ``python -m nemo_aligner.servers.leftovers [-
 by hand.
 
 A tritonserver that crashes (an abort in its Python backend) can also leave its Python-backend stub
-processes running, holding its sockets and those files: a server kills its own tritonserver's stubs when
-that tritonserver exits (:func:`kill_stubs_under`), and a starting server kills any whose PyTriton
-process (named in their shared-memory argument) is gone.
+processes running, holding its sockets and those files: a server kills its own tritonserver's stubs
+when that tritonserver exits (:func:`kill_stubs_under`), and a starting server kills any whose
+PyTriton process (named in their shared-memory argument) is gone.
 
-Only this user's files and processes are touched, and only those no running process has open, mapped, or names
-on its command line or as its directory; ``/dev/shm/psm_*`` and Triton's folders, whose names do
+Only this user's files and processes are touched, and only files no running process has open,
+mapped, or names on its command line or as its directory; ``/dev/shm/psm_*`` and Triton's folders, whose names do
 not say who made them, must also be older than a minute. ``python_env_*`` folders, which nothing
 holds open while their server lives, go only when empty and while no tritonserver of this user runs.
 """
@@ -210,7 +210,7 @@ def stale_leftovers(tmp_dirs: Iterable[str] = (), now: float = None) -> List[str
 
 
 def remove_stale(tmp_dirs: Iterable[str] = ()) -> List[str]:
-    """Kill :func:`kill_orphaned_stubs`, remove :func:`stale_leftovers`; returns what was removed."""
+    """Stop the :func:`orphaned_stubs`, remove the :func:`stale_leftovers`; returns what was removed."""
     stubs = kill_orphaned_stubs()
     if stubs:
         logger.info("stopped %d Python-backend stub(s) of exited PyTriton servers", len(stubs))

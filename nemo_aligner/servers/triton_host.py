@@ -220,8 +220,8 @@ def _exit_reason(server, log_file: str, lines: int = 3) -> str:
     # Triton's own error records first (the first is the cause), then its command-line complaints and
     # what it says on a crash (an uncaught C++ exception, the signal)
     logged = [line for line in found if re.match(r"E\d{4} ", line)][:lines]
-    said = [line for line in found
-            if re.match(r"(error|bad option|fail|terminate called|what\(\)|signal \(\d+\) received)", line, re.I)][-lines:]
+    said = [line for line in found if re.match(
+        r"(error|bad option|fail|terminate called|what\(\)|signal \(\d+\) received)", line, re.I)][-lines:]
     picked = [line[:300] for line in (logged or said or found[-lines:])]
     return ": " + " | ".join(picked) if picked else ""
 
