@@ -405,6 +405,34 @@ def test_tritonserver_dying_while_models_are_bound_is_one_error(monkeypatch, whe
     assert not own_tritonservers()
 
 
+@pytest.mark.parametrize("code,kind", [(-6, "crash"), (-11, "crash"), (-7, "crash"), (-9, "error"), (-15, "error"),
+                                       (1, "error")])
+def test_start_failures_quote_the_crash_and_only_crashes_are_retried(tmp_path, code, kind):
+    """A crash's error quotes what Triton printed (the uncaught exception and the signal), not its
+    backtrace's frames; only SIGABRT, SIGSEGV and SIGBUS count as crashes worth a second start."""
+    from types import SimpleNamespace
+
+    from nemo_aligner.servers import triton_host
+    from nemo_aligner.utils.errors import ServerError
+
+    output = ("Error: Failed to initialize NVML\n"
+              "I1207 21:24:10.497463 12380 pb_stub.cc:2145]  Non-graceful termination detected.\n"
+              "terminate called after throwing an instance of 'boost::interprocess::lock_exception'\n"
+              "  what():  boost::interprocess::lock_exception\n"
+              "Signal (6) received.\n"
+              " 0# 0x000055FFFD0F252D in /tmp/pytriton_1_x/workspace/tritonserver/bin/tritonserver\n"
+              "14# TRITONBACKEND_ModelInstanceFinalize in /tmp/x/backends/python/libtriton_python.so\n")
+    server = SimpleNamespace(logs=lambda: output,
+                             _tritonserver_running_cmd=SimpleNamespace(process=SimpleNamespace(exit_code=code)))
+    error = triton_host._start_failure(server, "critic server", str(tmp_path / "absent.log"), "")
+    assert isinstance(error, ServerError)
+    assert isinstance(error, triton_host.CrashedWhileStarting) == (kind == "crash")
+    status = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+    assert str(error) == (f"critic server: tritonserver exited while starting ({status}): terminate called after "
+                          "throwing an instance of 'boost::interprocess::lock_exception' | what():  "
+                          "boost::interprocess::lock_exception | Signal (6) received.")
+
+
 @pytest.mark.parametrize("crashes", [1, 2])
 def test_tritonserver_crashing_while_starting_is_started_once_more(monkeypatch, caplog, crashes):
     """tritonserver aborting while the models are bound (as its Python backend does now and then when
