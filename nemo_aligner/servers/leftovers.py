@@ -94,38 +94,38 @@ def _is_empty_triton_env_folder(path: str) -> bool:
         return False
 
 
-def tritonserver_pids(uid: int) -> List[int]:
-    """The processes of ``uid`` named tritonserver on this node."""
-    pids = []
-    for proc in glob.glob("/proc/[0-9]*"):
-        try:
-            if os.stat(proc).st_uid != uid:
-                continue
-            with open(os.path.join(proc, "comm"), encoding="utf-8", errors="replace") as f:
-                if f.read().strip() == "tritonserver":
-                    pids.append(int(os.path.basename(proc)))
-        except OSError:
-            pass
-    return pids
-
-
-def stub_processes(uid: int) -> List[Tuple[int, str, List[str]]]:
-    """``(pid, executable, argv)`` of ``uid``'s Triton Python-backend stubs on this node."""
+def _processes_named(uid: int, name: str) -> List[Tuple[int, str]]:
+    """``(pid, /proc/<pid>)`` of ``uid``'s processes named ``name`` (the kernel keeps its first 15 bytes)."""
     found = []
     for proc in glob.glob("/proc/[0-9]*"):
         try:
             if os.stat(proc).st_uid != uid:
                 continue
             with open(os.path.join(proc, "comm"), encoding="utf-8", errors="replace") as f:
-                if not "triton_python_backend_stub".startswith(f.read().strip() or "-"):
-                    continue
+                if f.read().strip() == name[:15]:
+                    found.append((int(os.path.basename(proc)), proc))
+        except OSError:
+            pass
+    return found
+
+
+def tritonserver_pids(uid: int) -> List[int]:
+    """The processes of ``uid`` named tritonserver on this node."""
+    return [pid for pid, _ in _processes_named(uid, "tritonserver")]
+
+
+def stub_processes(uid: int) -> List[Tuple[int, str, List[str]]]:
+    """``(pid, executable, argv)`` of ``uid``'s Triton Python-backend stubs on this node."""
+    found = []
+    for pid, proc in _processes_named(uid, "triton_python_backend_stub"):
+        try:
             exe = os.readlink(os.path.join(proc, "exe")).replace(" (deleted)", "")
             with open(os.path.join(proc, "cmdline"), "rb") as f:
                 argv = [arg.decode(errors="replace") for arg in f.read().split(b"\0") if arg]
         except OSError:
             continue
         if os.path.basename(exe) == "triton_python_backend_stub":
-            found.append((int(os.path.basename(proc)), exe, argv))
+            found.append((pid, exe, argv))
     return found
 
 
