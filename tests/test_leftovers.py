@@ -150,17 +150,25 @@ def test_stubs_of_exited_servers_are_stopped_and_others_kept(tmp_path):
             proc.stdin.close()
 
 
-def test_command_line_lists_without_removing(dirs):
+def test_command_line_lists_without_removing(dirs, tmp_path):
     shm, _ = dirs
     stale = shm / f"pytrtion{dead_pid()}-z"
     stale.write_bytes(b"x")
-    env = dict(os.environ)
-    proc = subprocess.run([sys.executable, "-c", f"""
+    orphan, _ = fake_stub(tmp_path, dead_pid())
+    try:
+        env = dict(os.environ)
+        proc = subprocess.run([sys.executable, "-c", f"""
 import sys
 from nemo_aligner.servers import leftovers
 leftovers.SHM_DIR = {str(shm)!r}
 sys.argv = ['leftovers', '--dry-run']
 leftovers.main()
 """], capture_output=True, text=True, env=env, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert str(stale) in proc.stdout.splitlines() and stale.exists()
+        assert proc.returncode == 0, proc.stderr
+        assert str(stale) in proc.stdout.splitlines() and stale.exists()
+        assert f"process {orphan.pid} (a Python-backend stub of an exited server)" in proc.stdout.splitlines()
+        assert orphan.poll() is None  # listed, not stopped
+    finally:
+        orphan.kill()
+        orphan.wait()
+        orphan.stdin.close()
