@@ -14,8 +14,8 @@ when that tritonserver exits (:func:`kill_stubs_under`), and a starting server k
 PyTriton process (named in their shared-memory argument) is gone.
 
 Only this user's files and processes are touched, and only files no running process has open,
-mapped, or names on its command line or as its directory; ``/dev/shm/psm_*`` and Triton's folders, whose names do
-not say who made them, must also be older than a minute. ``python_env_*`` folders, which nothing
+mapped, or names on its command line or as its directory; ``/dev/shm/psm_*`` and Triton's folders,
+whose names do not say who made them, must also be older than a minute. ``python_env_*`` folders, which nothing
 holds open while their server lives, go only when empty and while no tritonserver of this user runs.
 """
 
@@ -26,10 +26,11 @@ import logging
 import os
 import re
 import shutil
-import signal
 import tempfile
 import time
 from typing import Iterable, List, Set, Tuple
+
+import psutil
 
 logger = logging.getLogger(__name__)
 
@@ -94,48 +95,34 @@ def _is_empty_triton_env_folder(path: str) -> bool:
         return False
 
 
-def _processes_named(uid: int, name: str) -> List[Tuple[int, str]]:
-    """``(pid, /proc/<pid>)`` of ``uid``'s processes named ``name`` (the kernel keeps its first 15 bytes)."""
+def _processes_named(uid: int, name: str, attrs: Tuple[str, ...] = ()) -> List[psutil.Process]:
+    """``uid``'s processes named ``name`` on this node, with ``attrs`` read into their ``info``."""
     found = []
-    for proc in glob.glob("/proc/[0-9]*"):
-        try:
-            if os.stat(proc).st_uid != uid:
-                continue
-            with open(os.path.join(proc, "comm"), encoding="utf-8", errors="replace") as f:
-                if f.read().strip() == name[:15]:
-                    found.append((int(os.path.basename(proc)), proc))
-        except OSError:
-            pass
+    for proc in psutil.process_iter(["name", "uids", *attrs]):
+        uids = proc.info["uids"]
+        if uids is not None and uids.effective == uid and proc.info["name"] == name:
+            found.append(proc)
     return found
 
 
 def tritonserver_pids(uid: int) -> List[int]:
     """The processes of ``uid`` named tritonserver on this node."""
-    return [pid for pid, _ in _processes_named(uid, "tritonserver")]
+    return [proc.pid for proc in _processes_named(uid, "tritonserver")]
 
 
 def stub_processes(uid: int) -> List[Tuple[int, str, List[str]]]:
     """``(pid, executable, argv)`` of ``uid``'s Triton Python-backend stubs on this node."""
-    found = []
-    for pid, proc in _processes_named(uid, "triton_python_backend_stub"):
-        try:
-            exe = os.readlink(os.path.join(proc, "exe")).replace(" (deleted)", "")
-            with open(os.path.join(proc, "cmdline"), "rb") as f:
-                argv = [arg.decode(errors="replace") for arg in f.read().split(b"\0") if arg]
-        except OSError:
-            continue
-        if os.path.basename(exe) == "triton_python_backend_stub":
-            found.append((pid, exe, argv))
-    return found
+    stubs = _processes_named(uid, "triton_python_backend_stub", ("exe", "cmdline"))
+    return [(proc.pid, proc.info["exe"], proc.info["cmdline"]) for proc in stubs
+            if proc.info["exe"] and proc.info["cmdline"] is not None]
 
 
-def _gone(pid: int) -> bool:
-    """Exited (a zombie has let go of its files and sockets too)."""
+def _running(proc: psutil.Process) -> bool:
+    """Not exited (a zombie has let go of its files and sockets too)."""
     try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return True
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _kill(pids: List[int], wait_s: float = 5.0) -> List[int]:
@@ -143,14 +130,15 @@ def _kill(pids: List[int], wait_s: float = 5.0) -> List[int]:
     killed = []
     for pid in pids:
         try:
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-        except OSError:
+            proc = psutil.Process(pid)
+            proc.kill()
+            killed.append(proc)
+        except psutil.Error:
             pass
     deadline = time.monotonic() + wait_s
-    while not all(_gone(pid) for pid in killed) and time.monotonic() < deadline:
+    while any(_running(proc) for proc in killed) and time.monotonic() < deadline:
         time.sleep(0.02)
-    return killed
+    return [proc.pid for proc in killed]
 
 
 def kill_stubs_under(root: str) -> List[int]:
