@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, SCRIPTS, free_port, read_metrics, run_python, run_script, subprocess_env
+from conftest import REPO, SCRIPTS, WORKERS, free_port, read_metrics, run_python, run_script, subprocess_env
 from nemo_aligner.recipes import cai
 from nemo_aligner.servers.text_generation_server import RequestError, parse_request
 from nemo_aligner.utils.errors import DataError
@@ -222,6 +222,44 @@ def test_megatron_gpt_eval_reads_a_training_checkpoint(tmp_path, builtin_data, b
     proc = run_script("generate_gpt.py", [f"checkpoint_dir={ckpts}", f"checkpoint_name='{step2}'",
                                           f"hparams_file={log_dir / 'hparams.yaml'}", *sampled])
     assert proc.stdout.count('"response"') == 2
+
+
+def test_megatron_gpt_eval_reads_a_training_checkpoint_nemo_wrote(tmp_path, base_nemo):
+    """A checkpoint NeMo(-Aligner) wrote (Transformer Engine names, optimizer tensors beside the
+    model's, Lightning's common.pt with the model config as OmegaConf objects), named as NeMo logs it
+    (``<name>.ckpt``), generates what a .nemo of the same weights generates; a common.pt holding an
+    object the safe loader does not read is one line naming its type."""
+    import pathlib
+
+    import torch
+
+    nemo, _ = base_nemo
+    ckpts = tmp_path / "megatron_gpt_sft" / "checkpoints"
+    name = "megatron_gpt_sft--validation_loss=1.500-step=4-consumed_samples=32.0-epoch=0-last"
+    same = tmp_path / "same.nemo"
+    run_python(os.path.join(WORKERS, "nemo_training_checkpoint.py"), [
+        "--nemo", str(nemo), "--perturb", "--te", "--scheduler-steps", "4", "--out", str(ckpts / name),
+        "--save-nemo", str(same)])
+    # NeMo-Aligner's hparams.yaml: the whole run config, the model's starting .nemo under model.
+    (ckpts.parent / "hparams.yaml").write_text(f"name: megatron_gpt_sft\nmodel:\n  restore_from_path: {nemo}\n"
+                                               "  megatron_amp_O2: true\n")
+    sampled = ["prompts=['sort cba = ','reverse abc = ']", "inference.greedy=False", "inference.temperature=1.0",
+               "inference.top_k=0", "inference.seed=5", "inference.tokens_to_generate=6"]
+    outs = {}
+    for label, source in (("nemo", [f"gpt_model_file={same}"]),
+                          ("checkpoint", [f"checkpoint_dir={ckpts}", f"checkpoint_name='{name}.ckpt'"]),
+                          ("base", [f"gpt_model_file={nemo}"])):
+        out = tmp_path / f"{label}.jsonl"
+        run_script("generate_gpt.py", source + sampled + [f"output_file={out}"])
+        outs[label] = [json.loads(line)["response"] for line in out.read_text().splitlines()]
+    assert outs["checkpoint"] == outs["nemo"] and len(outs["nemo"]) == 2, outs
+    assert outs["base"] != outs["nemo"]  # the checkpoint's weights, not the run's starting ones
+    torch.save({"hyper_parameters": {"log_dir": pathlib.PurePosixPath("/results")}}, ckpts / name / "common.pt")
+    proc = run_script("generate_gpt.py", [f"checkpoint_dir={ckpts}", f"checkpoint_name='{name}'", *sampled],
+                      check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"{name}: holds a pathlib.PurePosixPath object beside its tensors, which is not unpickled" in errors[0]
 
 
 def test_training_checkpoint_sources_that_cannot_load_are_one_line(tmp_path):

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from conftest import SCRIPTS, read_metrics, run_as_slurm_tasks, run_script, tiny_optim, train_losses, val_losses
+from conftest import SCRIPTS, WORKERS, read_metrics, run_as_slurm_tasks, run_python, run_script, tiny_optim, train_losses, val_losses
 
 SMALL = ["model.encoder_seq_length=32", "model.data.train_ds.micro_batch_size=4",
          "model.data.train_ds.global_batch_size=16"]
@@ -202,6 +202,48 @@ def test_slurm_variables_start_data_parallel(tmp_path, builtin_data, base_nemo):
     a, b = train_losses(one), train_losses(slurm)
     for step in (1, 2):
         assert b[step] == pytest.approx(a[step], rel=2e-5), step
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16"])
+def test_resumes_a_training_checkpoint_nemo_wrote(tmp_path, builtin_data, base_nemo, precision):
+    """A log directory holding NeMo(-Aligner)'s checkpoints (Transformer Engine names, Lightning's
+    common.pt with the config as OmegaConf objects, the state in the directory name) resumes from the
+    newest finished one, as NeMo-Aligner does: the step after it trains on the same batch with the same
+    weights and learning rate as an uninterrupted run (same loss); the schedule goes on; a save NeMo
+    marked unfinished is skipped. With bf16 the float32 master weights start from the loaded weights."""
+    nemo, _ = base_nemo
+    common = SMALL + [f"model.restore_from_path={nemo}", f"trainer.precision={precision}",
+                      "trainer.sft.save_interval=4", "trainer.sft.val_check_interval=4",
+                      "model.optim.sched.warmup_steps=2", "exp_manager.checkpoint_callback_params.save_top_k=-1"]
+    full = tmp_path / "full"
+    run_script("train_gpt_sft.py", sft_overrides(builtin_data, full, 8, common))
+    step4 = next(c for c in os.listdir(full / "checkpoints") if "-step=4-" in c)
+    resumed = tmp_path / "resumed"
+    name = "megatron_gpt_sft--validation_loss={}-step={}-consumed_samples={}.0-epoch=0"
+    for step, lr_steps in ((4, 4), (2, 2)):
+        run_python(os.path.join(WORKERS, "nemo_training_checkpoint.py"), [
+            "--nemo", str(nemo), "--weights", str(full / "checkpoints" / step4), "--te",
+            "--scheduler-steps", str(lr_steps), "--out",
+            str(resumed / "checkpoints" / (name.format("2.345", step, 16 * step) + ("-last" if step == 4 else "")))])
+    # a newer save that never finished: NeMo's marker beside it
+    unfinished = resumed / "checkpoints" / (name.format("2.100", 6, 96) + "-last")
+    shutil.copytree(resumed / "checkpoints" / (name.format("2.345", 4, 64) + "-last"), unfinished)
+    (resumed / "checkpoints" / (unfinished.name + "-unfinished")).write_text("")
+    proc = run_script("train_gpt_sft.py", sft_overrides(builtin_data, resumed, 8, common))
+    out = proc.stdout + proc.stderr
+    assert "resumed at step 4 (64 samples consumed)" in out, out[-3000:]
+    assert "a checkpoint NeMo wrote" in out and "optimizer state (Adam moments" in out
+    assert f"skipped {unfinished} when choosing the checkpoint to resume" in out
+    before, after = train_losses(full), train_losses(resumed)
+    assert sorted(after) == [5, 6, 7, 8]
+    assert after[5] == pytest.approx(before[5], rel=1e-6, abs=1e-7)
+    lrs = {r["step"]: r["train/lr"] for r in read_metrics(full) if "train/lr" in r}
+    for step, lr in ((r["step"], r["train/lr"]) for r in read_metrics(resumed) if "train/lr" in r):
+        assert lr == pytest.approx(lrs[step], rel=1e-9), step
+    # training goes on from the loaded weights (fresh Adam moments: near, not equal, the full run's losses)
+    for step in (6, 7, 8):
+        assert after[step] == pytest.approx(before[step], rel=0.1), (step, after, before)
+    assert after[8] < after[5]
 
 
 def test_resume_with_a_changed_config_says_what_it_keeps(tmp_path, builtin_data):

@@ -13,6 +13,7 @@ from nemo_aligner.data.nlp.jsonl import read_jsonl, write_jsonl
 from nemo_aligner.data.nlp.steerlm_labels import format_label, model_chat_tokens, parse_label, steer_prompt
 from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
 from nemo_aligner.models.nlp.gpt.loading import load_model
+from nemo_aligner.utils.checkpoint_io import checkpoint_dir_named
 from nemo_aligner.utils.distributed import is_global_rank_zero
 from nemo_aligner.utils.errors import ConfigError, DataError
 from nemo_aligner.models.nlp.gpt.generation import LengthParams, SamplingParams
@@ -147,7 +148,7 @@ class TrainingCheckpoint:
         if not directory or not name:
             raise ConfigError(f"checkpoint_dir={directory} and checkpoint_name={name}: give both (a training "
                               "run's checkpoints directory and one checkpoint in it), or gpt_model_file")
-        self.directory = os.path.join(str(directory), str(name))
+        self.directory = checkpoint_dir_named(os.path.join(str(directory), str(name)))
         if not os.path.isdir(self.directory):
             raise ConfigError(f"checkpoint_dir/checkpoint_name={self.directory}: not a checkpoint directory (a "
                               "training run's checkpoints/<name>; NeMo's .ckpt files are not read)")

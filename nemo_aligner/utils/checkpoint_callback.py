@@ -13,7 +13,8 @@ from nemo_aligner.utils.checkpoint_io import REMOVING_SUFFIX, remove_dir_atomica
 from nemo_aligner.utils.distributed import barrier, broadcast_object, get_rank
 from nemo_aligner.utils.errors import ConfigError
 from nemo_aligner.utils.nemo_file import save_nemo
-from nemo_aligner.utils.train_checkpoint import read_trainer_state, save_train_checkpoint
+from nemo_aligner.utils.train_checkpoint import (nemo_unfinished, nemo_written_state, read_trainer_state,
+                                                  save_train_checkpoint)
 
 logger = logging.getLogger(__name__)
 
@@ -187,11 +188,26 @@ def list_checkpoints(dirpath: str) -> List[tuple]:
     return found
 
 
-def incomplete_checkpoints(dirpath: str) -> List[str]:
-    """Directories under ``dirpath`` that look like training checkpoints but lack a file that a
-    complete one has (``list_checkpoints`` ignores them)."""
+def nemo_written_checkpoints(dirpath: str) -> List[tuple]:
+    """``(path, trainer state)`` of the finished training checkpoints NeMo(-Aligner) wrote in ``dirpath``
+    (their state read from their names); a save NeMo marked ``-unfinished`` is left out."""
     found = []
     for path in _checkpoint_dirs(dirpath):
+        state = nemo_written_state(path)
+        if state is not None and not nemo_unfinished(path):
+            found.append((path, state))
+    return found
+
+
+def incomplete_checkpoints(dirpath: str) -> List[str]:
+    """Directories under ``dirpath`` that look like training checkpoints but lack a file that a
+    complete one has, or that NeMo marked unfinished (``latest_checkpoint`` ignores them)."""
+    found = []
+    for path in _checkpoint_dirs(dirpath):
+        if nemo_written_state(path) is not None:
+            if nemo_unfinished(path):
+                found.append(path)
+            continue
         has = [os.path.isfile(os.path.join(path, f)) for f in ("metadata.json", "trainer_state.json")]
         if any(has) and not all(has):
             found.append(path)
@@ -199,8 +215,9 @@ def incomplete_checkpoints(dirpath: str) -> List[str]:
 
 
 def latest_checkpoint(dirpath: str) -> Optional[str]:
-    """The checkpoint with the highest step (what ``resume_if_exists`` loads)."""
-    found = list_checkpoints(dirpath)
+    """The checkpoint with the highest step (what ``resume_if_exists`` loads): one of this project's,
+    or one NeMo(-Aligner) wrote."""
+    found = list_checkpoints(dirpath) + nemo_written_checkpoints(dirpath)
     if not found:
         return None
     return max(found, key=lambda item: (item[1].get("step", 0), os.path.getmtime(item[0])))[0]

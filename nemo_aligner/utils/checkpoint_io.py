@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import os
+import re
 import shutil
+import typing
 from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
@@ -15,6 +19,21 @@ from nemo_aligner.utils.patches.checkpoint_results import use_in_process_results
 
 logger = logging.getLogger(__name__)
 
+
+@contextlib.contextmanager
+def nemo_written_objects():
+    """Let torch's safe loader (``weights_only``) read what NeMo's training checkpoints keep in
+    ``common.pt`` beside tensors and plain values: the model config as OmegaConf objects
+    (Lightning's ``hyper_parameters.cfg``). Nothing that runs code on loading is allowed."""
+    import omegaconf
+    from omegaconf import base, nodes
+
+    allowed = [omegaconf.DictConfig, omegaconf.ListConfig, base.ContainerMetadata, base.Metadata,
+               collections.defaultdict, dict, list, tuple, int, float, str, bool, bytes, (typing.Any, "typing.Any")]
+    allowed += [getattr(nodes, name) for name in ("AnyNode", "StringNode", "IntegerNode", "FloatNode",
+                                                  "BooleanNode", "BytesNode", "PathNode") if hasattr(nodes, name)]
+    with torch.serialization.safe_globals(allowed):
+        yield
 
 
 
@@ -188,6 +207,14 @@ def checkpoint_contents(directory: str, what: str = "checkpoint") -> Tuple[Dict[
     return shapes, objects
 
 
+def checkpoint_dir_named(path: str) -> str:
+    """``path``; for ``<name>.ckpt`` that is not there, the directory ``<name>`` when it is: NeMo and
+    Lightning name a distributed checkpoint ``<name>.ckpt`` in their logs and write it as ``<name>/``."""
+    if not os.path.exists(path) and path.endswith(".ckpt") and os.path.isdir(path[: -len(".ckpt")]):
+        return path[: -len(".ckpt")]
+    return path
+
+
 def is_sharded_checkpoint(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, "metadata.json"))
 
@@ -258,8 +285,10 @@ def load_sharded(
             f"({len(not_allowed)} missing); it was saved from a different model"
         )
     try:
-        loaded = dist_checkpointing.load(to_load, directory)
+        with nemo_written_objects():
+            loaded = dist_checkpointing.load(to_load, directory)
     except (Exception, _dcp_exception()) as err:  # torch DCP's CheckpointException is a BaseException
+        _refuse_unsafe_object(err, what, directory)
         raise CheckpointError(f"{what} {directory}: could not be loaded ({_short(err)}); the checkpoint is "
                               "damaged or incomplete: move it aside to resume from an earlier one") from err
     return loaded, [k for k in missing if k not in not_allowed]
@@ -286,6 +315,15 @@ def _dcp_exception() -> type:
     return CheckpointException
 
 
+def _refuse_unsafe_object(err: BaseException, what: str, directory: str) -> None:
+    """torch's safe loader met an object of a type it does not unpickle: name it (not 'damaged')."""
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
+    if found:
+        raise CheckpointError(f"{what} {directory}: holds a {found.group(1)} object beside its tensors, which is "
+                              "not unpickled (loading it could run code); its weights can be read once that "
+                              "object is gone (e.g. saved again as a .nemo)") from None
+
+
 def _short(err: BaseException) -> str:
     """The last line that says what failed (torch DCP's messages carry whole remote tracebacks)."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
@@ -301,13 +339,16 @@ def load_common(directory: str) -> dict:
 
     if not os.path.isfile(os.path.join(directory, "common.pt")):
         try:  # megatron-core 0.17+ writes it inside the torch_dist files
-            return dist_checkpointing.load_common_state_dict(directory)
+            with nemo_written_objects():
+                return dist_checkpointing.load_common_state_dict(directory)
         except (Exception, _dcp_exception()):
             raise CheckpointError(f"checkpoint {directory}: common.pt is missing; the checkpoint is damaged or "
                                   "incomplete: move it aside to resume from an earlier one") from None
     try:
-        return dist_checkpointing.load_common_state_dict(directory)
+        with nemo_written_objects():
+            return dist_checkpointing.load_common_state_dict(directory)
     except (Exception, _dcp_exception()) as err:
+        _refuse_unsafe_object(err, "checkpoint", directory)
         raise CheckpointError(f"checkpoint {directory}: common.pt cannot be read ({_short(err)}); the checkpoint is "
                               "damaged or incomplete: move it aside to resume from an earlier one") from None
 

@@ -14,8 +14,8 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 
 from nemo_aligner.utils.checkpoint_callback import (CheckpointCallback, incomplete_checkpoints, latest_checkpoint,
-                                                    list_checkpoints)
-from nemo_aligner.utils.checkpoint_io import recover_interrupted_saves
+                                                    list_checkpoints, nemo_written_checkpoints)
+from nemo_aligner.utils.checkpoint_io import checkpoint_dir_named, recover_interrupted_saves
 from nemo_aligner.utils.distributed import barrier, get_rank, is_global_rank_zero
 from nemo_aligner.utils.errors import CheckpointError, ConfigError
 from nemo_aligner.utils.loggers import MetricLogger
@@ -133,7 +133,7 @@ def set_aside_earlier_checkpoints(checkpoint_dir: str) -> Optional[str]:
     checkpoints there are moved, whole, to ``checkpoints.before-<UTC time>`` (pruning, the best
     checkpoint and a later resume would otherwise mix the two runs, and pruning would delete the new
     run's checkpoints in favour of the old run's better ones). Returns where they went."""
-    if not list_checkpoints(checkpoint_dir):
+    if not list_checkpoints(checkpoint_dir) and not nemo_written_checkpoints(checkpoint_dir):
         return None
     target = f"{checkpoint_dir}.before-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     while os.path.exists(target):
@@ -179,14 +179,14 @@ def exp_manager(exp_cfg: DictConfig, full_cfg: DictConfig, default_name: str = "
         if is_global_rank_zero():
             for path in incomplete_checkpoints(checkpoint_dir):
                 logger.warning("skipped %s when choosing the checkpoint to resume: it is incomplete (no "
-                               "metadata.json or trainer_state.json)", path)
+                               "metadata.json or trainer_state.json, or NeMo's -unfinished marker beside it)", path)
         if resume_from is None and not exp_cfg.get("resume_ignore_no_checkpoint", False):
             raise CheckpointError(
                 f"exp_manager.resume_if_exists=True but {checkpoint_dir} has no checkpoint; "
                 "set exp_manager.resume_ignore_no_checkpoint=True to start from scratch"
             )
     if exp_cfg.get("resume_from_checkpoint"):
-        resume_from = str(exp_cfg.resume_from_checkpoint)
+        resume_from = checkpoint_dir_named(str(exp_cfg.resume_from_checkpoint))
         if not os.path.isdir(resume_from):
             raise CheckpointError(f"exp_manager.resume_from_checkpoint={resume_from}: no such checkpoint directory")
 

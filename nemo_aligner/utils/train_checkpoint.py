@@ -5,6 +5,9 @@ model under ``model.*`` keys, so its weights load like a .nemo's), plus
 ``trainer_state.json`` (step, consumed samples, epoch, metrics) and one
 ``rng_state_<rank>.pt`` per rank. It is written under a temporary name and renamed
 when every rank is done.
+
+Training checkpoints NeMo(-Aligner) wrote (the same torch_dist layout, its trainer state in the
+directory name) are resumed too: :func:`nemo_written_state`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import json
 import logging
 import os
 import random
+import re
 from typing import Optional
 
 import numpy as np
@@ -27,6 +31,13 @@ from nemo_aligner.utils.patches.optimizer_state import float32_params_listed, wi
 logger = logging.getLogger(__name__)
 
 TRAINER_STATE = "trainer_state.json"
+NEMO_UNFINISHED_SUFFIX = "-unfinished"  # NeMo's marker beside a checkpoint still being written
+# The counters NeMo-Aligner's checkpoint names carry (its trainers read them back from the name), and
+# the trainer-state keys they are here.
+_NEMO_NAME_COUNTERS = {"step": "step", "consumed_samples": "consumed_samples", "epoch": "epoch",
+                       "ppo_optimization_step": "ppo_optimization_step",
+                       "reinforce_optimization_step": "ppo_optimization_step",
+                       "rs_optimization_step": "ppo_optimization_step"}
 _DIST_OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
@@ -238,6 +249,32 @@ def read_trainer_state(directory: str) -> Optional[dict]:
         return json.load(f)
 
 
+def nemo_written_state(directory: str) -> Optional[dict]:
+    """The trainer state of a training checkpoint that NeMo(-Aligner) wrote (a torch_dist directory
+    without this project's ``trainer_state.json`` and ``rng_state_<rank>.pt``), read from its name as
+    NeMo-Aligner reads it (``megatron_gpt--val_loss=1.234-step=40-consumed_samples=320.0-epoch=0-last``);
+    None for any other directory, or a name without ``step=``."""
+    if not os.path.isfile(os.path.join(directory, "metadata.json")) or \
+            os.path.isfile(os.path.join(directory, TRAINER_STATE)) or \
+            any(name.startswith("rng_state_") for name in os.listdir(directory)):
+        return None
+    name = os.path.basename(os.path.normpath(directory))
+    state = {}
+    for key, ours in _NEMO_NAME_COUNTERS.items():
+        match = re.search(rf"(?<![A-Za-z0-9_]){key}=(\d+(?:\.\d*)?)", name)
+        if match and ours not in state:
+            state[ours] = int(float(match.group(1)))
+    if "step" not in state:
+        return None
+    state.setdefault("consumed_samples", 0)
+    return dict(state, written_by="nemo")
+
+
+def nemo_unfinished(directory: str) -> bool:
+    """NeMo's ``<checkpoint>-unfinished`` marker is beside ``directory``: its save never completed."""
+    return os.path.exists(os.path.normpath(directory) + NEMO_UNFINISHED_SUFFIX)
+
+
 def run_identity(algorithm: str, sampler) -> dict:
     """What a resumed run must share with the saved one to continue its data order: saved in the
     trainer state and compared by :func:`check_resumed_run`."""
@@ -287,23 +324,66 @@ def _load_scheduler(directory: str, scheduler, saved: dict) -> None:
     scheduler.load_state_dict(saved)
 
 
+def _stored_extras(directory: str, extras: dict) -> dict:
+    """The entries of ``extras`` (a reference policy) a NeMo-written checkpoint holds; without them the
+    run's starting weights stay the reference, as NeMo-Aligner's PPO/REINFORCE actors rebuild it."""
+    from nemo_aligner.utils.checkpoint_io import checkpoint_contents
+
+    if not extras:
+        return extras
+    stored, _ = checkpoint_contents(directory)
+    kept = {k: v for k, v in extras.items() if getattr(v, "key", k) in stored}
+    if len(kept) < len(extras):
+        logger.warning("checkpoint %s has no reference-policy weights: the reference policy is the run's "
+                       "starting model", directory)
+        return {}
+    return kept
+
+
+def _continue_nemo_schedule(directory: str, scheduler, state: dict) -> None:
+    """Put the scheduler where NeMo's was: its optimizer steps (Lightning's ``last_epoch`` of the saved
+    scheduler, else the counter of optimizer steps in the name, else the step)."""
+    if scheduler is None:
+        return
+    steps = None
+    try:
+        saved = (load_common(directory).get("lr_schedulers") or [None])[0]
+    except CheckpointError:
+        saved = None
+    if isinstance(saved, dict) and isinstance(saved.get("last_epoch"), int) and saved["last_epoch"] >= 0:
+        steps = saved["last_epoch"]
+    if steps is None:
+        steps = int(state.get("ppo_optimization_step", state["step"]))
+    if steps > 0:
+        scheduler.step(increment=steps)
+
+
 def load_train_checkpoint(directory: str, model, optimizer, scheduler, load_rng: bool = True,
                           identity: Optional[dict] = None, key: str = "") -> dict:
     """Collective: restore model, optimizer, scheduler and RNG from ``directory``; returns the trainer
     state. ``identity`` (:func:`run_identity` of the resuming run, whose config section is ``key``)
     is checked against the saved one first."""
     state = read_trainer_state(directory)
-    if state is None:
-        raise CheckpointError(f"{directory}: not a training checkpoint (no {TRAINER_STATE})")
-    if identity is not None:
+    nemo_written = state is None and nemo_written_state(directory) is not None
+    if nemo_written:
+        state = nemo_written_state(directory)
+        if nemo_unfinished(directory):
+            raise CheckpointError(f"checkpoint {directory}: NeMo marked it unfinished ({NEMO_UNFINISHED_SUFFIX} "
+                                  "beside it): its save never completed; resume from an earlier one")
+    elif state is None:
+        raise CheckpointError(f"{directory}: not a training checkpoint (no {TRAINER_STATE}, and not a NeMo "
+                              "checkpoint directory named with its step=)")
+    if identity is not None and not nemo_written:
         check_resumed_run(directory, state, identity, key)
-    if optimizer is not None:
+    if optimizer is not None and not nemo_written:
         check_optimizer_layout(directory, state, model)
     model_sd = _model_state(model)
     extras = _extras(model, model_sd)
+    if nemo_written:
+        extras = _stored_extras(directory, extras)
     sharded = {"state_dict": {**model_sd, **extras}}
     with torch.no_grad():
-        opt_sd = _optimizer_sharded(model, optimizer, model_sd, is_loading=True)
+        opt_sd = None if nemo_written else _optimizer_sharded(model, optimizer, model_sd, is_loading=True)
         if opt_sd is not None:
             sharded["optimizer_states"] = [opt_sd]
         loaded, _ = load_sharded(sharded, directory, what="checkpoint")
@@ -316,7 +396,7 @@ def load_train_checkpoint(directory: str, model, optimizer, scheduler, load_rng:
                    and (trained is None or k in trained)]
         if missing:
             raise CheckpointError(f"checkpoint {directory}: no values for {missing[:3]}")
-        if optimizer is not None:
+        if optimizer is not None and not nemo_written:
             if "optimizer_states" not in loaded:
                 raise CheckpointError(f"checkpoint {directory}: has no optimizer state")
             with without_stub_optimizers(optimizer):  # the structure it was saved with
@@ -324,6 +404,16 @@ def load_train_checkpoint(directory: str, model, optimizer, scheduler, load_rng:
                 with float32_params_listed(optimizer):
                     optimizer.load_state_dict(loaded["optimizer_states"][0])
                 _restore_adam_steps(optimizer, loaded["optimizer_states"][0])
+    if nemo_written:
+        if optimizer is not None:
+            with without_stub_optimizers(optimizer):
+                optimizer.reload_model_params()  # float32 master weights from the loaded ones
+        _continue_nemo_schedule(directory, scheduler, state)
+        logger.warning("resuming from %s, a checkpoint NeMo wrote: its weights and counters (step %d, %d samples "
+                       "consumed) are restored and its learning-rate schedule continues; the optimizer state "
+                       "(Adam moments, float32 master weights) and the random state start afresh", directory,
+                       state["step"], state["consumed_samples"])
+        return state
     if scheduler is not None:
         common = load_common(directory)
         schedulers = common.get("lr_schedulers")
