@@ -227,8 +227,9 @@ def test_megatron_gpt_eval_reads_a_training_checkpoint(tmp_path, builtin_data, b
 def test_megatron_gpt_eval_reads_a_training_checkpoint_nemo_wrote(tmp_path, base_nemo):
     """A checkpoint NeMo(-Aligner) wrote (Transformer Engine names, optimizer tensors beside the
     model's, Lightning's common.pt with the model config as OmegaConf objects), named as NeMo logs it
-    (``<name>.ckpt``), generates what a .nemo of the same weights generates; a common.pt holding an
-    object the safe loader does not read is one line naming its type."""
+    (``<name>.ckpt``), generates what a .nemo of the same weights generates, with the run's hparams.yaml
+    or, without it, the config Lightning saved in the checkpoint; a common.pt holding an object the safe
+    loader does not read is one line naming its type."""
     import pathlib
 
     import torch
@@ -254,6 +255,12 @@ def test_megatron_gpt_eval_reads_a_training_checkpoint_nemo_wrote(tmp_path, base
         outs[label] = [json.loads(line)["response"] for line in out.read_text().splitlines()]
     assert outs["checkpoint"] == outs["nemo"] and len(outs["nemo"]) == 2, outs
     assert outs["base"] != outs["nemo"]  # the checkpoint's weights, not the run's starting ones
+    # without hparams.yaml, as NeMo's load_from_checkpoint: the model config saved in the checkpoint
+    os.remove(ckpts.parent / "hparams.yaml")
+    out = tmp_path / "saved_config.jsonl"
+    run_script("generate_gpt.py", [f"checkpoint_dir={ckpts}", f"checkpoint_name='{name}'", *sampled,
+                                   f"output_file={out}"])
+    assert [json.loads(line)["response"] for line in out.read_text().splitlines()] == outs["nemo"]
     torch.save({"hyper_parameters": {"log_dir": pathlib.PurePosixPath("/results")}}, ckpts / name / "common.pt")
     proc = run_script("generate_gpt.py", [f"checkpoint_dir={ckpts}", f"checkpoint_name='{name}'", *sampled],
                       check=False)

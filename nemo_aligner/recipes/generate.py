@@ -13,7 +13,7 @@ from nemo_aligner.data.nlp.jsonl import read_jsonl, write_jsonl
 from nemo_aligner.data.nlp.steerlm_labels import format_label, model_chat_tokens, parse_label, steer_prompt
 from nemo_aligner.models.nlp.gpt.gpt_sft_model import GPTSFTModel
 from nemo_aligner.models.nlp.gpt.loading import load_model
-from nemo_aligner.utils.checkpoint_io import checkpoint_dir_named
+from nemo_aligner.utils.checkpoint_io import checkpoint_dir_named, is_sharded_checkpoint, load_common
 from nemo_aligner.utils.distributed import is_global_rank_zero
 from nemo_aligner.utils.errors import ConfigError, DataError
 from nemo_aligner.models.nlp.gpt.generation import LengthParams, SamplingParams
@@ -136,10 +136,20 @@ def refuse_eval_features(cfg: DictConfig) -> None:
                           "(steerlm.attributes builds SteerLM chat prompts)")
 
 
+def saved_model_config(directory: str):
+    """The model config Lightning saved in a checkpoint NeMo wrote (``hyper_parameters.cfg`` in its
+    common state), or None."""
+    if not is_sharded_checkpoint(directory):
+        return None
+    common = load_common(directory)  # a checkpoint that cannot be read is an error naming it
+    saved = (common.get("hyper_parameters") or {}).get("cfg") if isinstance(common, dict) else None
+    return saved if isinstance(saved, (dict, DictConfig)) else None
+
+
 class TrainingCheckpoint:
     """NeMo's other source for ``megatron_gpt_eval.py``: a training run's checkpoint directory
     (``checkpoint_dir``/``checkpoint_name``) with the run's ``hparams_file`` (default: the hparams.yaml
-    of the log directory holding ``checkpoint_dir``). The architecture and tokenizer come from the .nemo
+    of the log directory holding ``checkpoint_dir``, else the config a NeMo-written checkpoint holds). The architecture and tokenizer come from the .nemo
     the run started from (``restore_from_path`` in the run's config), or, for a run that started from
     scratch, from the run's model config; the weights from the checkpoint."""
 
@@ -154,13 +164,17 @@ class TrainingCheckpoint:
                               "training run's checkpoints/<name>; NeMo's .ckpt files are not read)")
         hparams = cfg.get("hparams_file") or os.path.join(os.path.dirname(os.path.abspath(str(directory))),
                                                             "hparams.yaml")
-        if not os.path.isfile(hparams):
+        saved = None if cfg.get("hparams_file") or os.path.isfile(hparams) else saved_model_config(self.directory)
+        if saved is not None:  # as NeMo's load_from_checkpoint: the config Lightning saved in the checkpoint
+            run, hparams = OmegaConf.create({"cfg": saved}), os.path.join(self.directory, "common.pt")
+        elif not os.path.isfile(hparams):
             raise ConfigError(f"hparams_file={cfg.get('hparams_file') or hparams}: no such file (the hparams.yaml a "
                               "training run writes in its log directory)")
-        try:
-            run = OmegaConf.load(hparams)
-        except Exception as err:  # a YAML error names the line
-            raise ConfigError(f"hparams_file={hparams}: not readable as YAML ({err})") from None
+        else:
+            try:
+                run = OmegaConf.load(hparams)
+            except Exception as err:  # a YAML error names the line
+                raise ConfigError(f"hparams_file={hparams}: not readable as YAML ({err})") from None
         model = run.get("model", run.get("cfg"))  # this project's run config; NeMo's hparams.yaml holds cfg:
         if not isinstance(model, DictConfig):
             raise ConfigError(f"hparams_file={hparams}: has no model section (model: or NeMo's cfg:)")

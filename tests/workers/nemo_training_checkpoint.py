@@ -68,6 +68,7 @@ def main():
 
     cfg = OmegaConf.create(read_model_config(args.nemo))
     cfg.tokenizer.model = "/tmp/tmpgone1234/a1b2_tokenizer.model"  # NeMo's hparams point at extracted files
+    cfg.restore_from_path = os.path.abspath(args.nemo)  # NeMo-Aligner's SFT model config names its start
     steps = args.scheduler_steps
     checkpoint = {
         "epoch": 0, "global_step": 0, "pytorch-lightning_version": "2.4.0", "state_dict": {},
