@@ -258,6 +258,56 @@ def test_checkpoint_pruning_keeps_top_k_and_newest(tmp_path):
     assert incomplete_checkpoints(str(tmp_path)) == [str(tmp_path / "ck-step=7")]
 
 
+def test_checkpoints_nemo_wrote_are_recognised_by_their_files_and_read_by_their_names(tmp_path):
+    """NeMo-Aligner's trainers read their state back from the checkpoint's name; so does a resume here.
+    A directory with this project's trainer_state.json or RNG files is not NeMo's; NeMo's -unfinished
+    marker keeps a save from being resumed (and an explicit resume from it is one error)."""
+    from nemo_aligner.utils.checkpoint_callback import incomplete_checkpoints, latest_checkpoint, nemo_written_checkpoints
+    from nemo_aligner.utils.errors import CheckpointError
+    from nemo_aligner.utils.train_checkpoint import load_train_checkpoint, nemo_written_state
+
+    def make(name, *files):
+        path = tmp_path / name
+        path.mkdir()
+        for f in ("metadata.json", *files):
+            (path / f).write_text("{}")
+        return str(path)
+
+    cases = {  # NeMo-Aligner's shipped checkpoint file names
+        "megatron_gpt_sft--validation_loss=0.512-step=400-consumed_samples=12800.0-epoch=3-last":
+            {"step": 400, "consumed_samples": 12800, "epoch": 3},
+        "megatron_gpt-step=30-consumed_samples=1920.0-ppo_optimization_step=120.0-epoch=0-val_rewards=0.812":
+            {"step": 30, "consumed_samples": 1920, "epoch": 0, "ppo_optimization_step": 120},
+        "megatron_gpt-step=7-consumed_samples=56-reinforce_optimization_step=14-epoch=0-val_rewards=nan":
+            {"step": 7, "consumed_samples": 56, "epoch": 0, "ppo_optimization_step": 14},
+        "megatron_gpt-step=9-consumed_samples=72-rs_optimization_step=18-epoch=1-val_global_rewards=0.5":
+            {"step": 9, "consumed_samples": 72, "epoch": 1, "ppo_optimization_step": 18},
+        "megatron_gpt-step=12": {"step": 12, "consumed_samples": 0},  # the PPO critic's
+    }
+    for name, want in cases.items():
+        assert nemo_written_state(make(name)) == dict(want, written_by="nemo"), name
+    assert nemo_written_state(make("megatron_gpt--val_loss=1.2-last")) is None  # no step=
+    ours = make("ours-step=5", "rng_state_0.pt")
+    (tmp_path / "ours-step=5" / "trainer_state.json").write_text('{"step": 5}')
+    assert nemo_written_state(ours) is None
+    assert nemo_written_state(make("ours-damaged-step=600", "rng_state_0.pt")) is None
+    assert str(tmp_path / "ours-damaged-step=600") in incomplete_checkpoints(str(tmp_path))
+    # the newest by step among ours and NeMo's
+    assert latest_checkpoint(str(tmp_path)).endswith("validation_loss=0.512-step=400-consumed_samples=12800.0-epoch=3-last")
+    (tmp_path / "ours-step=5" / "trainer_state.json").write_text('{"step": 401}')
+    assert latest_checkpoint(str(tmp_path)) == ours
+    (tmp_path / "ours-step=5" / "trainer_state.json").write_text('{"step": 5}')
+    unfinished = make("megatron_gpt-step=1000-consumed_samples=8000")
+    (tmp_path / "megatron_gpt-step=1000-consumed_samples=8000-unfinished").write_text("")
+    assert unfinished not in [p for p, _ in nemo_written_checkpoints(str(tmp_path))]
+    assert unfinished in incomplete_checkpoints(str(tmp_path))
+    assert latest_checkpoint(str(tmp_path)).endswith("validation_loss=0.512-step=400-consumed_samples=12800.0-epoch=3-last")
+    with pytest.raises(CheckpointError, match=r"step=1000-consumed_samples=8000: NeMo marked it unfinished"):
+        load_train_checkpoint(unfinished, None, None, None)
+    with pytest.raises(CheckpointError, match=r"not a training checkpoint \(no trainer_state\.json, and not a NeMo"):
+        load_train_checkpoint(str(tmp_path / "megatron_gpt--val_loss=1.2-last"), None, None, None)
+
+
 @pytest.mark.stack
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU patches apply only where no GPU is visible")
 def test_cpu_gradient_clipping_ops_match_megatron_fallbacks():
