@@ -149,9 +149,10 @@ def saved_model_config(directory: str):
 class TrainingCheckpoint:
     """NeMo's other source for ``megatron_gpt_eval.py``: a training run's checkpoint directory
     (``checkpoint_dir``/``checkpoint_name``) with the run's ``hparams_file`` (default: the hparams.yaml
-    of the log directory holding ``checkpoint_dir``, else the config a NeMo-written checkpoint holds). The architecture and tokenizer come from the .nemo
-    the run started from (``restore_from_path`` in the run's config), or, for a run that started from
-    scratch, from the run's model config; the weights from the checkpoint."""
+    of the log directory holding ``checkpoint_dir``, else the config a NeMo-written checkpoint holds).
+    The architecture and tokenizer come from the .nemo the run started from (``restore_from_path`` in
+    the run's config), or, for a run that started from scratch, from the run's model config; the
+    weights from the checkpoint."""
 
     def __init__(self, cfg: DictConfig):
         directory, name = cfg.get("checkpoint_dir"), cfg.get("checkpoint_name")

@@ -364,9 +364,8 @@ def load_train_checkpoint(directory: str, model, optimizer, scheduler, load_rng:
     state. ``identity`` (:func:`run_identity` of the resuming run, whose config section is ``key``)
     is checked against the saved one first."""
     state = read_trainer_state(directory)
-    nemo_written = state is None and nemo_written_state(directory) is not None
+    nemo_written = state is None and (state := nemo_written_state(directory)) is not None
     if nemo_written:
-        state = nemo_written_state(directory)
         if nemo_unfinished(directory):
             raise CheckpointError(f"checkpoint {directory}: NeMo marked it unfinished ({NEMO_UNFINISHED_SUFFIX} "
                                   "beside it): its save never completed; resume from an earlier one")
