@@ -60,7 +60,8 @@ def check_exists(path: str, key: str) -> None:
             if os.path.isdir(os.path.join(path, "context")) and os.path.isdir(os.path.join(path, "weights")):
                 raise CheckpointError(f"{key}={path}: a NeMo 2.0 checkpoint (context/, weights/); NeMo-Aligner's "
                                       "scripts, like these, read NeMo 1.x .nemo files (model_config.yaml, "
-                                      "model_weights/)")
+                                      "model_weights/): export it with NeMo 2.0 (nemo llm export path=<it> "
+                                      "target=hf) and convert that with examples/nlp/gpt/convert_hf_to_nemo.py")
             raise CheckpointError(f"{key}={path}: directory has no {MODEL_CONFIG}; not an extracted .nemo")
     elif not tarfile.is_tarfile(path):  # plain or compressed (gz, bz2, xz)
         raise CheckpointError(f"{key}={path}: not a .nemo file (not a tar archive, plain or compressed)")
