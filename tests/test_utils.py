@@ -306,6 +306,15 @@ def test_checkpoints_nemo_wrote_are_recognised_by_their_files_and_read_by_their_
         load_train_checkpoint(unfinished, None, None, None)
     with pytest.raises(CheckpointError, match=r"not a training checkpoint \(no trainer_state\.json, and not a NeMo"):
         load_train_checkpoint(str(tmp_path / "megatron_gpt--val_loss=1.2-last"), None, None, None)
+    # a run that does not resume moves NeMo's checkpoints aside as it does its own
+    from nemo_aligner.utils.exp_manager import set_aside_earlier_checkpoints
+
+    nemo_only = tmp_path / "run" / "checkpoints"
+    nemo_only.mkdir(parents=True)
+    (nemo_only / "megatron_gpt-step=3").mkdir()
+    (nemo_only / "megatron_gpt-step=3" / "metadata.json").write_text("{}")
+    moved = set_aside_earlier_checkpoints(str(nemo_only))
+    assert moved and os.path.isdir(os.path.join(moved, "megatron_gpt-step=3")) and os.listdir(nemo_only) == []
 
 
 @pytest.mark.stack
