@@ -410,7 +410,9 @@ def load_train_checkpoint(directory: str, model, optimizer, scheduler, load_rng:
         _continue_nemo_schedule(directory, scheduler, state)
         logger.warning("resuming from %s, a checkpoint NeMo wrote: its weights and counters (step %d, %d samples "
                        "consumed) are restored and its learning-rate schedule continues; the optimizer state "
-                       "(Adam moments, float32 master weights) and the random state start afresh", directory,
+                       "(Adam moments, float32 master weights) and the random state start afresh, and the rest of "
+                       "the current epoch is drawn in this project's data order (some of its samples may repeat, "
+                       "others be skipped; later epochs are unaffected)", directory,
                        state["step"], state["consumed_samples"])
         return state
     if scheduler is not None:
