@@ -224,6 +224,7 @@ def test_megatron_gpt_eval_reads_a_training_checkpoint(tmp_path, builtin_data, b
     assert proc.stdout.count('"response"') == 2
 
 
+@pytest.mark.stack
 def test_megatron_gpt_eval_reads_a_training_checkpoint_nemo_wrote(tmp_path, base_nemo):
     """A checkpoint NeMo(-Aligner) wrote (Transformer Engine names, optimizer tensors beside the
     model's, Lightning's common.pt with the model config as OmegaConf objects), named as NeMo logs it

@@ -2,6 +2,7 @@
 local launcher; checkpoints of both, resume, learning on the built-in task, and a dead critic."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -64,6 +65,15 @@ def test_two_steps_checkpoints_and_resume(tmp_path, task_data, quick_rm, quick_s
                                     f"exp_manager.explicit_log_dir={tmp_path / 'reload'}", "trainer.sft.max_steps=1",
                                     "exp_manager.create_checkpoint_callback=False"])
 
+    # The same checkpoints as NeMo-Aligner leaves them (no trainer_state.json or RNG files; the state in
+    # the names), in log directories of their own, for the last run below.
+    nemo_dirs = {}
+    for role, log_dir, name in (("actor", actor_dir, actor_ckpts[0]), ("critic", critic_dir, critic_ckpts[0])):
+        target = tmp_path / f"{role}_nemo" / "checkpoints" / f"{name}-last"
+        shutil.copytree(log_dir / "checkpoints" / name, target,
+                        ignore=shutil.ignore_patterns("trainer_state.json", "rng_state_*"))
+        nemo_dirs[role] = target.parent.parent
+
     # Resume both: the actor continues at step 3, the critic from its checkpoint.
     actor = actor_overrides(task_data, quick_sft, actor_dir, 4, ["trainer.ppo.save_interval=2",
                                                                "trainer.ppo.val_check_interval=2"])
@@ -75,6 +85,17 @@ def test_two_steps_checkpoints_and_resume(tmp_path, task_data, quick_rm, quick_s
     assert "critic resumed" in log[len(first_run_log):]
     steps = [r["step"] for r in read_metrics(actor_dir) if "train/rewards" in r]
     assert steps == [1, 2, 3, 4]
+
+    # Both jobs resume from the checkpoints NeMo-Aligner wrote: counters from the names, optimizer afresh.
+    critic = [f"pretrained_checkpoint.restore_from_path={quick_rm}", f"exp_manager.explicit_log_dir={nemo_dirs['critic']}"]
+    actor = actor_overrides(task_data, quick_sft, nemo_dirs["actor"], 3, ["trainer.ppo.save_interval=0",
+                                                                          "trainer.ppo.val_check_interval=0"])
+    proc = run_ppo_local(critic, actor, critic_log=tmp_path / "critic_nemo.log")
+    out = proc.stdout + proc.stderr
+    assert "actor resumed at PPO step 2" in out and "a checkpoint NeMo wrote" in out, out[-3000:]
+    log = (tmp_path / "critic_nemo.log").read_text()
+    assert "critic resumed" in log and "a checkpoint NeMo wrote" in log, log[-3000:]
+    assert [r["step"] for r in read_metrics(nemo_dirs["actor"]) if "train/rewards" in r] == [3]
 
 
 @pytest.mark.learning

@@ -204,6 +204,7 @@ def test_slurm_variables_start_data_parallel(tmp_path, builtin_data, base_nemo):
         assert b[step] == pytest.approx(a[step], rel=2e-5), step
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("precision", ["32", "bf16"])
 def test_resumes_a_training_checkpoint_nemo_wrote(tmp_path, builtin_data, base_nemo, precision):
     """A log directory holding NeMo(-Aligner)'s checkpoints (Transformer Engine names, Lightning's
