@@ -337,20 +337,15 @@ def load_common(directory: str) -> dict:
     """The non-sharded part (``common.pt``) of a torch_dist checkpoint."""
     from megatron.core import dist_checkpointing
 
-    if not os.path.isfile(os.path.join(directory, "common.pt")):
-        try:  # megatron-core 0.17+ writes it inside the torch_dist files
-            with nemo_written_objects():
-                return dist_checkpointing.load_common_state_dict(directory)
-        except (Exception, _dcp_exception()):
-            raise CheckpointError(f"checkpoint {directory}: common.pt is missing; the checkpoint is damaged or "
-                                  "incomplete: move it aside to resume from an earlier one") from None
+    has_file = os.path.isfile(os.path.join(directory, "common.pt"))  # megatron-core 0.17+: inside the shards
     try:
         with nemo_written_objects():
             return dist_checkpointing.load_common_state_dict(directory)
     except (Exception, _dcp_exception()) as err:
         _refuse_unsafe_object(err, "checkpoint", directory)
-        raise CheckpointError(f"checkpoint {directory}: common.pt cannot be read ({_short(err)}); the checkpoint is "
-                              "damaged or incomplete: move it aside to resume from an earlier one") from None
+        problem = f"common.pt cannot be read ({_short(err)})" if has_file else "common.pt is missing"
+        raise CheckpointError(f"checkpoint {directory}: {problem}; the checkpoint is damaged or incomplete: move it "
+                              "aside to resume from an earlier one") from None
 
 
 def copy_into_model(module: torch.nn.Module, loaded: dict, prefix: str = "model.") -> None:

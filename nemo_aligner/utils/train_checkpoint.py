@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from nemo_aligner.utils.checkpoint_io import load_common, load_sharded, save_sharded
+from nemo_aligner.utils.checkpoint_io import load_sharded, save_sharded
 from nemo_aligner.utils.distributed import get_rank
 from nemo_aligner.utils.errors import CheckpointError
 from nemo_aligner.utils.optim import uses_distributed_optimizer
@@ -340,16 +340,13 @@ def _stored_extras(directory: str, extras: dict) -> dict:
     return kept
 
 
-def _continue_nemo_schedule(directory: str, scheduler, state: dict) -> None:
-    """Put the scheduler where NeMo's was: its optimizer steps (Lightning's ``last_epoch`` of the saved
-    scheduler, else the counter of optimizer steps in the name, else the step)."""
+def _continue_nemo_schedule(scheduler, state: dict, saved) -> None:
+    """Put the scheduler where NeMo's was (``saved``: the checkpoint's first ``lr_schedulers`` entry): its
+    optimizer steps (Lightning's ``last_epoch`` of the saved scheduler, else the counter of optimizer
+    steps in the name, else the step)."""
     if scheduler is None:
         return
     steps = None
-    try:
-        saved = (load_common(directory).get("lr_schedulers") or [None])[0]
-    except CheckpointError:
-        saved = None
     if isinstance(saved, dict) and isinstance(saved.get("last_epoch"), int) and saved["last_epoch"] >= 0:
         steps = saved["last_epoch"]
     if steps is None:
@@ -407,7 +404,7 @@ def load_train_checkpoint(directory: str, model, optimizer, scheduler, load_rng:
         if optimizer is not None:
             with without_stub_optimizers(optimizer):
                 optimizer.reload_model_params()  # float32 master weights from the loaded ones
-        _continue_nemo_schedule(directory, scheduler, state)
+        _continue_nemo_schedule(scheduler, state, (loaded.get("lr_schedulers") or [None])[0])
         logger.warning("resuming from %s, a checkpoint NeMo wrote: its weights and counters (step %d, %d samples "
                        "consumed) are restored and its learning-rate schedule continues; the optimizer state "
                        "(Adam moments, float32 master weights) and the random state start afresh, and the rest of "
@@ -416,8 +413,7 @@ def load_train_checkpoint(directory: str, model, optimizer, scheduler, load_rng:
                        state["step"], state["consumed_samples"])
         return state
     if scheduler is not None:
-        common = load_common(directory)
-        schedulers = common.get("lr_schedulers")
+        schedulers = loaded.get("lr_schedulers")  # the checkpoint's common state comes with its tensors
         if schedulers:
             _load_scheduler(directory, scheduler, schedulers[0])
     rng_path = os.path.join(directory, f"rng_state_{get_rank()}.pt")
